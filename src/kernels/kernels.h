@@ -1,0 +1,101 @@
+// The compute kernels of the forward pass. Each has a plain scalar reference (kernels/ref/) and a
+// Highway SIMD version (kernels/cpu/) with identical semantics; the un-namespaced entry points
+// dispatch to cpu:: unless CACHET_REF_KERNELS=1 is set in the environment.
+// Kernels know nothing of requests or pools: attention sees a page-table view.
+#pragma once
+
+#include <cstdint>
+
+#include "util/dtype.h"
+#include "util/thread_pool.h"
+
+namespace cachet::kernels {
+
+// Row-major weight matrix [rows][cols] in its file dtype (an nn.Linear weight is [out][in]).
+struct Matrix {
+  const void* data = nullptr;
+  DType dtype = DType::kF32;
+  int64_t rows = 0;
+  int64_t cols = 0;
+};
+
+// Page-table view of the cached K/V of one (sequence, layer, KV head). A slot holds page_tokens
+// K rows followed by page_tokens V rows (f32, head_dim floats each); token positions live in a
+// parallel int32 array, page_tokens entries per slot.
+struct PagedKv {
+  const float* slots = nullptr;        // slot s starts at slots + s * slot_floats
+  const int32_t* positions = nullptr;  // slot s positions start at positions + s * page_tokens
+  int64_t slot_floats = 0;             // >= 2 * page_tokens * head_dim
+  int page_tokens = 16;
+  int head_dim = 0;
+  const int32_t* page_ids = nullptr;  // logical page i -> slot id
+  int n_tokens = 0;  // logical pages [0, n_tokens / page_tokens) are full, the last holds the rest
+};
+
+// The queries of the n_heads query heads that share one KV head (a GQA group), for n_tok tokens.
+struct AttnBatch {
+  const float* q = nullptr;  // head h of token t at q + t * q_stride + h * head_dim
+  int64_t q_stride = 0;
+  float* out = nullptr;  // same layout, out_stride
+  int64_t out_stride = 0;
+  const int32_t* q_pos = nullptr;  // key j is visible to token t iff key_pos[j] <= q_pos[t]
+  int n_tok = 0;
+  int n_heads = 0;
+  float scale = 1.0f;
+};
+
+#define CACHET_KERNEL_DECLS                                                                     \
+  /* y[t][r] = sum_c x[t][c] * w[r][c] + bias[r] (bias may be null), t < n. x rows have w.cols */ \
+  /* floats; y rows are y_stride floats apart. Parallel over rows of w on pool. */                \
+  void MatMul(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,          \
+              int64_t y_stride, ThreadPool& pool);                                              \
+  /* Row r of w converted to f32 (embedding lookup). */                                          \
+  void DequantRow(const Matrix& w, int64_t r, float* out);                                       \
+  /* y = x / sqrt(mean(x^2) + eps) * weight; y may alias x. */                                    \
+  void RmsNorm(const float* x, const float* weight, int64_t dim, float eps, float* y);           \
+  /* Rotate-half RoPE in place on n_heads heads of head_dim; cos/sin hold head_dim/2 values. */  \
+  void RopeRotateHalf(float* x, int n_heads, int head_dim, const float* cos, const float* sin);  \
+  /* out[i] = silu(gate[i]) * up[i]; out may alias gate. */                                      \
+  void SiluMul(const float* gate, const float* up, float* out, int64_t n);                       \
+  /* Causal attention of a GQA group over a paged KV view (softmax(q.k * scale) . v). */          \
+  void PagedAttention(const AttnBatch& b, const PagedKv& kv);
+
+namespace ref {
+CACHET_KERNEL_DECLS
+// Attention over contiguous K/V rows [n_keys][head_dim]: the reference paged attention is checked
+// against.
+void ContiguousAttention(const AttnBatch& b, const float* k, const float* v, const int32_t* k_pos,
+                         int n_keys, int head_dim);
+}  // namespace ref
+
+namespace cpu {
+CACHET_KERNEL_DECLS
+}  // namespace cpu
+
+#undef CACHET_KERNEL_DECLS
+
+bool UseReferenceKernels();  // CACHET_REF_KERNELS=1, read once
+
+inline void MatMul(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
+                   int64_t y_stride, ThreadPool& pool) {
+  UseReferenceKernels() ? ref::MatMul(x, n, w, bias, y, y_stride, pool)
+                        : cpu::MatMul(x, n, w, bias, y, y_stride, pool);
+}
+inline void DequantRow(const Matrix& w, int64_t r, float* out) {
+  UseReferenceKernels() ? ref::DequantRow(w, r, out) : cpu::DequantRow(w, r, out);
+}
+inline void RmsNorm(const float* x, const float* weight, int64_t dim, float eps, float* y) {
+  UseReferenceKernels() ? ref::RmsNorm(x, weight, dim, eps, y) : cpu::RmsNorm(x, weight, dim, eps, y);
+}
+inline void RopeRotateHalf(float* x, int n_heads, int head_dim, const float* cos, const float* sin) {
+  UseReferenceKernels() ? ref::RopeRotateHalf(x, n_heads, head_dim, cos, sin)
+                        : cpu::RopeRotateHalf(x, n_heads, head_dim, cos, sin);
+}
+inline void SiluMul(const float* gate, const float* up, float* out, int64_t n) {
+  UseReferenceKernels() ? ref::SiluMul(gate, up, out, n) : cpu::SiluMul(gate, up, out, n);
+}
+inline void PagedAttention(const AttnBatch& b, const PagedKv& kv) {
+  UseReferenceKernels() ? ref::PagedAttention(b, kv) : cpu::PagedAttention(b, kv);
+}
+
+}  // namespace cachet::kernels
