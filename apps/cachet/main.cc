@@ -1,1 +1,16 @@
-int main() { return 0; }
+// cachet: a KV-cache-centric LLM inference engine. `cachet --help` lists the subcommands.
+#include "cachet/commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "cachet: LLM inference on CPU built around a paged, compressible KV cache.\n"
+      "Every subcommand defaults to the embedded kvtiny model (-m to use another HF model dir)."};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "cachet 0.1.0");
+  cachet::cli::AddRun(app);
+  cachet::cli::AddChat(app);
+  cachet::cli::AddInspect(app);
+  cachet::cli::AddBench(app);
+  CLI11_PARSE(app, argc, argv);
+  return 0;
+}

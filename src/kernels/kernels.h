@@ -44,19 +44,19 @@ struct AttnBatch {
   float scale = 1.0f;
 };
 
-#define CACHET_KERNEL_DECLS                                                                     \
+#define CACHET_KERNEL_DECLS                                                                       \
   /* y[t][r] = sum_c x[t][c] * w[r][c] + bias[r] (bias may be null), t < n. x rows have w.cols */ \
   /* floats; y rows are y_stride floats apart. Parallel over rows of w on pool. */                \
-  void MatMul(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,          \
-              int64_t y_stride, ThreadPool& pool);                                              \
-  /* Row r of w converted to f32 (embedding lookup). */                                          \
-  void DequantRow(const Matrix& w, int64_t r, float* out);                                       \
+  void MatMul(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,            \
+              int64_t y_stride, ThreadPool& pool);                                                \
+  /* Row r of w converted to f32 (embedding lookup). */                                           \
+  void DequantRow(const Matrix& w, int64_t r, float* out);                                        \
   /* y = x / sqrt(mean(x^2) + eps) * weight; y may alias x. */                                    \
-  void RmsNorm(const float* x, const float* weight, int64_t dim, float eps, float* y);           \
-  /* Rotate-half RoPE in place on n_heads heads of head_dim; cos/sin hold head_dim/2 values. */  \
-  void RopeRotateHalf(float* x, int n_heads, int head_dim, const float* cos, const float* sin);  \
-  /* out[i] = silu(gate[i]) * up[i]; out may alias gate. */                                      \
-  void SiluMul(const float* gate, const float* up, float* out, int64_t n);                       \
+  void RmsNorm(const float* x, const float* weight, int64_t dim, float eps, float* y);            \
+  /* Rotate-half RoPE in place on n_heads heads of head_dim; cos/sin hold head_dim/2 values. */   \
+  void RopeRotateHalf(float* x, int n_heads, int head_dim, const float* cos, const float* sin);   \
+  /* out[i] = silu(gate[i]) * up[i]; out may alias gate. */                                       \
+  void SiluMul(const float* gate, const float* up, float* out, int64_t n);                        \
   /* Causal attention of a GQA group over a paged KV view (softmax(q.k * scale) . v). */          \
   void PagedAttention(const AttnBatch& b, const PagedKv& kv);
 
@@ -85,9 +85,11 @@ inline void DequantRow(const Matrix& w, int64_t r, float* out) {
   UseReferenceKernels() ? ref::DequantRow(w, r, out) : cpu::DequantRow(w, r, out);
 }
 inline void RmsNorm(const float* x, const float* weight, int64_t dim, float eps, float* y) {
-  UseReferenceKernels() ? ref::RmsNorm(x, weight, dim, eps, y) : cpu::RmsNorm(x, weight, dim, eps, y);
+  UseReferenceKernels() ? ref::RmsNorm(x, weight, dim, eps, y)
+                        : cpu::RmsNorm(x, weight, dim, eps, y);
 }
-inline void RopeRotateHalf(float* x, int n_heads, int head_dim, const float* cos, const float* sin) {
+inline void RopeRotateHalf(float* x, int n_heads, int head_dim, const float* cos,
+                           const float* sin) {
   UseReferenceKernels() ? ref::RopeRotateHalf(x, n_heads, head_dim, cos, sin)
                         : cpu::RopeRotateHalf(x, n_heads, head_dim, cos, sin);
 }

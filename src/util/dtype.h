@@ -61,9 +61,12 @@ uint16_t F32ToF16(float f);  // round to nearest even; defined in dtype.cc
 // Reads element i of a row of the given type as f32.
 inline float LoadAsF32(const void* data, DType t, int64_t i) {
   switch (t) {
-    case DType::kF32: return static_cast<const float*>(data)[i];
-    case DType::kF16: return F16ToF32(static_cast<const uint16_t*>(data)[i]);
-    case DType::kBF16: return Bf16ToF32(static_cast<const uint16_t*>(data)[i]);
+    case DType::kF32:
+      return static_cast<const float*>(data)[i];
+    case DType::kF16:
+      return F16ToF32(static_cast<const uint16_t*>(data)[i]);
+    case DType::kBF16:
+      return Bf16ToF32(static_cast<const uint16_t*>(data)[i]);
   }
   return 0.0f;
 }

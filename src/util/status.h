@@ -36,7 +36,9 @@ class [[nodiscard]] Status {
 };
 
 inline Status OkStatus() { return Status(); }
-inline Status InvalidArgument(std::string m) { return {StatusCode::kInvalidArgument, std::move(m)}; }
+inline Status InvalidArgument(std::string m) {
+  return {StatusCode::kInvalidArgument, std::move(m)};
+}
 inline Status NotFound(std::string m) { return {StatusCode::kNotFound, std::move(m)}; }
 inline Status DataLoss(std::string m) { return {StatusCode::kDataLoss, std::move(m)}; }
 inline Status OutOfRange(std::string m) { return {StatusCode::kOutOfRange, std::move(m)}; }
@@ -73,9 +75,9 @@ class [[nodiscard]] Result {
 #define CACHET_CONCAT_INNER(a, b) a##b
 #define CACHET_CONCAT(a, b) CACHET_CONCAT_INNER(a, b)
 
-#define CACHET_RETURN_IF_ERROR(expr)            \
-  do {                                          \
-    ::cachet::Status cachet_status_ = (expr);   \
+#define CACHET_RETURN_IF_ERROR(expr)                 \
+  do {                                               \
+    ::cachet::Status cachet_status_ = (expr);        \
     if (!cachet_status_.ok()) return cachet_status_; \
   } while (0)
 

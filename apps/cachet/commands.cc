@@ -1,0 +1,211 @@
+#include "cachet/commands.h"
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "model/config.h"
+#include "model/tokenizer.h"
+#include "util/thread_pool.h"
+
+namespace cachet::cli {
+
+void AddEngineFlags(CLI::App& app, EngineOptions& o) {
+  app.add_option("-m,--model", o.model_dir,
+                 "HF model directory (config.json, *.safetensors, tokenizer.json or "
+                 "tokenizer.model); default: the embedded kvtiny")
+      ->check(CLI::ExistingDirectory);
+  app.add_option("-t,--threads", o.threads, "Worker threads (0 = one per core)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--ubatch", o.ubatch, "Prompt tokens per prefill chunk")
+      ->default_val(512)
+      ->check(CLI::PositiveNumber);
+  app.add_option("-c,--ctx-size", o.n_ctx,
+                 "Max tokens per sequence (0 = the model's max_position_embeddings)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--kv-mem", o.kv_mem_mib,
+                 "KV cache pool capacity in MiB (0 = enough for one full context)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--page-tokens", o.page_tokens, "Tokens per KV page (one layer, one KV head)")
+      ->default_val(16)
+      ->check(CLI::Range(1, 256));
+}
+
+void AddSamplingFlags(CLI::App& app, GenerateOptions& o) {
+  SamplingParams& s = o.sampling;
+  app.add_option("-n,--n-predict", o.max_tokens, "Max tokens to generate")->default_val(128);
+  app.add_option("--temp", s.temperature, "Sampling temperature; 0 = greedy")->default_val(0.8);
+  app.add_option("--top-k", s.top_k, "Keep the k most likely tokens (0 = off)")->default_val(40);
+  app.add_option("--top-p", s.top_p,
+                 "Nucleus sampling: keep the smallest set with this mass "
+                 "(1 = off)")
+      ->default_val(0.95);
+  app.add_option("--min-p", s.min_p, "Drop tokens below min_p x the top probability (0 = off)")
+      ->default_val(0.05);
+  app.add_option("--repeat-penalty", s.repeat_penalty,
+                 "Penalize tokens seen in the last --repeat-last-n (1 = off)")
+      ->default_val(1.0);
+  app.add_option("--repeat-last-n", s.repeat_last_n,
+                 "Window of the repetition penalty "
+                 "(-1 = whole context)")
+      ->default_val(64);
+  app.add_option("-s,--seed", s.seed, "Random seed")->default_val(s.seed);
+  app.add_flag(
+      "--ignore-eos", [&o](int64_t) { o.stop_at_eos = false; },
+      "Keep generating past the end-of-sequence token");
+}
+
+std::unique_ptr<Engine> LoadEngine(const EngineOptions& o) {
+  auto engine = Engine::Create(o);
+  if (!engine.ok()) {
+    std::fprintf(stderr, "cachet: %s\n", engine.status().ToString().c_str());
+    return nullptr;
+  }
+  return std::move(engine).value();
+}
+
+namespace {
+
+void PrintStats(const GenerateResult& r) {
+  const double pf = r.prefill_ms > 0 ? r.prompt_tokens / (r.prefill_ms / 1e3) : 0;
+  const double dc = r.decode_ms > 0 ? r.tokens.size() / (r.decode_ms / 1e3) : 0;
+  std::fprintf(stderr,
+               "\n[cachet] prompt %d tokens in %.1f ms (%.1f tok/s) | generated %zu tokens in "
+               "%.1f ms (%.1f tok/s) | finish: %s\n",
+               r.prompt_tokens, r.prefill_ms, pf, r.tokens.size(), r.decode_ms, dc,
+               r.finish_reason.c_str());
+}
+
+bool PrintPiece(std::string_view piece) {
+  std::fwrite(piece.data(), 1, piece.size(), stdout);
+  std::fflush(stdout);
+  return true;
+}
+
+}  // namespace
+
+void AddRun(CLI::App& app) {
+  auto* cmd = app.add_subcommand("run",
+                                 "Generate a completion of a prompt; only the completion "
+                                 "goes to stdout, stats to stderr");
+  auto opts = std::make_shared<CommonOptions>();
+  auto prompt = std::make_shared<std::string>();
+  auto prompt_file = std::make_shared<std::string>();
+  auto quiet = std::make_shared<bool>(false);
+  AddEngineFlags(*cmd, opts->engine);
+  AddSamplingFlags(*cmd, opts->gen);
+  auto* p = cmd->add_option("-p,--prompt", *prompt,
+                            "Prompt text (BOS is added as the tokenizer "
+                            "config says)");
+  cmd->add_option("-f,--file", *prompt_file, "Read the prompt from a file")
+      ->check(CLI::ExistingFile)
+      ->excludes(p);
+  cmd->add_flag("-q,--quiet", *quiet, "Do not print timing stats to stderr");
+  cmd->callback([=] {
+    std::string text = *prompt;
+    if (!prompt_file->empty()) {
+      std::ifstream in(*prompt_file, std::ios::binary);
+      std::ostringstream ss;
+      ss << in.rdbuf();
+      text = ss.str();
+    }
+    auto engine = LoadEngine(opts->engine);
+    if (!engine) throw CLI::RuntimeError(1);
+    auto r = engine->Generate(text, opts->gen, PrintPiece);
+    if (!r.ok()) {
+      std::fprintf(stderr, "\ncachet: %s\n", r.status().ToString().c_str());
+      throw CLI::RuntimeError(1);
+    }
+    std::fputc('\n', stdout);
+    if (!*quiet) PrintStats(*r);
+  });
+}
+
+void AddChat(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "chat",
+      "Interactive multi-turn chat on stdin/stdout; the conversation's KV stays cached "
+      "between turns, so each turn only prefills the new text");
+  auto opts = std::make_shared<CommonOptions>();
+  auto system = std::make_shared<std::string>();
+  AddEngineFlags(*cmd, opts->engine);
+  AddSamplingFlags(*cmd, opts->gen);
+  cmd->add_option("--system", *system, "Text placed before the conversation");
+  cmd->callback([=] {
+    auto engine = LoadEngine(opts->engine);
+    if (!engine) throw CLI::RuntimeError(1);
+    const Tokenizer& tok = engine->tokenizer();
+    auto session = engine->NewSession();
+    // A plain transcript format: models without a chat template (kvtiny) continue it naturally.
+    std::string pending = *system;
+    bool first = true;
+    std::fprintf(stderr, "cachet chat: type a message and press Enter; Ctrl-D to quit.\n");
+    for (std::string line;;) {
+      std::fprintf(stderr, "> ");
+      if (!std::getline(std::cin, line)) break;
+      if (line.empty()) continue;
+      pending += (first ? "" : "\n") + std::string("User: ") + line + "\nAssistant:";
+      std::vector<int32_t> ids = first ? tok.EncodePrompt(pending) : tok.Encode(pending);
+      first = false;
+      pending.clear();
+      GenerateOptions g = opts->gen;
+      std::string reply;
+      auto r = session->Generate(ids, g, [&](std::string_view piece) {
+        reply += piece;
+        // End the turn at a blank line: the model would otherwise write the user's turn too.
+        if (reply.find("\n\n") != std::string::npos || reply.find("\nUser:") != std::string::npos) {
+          return false;
+        }
+        PrintPiece(piece);
+        return true;
+      });
+      if (!r.ok()) {
+        std::fprintf(stderr, "\ncachet: %s\n", r.status().ToString().c_str());
+        throw CLI::RuntimeError(1);
+      }
+      std::fputc('\n', stdout);
+      std::fprintf(stderr, "[%d tokens in context, %d new this turn, prefill %.1f ms]\n",
+                   session->n_tokens(), r->prompt_tokens, r->prefill_ms);
+    }
+  });
+}
+
+void AddInspect(CLI::App& app) {
+  auto* cmd = app.add_subcommand("inspect",
+                                 "Print a model's architecture, parameter count and KV "
+                                 "cache bytes per token");
+  auto dir = std::make_shared<std::string>();
+  cmd->add_option("-m,--model", *dir, "HF model directory (default: the embedded kvtiny)")
+      ->check(CLI::ExistingDirectory);
+  cmd->callback([=] {
+    EngineOptions o;
+    o.model_dir = *dir;
+    o.threads = 1;
+    o.kv_mem_mib = 1;
+    auto engine = LoadEngine(o);
+    if (!engine) throw CLI::RuntimeError(1);
+    const ModelConfig& c = engine->config();
+    const Tokenizer& tok = engine->tokenizer();
+    std::printf("model            %s\n", engine->options().model_dir.c_str());
+    std::printf("architecture     %s\n", ArchName(c.arch));
+    std::printf("parameters       %lld (%.2f M)\n", static_cast<long long>(c.ParamCount()),
+                c.ParamCount() / 1e6);
+    std::printf("layers           %d\n", c.n_layers);
+    std::printf("hidden / ffn     %d / %d\n", c.hidden_size, c.intermediate_size);
+    std::printf("heads (q / kv)   %d / %d, head_dim %d\n", c.n_heads, c.n_kv_heads, c.head_dim);
+    std::printf("vocab            %d (tokenizer: %s, %d tokens)\n", c.vocab_size,
+                std::string(tok.kind()).c_str(), tok.vocab_size());
+    std::printf("context          %d, rope_theta %g\n", c.max_position_embeddings, c.rope_theta);
+    std::printf("tied embeddings  %s\n", c.tie_word_embeddings ? "yes" : "no");
+    std::printf("KV bytes/token   f32 %lld, f16/bf16 %lld, int8 %lld (+scales)\n",
+                static_cast<long long>(c.KvBytesPerToken(4)),
+                static_cast<long long>(c.KvBytesPerToken(2)),
+                static_cast<long long>(c.KvBytesPerToken(1)));
+    std::printf("KV at context    f32 %.1f MiB for %d tokens\n",
+                c.KvBytesPerToken(4) * double(c.max_position_embeddings) / (1 << 20),
+                c.max_position_embeddings);
+  });
+}
+
+}  // namespace cachet::cli

@@ -1,0 +1,28 @@
+// Subcommands of the cachet CLI and the options they share.
+#pragma once
+
+#include <CLI/CLI.hpp>
+#include <string>
+
+#include "cachet/engine.h"
+
+namespace cachet::cli {
+
+struct CommonOptions {
+  EngineOptions engine;
+  GenerateOptions gen;
+};
+
+// -m, -t, --ubatch, --ctx, --kv-mem, --page-tokens.
+void AddEngineFlags(CLI::App& app, EngineOptions& o);
+// -n, --temp, --top-k, --top-p, --min-p, --repeat-penalty, --repeat-last-n, --seed.
+void AddSamplingFlags(CLI::App& app, GenerateOptions& o);
+// Loads the engine or prints the error and returns null.
+std::unique_ptr<Engine> LoadEngine(const EngineOptions& o);
+
+void AddRun(CLI::App& app);
+void AddChat(CLI::App& app);
+void AddInspect(CLI::App& app);
+void AddBench(CLI::App& app);
+
+}  // namespace cachet::cli

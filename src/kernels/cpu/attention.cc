@@ -1,0 +1,263 @@
+// Highway PagedAttention: block-wise online softmax over the pages of a page table.
+//
+// The query rows of a GQA group (every head of up to kMaxTileRows / n_heads tokens) form a tile
+// that walks the pages once, so each K/V row loaded serves every head and token of the tile. Per
+// page: the scores of all its keys for all rows (dot products two query rows x four keys at a
+// time), masking keys whose position is past the row's query position; then per row one rescale of
+// the running sum and accumulator to the new running max, exp of the scores, and acc += p . V.
+// Positions are read per key: they need not be contiguous or sorted. Single-threaded; scratch is
+// per thread and reused.
+
+// clang-format off
+#include "kernels/cpu/hwy_targets.h"  // must precede every Highway header
+// clang-format on
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "kernels/cpu/scratch.h"
+#include "kernels/kernels.h"
+
+// clang-format off
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/attention.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+#include "hwy/contrib/math/math-inl.h"
+#include "kernels/cpu/hwy_util-inl.h"
+// clang-format on
+
+HWY_BEFORE_NAMESPACE();
+namespace cachet::kernels::cpu::HWY_NAMESPACE {
+
+#if HWY_TARGET == HWY_SCALAR
+// The fallback target for CPUs without SSE4 (HWY_SCALAR with GCC < 12.3): the reference kernel.
+void PagedAttentionImpl(const AttnBatch& b, const PagedKv& kv) { ref::PagedAttention(b, kv); }
+#else
+namespace {
+
+// Query rows (token, head) of a tile; a group with more heads than this still forms one tile per
+// token.
+constexpr int kMaxTileRows = 32;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// s0[i] = q0 . k_i and s1[i] = q1 . k_i for four keys.
+HWY_INLINE void Dot2x4(const float* HWY_RESTRICT q0, const float* HWY_RESTRICT q1,
+                       const float* const* HWY_RESTRICT k, int hd, V4& s0, V4& s1) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  const float* HWY_RESTRICT k0 = k[0];
+  const float* HWY_RESTRICT k1 = k[1];
+  const float* HWY_RESTRICT k2 = k[2];
+  const float* HWY_RESTRICT k3 = k[3];
+  VF a00 = hn::Zero(df), a01 = hn::Zero(df), a02 = hn::Zero(df), a03 = hn::Zero(df);
+  VF a10 = hn::Zero(df), a11 = hn::Zero(df), a12 = hn::Zero(df), a13 = hn::Zero(df);
+  int d = 0;
+  for (; d + N <= hd; d += N) {
+    const VF vk0 = hn::LoadU(df, k0 + d);
+    const VF vk1 = hn::LoadU(df, k1 + d);
+    const VF vk2 = hn::LoadU(df, k2 + d);
+    const VF vk3 = hn::LoadU(df, k3 + d);
+    const VF vq0 = hn::LoadU(df, q0 + d);
+    const VF vq1 = hn::LoadU(df, q1 + d);
+    a00 = hn::MulAdd(vq0, vk0, a00);
+    a01 = hn::MulAdd(vq0, vk1, a01);
+    a02 = hn::MulAdd(vq0, vk2, a02);
+    a03 = hn::MulAdd(vq0, vk3, a03);
+    a10 = hn::MulAdd(vq1, vk0, a10);
+    a11 = hn::MulAdd(vq1, vk1, a11);
+    a12 = hn::MulAdd(vq1, vk2, a12);
+    a13 = hn::MulAdd(vq1, vk3, a13);
+  }
+  s0 = Reduce4(a00, a01, a02, a03);
+  s1 = Reduce4(a10, a11, a12, a13);
+  if (d < hd) {
+    float t0[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    float t1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (; d < hd; ++d) {
+      for (int i = 0; i < 4; ++i) {
+        t0[i] += q0[d] * k[i][d];
+        t1[i] += q1[d] * k[i][d];
+      }
+    }
+    const D4 d4;
+    s0 = hn::Add(s0, hn::LoadU(d4, t0));
+    s1 = hn::Add(s1, hn::LoadU(d4, t1));
+  }
+}
+
+// acc += p[0] * v[0] + ... + p[3] * v[3].
+HWY_INLINE void Axpy4(const float* HWY_RESTRICT p, const float* const* HWY_RESTRICT v, int hd,
+                      float* HWY_RESTRICT acc) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  const float* HWY_RESTRICT v0 = v[0];
+  const float* HWY_RESTRICT v1 = v[1];
+  const float* HWY_RESTRICT v2 = v[2];
+  const float* HWY_RESTRICT v3 = v[3];
+  const VF p0 = hn::Set(df, p[0]);
+  const VF p1 = hn::Set(df, p[1]);
+  const VF p2 = hn::Set(df, p[2]);
+  const VF p3 = hn::Set(df, p[3]);
+  int d = 0;
+  for (; d + N <= hd; d += N) {
+    const VF t01 = hn::MulAdd(p1, hn::LoadU(df, v1 + d), hn::Mul(p0, hn::LoadU(df, v0 + d)));
+    const VF t23 = hn::MulAdd(p3, hn::LoadU(df, v3 + d), hn::Mul(p2, hn::LoadU(df, v2 + d)));
+    hn::StoreU(hn::Add(hn::LoadU(df, acc + d), hn::Add(t01, t23)), df, acc + d);
+  }
+  for (; d < hd; ++d) acc[d] += (p[0] * v0[d] + p[1] * v1[d]) + (p[2] * v2[d] + p[3] * v3[d]);
+}
+
+HWY_INLINE void ScaleRow(float* HWY_RESTRICT x, int n, float s) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  const VF vs = hn::Set(df, s);
+  int i = 0;
+  for (; i + N <= n; i += N) hn::StoreU(hn::Mul(hn::LoadU(df, x + i), vs), df, x + i);
+  for (; i < n; ++i) x[i] *= s;
+}
+
+}  // namespace
+
+void PagedAttentionImpl(const AttnBatch& b, const PagedKv& kv) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  const int hd = kv.head_dim;
+  const int pt = kv.page_tokens;
+  const int n_heads = b.n_heads;
+  if (b.n_tok <= 0 || n_heads <= 0 || hd <= 0) return;
+  const int n_pages = kv.n_tokens > 0 ? (kv.n_tokens + pt - 1) / pt : 0;
+
+  const int tile_tok = std::max(1, kMaxTileRows / n_heads);
+  const int max_rows = std::min(tile_tok, b.n_tok) * n_heads;
+  // Score rows hold a page's keys padded with -inf to whole vectors, hence to groups of four keys
+  // (N >= 4 on every SIMD target).
+  const int s_stride = (pt + N - 1) / N * N;
+
+  const size_t acc_floats = static_cast<size_t>(max_rows) * hd;
+  const size_t score_floats = static_cast<size_t>(max_rows) * s_stride;
+  float* scratch = ThreadScratch(kScratchAttention, acc_floats + score_floats + 2 * max_rows);
+  float* acc = scratch;
+  float* scores = acc + acc_floats;
+  float* run_max = scores + score_floats;
+  float* run_sum = run_max + max_rows;
+
+  for (int t0 = 0; t0 < b.n_tok; t0 += tile_tok) {
+    const int nt = std::min(tile_tok, b.n_tok - t0);
+    const int rows = nt * n_heads;
+    const int32_t* q_pos = b.q_pos + t0;
+    const int32_t q_min = *std::min_element(q_pos, q_pos + nt);
+    const int32_t q_max = *std::max_element(q_pos, q_pos + nt);
+    auto q_row = [&](int r) {
+      return b.q + (t0 + r / n_heads) * b.q_stride + static_cast<int64_t>(r % n_heads) * hd;
+    };
+
+    std::fill(acc, acc + static_cast<size_t>(rows) * hd, 0.0f);
+    std::fill(run_max, run_max + rows, kNegInf);
+    std::fill(run_sum, run_sum + rows, 0.0f);
+
+    for (int page = 0; page < n_pages; ++page) {
+      const int64_t slot = kv.page_ids[page];
+      const int cnt = std::min(pt, kv.n_tokens - page * pt);
+      const float* k_page = kv.slots + slot * kv.slot_floats;
+      const float* v_page = k_page + static_cast<int64_t>(pt) * hd;
+      const int32_t* pos = kv.positions + slot * pt;
+      const int32_t p_min = *std::min_element(pos, pos + cnt);
+      const int32_t p_max = *std::max_element(pos, pos + cnt);
+      if (p_min > q_max) continue;  // no key of the page is visible to the tile
+      const bool all_visible = p_max <= q_max;
+
+      // Scores, four keys at a time; a last partial group repeats its last key.
+      for (int j = 0; j < cnt; j += 4) {
+        const float* k[4];
+        for (int i = 0; i < 4; ++i)
+          k[i] = k_page + static_cast<int64_t>(std::min(j + i, cnt - 1)) * hd;
+        for (int r = 0; r < rows; r += 2) {
+          const int r1 = std::min(r + 1, rows - 1);
+          V4 s0, s1;
+          Dot2x4(q_row(r), q_row(r1), k, hd, s0, s1);
+          const D4 d4;
+          const V4 scale = hn::Set(d4, b.scale);
+          hn::StoreU(hn::Mul(s0, scale), d4, scores + static_cast<int64_t>(r) * s_stride + j);
+          if (r1 != r)
+            hn::StoreU(hn::Mul(s1, scale), d4, scores + static_cast<int64_t>(r1) * s_stride + j);
+        }
+      }
+
+      for (int r = 0; r < rows; ++r) {
+        float* s = scores + static_cast<int64_t>(r) * s_stride;
+        if (!all_visible) {
+          const int32_t qp = q_pos[r / n_heads];
+          for (int j = 0; j < cnt; ++j) {
+            if (pos[j] > qp) s[j] = kNegInf;
+          }
+        }
+        std::fill(s + cnt, s + s_stride, kNegInf);
+
+        VF vmax = hn::Set(df, kNegInf);
+        for (int j = 0; j < s_stride; j += N) vmax = hn::Max(vmax, hn::LoadU(df, s + j));
+        const float page_max = hn::GetLane(hn::MaxOfLanes(df, vmax));
+        if (page_max == kNegInf) continue;  // nothing visible to this row in this page
+
+        float* acc_r = acc + static_cast<int64_t>(r) * hd;
+        const float m_new = std::max(run_max[r], page_max);
+        if (run_max[r] != kNegInf && m_new > run_max[r]) {
+          const float correction = std::exp(run_max[r] - m_new);
+          run_sum[r] *= correction;
+          ScaleRow(acc_r, hd, correction);
+        }
+        run_max[r] = m_new;
+
+        const VF vm = hn::Set(df, m_new);
+        VF vsum = hn::Zero(df);
+        for (int j = 0; j < s_stride; j += N) {
+          const VF p = hn::Exp(df, hn::Sub(hn::LoadU(df, s + j), vm));  // exp(-inf) = 0
+          hn::StoreU(p, df, s + j);
+          vsum = hn::Add(vsum, p);
+        }
+        run_sum[r] += ReduceSum(vsum);
+
+        for (int j = 0; j < cnt; j += 4) {
+          const float* v[4];
+          for (int i = 0; i < 4; ++i)
+            v[i] = v_page + static_cast<int64_t>(std::min(j + i, cnt - 1)) * hd;
+          Axpy4(s + j, v, hd, acc_r);  // a repeated key sits in a padding slot, where p = 0
+        }
+      }
+    }
+
+    for (int r = 0; r < rows; ++r) {
+      float* out =
+          b.out + (t0 + r / n_heads) * b.out_stride + static_cast<int64_t>(r % n_heads) * hd;
+      const float* acc_r = acc + static_cast<int64_t>(r) * hd;
+      if (run_sum[r] == 0.0f) {
+        std::fill(out, out + hd, 0.0f);  // no key visible
+        continue;
+      }
+      const float inv = 1.0f / run_sum[r];
+      const VF vinv = hn::Set(df, inv);
+      int d = 0;
+      for (; d + N <= hd; d += N) hn::StoreU(hn::Mul(hn::LoadU(df, acc_r + d), vinv), df, out + d);
+      for (; d < hd; ++d) out[d] = acc_r[d] * inv;
+    }
+  }
+}
+
+#endif  // HWY_TARGET == HWY_SCALAR
+
+}  // namespace cachet::kernels::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace cachet::kernels::cpu {
+
+HWY_EXPORT(PagedAttentionImpl);
+
+void PagedAttention(const AttnBatch& b, const PagedKv& kv) {
+  HWY_DYNAMIC_DISPATCH(PagedAttentionImpl)(b, kv);
+}
+
+}  // namespace cachet::kernels::cpu
+#endif  // HWY_ONCE

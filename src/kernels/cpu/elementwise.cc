@@ -1,0 +1,134 @@
+// Highway RmsNorm, RopeRotateHalf and SiluMul: full vectors, then a scalar tail.
+
+// clang-format off
+#include "kernels/cpu/hwy_targets.h"  // must precede every Highway header
+// clang-format on
+
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/kernels.h"
+
+// clang-format off
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/elementwise.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+#include "hwy/contrib/math/math-inl.h"
+#include "kernels/cpu/hwy_util-inl.h"
+// clang-format on
+
+HWY_BEFORE_NAMESPACE();
+namespace cachet::kernels::cpu::HWY_NAMESPACE {
+
+#if HWY_TARGET == HWY_SCALAR
+// The fallback target for CPUs without SSE4 (HWY_SCALAR with GCC < 12.3): the reference kernels.
+void RmsNormImpl(const float* x, const float* weight, int64_t dim, float eps, float* y) {
+  ref::RmsNorm(x, weight, dim, eps, y);
+}
+void RopeRotateHalfImpl(float* x, int n_heads, int head_dim, const float* cos, const float* sin) {
+  ref::RopeRotateHalf(x, n_heads, head_dim, cos, sin);
+}
+void SiluMulImpl(const float* gate, const float* up, float* out, int64_t n) {
+  ref::SiluMul(gate, up, out, n);
+}
+#else
+
+void RmsNormImpl(const float* x, const float* weight, int64_t dim, float eps, float* y) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  VF s0 = hn::Zero(df), s1 = hn::Zero(df);
+  int64_t i = 0;
+  for (; i + 2 * N <= dim; i += 2 * N) {
+    const VF a = hn::LoadU(df, x + i);
+    const VF b = hn::LoadU(df, x + i + N);
+    s0 = hn::MulAdd(a, a, s0);
+    s1 = hn::MulAdd(b, b, s1);
+  }
+  for (; i + N <= dim; i += N) {
+    const VF a = hn::LoadU(df, x + i);
+    s0 = hn::MulAdd(a, a, s0);
+  }
+  float sum_sq = ReduceSum(hn::Add(s0, s1));
+  for (; i < dim; ++i) sum_sq += x[i] * x[i];
+
+  const float inv_rms = 1.0f / std::sqrt(sum_sq / static_cast<float>(dim) + eps);
+  const VF v_inv = hn::Set(df, inv_rms);
+  i = 0;
+  for (; i + N <= dim; i += N) {
+    const VF v = hn::Mul(hn::LoadU(df, x + i), v_inv);
+    hn::StoreU(hn::Mul(v, hn::LoadU(df, weight + i)), df, y + i);
+  }
+  for (; i < dim; ++i) y[i] = x[i] * inv_rms * weight[i];
+}
+
+void RopeRotateHalfImpl(float* x, int n_heads, int head_dim, const float* cos, const float* sin) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  const int half = head_dim / 2;
+  for (int h = 0; h < n_heads; ++h) {
+    float* HWY_RESTRICT lo = x + static_cast<int64_t>(h) * head_dim;
+    float* HWY_RESTRICT hi = lo + half;
+    int i = 0;
+    for (; i + N <= half; i += N) {
+      const VF x0 = hn::LoadU(df, lo + i);
+      const VF x1 = hn::LoadU(df, hi + i);
+      const VF c = hn::LoadU(df, cos + i);
+      const VF s = hn::LoadU(df, sin + i);
+      hn::StoreU(hn::NegMulAdd(x1, s, hn::Mul(x0, c)), df, lo + i);  // x0*c - x1*s
+      hn::StoreU(hn::MulAdd(x0, s, hn::Mul(x1, c)), df, hi + i);     // x1*c + x0*s
+    }
+    for (; i < half; ++i) {
+      const float x0 = lo[i];
+      const float x1 = hi[i];
+      lo[i] = x0 * cos[i] - x1 * sin[i];
+      hi[i] = x1 * cos[i] + x0 * sin[i];
+    }
+  }
+}
+
+void SiluMulImpl(const float* gate, const float* up, float* out, int64_t n) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const VF one = hn::Set(df, 1.0f);
+  // exp(-g) overflows f32 past 88.7; clamping there changes silu(g) by less than 1e-36.
+  const VF max_arg = hn::Set(df, 88.0f);
+  int64_t i = 0;
+  for (; i + N <= n; i += N) {
+    const VF g = hn::LoadU(df, gate + i);
+    const VF u = hn::LoadU(df, up + i);
+    const VF e = hn::Exp(df, hn::Min(hn::Neg(g), max_arg));
+    hn::StoreU(hn::Mul(hn::Div(g, hn::Add(one, e)), u), df, out + i);
+  }
+  for (; i < n; ++i) {
+    const float g = gate[i];
+    out[i] = g / (1.0f + std::exp(-g)) * up[i];
+  }
+}
+
+#endif  // HWY_TARGET == HWY_SCALAR
+
+}  // namespace cachet::kernels::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace cachet::kernels::cpu {
+
+HWY_EXPORT(RmsNormImpl);
+HWY_EXPORT(RopeRotateHalfImpl);
+HWY_EXPORT(SiluMulImpl);
+
+void RmsNorm(const float* x, const float* weight, int64_t dim, float eps, float* y) {
+  HWY_DYNAMIC_DISPATCH(RmsNormImpl)(x, weight, dim, eps, y);
+}
+
+void RopeRotateHalf(float* x, int n_heads, int head_dim, const float* cos, const float* sin) {
+  HWY_DYNAMIC_DISPATCH(RopeRotateHalfImpl)(x, n_heads, head_dim, cos, sin);
+}
+
+void SiluMul(const float* gate, const float* up, float* out, int64_t n) {
+  HWY_DYNAMIC_DISPATCH(SiluMulImpl)(gate, up, out, n);
+}
+
+}  // namespace cachet::kernels::cpu
+#endif  // HWY_ONCE

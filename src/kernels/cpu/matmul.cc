@@ -1,0 +1,405 @@
+// Highway MatMul and DequantRow. Weights stay in their file dtype and are widened to f32 on the
+// fly; all arithmetic is f32.
+//
+// n == 1 (decode) is a matrix-vector product and memory bound: each task streams a contiguous block
+// of weight rows once, four rows at a time with two accumulators each. A bf16 vector load covers
+// 2N columns; the even columns are the low halves of its 32-bit lanes (shift left by 16) and the
+// odd columns the high halves (mask), so x is deinterleaved once per call to match.
+//
+// n > 1 (prefill) is compute bound: each task converts a block of weight rows to f32 in per-thread
+// scratch (zero-padded to a multiple of the vector length, as is x) and runs a 4 tokens x 4 rows
+// register tile over it for all n tokens. The 16 dot products of a tile are reduced four at a time.
+//
+// Both paths compute every output with the same operation order whatever the thread count.
+
+// clang-format off
+#include "kernels/cpu/hwy_targets.h"  // must precede every Highway header
+// clang-format on
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/cpu/scratch.h"
+#include "kernels/kernels.h"
+
+// clang-format off
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/matmul.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+#include "kernels/cpu/hwy_util-inl.h"
+// clang-format on
+
+HWY_BEFORE_NAMESPACE();
+namespace cachet::kernels::cpu::HWY_NAMESPACE {
+
+#if HWY_TARGET == HWY_SCALAR
+// The fallback target for CPUs without SSE4 (HWY_SCALAR with GCC < 12.3): the reference kernels.
+void MatMulImpl(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
+                int64_t y_stride, ThreadPool& pool) {
+  ref::MatMul(x, n, w, bias, y, y_stride, pool);
+}
+void DequantRowImpl(const Matrix& w, int64_t r, float* out) { ref::DequantRow(w, r, out); }
+#else
+namespace {
+
+constexpr int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+constexpr int64_t RoundUp(int64_t a, int64_t b) { return CeilDiv(a, b) * b; }
+
+// Below this many weights a call runs on the calling thread: waking the pool costs more.
+constexpr int64_t kMinParallelWeights = 1 << 16;
+// Size of the f32 weight block a prefill task keeps hot in L2.
+constexpr int64_t kPrefillBlockBytes = 192 * 1024;
+
+const char* RowPtr(const Matrix& w, int64_t r) {
+  return static_cast<const char*>(w.data) + r * w.cols * static_cast<int64_t>(DTypeSize(w.dtype));
+}
+
+// Runs fn(task) for every task, on the pool unless the work is too small to be worth it.
+template <class Fn>
+void RunTasks(ThreadPool& pool, int64_t n_tasks, bool parallel, const Fn& fn) {
+  if (!parallel || n_tasks <= 1 || pool.size() == 1) {
+    for (int64_t t = 0; t < n_tasks; ++t) fn(t);
+    return;
+  }
+  pool.Run(n_tasks, [&fn](int64_t task, int /*thread*/) { fn(task); });
+}
+
+// ------------------------------------------------------------------------------------------------
+// Conversion of weight rows to f32.
+
+// out[0, cols) = row converted to f32, out[cols, cols_pad) = 0.
+template <DType kType>
+void ConvertRow(const void* row, int64_t cols, int64_t cols_pad, float* HWY_RESTRICT out) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  int64_t c = 0;
+  if constexpr (kType == DType::kF32) {
+    std::memcpy(out, row, sizeof(float) * cols);
+    c = cols;
+  } else if constexpr (kType == DType::kBF16) {
+    const hn::Rebind<hwy::bfloat16_t, DF> dh;
+    const hwy::bfloat16_t* p = static_cast<const hwy::bfloat16_t*>(row);
+    for (; c + N <= cols; c += N) hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, p + c)), df, out + c);
+  } else {
+    const hn::Rebind<hwy::float16_t, DF> dh;
+    const hwy::float16_t* p = static_cast<const hwy::float16_t*>(row);
+    for (; c + N <= cols; c += N) hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, p + c)), df, out + c);
+  }
+  for (; c < cols; ++c) out[c] = LoadAsF32(row, kType, c);
+  for (; c < cols_pad; ++c) out[c] = 0.0f;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Decode: matrix-vector.
+
+// Loads 2N weights of a row starting at column c (even) as two f32 vectors. bf16: w0 = the even
+// columns, w1 = the odd ones; f16/f32: w0 = columns [c, c+N), w1 = [c+N, c+2N).
+template <DType kType>
+HWY_INLINE void LoadPair(const void* row, int64_t c, VF& w0, VF& w1) {
+  const DF df;
+  if constexpr (kType == DType::kBF16) {
+    const hn::Repartition<uint16_t, DF> d16;
+    const hn::RebindToUnsigned<DF> du32;
+    const auto u = hn::BitCast(du32, hn::LoadU(d16, static_cast<const uint16_t*>(row) + c));
+    w0 = hn::BitCast(df, hn::ShiftLeft<16>(u));
+    w1 = hn::BitCast(df, hn::And(u, hn::Set(du32, 0xFFFF0000u)));
+  } else if constexpr (kType == DType::kF16) {
+    const hn::Rebind<hwy::float16_t, DF> dh;
+    const hwy::float16_t* p = static_cast<const hwy::float16_t*>(row) + c;
+    w0 = hn::PromoteTo(df, hn::LoadU(dh, p));
+    w1 = hn::PromoteTo(df, hn::LoadU(dh, p + hn::Lanes(df)));
+  } else {
+    const float* p = static_cast<const float*>(row) + c;
+    w0 = hn::LoadU(df, p);
+    w1 = hn::LoadU(df, p + hn::Lanes(df));
+  }
+}
+
+// x as LoadPair's second operands need it: for bf16, each 2N-column block [c, c+2N) of x is stored
+// as its even columns then its odd ones; other types use x as is. Columns past the last full block
+// are read from x directly.
+template <DType kType>
+const float* PrepareDecodeX(const float* x, int64_t cols) {
+  if constexpr (kType != DType::kBF16) {
+    return x;
+  } else {
+    const int64_t N = static_cast<int64_t>(hn::Lanes(DF()));
+    const int64_t c_full = cols / (2 * N) * (2 * N);
+    if (c_full == 0) return x;
+    float* xd = ThreadScratch(kScratchMatMulX, static_cast<size_t>(c_full));
+    for (int64_t c = 0; c < c_full; c += 2 * N) {
+      for (int64_t i = 0; i < N; ++i) {
+        xd[c + i] = x[c + 2 * i];
+        xd[c + N + i] = x[c + 2 * i + 1];
+      }
+    }
+    return xd;
+  }
+}
+
+// y[r] = w[r] . x + bias[r] for r in [r0, r1), four rows at a time (the last group repeats its last
+// row and discards the extra results, so that every row is reduced the same way).
+template <DType kType>
+void MatVecRows(const float* HWY_RESTRICT xd, const float* HWY_RESTRICT x, const Matrix& w,
+                const float* HWY_RESTRICT bias, int64_t r0, int64_t r1, float* HWY_RESTRICT y) {
+  const DF df;
+  const D4 d4;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const int64_t cols = w.cols;
+  const int64_t c_full = cols / (2 * N) * (2 * N);
+  for (int64_t r = r0; r < r1; r += 4) {
+    const int64_t nr = std::min<int64_t>(4, r1 - r);
+    const void* p0 = RowPtr(w, r);
+    const void* p1 = RowPtr(w, r + std::min<int64_t>(1, nr - 1));
+    const void* p2 = RowPtr(w, r + std::min<int64_t>(2, nr - 1));
+    const void* p3 = RowPtr(w, r + std::min<int64_t>(3, nr - 1));
+    VF a00 = hn::Zero(df), a01 = hn::Zero(df), a10 = hn::Zero(df), a11 = hn::Zero(df);
+    VF a20 = hn::Zero(df), a21 = hn::Zero(df), a30 = hn::Zero(df), a31 = hn::Zero(df);
+    for (int64_t c = 0; c < c_full; c += 2 * N) {
+      const VF x0 = hn::LoadU(df, xd + c);
+      const VF x1 = hn::LoadU(df, xd + c + N);
+      VF w0, w1;
+      LoadPair<kType>(p0, c, w0, w1);
+      a00 = hn::MulAdd(w0, x0, a00);
+      a01 = hn::MulAdd(w1, x1, a01);
+      LoadPair<kType>(p1, c, w0, w1);
+      a10 = hn::MulAdd(w0, x0, a10);
+      a11 = hn::MulAdd(w1, x1, a11);
+      LoadPair<kType>(p2, c, w0, w1);
+      a20 = hn::MulAdd(w0, x0, a20);
+      a21 = hn::MulAdd(w1, x1, a21);
+      LoadPair<kType>(p3, c, w0, w1);
+      a30 = hn::MulAdd(w0, x0, a30);
+      a31 = hn::MulAdd(w1, x1, a31);
+    }
+    V4 sums = Reduce4(hn::Add(a00, a01), hn::Add(a10, a11), hn::Add(a20, a21), hn::Add(a30, a31));
+    if (c_full < cols) {
+      const void* rows[4] = {p0, p1, p2, p3};
+      float tail[4];
+      for (int i = 0; i < 4; ++i) {
+        float s = 0.0f;
+        for (int64_t c = c_full; c < cols; ++c) s += LoadAsF32(rows[i], kType, c) * x[c];
+        tail[i] = s;
+      }
+      sums = hn::Add(sums, hn::LoadU(d4, tail));
+    }
+    if (nr == 4) {
+      if (bias != nullptr) sums = hn::Add(sums, hn::LoadU(d4, bias + r));
+      hn::StoreU(sums, d4, y + r);
+    } else {
+      float b4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      if (bias != nullptr) std::copy(bias + r, bias + r + nr, b4);
+      float out[4];
+      hn::StoreU(hn::Add(sums, hn::LoadU(d4, b4)), d4, out);
+      std::copy(out, out + nr, y + r);
+    }
+  }
+}
+
+template <DType kType>
+void MatVec(const float* x, const Matrix& w, const float* bias, float* y, ThreadPool& pool) {
+  const float* xd = PrepareDecodeX<kType>(x, w.cols);
+  const bool parallel = w.rows * w.cols >= kMinParallelWeights;
+  // A few contiguous blocks per thread: every thread streams whole rows, and a thread slowed down
+  // by something else on the machine leaves its later blocks to the others.
+  const int64_t tasks_wanted = parallel ? 4 * static_cast<int64_t>(pool.size()) : 1;
+  const int64_t block = RoundUp(std::max<int64_t>(CeilDiv(w.rows, tasks_wanted), 16), 4);
+  const int64_t n_tasks = CeilDiv(w.rows, block);
+  RunTasks(pool, n_tasks, parallel, [&](int64_t task) {
+    const int64_t r0 = task * block;
+    MatVecRows<kType>(xd, x, w, bias, r0, std::min(w.rows, r0 + block), y);
+  });
+}
+
+// ------------------------------------------------------------------------------------------------
+// Prefill: matrix-matrix.
+
+// out[t] = [x_t . w_0, x_t . w_1, x_t . w_2, x_t . w_3] for four tokens and four weight rows, all
+// f32 and cols_pad (a multiple of N) long.
+HWY_INLINE void Tile4x4(const float* HWY_RESTRICT x0, const float* HWY_RESTRICT x1,
+                        const float* HWY_RESTRICT x2, const float* HWY_RESTRICT x3,
+                        const float* HWY_RESTRICT w0, const float* HWY_RESTRICT w1,
+                        const float* HWY_RESTRICT w2, const float* HWY_RESTRICT w3,
+                        int64_t cols_pad, V4* out) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  VF a00 = hn::Zero(df), a01 = hn::Zero(df), a02 = hn::Zero(df), a03 = hn::Zero(df);
+  VF a10 = hn::Zero(df), a11 = hn::Zero(df), a12 = hn::Zero(df), a13 = hn::Zero(df);
+  VF a20 = hn::Zero(df), a21 = hn::Zero(df), a22 = hn::Zero(df), a23 = hn::Zero(df);
+  VF a30 = hn::Zero(df), a31 = hn::Zero(df), a32 = hn::Zero(df), a33 = hn::Zero(df);
+  for (int64_t c = 0; c < cols_pad; c += N) {
+    const VF vw0 = hn::LoadU(df, w0 + c);
+    const VF vw1 = hn::LoadU(df, w1 + c);
+    const VF vw2 = hn::LoadU(df, w2 + c);
+    const VF vw3 = hn::LoadU(df, w3 + c);
+    VF vx = hn::LoadU(df, x0 + c);
+    a00 = hn::MulAdd(vx, vw0, a00);
+    a01 = hn::MulAdd(vx, vw1, a01);
+    a02 = hn::MulAdd(vx, vw2, a02);
+    a03 = hn::MulAdd(vx, vw3, a03);
+    vx = hn::LoadU(df, x1 + c);
+    a10 = hn::MulAdd(vx, vw0, a10);
+    a11 = hn::MulAdd(vx, vw1, a11);
+    a12 = hn::MulAdd(vx, vw2, a12);
+    a13 = hn::MulAdd(vx, vw3, a13);
+    vx = hn::LoadU(df, x2 + c);
+    a20 = hn::MulAdd(vx, vw0, a20);
+    a21 = hn::MulAdd(vx, vw1, a21);
+    a22 = hn::MulAdd(vx, vw2, a22);
+    a23 = hn::MulAdd(vx, vw3, a23);
+    vx = hn::LoadU(df, x3 + c);
+    a30 = hn::MulAdd(vx, vw0, a30);
+    a31 = hn::MulAdd(vx, vw1, a31);
+    a32 = hn::MulAdd(vx, vw2, a32);
+    a33 = hn::MulAdd(vx, vw3, a33);
+  }
+  out[0] = Reduce4(a00, a01, a02, a03);
+  out[1] = Reduce4(a10, a11, a12, a13);
+  out[2] = Reduce4(a20, a21, a22, a23);
+  out[3] = Reduce4(a30, a31, a32, a33);
+}
+
+template <DType kType>
+void MatMulPrefill(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
+                   int64_t y_stride, ThreadPool& pool) {
+  const DF df;
+  const D4 d4;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const int64_t cols = w.cols;
+  const int64_t cols_pad = RoundUp(cols, N);
+
+  // x rows, zero-padded to cols_pad unless already a multiple of N.
+  const float* xp = x;
+  int64_t x_stride = cols;
+  if (cols_pad != cols) {
+    float* buf = ThreadScratch(kScratchMatMulX, static_cast<size_t>(n * cols_pad));
+    for (int64_t t = 0; t < n; ++t) {
+      std::copy(x + t * cols, x + (t + 1) * cols, buf + t * cols_pad);
+      std::fill(buf + t * cols_pad + cols, buf + (t + 1) * cols_pad, 0.0f);
+    }
+    xp = buf;
+    x_stride = cols_pad;
+  }
+  // f32 weights whose rows need no padding are used in place.
+  const bool convert = kType != DType::kF32 || cols_pad != cols;
+
+  const bool parallel = w.rows * cols * n >= kMinParallelWeights;
+  const int64_t threads = parallel ? pool.size() : 1;
+  int64_t block = std::max<int64_t>(4, kPrefillBlockBytes / (cols_pad * 4) / 4 * 4);
+  block = std::min(block, RoundUp(CeilDiv(w.rows, threads), 4));
+  const int64_t n_tasks = CeilDiv(w.rows, block);
+
+  RunTasks(pool, n_tasks, parallel, [&](int64_t task) {
+    const int64_t r0 = task * block;
+    const int64_t nr = std::min(w.rows - r0, block);
+    const float* wb;
+    int64_t w_stride;
+    if (convert) {
+      float* buf = ThreadScratch(kScratchMatMulW, static_cast<size_t>(nr * cols_pad));
+      for (int64_t i = 0; i < nr; ++i) {
+        ConvertRow<kType>(RowPtr(w, r0 + i), cols, cols_pad, buf + i * cols_pad);
+      }
+      wb = buf;
+      w_stride = cols_pad;
+    } else {
+      wb = static_cast<const float*>(w.data) + r0 * cols;
+      w_stride = cols;
+    }
+    V4 out[4];
+    for (int64_t t = 0; t < n; t += 4) {
+      const int64_t nt = std::min<int64_t>(4, n - t);
+      const float* x0 = xp + t * x_stride;
+      const float* x1 = xp + (t + std::min<int64_t>(1, nt - 1)) * x_stride;
+      const float* x2 = xp + (t + std::min<int64_t>(2, nt - 1)) * x_stride;
+      const float* x3 = xp + (t + std::min<int64_t>(3, nt - 1)) * x_stride;
+      for (int64_t i = 0; i < nr; i += 4) {
+        const int64_t ni = std::min<int64_t>(4, nr - i);
+        const float* w0 = wb + i * w_stride;
+        const float* w1 = wb + (i + std::min<int64_t>(1, ni - 1)) * w_stride;
+        const float* w2 = wb + (i + std::min<int64_t>(2, ni - 1)) * w_stride;
+        const float* w3 = wb + (i + std::min<int64_t>(3, ni - 1)) * w_stride;
+        Tile4x4(x0, x1, x2, x3, w0, w1, w2, w3, cols_pad, out);
+        const int64_t r = r0 + i;
+        if (ni == 4) {
+          const V4 b4 = bias != nullptr ? hn::LoadU(d4, bias + r) : hn::Zero(d4);
+          for (int64_t k = 0; k < nt; ++k)
+            hn::StoreU(hn::Add(out[k], b4), d4, y + (t + k) * y_stride + r);
+        } else {
+          float b4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+          if (bias != nullptr) std::copy(bias + r, bias + r + ni, b4);
+          for (int64_t k = 0; k < nt; ++k) {
+            float o[4];
+            hn::StoreU(hn::Add(out[k], hn::LoadU(d4, b4)), d4, o);
+            std::copy(o, o + ni, y + (t + k) * y_stride + r);
+          }
+        }
+      }
+    }
+  });
+}
+
+template <DType kType>
+void MatMulT(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
+             int64_t y_stride, ThreadPool& pool) {
+  if (n == 1) {
+    MatVec<kType>(x, w, bias, y, pool);
+  } else {
+    MatMulPrefill<kType>(x, n, w, bias, y, y_stride, pool);
+  }
+}
+
+}  // namespace
+
+void MatMulImpl(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
+                int64_t y_stride, ThreadPool& pool) {
+  if (n <= 0 || w.rows <= 0) return;
+  if (w.cols <= 0) {  // empty dot products
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t r = 0; r < w.rows; ++r) y[t * y_stride + r] = bias != nullptr ? bias[r] : 0.0f;
+    }
+    return;
+  }
+  switch (w.dtype) {
+    case DType::kF32:
+      return MatMulT<DType::kF32>(x, n, w, bias, y, y_stride, pool);
+    case DType::kF16:
+      return MatMulT<DType::kF16>(x, n, w, bias, y, y_stride, pool);
+    case DType::kBF16:
+      return MatMulT<DType::kBF16>(x, n, w, bias, y, y_stride, pool);
+  }
+}
+
+void DequantRowImpl(const Matrix& w, int64_t r, float* out) {
+  switch (w.dtype) {
+    case DType::kF32:
+      return ConvertRow<DType::kF32>(RowPtr(w, r), w.cols, w.cols, out);
+    case DType::kF16:
+      return ConvertRow<DType::kF16>(RowPtr(w, r), w.cols, w.cols, out);
+    case DType::kBF16:
+      return ConvertRow<DType::kBF16>(RowPtr(w, r), w.cols, w.cols, out);
+  }
+}
+#endif  // HWY_TARGET == HWY_SCALAR
+
+}  // namespace cachet::kernels::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace cachet::kernels::cpu {
+
+HWY_EXPORT(MatMulImpl);
+HWY_EXPORT(DequantRowImpl);
+
+void MatMul(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
+            int64_t y_stride, ThreadPool& pool) {
+  HWY_DYNAMIC_DISPATCH(MatMulImpl)(x, n, w, bias, y, y_stride, pool);
+}
+
+void DequantRow(const Matrix& w, int64_t r, float* out) {
+  HWY_DYNAMIC_DISPATCH(DequantRowImpl)(w, r, out);
+}
+
+}  // namespace cachet::kernels::cpu
+#endif  // HWY_ONCE

@@ -1,0 +1,20 @@
+// Per-thread scratch memory for the SIMD kernels: grows on demand, never shrinks, so the hot path
+// allocates only the first time a thread needs a larger buffer.
+#pragma once
+
+#include <cstddef>
+
+namespace cachet::kernels::cpu {
+
+enum ScratchSlot : int {
+  kScratchMatMulX = 0,  // MatMul: prepared activations (filled by the calling thread)
+  kScratchMatMulW = 1,  // MatMul: a block of weight rows converted to f32 (each worker thread)
+  kScratchAttention = 2,
+  kScratchSlots = 3,
+};
+
+// At least n floats, 64-byte aligned, owned by the calling thread; contents are unspecified.
+// The pointer stays valid until the same thread asks the same slot for more.
+float* ThreadScratch(ScratchSlot slot, size_t n);
+
+}  // namespace cachet::kernels::cpu

@@ -1,0 +1,75 @@
+// Reference attention. ContiguousAttention is the textbook computation (scores, max-subtracted
+// softmax, weighted sum of values) over K/V rows in plain arrays; PagedAttention copies the keys
+// of the page table into such arrays, in logical order, and calls it.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "kernels/kernels.h"
+
+namespace cachet::kernels::ref {
+
+void ContiguousAttention(const AttnBatch& b, const float* k, const float* v, const int32_t* k_pos,
+                         int n_keys, int head_dim) {
+  std::vector<float> probs(std::max(n_keys, 1));
+  std::vector<float> acc(head_dim);
+  for (int t = 0; t < b.n_tok; ++t) {
+    for (int h = 0; h < b.n_heads; ++h) {
+      const float* q = b.q + t * b.q_stride + static_cast<int64_t>(h) * head_dim;
+      float* out = b.out + t * b.out_stride + static_cast<int64_t>(h) * head_dim;
+
+      // Scores of the visible keys and their maximum.
+      float max_score = -std::numeric_limits<float>::infinity();
+      for (int j = 0; j < n_keys; ++j) {
+        if (k_pos[j] > b.q_pos[t]) continue;
+        const float* k_j = k + static_cast<int64_t>(j) * head_dim;
+        float dot = 0.0f;
+        for (int d = 0; d < head_dim; ++d) dot += q[d] * k_j[d];
+        probs[j] = b.scale * dot;
+        max_score = std::max(max_score, probs[j]);
+      }
+
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      if (max_score != -std::numeric_limits<float>::infinity()) {  // some key is visible
+        float sum = 0.0f;
+        for (int j = 0; j < n_keys; ++j) {
+          if (k_pos[j] > b.q_pos[t]) continue;
+          probs[j] = std::exp(probs[j] - max_score);
+          sum += probs[j];
+        }
+        for (int j = 0; j < n_keys; ++j) {
+          if (k_pos[j] > b.q_pos[t]) continue;
+          const float* v_j = v + static_cast<int64_t>(j) * head_dim;
+          for (int d = 0; d < head_dim; ++d) acc[d] += probs[j] * v_j[d];
+        }
+        for (int d = 0; d < head_dim; ++d) acc[d] /= sum;
+      }
+      std::memcpy(out, acc.data(), sizeof(float) * head_dim);
+    }
+  }
+}
+
+void PagedAttention(const AttnBatch& b, const PagedKv& kv) {
+  const int hd = kv.head_dim;
+  const int n = kv.n_tokens;
+  std::vector<float> k(static_cast<size_t>(n) * hd);
+  std::vector<float> v(static_cast<size_t>(n) * hd);
+  std::vector<int32_t> pos(n);
+  for (int j = 0; j < n; ++j) {
+    const int page = j / kv.page_tokens;
+    const int in_page = j % kv.page_tokens;
+    const int64_t slot = kv.page_ids[page];
+    const float* base = kv.slots + slot * kv.slot_floats;
+    const float* k_row = base + static_cast<int64_t>(in_page) * hd;
+    const float* v_row = base + static_cast<int64_t>(kv.page_tokens + in_page) * hd;
+    std::memcpy(&k[static_cast<size_t>(j) * hd], k_row, sizeof(float) * hd);
+    std::memcpy(&v[static_cast<size_t>(j) * hd], v_row, sizeof(float) * hd);
+    pos[j] = kv.positions[slot * kv.page_tokens + in_page];
+  }
+  ContiguousAttention(b, k.data(), v.data(), pos.data(), n, hd);
+}
+
+}  // namespace cachet::kernels::ref

@@ -1,0 +1,36 @@
+// Reference RmsNorm, RopeRotateHalf and SiluMul: plain scalar loops.
+#include <cmath>
+#include <cstdint>
+
+#include "kernels/kernels.h"
+
+namespace cachet::kernels::ref {
+
+void RmsNorm(const float* x, const float* weight, int64_t dim, float eps, float* y) {
+  float sum_sq = 0.0f;
+  for (int64_t i = 0; i < dim; ++i) sum_sq += x[i] * x[i];
+  const float inv_rms = 1.0f / std::sqrt(sum_sq / static_cast<float>(dim) + eps);
+  for (int64_t i = 0; i < dim; ++i) y[i] = x[i] * inv_rms * weight[i];
+}
+
+void RopeRotateHalf(float* x, int n_heads, int head_dim, const float* cos, const float* sin) {
+  const int half = head_dim / 2;
+  for (int h = 0; h < n_heads; ++h) {
+    float* xh = x + static_cast<int64_t>(h) * head_dim;
+    for (int i = 0; i < half; ++i) {
+      const float x0 = xh[i];
+      const float x1 = xh[i + half];
+      xh[i] = x0 * cos[i] - x1 * sin[i];
+      xh[i + half] = x1 * cos[i] + x0 * sin[i];
+    }
+  }
+}
+
+void SiluMul(const float* gate, const float* up, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    out[i] = g / (1.0f + std::exp(-g)) * up[i];
+  }
+}
+
+}  // namespace cachet::kernels::ref

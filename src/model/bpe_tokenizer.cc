@@ -1,0 +1,846 @@
+// HF tokenizer.json BPE: loading (every error names the file and the JSON path) and encoding.
+//
+// Supported: model.type "BPE" (vocab, merges as "a b" or ["a", "b"], byte_fallback, unk_token,
+// fuse_unk, ignore_merges; dropout is ignored), normalizer null or "NFC" (input is assumed to be
+// NFC already: no-op), pre_tokenizer null / Split / ByteLevel / Sequence of those with ByteLevel
+// last, decoder null / ByteLevel / ByteFallback / Fuse / Sequence of those. Anything else is
+// rejected with Unimplemented rather than silently encoding differently from the reference.
+#include "model/bpe_tokenizer.h"
+
+#include <oniguruma.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+
+namespace cachet {
+namespace {
+
+using json = nlohmann::json;
+using tokenizer_internal::PieceSink;
+using tokenizer_internal::StringMap;
+using tokenizer_internal::Utf8Scan;
+using tokenizer_internal::Utf8Step;
+
+// GPT-2's pre-tokenizer, used by ByteLevel when use_regex is set.
+constexpr char kGpt2Regex[] =
+    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+constexpr int64_t kMaxId = 1 << 24;  // bounds allocations driven by a corrupt file
+
+const unsigned char* U(std::string_view s) {
+  return reinterpret_cast<const unsigned char*>(s.data());
+}
+
+uint32_t DecodeCodepoint(const unsigned char* p, int len) {
+  if (len == 1) return p[0];
+  uint32_t cp = p[0] & (0x7F >> len);
+  for (int k = 1; k < len; ++k) cp = (cp << 6) | (p[k] & 0x3F);
+  return cp;
+}
+
+// GPT-2's bytes_to_unicode, inverted: printable Latin-1 code points stand for their own byte,
+// U+0100 + k for the k-th remaining byte.
+const std::array<int16_t, 324>& CodepointToByte() {
+  static const std::array<int16_t, 324> table = [] {
+    std::array<int16_t, 324> t;
+    t.fill(-1);
+    int extra = 0;
+    for (int b = 0; b < 256; ++b) {
+      const bool printable = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || b >= 0xAE;
+      t[printable ? b : 256 + extra++] = static_cast<int16_t>(b);
+    }
+    return t;
+  }();
+  return table;
+}
+
+// Maps a vocab string in the byte-level alphabet back to raw bytes; false if it is not in it.
+bool DecodeByteLevel(std::string_view s, std::string* out) {
+  const auto& table = CodepointToByte();
+  out->clear();
+  for (size_t i = 0; i < s.size();) {
+    const Utf8Step st = Utf8Scan(U(s) + i, s.size() - i);
+    if (!st.valid) return false;
+    const uint32_t cp = DecodeCodepoint(U(s) + i, st.len);
+    if (cp >= table.size() || table[cp] < 0) return false;
+    out->push_back(static_cast<char>(table[cp]));
+    i += st.len;
+  }
+  return true;
+}
+
+// "<0xNN>" -> NN, else -1.
+int ParseByteToken(std::string_view s) {
+  if (s.size() != 6 || s.substr(0, 3) != "<0x" || s[5] != '>') return -1;
+  int v = 0;
+  for (char c : s.substr(3, 2)) {
+    const int d = std::isdigit(static_cast<unsigned char>(c)) ? c - '0'
+                  : (c >= 'A' && c <= 'F')                    ? c - 'A' + 10
+                  : (c >= 'a' && c <= 'f')                    ? c - 'a' + 10
+                                                              : -1;
+    if (d < 0) return -1;
+    v = v * 16 + d;
+  }
+  return v;
+}
+
+bool IsAsciiSpace(char c) { return c == ' ' || (c >= '\t' && c <= '\r'); }
+
+uint64_t PairKey(int32_t a, int32_t b) {
+  return (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b);
+}
+
+Result<std::string> ReadFile(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return NotFound(path + ": cannot open");
+  std::ostringstream ss;
+  ss << f.rdbuf();
+  if (f.bad()) return DataLoss(path + ": read error");
+  return ss.str();
+}
+
+Result<json> ParseJsonFile(const std::string& path) {
+  CACHET_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  try {
+    return Result<json>(json::parse(text));
+  } catch (const json::exception& e) {
+    return DataLoss(path + ": malformed JSON: " + e.what());
+  }
+}
+
+// Field `key` of `obj`, or null when absent; a JSON null counts as absent.
+const json* Find(const json& obj, const char* key) {
+  if (!obj.is_object()) return nullptr;
+  auto it = obj.find(key);
+  return it == obj.end() || it->is_null() ? nullptr : &*it;
+}
+
+std::string Join(const std::string& path, std::string_view key) {
+  return path.empty() ? std::string(key) : path + "." + std::string(key);
+}
+
+std::string Index(const std::string& path, size_t i) {
+  return path + "[" + std::to_string(i) + "]";
+}
+
+// Typed accessors whose errors name the file and the JSON path.
+class JsonFile {
+ public:
+  explicit JsonFile(std::string file) : file_(std::move(file)) {}
+  const std::string& file() const { return file_; }
+
+  Status Invalid(const std::string& path, const std::string& what) const {
+    return InvalidArgument(file_ + ": " + path + ": " + what);
+  }
+  Status Unsupported(const std::string& path, const std::string& value) const {
+    return Unimplemented(file_ + ": " + path + ": unsupported '" + value + "'");
+  }
+  Status WrongType(const std::string& path, const char* want, const json& got) const {
+    return Invalid(path, std::string("expected ") + want + ", got " + got.type_name());
+  }
+
+  Result<const json*> Object(const json& obj, const char* key, const std::string& path) const {
+    const json* v = Find(obj, key);
+    if (!v) return Invalid(Join(path, key), "missing");
+    if (!v->is_object()) return WrongType(Join(path, key), "an object", *v);
+    return v;
+  }
+  Result<const json*> Array(const json& obj, const char* key, const std::string& path) const {
+    const json* v = Find(obj, key);
+    if (!v) return Invalid(Join(path, key), "missing");
+    if (!v->is_array()) return WrongType(Join(path, key), "an array", *v);
+    return v;
+  }
+  Result<std::string> String(const json& obj, const char* key, const std::string& path) const {
+    const json* v = Find(obj, key);
+    if (!v) return Invalid(Join(path, key), "missing");
+    if (!v->is_string()) return WrongType(Join(path, key), "a string", *v);
+    return v->get<std::string>();
+  }
+  Result<bool> Bool(const json& obj, const char* key, const std::string& path, bool dflt) const {
+    const json* v = Find(obj, key);
+    if (!v) return dflt;
+    if (!v->is_boolean()) return WrongType(Join(path, key), "a boolean", *v);
+    return v->get<bool>();
+  }
+  Result<int32_t> Id(const json& v, const std::string& path) const {
+    if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= kMaxId) {
+      return Invalid(path, "expected a token id in [0, 2^24), got " + v.dump());
+    }
+    return static_cast<int32_t>(v.get<int64_t>());
+  }
+
+ private:
+  std::string file_;
+};
+
+// Oniguruma allows concurrent searches on one regex, but not compiling or freeing regexes (even
+// different ones) on several threads at once.
+std::mutex& OnigMutex() {
+  static std::mutex mu;
+  return mu;
+}
+
+OnigRegion* ThreadRegion() {
+  struct Free {
+    void operator()(OnigRegion* r) const { onig_region_free(r, 1); }
+  };
+  thread_local std::unique_ptr<OnigRegion, Free> region(onig_region_new());
+  return region.get();
+}
+
+}  // namespace
+
+// Builds a BpeTokenizer from the parsed JSON; a class so that it can fill private fields.
+class BpeLoader {
+ public:
+  explicit BpeLoader(const std::string& path) : f_(path), tok_(new BpeTokenizer) {}
+
+  Result<std::unique_ptr<Tokenizer>> Load() {
+    CACHET_ASSIGN_OR_RETURN(json root, ParseJsonFile(f_.file()));
+    if (!root.is_object()) return f_.WrongType("(root)", "an object", root);
+    CACHET_RETURN_IF_ERROR(LoadNormalizer(root));
+    if (const json* pt = Find(root, "pre_tokenizer")) {
+      CACHET_RETURN_IF_ERROR(AddPreTokenizer(*pt, "pre_tokenizer"));
+    }
+    CACHET_RETURN_IF_ERROR(LoadModel(root));
+    CACHET_RETURN_IF_ERROR(LoadAddedTokens(root));
+    if (const json* d = Find(root, "decoder")) CACHET_RETURN_IF_ERROR(CheckDecoder(*d, "decoder"));
+    CACHET_RETURN_IF_ERROR(LoadSpecialIds(root));
+    return std::unique_ptr<Tokenizer>(std::move(tok_));
+  }
+
+ private:
+  Status LoadNormalizer(const json& root) {
+    const json* n = Find(root, "normalizer");
+    if (!n) return OkStatus();
+    CACHET_ASSIGN_OR_RETURN(std::string type, f_.String(*n, "type", "normalizer"));
+    // Text reaching the engine is assumed to be NFC already, so NFC is accepted as a no-op.
+    if (type != "NFC") return f_.Unsupported("normalizer.type", type);
+    return OkStatus();
+  }
+
+  Status AddPreTokenizer(const json& pt, const std::string& path) {
+    if (!pt.is_object()) return f_.WrongType(path, "an object", pt);
+    CACHET_ASSIGN_OR_RETURN(std::string type, f_.String(pt, "type", path));
+    if (type == "Sequence") {
+      CACHET_ASSIGN_OR_RETURN(const json* list, f_.Array(pt, "pretokenizers", path));
+      for (size_t i = 0; i < list->size(); ++i) {
+        CACHET_RETURN_IF_ERROR(AddPreTokenizer((*list)[i], Index(path + ".pretokenizers", i)));
+      }
+      return OkStatus();
+    }
+    if (type != "Split" && type != "ByteLevel") return f_.Unsupported(Join(path, "type"), type);
+    if (tok_->byte_level_) return f_.Invalid(path, "steps after ByteLevel are unsupported");
+    BpeTokenizer::Step step;
+    if (type == "ByteLevel") {
+      step.byte_level = tok_->byte_level_ = true;
+      CACHET_ASSIGN_OR_RETURN(step.add_prefix_space, f_.Bool(pt, "add_prefix_space", path, true));
+      CACHET_ASSIGN_OR_RETURN(bool use_regex, f_.Bool(pt, "use_regex", path, true));
+      if (use_regex) {
+        CACHET_ASSIGN_OR_RETURN(step.regex, Compile(kGpt2Regex, path));
+      }
+    } else {
+      CACHET_ASSIGN_OR_RETURN(const json* pattern, f_.Object(pt, "pattern", path));
+      const std::string ppath = path + ".pattern";
+      if (Find(*pattern, "Regex")) {
+        CACHET_ASSIGN_OR_RETURN(std::string re, f_.String(*pattern, "Regex", ppath));
+        CACHET_ASSIGN_OR_RETURN(step.regex, Compile(re, ppath + ".Regex"));
+      } else if (Find(*pattern, "String")) {
+        CACHET_ASSIGN_OR_RETURN(step.literal, f_.String(*pattern, "String", ppath));
+      } else {
+        return f_.Invalid(ppath, "expected {\"Regex\": ...} or {\"String\": ...}");
+      }
+      CACHET_ASSIGN_OR_RETURN(std::string behavior, f_.String(pt, "behavior", path));
+      using B = BpeTokenizer::Behavior;
+      static const std::pair<const char*, B> kBehaviors[] = {
+          {"Isolated", B::kIsolated},
+          {"Removed", B::kRemoved},
+          {"MergedWithPrevious", B::kMergedWithPrevious},
+          {"MergedWithNext", B::kMergedWithNext},
+          {"Contiguous", B::kContiguous}};
+      auto it = std::find_if(std::begin(kBehaviors), std::end(kBehaviors),
+                             [&](const auto& b) { return behavior == b.first; });
+      if (it == std::end(kBehaviors)) return f_.Unsupported(path + ".behavior", behavior);
+      step.behavior = it->second;
+      CACHET_ASSIGN_OR_RETURN(step.invert, f_.Bool(pt, "invert", path, false));
+    }
+    tok_->steps_.push_back(step);
+    return OkStatus();
+  }
+
+  Result<void*> Compile(const std::string& pattern, const std::string& path) {
+    OnigRegex re = nullptr;
+    OnigErrorInfo info;
+    std::lock_guard<std::mutex> lock(OnigMutex());
+    static const bool initialized = [] {
+      OnigEncoding encodings[] = {ONIG_ENCODING_UTF8};
+      return onig_initialize(encodings, 1) == ONIG_NORMAL;
+    }();
+    if (!initialized) return Internal("Oniguruma failed to initialize");
+    const int r = onig_new(&re, U(pattern), U(pattern) + pattern.size(), ONIG_OPTION_NONE,
+                           ONIG_ENCODING_UTF8, ONIG_SYNTAX_DEFAULT, &info);
+    if (r != ONIG_NORMAL) {
+      OnigUChar msg[ONIG_MAX_ERROR_MESSAGE_LEN];
+      onig_error_code_to_str(msg, r, &info);
+      return f_.Invalid(path, std::string("bad regex: ") + reinterpret_cast<char*>(msg));
+    }
+    return static_cast<void*>(re);
+  }
+
+  Status LoadModel(const json& root) {
+    CACHET_ASSIGN_OR_RETURN(const json* model, f_.Object(root, "model", ""));
+    const json& m = *model;
+    if (Find(m, "type")) {
+      CACHET_ASSIGN_OR_RETURN(std::string type, f_.String(m, "type", "model"));
+      if (type != "BPE") return f_.Unsupported("model.type", type);
+    } else if (!Find(m, "merges")) {
+      return f_.Invalid("model.type", "missing");
+    }
+    for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"}) {
+      const json* v = Find(m, key);
+      if (v && !(v->is_string() && v->get<std::string>().empty())) {
+        return f_.Unsupported(Join("model", key),
+                              v->is_string() ? v->get<std::string>() : v->dump());
+      }
+    }
+    BpeTokenizer& t = *tok_;
+    CACHET_ASSIGN_OR_RETURN(t.byte_fallback_, f_.Bool(m, "byte_fallback", "model", false));
+    CACHET_ASSIGN_OR_RETURN(t.ignore_merges_, f_.Bool(m, "ignore_merges", "model", false));
+    CACHET_ASSIGN_OR_RETURN(t.fuse_unk_, f_.Bool(m, "fuse_unk", "model", false));
+
+    CACHET_ASSIGN_OR_RETURN(const json* vocab, f_.Object(m, "vocab", "model"));
+    std::string raw;
+    for (auto it = vocab->begin(); it != vocab->end(); ++it) {
+      CACHET_ASSIGN_OR_RETURN(int32_t id,
+                              f_.Id(it.value(), "model.vocab[" + json(it.key()).dump() + "]"));
+      const std::string& s = it.key();
+      names_[s] = id;
+      if (static_cast<size_t>(id) >= t.token_bytes_.size()) t.token_bytes_.resize(id + 1);
+      if (t.byte_level_) {
+        // Strings outside the alphabet (added tokens' text) are unreachable by BPE.
+        if (DecodeByteLevel(s, &raw)) {
+          t.vocab_[raw] = id;
+          t.token_bytes_[id] = raw;
+        } else {
+          t.token_bytes_[id] = s;
+        }
+      } else {
+        t.vocab_[s] = id;
+        const int byte = t.byte_fallback_ ? ParseByteToken(s) : -1;
+        t.token_bytes_[id] = byte >= 0 ? std::string(1, static_cast<char>(byte)) : s;
+      }
+    }
+    for (int b = 0; b < 256; ++b) {
+      int32_t id = -1;
+      if (t.byte_level_) {
+        auto it = t.vocab_.find(std::string_view(reinterpret_cast<const char*>(&b), 1));
+        if (it != t.vocab_.end()) id = it->second;
+      }
+      if (id < 0 && t.byte_fallback_) {
+        char name[8];
+        std::snprintf(name, sizeof(name), "<0x%02X>", b);
+        auto it = names_.find(std::string_view(name));
+        if (it != names_.end()) id = it->second;
+      }
+      t.byte_ids_[b] = id;
+    }
+    if (const json* unk = Find(m, "unk_token")) {
+      CACHET_ASSIGN_OR_RETURN(std::string name, f_.String(m, "unk_token", "model"));
+      auto it = names_.find(name);
+      if (it == names_.end())
+        return f_.Invalid("model.unk_token", "'" + name + "' not in model.vocab");
+      t.unk_id_ = it->second;
+      (void)unk;
+    }
+
+    CACHET_ASSIGN_OR_RETURN(const json* merges, f_.Array(m, "merges", "model"));
+    t.merges_.reserve(merges->size());
+    std::string a, b;
+    for (size_t i = 0; i < merges->size(); ++i) {
+      const json& e = (*merges)[i];
+      const std::string path = Index("model.merges", i);
+      if (e.is_string()) {
+        const std::string& s = e.get_ref<const std::string&>();
+        const size_t sp = s.find(' ');
+        if (sp == std::string::npos || s.find(' ', sp + 1) != std::string::npos) {
+          return f_.Invalid(path, "expected \"left right\", got " + e.dump());
+        }
+        a = s.substr(0, sp);
+        b = s.substr(sp + 1);
+      } else if (e.is_array() && e.size() == 2 && e[0].is_string() && e[1].is_string()) {
+        a = e[0].get<std::string>();
+        b = e[1].get<std::string>();
+      } else {
+        return f_.Invalid(path, "expected \"left right\" or [left, right], got " + e.dump());
+      }
+      auto ia = names_.find(a), ib = names_.find(b), iab = names_.find(a + b);
+      if (ia == names_.end() || ib == names_.end() || iab == names_.end()) {
+        return f_.Invalid(path, "merge " + e.dump() + " uses a token not in model.vocab");
+      }
+      // emplace keeps the first (lowest-rank) occurrence of a duplicated pair.
+      t.merges_.emplace(PairKey(ia->second, ib->second),
+                        BpeTokenizer::Merge{static_cast<int32_t>(i), iab->second});
+    }
+    return OkStatus();
+  }
+
+  Status LoadAddedTokens(const json& root) {
+    const json* list = Find(root, "added_tokens");
+    if (!list) return OkStatus();
+    if (!list->is_array()) return f_.WrongType("added_tokens", "an array", *list);
+    BpeTokenizer& t = *tok_;
+    for (size_t i = 0; i < list->size(); ++i) {
+      const json& e = (*list)[i];
+      const std::string path = Index("added_tokens", i);
+      if (!e.is_object()) return f_.WrongType(path, "an object", e);
+      BpeTokenizer::AddedToken a;
+      const json* id = Find(e, "id");
+      if (!id) return f_.Invalid(path + ".id", "missing");
+      CACHET_ASSIGN_OR_RETURN(a.id, f_.Id(*id, path + ".id"));
+      CACHET_ASSIGN_OR_RETURN(a.content, f_.String(e, "content", path));
+      CACHET_ASSIGN_OR_RETURN(a.special, f_.Bool(e, "special", path, false));
+      CACHET_ASSIGN_OR_RETURN(a.lstrip, f_.Bool(e, "lstrip", path, false));
+      CACHET_ASSIGN_OR_RETURN(a.rstrip, f_.Bool(e, "rstrip", path, false));
+      if (static_cast<size_t>(a.id) >= t.token_bytes_.size()) t.token_bytes_.resize(a.id + 1);
+      t.token_bytes_[a.id] = a.content;
+      names_[a.content] = a.id;
+      if (a.special) {
+        if (t.special_.size() <= static_cast<size_t>(a.id)) t.special_.resize(a.id + 1);
+        t.special_[a.id] = 1;
+      }
+      if (!a.content.empty()) t.added_.push_back(std::move(a));
+    }
+    // Longest first, so that the first candidate matching at a position is the longest match.
+    std::stable_sort(t.added_.begin(), t.added_.end(), [](const auto& x, const auto& y) {
+      return x.content.size() > y.content.size();
+    });
+    for (size_t k = 0; k < t.added_.size(); ++k) {
+      t.added_first_[static_cast<unsigned char>(t.added_[k].content[0])].push_back(k);
+    }
+    return OkStatus();
+  }
+
+  Status CheckDecoder(const json& d, const std::string& path) {
+    CACHET_ASSIGN_OR_RETURN(std::string type, f_.String(d, "type", path));
+    if (type == "Sequence") {
+      CACHET_ASSIGN_OR_RETURN(const json* list, f_.Array(d, "decoders", path));
+      for (size_t i = 0; i < list->size(); ++i) {
+        CACHET_RETURN_IF_ERROR(CheckDecoder((*list)[i], Index(path + ".decoders", i)));
+      }
+      return OkStatus();
+    }
+    // TokenBytes already undoes these; anything else (Metaspace, Replace, Strip...) would change
+    // the decoded text in ways TokenBytes does not.
+    if (type != "ByteLevel" && type != "ByteFallback" && type != "Fuse") {
+      return f_.Unsupported(Join(path, "type"), type);
+    }
+    return OkStatus();
+  }
+
+  // The first SpecialToken of a TemplateProcessing "single" template (possibly inside a
+  // Sequence post-processor): the BOS the reference tokenizer prepends.
+  std::optional<int32_t> TemplateBos(const json* pp) {
+    if (!pp || !pp->is_object()) return std::nullopt;
+    const json* type = Find(*pp, "type");
+    if (!type || !type->is_string()) return std::nullopt;
+    if (*type == "Sequence") {
+      const json* list = Find(*pp, "processors");
+      if (!list || !list->is_array()) return std::nullopt;
+      for (const json& p : *list) {
+        if (auto id = TemplateBos(&p)) return id;
+      }
+      return std::nullopt;
+    }
+    if (*type != "TemplateProcessing") return std::nullopt;
+    const json* single = Find(*pp, "single");
+    if (!single || !single->is_array() || single->empty()) return std::nullopt;
+    const json* st = Find((*single)[0], "SpecialToken");
+    const json* name = st ? Find(*st, "id") : nullptr;
+    if (!name || !name->is_string()) return std::nullopt;
+    if (const json* specials = Find(*pp, "special_tokens")) {
+      const json* entry = Find(*specials, name->get_ref<const std::string&>().c_str());
+      const json* ids = entry ? Find(*entry, "ids") : nullptr;
+      if (ids && ids->is_array() && !ids->empty() && (*ids)[0].is_number_integer()) {
+        return (*ids)[0].get<int32_t>();
+      }
+    }
+    auto it = names_.find(name->get_ref<const std::string&>());
+    if (it == names_.end()) return std::nullopt;
+    return it->second;
+  }
+
+  Status LoadSpecialIds(const json& root) {
+    BpeTokenizer& t = *tok_;
+    const std::optional<int32_t> template_bos = TemplateBos(Find(root, "post_processor"));
+    std::optional<bool> add_bos;
+    const std::filesystem::path dir = std::filesystem::path(f_.file()).parent_path();
+    std::error_code ec;
+    const std::string cfg_path = (dir / "tokenizer_config.json").string();
+    if (std::filesystem::exists(cfg_path, ec)) {
+      CACHET_ASSIGN_OR_RETURN(json cfg, ParseJsonFile(cfg_path));
+      JsonFile cf(cfg_path);
+      if (!cfg.is_object()) return cf.WrongType("(root)", "an object", cfg);
+      for (auto [key, out] : {std::pair{"bos_token", &t.bos_id_}, {"eos_token", &t.eos_id_}}) {
+        const json* v = Find(cfg, key);
+        if (!v) continue;
+        const json* content = v->is_object() ? Find(*v, "content") : v;
+        if (!content || !content->is_string()) {
+          return cf.WrongType(key, "a string or {\"content\": string}", *v);
+        }
+        auto it = names_.find(content->get_ref<const std::string&>());
+        if (it == names_.end()) {
+          return cf.Invalid(key, content->dump() + " is not a token of " + f_.file());
+        }
+        *out = it->second;
+      }
+      if (Find(cfg, "add_bos_token")) {
+        CACHET_ASSIGN_OR_RETURN(bool b, cf.Bool(cfg, "add_bos_token", "", false));
+        add_bos = b;
+      }
+    }
+    if (t.bos_id_ < 0 && template_bos) t.bos_id_ = *template_bos;
+    const std::string model_cfg_path = (dir / "config.json").string();
+    if ((t.bos_id_ < 0 || t.eos_id_ < 0) && std::filesystem::exists(model_cfg_path, ec)) {
+      CACHET_ASSIGN_OR_RETURN(json cfg, ParseJsonFile(model_cfg_path));
+      JsonFile cf(model_cfg_path);
+      for (auto [key, out] :
+           {std::pair{"bos_token_id", &t.bos_id_}, {"eos_token_id", &t.eos_id_}}) {
+        const json* v = Find(cfg, key);
+        if (!v || *out >= 0) continue;
+        if (v->is_array() && !v->empty()) {
+          CACHET_ASSIGN_OR_RETURN(*out, cf.Id((*v)[0], Index(key, 0)));
+        } else {
+          CACHET_ASSIGN_OR_RETURN(*out, cf.Id(*v, key));
+        }
+      }
+    }
+    for (int32_t* id : {&t.bos_id_, &t.eos_id_}) {
+      if (*id >= t.vocab_size()) *id = -1;
+    }
+    t.add_bos_ = add_bos.value_or(template_bos.has_value()) && t.bos_id_ >= 0;
+    return OkStatus();
+  }
+
+  JsonFile f_;
+  std::unique_ptr<BpeTokenizer> tok_;
+  StringMap<int32_t> names_;  // vocab strings as written in the file, and added tokens -> id
+};
+
+Result<std::unique_ptr<Tokenizer>> Tokenizer::FromHfJson(const std::string& json_path) {
+  try {
+    return BpeLoader(json_path).Load();
+  } catch (const std::exception& e) {  // e.g. bad_alloc: keep exceptions out of callers
+    return Internal(json_path + ": " + e.what());
+  }
+}
+
+BpeTokenizer::~BpeTokenizer() {
+  std::lock_guard<std::mutex> lock(OnigMutex());
+  for (Step& s : steps_) {
+    if (s.regex) onig_free(static_cast<OnigRegex>(s.regex));
+  }
+}
+
+std::string BpeTokenizer::TokenBytes(int32_t id) const {
+  if (id < 0 || id >= vocab_size()) return {};
+  return token_bytes_[id];
+}
+
+bool BpeTokenizer::IsSpecial(int32_t id) const {
+  return id >= 0 && static_cast<size_t>(id) < special_.size() && special_[id];
+}
+
+std::vector<int32_t> BpeTokenizer::Encode(std::string_view text, bool parse_special) const {
+  std::vector<int32_t> out;
+  out.reserve(text.size() / 3 + 4);
+  size_t done = 0;  // text before this is encoded
+  if (!added_.empty()) {
+    for (size_t i = 0; i < text.size();) {
+      const AddedToken* hit = nullptr;
+      for (int32_t k : added_first_[static_cast<unsigned char>(text[i])]) {
+        const AddedToken& a = added_[k];
+        if ((parse_special || !a.special) && text.substr(i).starts_with(a.content)) {
+          hit = &a;
+          break;
+        }
+      }
+      if (!hit) {
+        ++i;
+        continue;
+      }
+      size_t begin = i, end = i + hit->content.size();
+      if (hit->lstrip) {
+        while (begin > done && IsAsciiSpace(text[begin - 1])) --begin;
+      }
+      if (hit->rstrip) {
+        while (end < text.size() && IsAsciiSpace(text[end])) ++end;
+      }
+      EncodeSegment(text.substr(done, begin - done), &out);
+      out.push_back(hit->id);
+      done = i = end;
+    }
+  }
+  EncodeSegment(text.substr(done), &out);
+  return out;
+}
+
+void BpeTokenizer::EncodeSegment(std::string_view text, std::vector<int32_t>* out) const {
+  auto sink = [&](std::string_view piece) { EncodePiece(piece, out); };
+  PreTokenize(text, 0, sink);
+}
+
+void BpeTokenizer::PreTokenize(std::string_view text, size_t step, PieceSink sink) const {
+  if (text.empty()) return;
+  if (step == steps_.size()) return sink(text);
+  const Step& st = steps_[step];
+  auto next = [&](std::string_view piece) { PreTokenize(piece, step + 1, sink); };
+  if (!st.byte_level) return SplitStep(st, text, next);
+  std::string prefixed;
+  if (st.add_prefix_space && text[0] != ' ') {
+    prefixed.reserve(text.size() + 1);
+    prefixed.append(1, ' ').append(text);
+    text = prefixed;
+  }
+  if (st.regex) return SplitStep(st, text, next);
+  next(text);
+}
+
+namespace {
+
+struct Span {
+  size_t begin, end;
+  bool match;
+};
+
+// Calls cb(begin, end, is_match) for the matches of `re` in `text` and the gaps between them, in
+// order. Oniguruma only sees well-formed UTF-8: each ill-formed subpart becomes its own gap.
+template <class F>
+void ForEachRegexSpan(OnigRegex re, std::string_view text, const F& cb) {
+  const unsigned char* p = U(text);
+  const size_t n = text.size();
+  OnigRegion* region = ThreadRegion();
+  for (size_t i = 0; i < n;) {
+    size_t j = i;
+    while (j < n) {
+      if (p[j] < 0x80) {
+        ++j;
+        continue;
+      }
+      const Utf8Step st = Utf8Scan(p + j, n - j);
+      if (!st.valid) break;
+      j += st.len;
+    }
+    // Search [i, j) as a whole string, so that anchors and look-arounds see its real context.
+    const unsigned char* start = p + i;
+    const unsigned char* end = p + j;
+    size_t gap = i;
+    for (size_t pos = i; pos < j;) {
+      const int r = onig_search(re, start, end, p + pos, end, region, ONIG_OPTION_NONE);
+      if (r < 0) break;  // no further match (or a matcher error: the rest is one gap)
+      const size_t mb = i + region->beg[0], me = i + region->end[0];
+      if (me == mb) {  // an empty match splits nothing: look again one character later
+        pos = mb + Utf8Scan(p + mb, j - mb).len;
+        continue;
+      }
+      if (mb > gap) cb(gap, mb, false);
+      cb(mb, me, true);
+      gap = pos = me;
+    }
+    if (j > gap) cb(gap, j, false);
+    if (j < n) {
+      const size_t len = Utf8Scan(p + j, n - j).len;
+      cb(j, j + len, false);
+      j += len;
+    }
+    i = j;
+  }
+}
+
+template <class F>
+void ForEachLiteralSpan(std::string_view lit, std::string_view text, const F& cb) {
+  size_t gap = 0;
+  if (!lit.empty()) {
+    for (size_t m; (m = text.find(lit, gap)) != std::string_view::npos; gap = m + lit.size()) {
+      if (m > gap) cb(gap, m, false);
+      cb(m, m + lit.size(), true);
+    }
+  }
+  if (text.size() > gap) cb(gap, text.size(), false);
+}
+
+}  // namespace
+
+void BpeTokenizer::SplitStep(const Step& st, std::string_view text, PieceSink emit) const {
+  auto for_each = [&](const auto& cb) {
+    auto flip = [&](size_t b, size_t e, bool m) { cb(b, e, m != st.invert); };
+    if (st.regex) {
+      ForEachRegexSpan(static_cast<OnigRegex>(st.regex), text, flip);
+    } else {
+      ForEachLiteralSpan(st.literal, text, flip);
+    }
+  };
+  auto piece = [&](size_t b, size_t e) { emit(text.substr(b, e - b)); };
+  switch (st.behavior) {
+    case Behavior::kIsolated:
+      return for_each([&](size_t b, size_t e, bool) { piece(b, e); });
+    case Behavior::kRemoved:
+      return for_each([&](size_t b, size_t e, bool m) {
+        if (!m) piece(b, e);
+      });
+    default:
+      break;
+  }
+  // The merging behaviours fold spans the way HF's SplitDelimiterBehavior does.
+  std::vector<Span> spans;
+  for_each([&](size_t b, size_t e, bool m) { spans.push_back({b, e, m}); });
+  std::vector<Span> out;
+  bool prev_match = false;
+  if (st.behavior == Behavior::kMergedWithNext) {
+    for (auto it = spans.rbegin(); it != spans.rend(); ++it) {
+      if (it->match && !prev_match && !out.empty()) {
+        out.back().begin = it->begin;
+      } else {
+        out.push_back(*it);
+      }
+      prev_match = it->match;
+    }
+    std::reverse(out.begin(), out.end());
+  } else {
+    const bool contiguous = st.behavior == Behavior::kContiguous;
+    for (const Span& s : spans) {
+      const bool merge = contiguous ? s.match == prev_match : s.match && !prev_match;
+      if (merge && !out.empty()) {
+        out.back().end = s.end;
+      } else {
+        out.push_back(s);
+      }
+      prev_match = s.match;
+    }
+  }
+  for (const Span& s : out) piece(s.begin, s.end);
+}
+
+void BpeTokenizer::EncodePiece(std::string_view piece, std::vector<int32_t>* out) const {
+  if (piece.size() == 1 && byte_level_ && byte_ids_[U(piece)[0]] >= 0) {
+    out->push_back(byte_ids_[U(piece)[0]]);
+    return;
+  }
+  const bool cacheable = piece.size() <= kMaxCachedPiece;
+  if (cacheable) {
+    std::lock_guard<std::mutex> lock(cache_mu_);
+    auto it = cache_.find(piece);
+    if (it != cache_.end()) {
+      const int32_t* ids = cache_ids_.data() + it->second.offset;
+      out->insert(out->end(), ids, ids + it->second.size);
+      return;
+    }
+  }
+  const size_t first = out->size();
+  Bpe(piece, out);
+  if (cacheable) {
+    std::lock_guard<std::mutex> lock(cache_mu_);
+    if (cache_.size() >= kMaxCacheEntries) {  // bounded memory on endless varied input
+      cache_.clear();
+      cache_ids_.clear();
+    }
+    const CacheSpan span{static_cast<uint32_t>(cache_ids_.size()),
+                         static_cast<uint32_t>(out->size() - first)};
+    if (cache_.emplace(piece, span).second) {
+      cache_ids_.insert(cache_ids_.end(), out->begin() + first, out->end());
+    }
+  }
+}
+
+void BpeTokenizer::AppendUnknown(std::vector<int32_t>* out) const {
+  if (unk_id_ < 0) return;  // like HF without unk_token: the text is dropped
+  if (fuse_unk_ && !out->empty() && out->back() == unk_id_) return;
+  out->push_back(unk_id_);
+}
+
+void BpeTokenizer::Bpe(std::string_view piece, std::vector<int32_t>* out) const {
+  if (ignore_merges_) {
+    auto it = vocab_.find(piece);
+    if (it != vocab_.end()) {
+      out->push_back(it->second);
+      return;
+    }
+  }
+  // Initial symbols: bytes for byte-level models, else characters (with byte fallback).
+  thread_local std::vector<int32_t> ids;
+  ids.clear();
+  const unsigned char* p = U(piece);
+  if (byte_level_) {
+    for (unsigned char b : piece) {
+      if (byte_ids_[b] >= 0) {
+        ids.push_back(byte_ids_[b]);
+      } else {
+        AppendUnknown(&ids);
+      }
+    }
+  } else {
+    for (size_t i = 0; i < piece.size();) {
+      const size_t len = Utf8Scan(p + i, piece.size() - i).len;
+      auto it = vocab_.find(piece.substr(i, len));
+      if (it != vocab_.end()) {
+        ids.push_back(it->second);
+      } else if (byte_fallback_ && std::all_of(p + i, p + i + len, [&](unsigned char b) {
+                   return byte_ids_[b] >= 0;
+                 })) {
+        for (size_t k = i; k < i + len; ++k) ids.push_back(byte_ids_[p[k]]);
+      } else {
+        AppendUnknown(&ids);
+      }
+      i += len;
+    }
+  }
+  if (ids.size() < 2) {
+    out->insert(out->end(), ids.begin(), ids.end());
+    return;
+  }
+  // Repeatedly merge the lowest-rank adjacent pair (leftmost on ties) as HF does, with a
+  // doubly linked list over the symbols and a lazy min-heap of candidate pairs.
+  struct Sym {
+    int32_t id, prev, next;
+  };
+  struct Cand {
+    int32_t rank, pos, left, right, merged;
+    bool operator>(const Cand& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
+  };
+  thread_local std::vector<Sym> syms;
+  thread_local std::vector<Cand> heap;
+  syms.clear();
+  heap.clear();
+  const int32_t n = static_cast<int32_t>(ids.size());
+  for (int32_t i = 0; i < n; ++i) syms.push_back({ids[i], i - 1, i + 1 < n ? i + 1 : -1});
+  auto push_pair = [&](int32_t i) {
+    const int32_t j = syms[i].next;
+    if (j < 0) return;
+    auto it = merges_.find(PairKey(syms[i].id, syms[j].id));
+    if (it == merges_.end()) return;
+    heap.push_back({it->second.rank, i, syms[i].id, syms[j].id, it->second.id});
+    std::push_heap(heap.begin(), heap.end(), std::greater<>());
+  };
+  for (int32_t i = 0; i + 1 < n; ++i) push_pair(i);
+  while (!heap.empty()) {
+    std::pop_heap(heap.begin(), heap.end(), std::greater<>());
+    const Cand c = heap.back();
+    heap.pop_back();
+    Sym& l = syms[c.pos];
+    // Stale candidates: a side was merged away (id -1) or replaced since it was pushed.
+    if (l.id != c.left || l.next < 0 || syms[l.next].id != c.right) continue;
+    Sym& r = syms[l.next];
+    l.id = c.merged;
+    l.next = r.next;
+    if (r.next >= 0) syms[r.next].prev = c.pos;
+    r.id = -1;
+    if (l.prev >= 0) push_pair(l.prev);
+    push_pair(c.pos);
+  }
+  for (int32_t i = 0; i >= 0; i = syms[i].next) out->push_back(syms[i].id);
+}
+
+}  // namespace cachet

@@ -1,0 +1,26 @@
+// What the forward pass needs from the KV cache for one sequence. kv/ implements it over pages;
+// the model never sees pages, pools or block tables beyond the kernels' page-table view.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels/kernels.h"
+#include "util/status.h"
+
+namespace cachet {
+
+class KvSequence {
+ public:
+  virtual ~KvSequence() = default;
+  // Makes room for n more tokens in every (layer, KV head), all or nothing: on failure
+  // (ResourceExhausted) nothing has changed.
+  virtual Status Reserve(int n) = 0;
+  // Appends one token's K and V rows (head_dim floats each) at its original position. Room must
+  // have been reserved.
+  virtual void Append(int layer, int kv_head, const float* k, const float* v, int32_t pos) = 0;
+  // Marks the tokens appended since the last call as part of the sequence (all layers done).
+  virtual void CommitTokens(int n) = 0;
+  virtual kernels::PagedKv View(int layer, int kv_head) const = 0;
+};
+
+}  // namespace cachet

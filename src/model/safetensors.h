@@ -1,0 +1,48 @@
+// HF safetensors reader: single file or shards listed in model.safetensors.index.json.
+// Files are memory-mapped; every header field is validated before any tensor byte is touched.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "util/dtype.h"
+#include "util/mmap_file.h"
+#include "util/status.h"
+
+namespace cachet {
+
+struct TensorInfo {
+  DType dtype = DType::kF32;
+  std::vector<int64_t> shape;
+  const void* data = nullptr;
+  size_t n_bytes = 0;
+  int file = 0;  // index into TensorStore::files()
+
+  int64_t numel() const;
+};
+
+class TensorStore {
+ public:
+  // <dir>/model.safetensors, or the shards named by <dir>/model.safetensors.index.json.
+  static Result<TensorStore> OpenDir(const std::string& model_dir);
+  // Adds one safetensors file; tensors already present are an error (duplicate name).
+  Status AddFile(const std::string& path);
+
+  bool Has(const std::string& name) const { return tensors_.count(name) != 0; }
+  // The tensor, checked to have exactly this shape; the error names tensor, file and shapes.
+  Result<const TensorInfo*> Get(const std::string& name, const std::vector<int64_t>& shape) const;
+  const std::map<std::string, TensorInfo>& tensors() const { return tensors_; }
+  const std::string& file_path(int i) const { return files_[i].path(); }
+  size_t mapped_bytes() const;
+
+ private:
+  std::string origin_;  // the model directory or file, for error messages
+  std::vector<MappedFile> files_;
+  std::map<std::string, TensorInfo> tensors_;
+};
+
+std::string ShapeString(const std::vector<int64_t>& shape);
+
+}  // namespace cachet

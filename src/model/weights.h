@@ -1,0 +1,30 @@
+// The tensors of a Llama-family model, as views into the mapped files (matrices) or small f32
+// copies (norm weights and biases, a few KB).
+#pragma once
+
+#include <vector>
+
+#include "kernels/kernels.h"
+#include "model/config.h"
+#include "model/safetensors.h"
+
+namespace cachet {
+
+struct LayerWeights {
+  kernels::Matrix wq, wk, wv, wo, w_gate, w_up, w_down;
+  std::vector<float> attn_norm, ffn_norm;
+  std::vector<float> bq, bk, bv;      // qwen2 / attention_bias only
+  std::vector<float> q_norm, k_norm;  // qwen3 only: [head_dim]
+};
+
+struct ModelWeights {
+  TensorStore store;  // owns the mappings the matrices point into
+  kernels::Matrix embed;
+  kernels::Matrix lm_head;  // == embed when tied
+  std::vector<float> final_norm;
+  std::vector<LayerWeights> layers;
+
+  static Result<ModelWeights> Load(const ModelConfig& config, TensorStore store);
+};
+
+}  // namespace cachet

@@ -1,0 +1,174 @@
+#include "cachet/engine.h"
+
+#include <chrono>
+
+#include "kv/paged_sequence.h"
+#include "model/tokenizer.h"
+#include "model/transformer.h"
+#include "util/thread_pool.h"
+
+namespace cachet {
+
+std::string DefaultModelDir() {
+  if (const char* env = std::getenv("CACHET_MODEL_DIR"); env && *env) return env;
+  return CACHET_DEFAULT_MODEL_DIR;
+}
+
+namespace {
+double MsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
+Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
+  std::unique_ptr<Engine> e(new Engine());
+  e->options_ = options;
+  if (e->options_.model_dir.empty()) e->options_.model_dir = DefaultModelDir();
+  const EngineOptions& o = e->options_;
+  if (o.ubatch < 1) return InvalidArgument("--ubatch must be >= 1");
+  if (o.page_tokens < 1 || o.page_tokens > 256) {
+    return InvalidArgument("page_tokens must be in [1, 256]");
+  }
+  CACHET_ASSIGN_OR_RETURN(e->model_, Transformer::Load(o.model_dir, o.ubatch));
+  CACHET_ASSIGN_OR_RETURN(e->tokenizer_, Tokenizer::Load(o.model_dir));
+  const ModelConfig& c = e->model_->config();
+  if (e->tokenizer_->vocab_size() > c.vocab_size) {
+    return InvalidArgument(o.model_dir + ": tokenizer has " +
+                           std::to_string(e->tokenizer_->vocab_size()) +
+                           " tokens but the model's vocab_size is " + std::to_string(c.vocab_size));
+  }
+  e->n_ctx_ = o.n_ctx > 0 ? o.n_ctx : c.max_position_embeddings;
+  e->pool_ = std::make_unique<ThreadPool>(o.threads > 0 ? o.threads : ThreadPool::DefaultThreads());
+  KvLayout layout{c.n_layers, c.n_kv_heads, c.head_dim, o.page_tokens};
+  size_t capacity = o.kv_mem_mib > 0 ? static_cast<size_t>(o.kv_mem_mib) << 20
+                                     : static_cast<size_t>(layout.heads_total()) *
+                                           ((e->n_ctx_ + o.page_tokens - 1) / o.page_tokens) *
+                                           layout.page_bytes();
+  e->kv_pool_ = std::make_unique<PagePool>(layout, capacity);
+  return e;
+}
+
+Engine::~Engine() = default;
+
+const ModelConfig& Engine::config() const { return model_->config(); }
+
+std::unique_ptr<Session> Engine::NewSession() {
+  return std::unique_ptr<Session>(new Session(*this, std::make_unique<PagedSequence>(*kv_pool_)));
+}
+
+Result<GenerateResult> Engine::Generate(std::string_view prompt, const GenerateOptions& options,
+                                        const TextCallback& on_text) {
+  std::vector<int32_t> ids = tokenizer_->EncodePrompt(prompt);
+  auto session = NewSession();
+  return session->Generate(ids, options, on_text);
+}
+
+Session::Session(Engine& engine, std::unique_ptr<PagedSequence> seq)
+    : engine_(engine), seq_(std::move(seq)) {}
+
+Session::~Session() = default;
+
+int Session::n_tokens() const { return static_cast<int>(tokens_.size()); }
+
+std::unique_ptr<Session> Session::Fork() const {
+  std::unique_ptr<Session> s(new Session(engine_, seq_->Fork()));
+  s->tokens_ = tokens_;
+  s->last_logits_ = last_logits_;
+  return s;
+}
+
+Status Session::Eval(std::span<const int32_t> tokens, std::vector<float>* logits, bool all_logits) {
+  const int vocab = engine_.config().vocab_size;
+  if (n_tokens() + static_cast<int64_t>(tokens.size() + pending_.size()) > engine_.n_ctx()) {
+    return OutOfRange("context full: " + std::to_string(n_tokens()) + " + " +
+                      std::to_string(tokens.size()) + " tokens exceed n_ctx " +
+                      std::to_string(engine_.n_ctx()));
+  }
+  if (!pending_.empty()) {  // the last token of a previous Generate goes in first
+    std::vector<int32_t> all = pending_;
+    all.insert(all.end(), tokens.begin(), tokens.end());
+    pending_.clear();
+    Status s = Eval(all, logits, all_logits);
+    if (!s.ok()) pending_.assign(all.begin(), all.begin() + 1);
+    if (s.ok() && all_logits && logits) logits->erase(logits->begin(), logits->begin() + vocab);
+    return s;
+  }
+  if (tokens.empty()) {
+    if (logits) *logits = last_logits_;
+    return OkStatus();
+  }
+  // Validate every id up front: a bad id in a later chunk must not leave a half-applied prompt.
+  for (size_t i = 0; i < tokens.size(); ++i) {
+    if (tokens[i] < 0 || tokens[i] >= vocab) {
+      return InvalidArgument("token id " + std::to_string(tokens[i]) + " at index " +
+                             std::to_string(i) + " is outside the vocabulary [0, " +
+                             std::to_string(vocab) + ")");
+    }
+  }
+  // Reserve the whole span first, so pool exhaustion is reported before any chunk runs.
+  CACHET_RETURN_IF_ERROR(seq_->Reserve(static_cast<int>(tokens.size())));
+  const int ub = engine_.options().ubatch;
+  if (all_logits && logits) logits->resize(tokens.size() * size_t(vocab));
+  last_logits_.resize(vocab);
+  for (size_t start = 0; start < tokens.size(); start += ub) {
+    const size_t n = std::min<size_t>(ub, tokens.size() - start);
+    positions_.resize(n);
+    for (size_t i = 0; i < n; ++i) positions_[i] = static_cast<int32_t>(tokens_.size() + i);
+    float* out = all_logits && logits ? logits->data() + start * vocab : last_logits_.data();
+    // Cannot fail: ids validated and pages reserved above.
+    Status s = engine_.transformer().Forward(tokens.subspan(start, n), positions_, *seq_,
+                                             engine_.pool(), out, all_logits && logits);
+    if (!s.ok()) return s;
+    tokens_.insert(tokens_.end(), tokens.begin() + start, tokens.begin() + start + n);
+  }
+  if (all_logits && logits) {
+    std::copy(logits->end() - vocab, logits->end(), last_logits_.begin());
+  } else if (logits) {
+    *logits = last_logits_;
+  }
+  return OkStatus();
+}
+
+Result<GenerateResult> Session::Generate(std::span<const int32_t> prompt,
+                                         const GenerateOptions& options,
+                                         const TextCallback& on_text) {
+  GenerateResult r;
+  r.prompt_tokens = static_cast<int>(prompt.size());
+  auto t0 = std::chrono::steady_clock::now();
+  if (prompt.empty() && last_logits_.empty() && pending_.empty()) {
+    return InvalidArgument("Generate: empty prompt and nothing evaluated yet");
+  }
+  CACHET_RETURN_IF_ERROR(Eval(prompt, nullptr));
+  r.prefill_ms = MsSince(t0);
+  auto t1 = std::chrono::steady_clock::now();
+
+  const Tokenizer& tok = engine_.tokenizer();
+  Sampler sampler(options.sampling, engine_.config().vocab_size);
+  StreamDecoder decoder(tok);
+  std::vector<float> logits = last_logits_;
+  r.finish_reason = "length";
+  for (int i = 0; i < options.max_tokens; ++i) {
+    const int32_t next = sampler.Sample(logits, tokens_);
+    if (options.stop_at_eos && next == tok.eos_id()) {
+      r.finish_reason = "stop";
+      break;
+    }
+    r.tokens.push_back(next);
+    std::string piece = decoder.Push(next);
+    r.text += piece;
+    if (on_text && !piece.empty() && !on_text(piece)) break;
+    if (i + 1 == options.max_tokens || n_tokens() + 1 > engine_.n_ctx()) {
+      pending_.push_back(next);  // evaluated lazily, if the conversation goes on
+      break;
+    }
+    const int32_t one[1] = {next};
+    CACHET_RETURN_IF_ERROR(Eval(one, &logits));
+  }
+  std::string rest = decoder.Flush();
+  r.text += rest;
+  if (on_text && !rest.empty()) on_text(rest);
+  r.decode_ms = MsSince(t1);
+  return r;
+}
+
+}  // namespace cachet

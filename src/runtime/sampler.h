@@ -1,0 +1,42 @@
+// Token sampling: greedy, temperature, top-k, top-p, min-p, repetition penalty, seeded.
+#pragma once
+
+#include <cstdint>
+#include <random>
+#include <span>
+#include <vector>
+
+namespace cachet {
+
+struct SamplingParams {
+  float temperature = 0.8f;     // <= 0: greedy
+  int top_k = 40;               // <= 0: off
+  float top_p = 0.95f;          // >= 1: off
+  float min_p = 0.05f;          // <= 0: off
+  float repeat_penalty = 1.0f;  // 1: off (llama.cpp convention: logit / p if > 0 else * p)
+  int repeat_last_n = 64;
+  uint64_t seed = 0xcac4e7;
+};
+
+class Sampler {
+ public:
+  Sampler(const SamplingParams& params, int vocab_size);
+  // Picks the next token from logits (modified in place by the penalty). history holds the
+  // tokens so far (prompt and generated) for the repetition penalty.
+  int32_t Sample(std::span<float> logits, std::span<const int32_t> history);
+  const SamplingParams& params() const { return p_; }
+
+ private:
+  struct Candidate {
+    float logit;
+    int32_t id;
+  };
+  SamplingParams p_;
+  std::mt19937_64 rng_;
+  std::vector<Candidate> cand_;  // reused: no allocation per token
+  std::vector<float> probs_;
+};
+
+int32_t ArgMax(std::span<const float> logits);
+
+}  // namespace cachet

@@ -1,0 +1,695 @@
+// Kernel tests in the style of llama.cpp's test-backend-ops: the reference kernels are checked
+// against straightforward double-precision math, then every cpu:: kernel against its ref:: twin on
+// awkward shapes, dtypes, strides and thread counts. PagedAttention (cpu and ref) is checked
+// against ref::ContiguousAttention over the same keys.
+#include "kernels/kernels.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "hwy/targets.h"
+#include "util/dtype.h"
+#include "util/thread_pool.h"
+
+namespace cachet::kernels {
+namespace {
+
+constexpr DType kAllTypes[] = {DType::kF32, DType::kF16, DType::kBF16};
+constexpr int64_t kDims[] = {1, 3, 17, 31, 64, 97, 384, 1000, 1024 + 5};
+
+std::vector<float> RandomVec(size_t n, std::mt19937& rng, float lo = -1.0f, float hi = 1.0f) {
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+// ||a - b|| / ||b||, or ||a - b|| when b is all zeros.
+double NormErr(const float* a, const float* b, size_t n) {
+  double diff = 0.0, ref = 0.0;
+  for (size_t i = 0; i < n; ++i) {
+    const double d = static_cast<double>(a[i]) - b[i];
+    diff += d * d;
+    ref += static_cast<double>(b[i]) * b[i];
+  }
+  if (std::isnan(diff)) return std::numeric_limits<double>::infinity();
+  return ref == 0.0 ? std::sqrt(diff) : std::sqrt(diff / ref);
+}
+double NormErr(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  return NormErr(a.data(), b.data(), std::min(a.size(), b.size()));
+}
+
+// A weight matrix in a given dtype, with its values as f32 (exactly representable in the dtype).
+struct TestMatrix {
+  std::vector<float> values;   // rows * cols, already rounded to the dtype
+  std::vector<uint16_t> half;  // storage for f16 / bf16
+  Matrix m;
+};
+
+TestMatrix MakeMatrix(int64_t rows, int64_t cols, DType dtype, std::mt19937& rng) {
+  TestMatrix t;
+  t.values = RandomVec(static_cast<size_t>(rows * cols), rng);
+  if (dtype != DType::kF32) {
+    t.half.resize(t.values.size());
+    for (size_t i = 0; i < t.values.size(); ++i) {
+      t.half[i] = dtype == DType::kBF16 ? F32ToBf16(t.values[i]) : F32ToF16(t.values[i]);
+      t.values[i] = LoadAsF32(t.half.data(), dtype, static_cast<int64_t>(i));
+    }
+  }
+  t.m.data = dtype == DType::kF32 ? static_cast<const void*>(t.values.data()) : t.half.data();
+  t.m.dtype = dtype;
+  t.m.rows = rows;
+  t.m.cols = cols;
+  return t;
+}
+
+// The SIMD targets the cpu:: kernels are compiled for that this CPU supports, best first. Each
+// cpu:: check runs once per target.
+std::vector<int64_t> KernelTargets() {
+  std::vector<int64_t> targets;
+  const int64_t supported = hwy::SupportedTargets();
+  for (int64_t t : {int64_t{HWY_AVX3}, int64_t{HWY_AVX2}, int64_t{HWY_SSE4}}) {
+    if (supported & t) targets.push_back(t);
+  }
+  if (targets.empty()) targets.push_back(0);  // whatever dispatch picks
+  return targets;
+}
+
+// Makes the cpu:: kernels dispatch to one target while in scope.
+class ScopedTarget {
+ public:
+  explicit ScopedTarget(int64_t target) { hwy::SetSupportedTargetsForTest(target); }
+  ~ScopedTarget() { hwy::SetSupportedTargetsForTest(0); }
+  ScopedTarget(const ScopedTarget&) = delete;
+  ScopedTarget& operator=(const ScopedTarget&) = delete;
+};
+
+std::string TargetString(int64_t target) {
+  return std::string(" target=") + (target == 0 ? "default" : hwy::TargetName(target));
+}
+
+std::string Describe(DType dtype, int64_t rows, int64_t cols, int64_t n) {
+  return std::string(DTypeName(dtype)) + " rows=" + std::to_string(rows) +
+         " cols=" + std::to_string(cols) + " n=" + std::to_string(n);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Reference kernels against plain math.
+
+TEST(KernelsRef, MatMulSmallExact) {
+  ThreadPool pool(1);
+  const float w_values[] = {1.0f, 0.0f, -1.0f, 0.5f, 0.25f, 2.0f};  // [2][3], exact in all dtypes
+  const float x[] = {1.0f, 2.0f, 3.0f, -1.0f, 0.0f, 4.0f};          // two tokens
+  const float bias[] = {1.0f, -1.0f};
+  for (DType dtype : kAllTypes) {
+    std::vector<uint16_t> half(6);
+    for (int i = 0; i < 6; ++i) {
+      half[i] = dtype == DType::kBF16 ? F32ToBf16(w_values[i]) : F32ToF16(w_values[i]);
+    }
+    Matrix w{dtype == DType::kF32 ? static_cast<const void*>(w_values) : half.data(), dtype, 2, 3};
+    float y[2 * 3];
+    std::fill(y, y + 6, 99.0f);
+    ref::MatMul(x, 2, w, bias, y, 3, pool);
+    EXPECT_EQ(y[0], -1.0f) << DTypeName(dtype);  // 1 - 3 + 1
+    EXPECT_EQ(y[1], 6.0f) << DTypeName(dtype);   // 0.5 + 0.5 + 6 - 1
+    EXPECT_EQ(y[2], 99.0f) << DTypeName(dtype);  // stride padding untouched
+    EXPECT_EQ(y[3], -4.0f) << DTypeName(dtype);  // -1 - 4 + 1
+    EXPECT_EQ(y[4], 6.5f) << DTypeName(dtype);   // -0.5 + 8 - 1
+    float row[3];
+    ref::DequantRow(w, 1, row);
+    EXPECT_EQ(row[0], 0.5f);
+    EXPECT_EQ(row[2], 2.0f);
+  }
+}
+
+TEST(KernelsRef, MatMulMatchesDouble) {
+  std::mt19937 rng(1);
+  ThreadPool pool(3);
+  const int64_t rows = 37, cols = 531, n = 3;
+  for (DType dtype : kAllTypes) {
+    TestMatrix w = MakeMatrix(rows, cols, dtype, rng);
+    std::vector<float> x = RandomVec(n * cols, rng);
+    std::vector<float> bias = RandomVec(rows, rng);
+    std::vector<float> y(n * rows), expect(n * rows);
+    ref::MatMul(x.data(), n, w.m, bias.data(), y.data(), rows, pool);
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t r = 0; r < rows; ++r) {
+        double s = bias[r];
+        for (int64_t c = 0; c < cols; ++c)
+          s += static_cast<double>(x[t * cols + c]) * w.values[r * cols + c];
+        expect[t * rows + r] = static_cast<float>(s);
+      }
+    }
+    EXPECT_LT(NormErr(y, expect), 1e-6) << DTypeName(dtype);
+  }
+}
+
+TEST(KernelsRef, ElementwiseMatchDouble) {
+  std::mt19937 rng(2);
+  const int64_t dim = 97;
+  std::vector<float> x = RandomVec(dim, rng, -3.0f, 3.0f);
+  std::vector<float> weight = RandomVec(dim, rng);
+  std::vector<float> y(dim), expect(dim);
+  const float eps = 1e-6f;
+  ref::RmsNorm(x.data(), weight.data(), dim, eps, y.data());
+  double ss = 0.0;
+  for (float v : x) ss += static_cast<double>(v) * v;
+  const double inv = 1.0 / std::sqrt(ss / dim + eps);
+  for (int64_t i = 0; i < dim; ++i) expect[i] = static_cast<float>(x[i] * inv * weight[i]);
+  EXPECT_LT(NormErr(y, expect), 1e-6);
+
+  std::vector<float> up = RandomVec(dim, rng);
+  ref::SiluMul(x.data(), up.data(), y.data(), dim);
+  for (int64_t i = 0; i < dim; ++i)
+    expect[i] = static_cast<float>(x[i] / (1.0 + std::exp(-static_cast<double>(x[i]))) * up[i]);
+  EXPECT_LT(NormErr(y, expect), 1e-6);
+
+  // Rotate-half RoPE of two heads of 8: pairs (i, i + 4) rotate by the angle of cos/sin[i].
+  const int n_heads = 2, head_dim = 8;
+  std::vector<float> q = RandomVec(n_heads * head_dim, rng);
+  std::vector<float> cos(head_dim / 2), sin(head_dim / 2);
+  for (int i = 0; i < head_dim / 2; ++i) {
+    cos[i] = std::cos(0.3f * (i + 1));
+    sin[i] = std::sin(0.3f * (i + 1));
+  }
+  std::vector<float> rotated = q;
+  ref::RopeRotateHalf(rotated.data(), n_heads, head_dim, cos.data(), sin.data());
+  for (int h = 0; h < n_heads; ++h) {
+    for (int i = 0; i < head_dim / 2; ++i) {
+      const double x0 = q[h * head_dim + i], x1 = q[h * head_dim + i + head_dim / 2];
+      EXPECT_NEAR(rotated[h * head_dim + i], x0 * cos[i] - x1 * sin[i], 1e-6);
+      EXPECT_NEAR(rotated[h * head_dim + i + head_dim / 2], x1 * cos[i] + x0 * sin[i], 1e-6);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// cpu:: against ref::.
+
+TEST(KernelsCpu, DequantRowMatchesRefExactly) {
+  std::mt19937 rng(3);
+  for (DType dtype : kAllTypes) {
+    for (int64_t cols : kDims) {
+      const int64_t rows = 3;
+      std::vector<uint32_t> bits(rows * cols);
+      std::vector<uint16_t> half(rows * cols);
+      for (int64_t i = 0; i < rows * cols; ++i) {
+        uint32_t b = rng();
+        if (dtype == DType::kF16) {
+          b &= 0xffffu;
+          if (((b >> 10) & 0x1fu) == 0x1fu) b &= ~0x4000u;  // no inf/NaN; subnormals included
+          half[i] = static_cast<uint16_t>(b);
+        } else if (dtype == DType::kBF16) {
+          b &= 0xffffu;
+          if (((b >> 7) & 0xffu) == 0xffu) b &= ~0x4000u;
+          half[i] = static_cast<uint16_t>(b);
+        } else {
+          if (((b >> 23) & 0xffu) == 0xffu) b &= ~0x40000000u;
+          bits[i] = b;
+        }
+      }
+      Matrix w{dtype == DType::kF32 ? static_cast<const void*>(bits.data()) : half.data(), dtype,
+               rows, cols};
+      for (int64_t target : KernelTargets()) {
+        ScopedTarget scoped(target);
+        for (int64_t r = 0; r < rows; ++r) {
+          std::vector<float> a(cols), b(cols);
+          cpu::DequantRow(w, r, a.data());
+          ref::DequantRow(w, r, b.data());
+          EXPECT_EQ(std::memcmp(a.data(), b.data(), sizeof(float) * cols), 0)
+              << DTypeName(dtype) << " cols=" << cols << " row=" << r << TargetString(target);
+        }
+      }
+    }
+  }
+}
+
+// Checks cpu::MatMul against ref::MatMul on one matrix and input, for every target, with and
+// without bias, on 1 and 3 threads, with y_stride = rows and larger: normalized error, and the y
+// padding (columns [rows, y_stride)) untouched.
+void CheckMatMul(const TestMatrix& w, const std::vector<float>& x, int64_t n,
+                 const std::vector<float>& bias, ThreadPool& pool1, ThreadPool& pool3,
+                 const std::string& what) {
+  const int64_t rows = w.m.rows;
+  // ref::MatMul without bias; the bias is then added to each output, as MatMul defines it.
+  std::vector<float> expect[2];
+  expect[0].resize(n * rows);
+  ref::MatMul(x.data(), n, w.m, nullptr, expect[0].data(), rows, pool1);
+  expect[1] = expect[0];
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t r = 0; r < rows; ++r) expect[1][t * rows + r] += bias[r];
+  }
+  constexpr float kSentinel = -12345.0f;
+  for (int64_t target : KernelTargets()) {
+    ScopedTarget scoped(target);
+    for (int variant = 0; variant < 4; ++variant) {
+      const int with_bias = variant & 1;
+      ThreadPool& pool = (variant & 2) ? pool3 : pool1;
+      const int64_t y_stride = rows + (variant == 3 ? 7 : variant);
+      std::vector<float> y(n * y_stride, kSentinel);
+      cpu::MatMul(x.data(), n, w.m, with_bias ? bias.data() : nullptr, y.data(), y_stride, pool);
+      std::vector<float> got;
+      for (int64_t t = 0; t < n; ++t) {
+        got.insert(got.end(), y.begin() + t * y_stride, y.begin() + t * y_stride + rows);
+        for (int64_t r = rows; r < y_stride; ++r) {
+          ASSERT_EQ(y[t * y_stride + r], kSentinel)
+              << what << TargetString(target) << ": wrote past rows";
+        }
+      }
+      EXPECT_LT(NormErr(got, expect[with_bias]), 1e-5)
+          << what << " bias=" << with_bias << " threads=" << pool.size() << " y_stride=" << y_stride
+          << TargetString(target);
+    }
+  }
+}
+
+TEST(KernelsCpu, MatMulMatchesRef) {
+  std::mt19937 rng(4);
+  ThreadPool pool1(1), pool3(3);
+  for (DType dtype : kAllTypes) {
+    for (int64_t rows : kDims) {
+      for (int64_t cols : kDims) {
+        TestMatrix w = MakeMatrix(rows, cols, dtype, rng);
+        std::vector<float> bias = RandomVec(rows, rng);
+        for (int64_t n : {1, 2, 3, 5}) {
+          std::vector<float> x = RandomVec(n * cols, rng);
+          CheckMatMul(w, x, n, bias, pool1, pool3, Describe(dtype, rows, cols, n));
+        }
+      }
+    }
+  }
+}
+
+TEST(KernelsCpu, MatMulManyTokensMatchesRef) {
+  std::mt19937 rng(5);
+  ThreadPool pool1(1), pool3(3);
+  for (DType dtype : kAllTypes) {
+    for (int64_t rows : {1, 17, 97, 384, 1029}) {
+      for (int64_t cols : {3, 31, 384, 1029}) {
+        TestMatrix w = MakeMatrix(rows, cols, dtype, rng);
+        std::vector<float> bias = RandomVec(rows, rng);
+        for (int64_t n : {17, 64}) {
+          std::vector<float> x = RandomVec(n * cols, rng);
+          CheckMatMul(w, x, n, bias, pool1, pool3, Describe(dtype, rows, cols, n));
+        }
+      }
+    }
+  }
+}
+
+// Each output is computed with the same operation order whatever the thread count.
+TEST(KernelsCpu, MatMulIndependentOfThreadCount) {
+  std::mt19937 rng(6);
+  ThreadPool pool1(1), pool3(3);
+  for (DType dtype : kAllTypes) {
+    for (int64_t n : {1, 7}) {
+      TestMatrix w = MakeMatrix(1029, 391, dtype, rng);
+      std::vector<float> x = RandomVec(n * 391, rng);
+      for (int64_t target : KernelTargets()) {
+        ScopedTarget scoped(target);
+        std::vector<float> y1(n * 1029), y3(n * 1029);
+        cpu::MatMul(x.data(), n, w.m, nullptr, y1.data(), 1029, pool1);
+        cpu::MatMul(x.data(), n, w.m, nullptr, y3.data(), 1029, pool3);
+        EXPECT_EQ(std::memcmp(y1.data(), y3.data(), sizeof(float) * y1.size()), 0)
+            << DTypeName(dtype) << " n=" << n << TargetString(target);
+      }
+    }
+  }
+}
+
+TEST(KernelsCpu, ElementwiseMatchRef) {
+  for (int64_t target : KernelTargets()) {
+    ScopedTarget scoped(target);
+    const std::string tn = TargetString(target);
+    std::mt19937 rng(7);
+    for (int64_t dim : kDims) {
+      std::vector<float> x = RandomVec(dim, rng, -4.0f, 4.0f);
+      std::vector<float> weight = RandomVec(dim, rng);
+      std::vector<float> a(dim), b(dim);
+      cpu::RmsNorm(x.data(), weight.data(), dim, 1e-6f, a.data());
+      ref::RmsNorm(x.data(), weight.data(), dim, 1e-6f, b.data());
+      EXPECT_LT(NormErr(a, b), 1e-5) << "RmsNorm dim=" << dim << tn;
+      a = x;  // in place
+      cpu::RmsNorm(a.data(), weight.data(), dim, 1e-6f, a.data());
+      EXPECT_LT(NormErr(a, b), 1e-5) << "RmsNorm in place dim=" << dim << tn;
+
+      // Gates spanning the saturating ranges of exp.
+      std::vector<float> gate = RandomVec(dim, rng, -30.0f, 30.0f);
+      if (dim > 2) {
+        gate[0] = -200.0f;
+        gate[1] = 150.0f;
+      }
+      std::vector<float> up = RandomVec(dim, rng);
+      cpu::SiluMul(gate.data(), up.data(), a.data(), dim);
+      ref::SiluMul(gate.data(), up.data(), b.data(), dim);
+      EXPECT_LT(NormErr(a, b), 1e-5) << "SiluMul dim=" << dim << tn;
+      for (int64_t i = 0; i < dim; ++i) {
+        ASSERT_NEAR(a[i], b[i], 1e-6f * (1.0f + std::fabs(b[i])))
+            << "SiluMul dim=" << dim << " i=" << i << tn;
+      }
+      a = gate;  // out aliases gate
+      cpu::SiluMul(a.data(), up.data(), a.data(), dim);
+      EXPECT_LT(NormErr(a, b), 1e-5) << "SiluMul in place dim=" << dim << tn;
+    }
+    for (int head_dim : {2, 6, 34, 64, 80, 128, 256}) {
+      for (int n_heads : {1, 3, 14}) {
+        std::vector<float> x = RandomVec(static_cast<size_t>(n_heads) * head_dim, rng);
+        std::vector<float> cos(head_dim / 2), sin(head_dim / 2);
+        for (int i = 0; i < head_dim / 2; ++i) {
+          const float angle = 37.0f * std::pow(10000.0f, -2.0f * i / head_dim);
+          cos[i] = std::cos(angle);
+          sin[i] = std::sin(angle);
+        }
+        std::vector<float> a = x, b = x;
+        cpu::RopeRotateHalf(a.data(), n_heads, head_dim, cos.data(), sin.data());
+        ref::RopeRotateHalf(b.data(), n_heads, head_dim, cos.data(), sin.data());
+        EXPECT_LT(NormErr(a, b), 1e-5)
+            << "Rope head_dim=" << head_dim << " n_heads=" << n_heads << tn;
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Attention.
+
+// A paged K/V cache holding given keys in a shuffled set of slots, plus the same keys as contiguous
+// arrays in logical order. Unused slot memory is NaN and unused positions are -1 (visible to every
+// query), so a kernel that reads past a page's tokens fails.
+struct TestKv {
+  int head_dim = 0, page_tokens = 0, n_tokens = 0;
+  std::vector<float> slots;
+  std::vector<int32_t> positions;
+  std::vector<int32_t> page_ids;
+  std::vector<float> k, v;
+  std::vector<int32_t> k_pos;
+  PagedKv view;
+};
+
+TestKv MakeKv(const std::vector<int32_t>& key_pos, int page_tokens, int head_dim,
+              std::mt19937& rng) {
+  TestKv kv;
+  kv.head_dim = head_dim;
+  kv.page_tokens = page_tokens;
+  kv.n_tokens = static_cast<int>(key_pos.size());
+  kv.k_pos = key_pos;
+  kv.k = RandomVec(key_pos.size() * head_dim, rng);
+  kv.v = RandomVec(key_pos.size() * head_dim, rng);
+  const int n_pages = (kv.n_tokens + page_tokens - 1) / page_tokens;
+  const int n_slots = n_pages + 3;
+  const int64_t slot_floats = 2 * static_cast<int64_t>(page_tokens) * head_dim + 5;
+  kv.slots.assign(n_slots * slot_floats, std::numeric_limits<float>::quiet_NaN());
+  kv.positions.assign(static_cast<size_t>(n_slots) * page_tokens, -1);
+  std::vector<int32_t> perm(n_slots);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  kv.page_ids.assign(perm.begin(), perm.begin() + n_pages);
+  for (int j = 0; j < kv.n_tokens; ++j) {
+    const int64_t slot = kv.page_ids[j / page_tokens];
+    const int in_page = j % page_tokens;
+    float* base = kv.slots.data() + slot * slot_floats;
+    std::copy_n(&kv.k[static_cast<size_t>(j) * head_dim], head_dim, base + in_page * head_dim);
+    std::copy_n(&kv.v[static_cast<size_t>(j) * head_dim], head_dim,
+                base + (page_tokens + in_page) * head_dim);
+    kv.positions[slot * page_tokens + in_page] = key_pos[j];
+  }
+  kv.view.slots = kv.slots.data();
+  kv.view.positions = kv.positions.data();
+  kv.view.slot_floats = slot_floats;
+  kv.view.page_tokens = page_tokens;
+  kv.view.head_dim = head_dim;
+  kv.view.page_ids = kv.page_ids.data();
+  kv.view.n_tokens = kv.n_tokens;
+  return kv;
+}
+
+// Queries and output buffers for n_tok tokens of a GQA group, with padded strides.
+struct TestQueries {
+  std::vector<float> q;
+  std::vector<int32_t> q_pos;
+  int n_heads = 0, head_dim = 0;
+  int64_t q_stride = 0, out_stride = 0;
+
+  AttnBatch Batch(std::vector<float>& out, float scale) const {
+    out.assign(q_pos.size() * out_stride, 777.0f);
+    AttnBatch b;
+    b.q = q.data();
+    b.q_stride = q_stride;
+    b.out = out.data();
+    b.out_stride = out_stride;
+    b.q_pos = q_pos.data();
+    b.n_tok = static_cast<int>(q_pos.size());
+    b.n_heads = n_heads;
+    b.scale = scale;
+    return b;
+  }
+  // The outputs without stride padding; fails if the padding was written.
+  std::vector<float> Compact(const std::vector<float>& out) const {
+    std::vector<float> c;
+    const int64_t row = static_cast<int64_t>(n_heads) * head_dim;
+    for (size_t t = 0; t < q_pos.size(); ++t) {
+      c.insert(c.end(), out.begin() + t * out_stride, out.begin() + t * out_stride + row);
+      for (int64_t i = row; i < out_stride; ++i) EXPECT_EQ(out[t * out_stride + i], 777.0f);
+    }
+    return c;
+  }
+};
+
+TestQueries MakeQueries(std::vector<int32_t> q_pos, int n_heads, int head_dim, std::mt19937& rng) {
+  TestQueries q;
+  q.n_heads = n_heads;
+  q.head_dim = head_dim;
+  q.q_stride = static_cast<int64_t>(n_heads) * head_dim + 3;
+  q.out_stride = static_cast<int64_t>(n_heads) * head_dim + 7;
+  q.q_pos = std::move(q_pos);
+  q.q = RandomVec(q.q_pos.size() * q.q_stride, rng);
+  return q;
+}
+
+// Runs ref::ContiguousAttention, ref::PagedAttention and cpu::PagedAttention and compares.
+void CheckAttention(const TestKv& kv, const TestQueries& q, float scale, const std::string& what) {
+  std::vector<float> out_contig, out_ref, out_cpu;
+  ref::ContiguousAttention(q.Batch(out_contig, scale), kv.k.data(), kv.v.data(), kv.k_pos.data(),
+                           kv.n_tokens, kv.head_dim);
+  ref::PagedAttention(q.Batch(out_ref, scale), kv.view);
+  const std::vector<float> expect = q.Compact(out_contig);
+  EXPECT_LT(NormErr(q.Compact(out_ref), expect), 1e-6) << "ref " << what;
+  for (int64_t target : KernelTargets()) {
+    ScopedTarget scoped(target);
+    cpu::PagedAttention(q.Batch(out_cpu, scale), kv.view);
+    EXPECT_LT(NormErr(q.Compact(out_cpu), expect), 1e-5) << "cpu " << what << TargetString(target);
+  }
+}
+
+TEST(KernelsRef, ContiguousAttentionMatchesDouble) {
+  std::mt19937 rng(8);
+  const int n_keys = 23, head_dim = 16, n_heads = 2;
+  std::vector<int32_t> k_pos(n_keys);
+  std::iota(k_pos.begin(), k_pos.end(), 0);
+  TestKv kv = MakeKv(k_pos, 16, head_dim, rng);
+  TestQueries q = MakeQueries({5, 22, -1}, n_heads, head_dim, rng);
+  std::vector<float> out;
+  const float scale = 0.7f;
+  ref::ContiguousAttention(q.Batch(out, scale), kv.k.data(), kv.v.data(), kv.k_pos.data(), n_keys,
+                           head_dim);
+  for (size_t t = 0; t < q.q_pos.size(); ++t) {
+    for (int h = 0; h < n_heads; ++h) {
+      const float* qv = &q.q[t * q.q_stride + h * head_dim];
+      std::vector<double> p(n_keys, 0.0);
+      double max_s = -1e300, sum = 0.0;
+      for (int j = 0; j < n_keys; ++j) {
+        if (k_pos[j] > q.q_pos[t]) continue;
+        double s = 0.0;
+        for (int d = 0; d < head_dim; ++d) s += static_cast<double>(qv[d]) * kv.k[j * head_dim + d];
+        p[j] = s * scale;
+        max_s = std::max(max_s, p[j]);
+      }
+      for (int j = 0; j < n_keys; ++j) {
+        p[j] = k_pos[j] > q.q_pos[t] ? 0.0 : std::exp(p[j] - max_s);
+        sum += p[j];
+      }
+      for (int d = 0; d < head_dim; ++d) {
+        double o = 0.0;
+        for (int j = 0; j < n_keys; ++j) o += p[j] * kv.v[j * head_dim + d];
+        const double expect = sum == 0.0 ? 0.0 : o / sum;
+        EXPECT_NEAR(out[t * q.out_stride + h * head_dim + d], expect, 1e-6)
+            << "t=" << t << " h=" << h << " d=" << d;
+      }
+    }
+  }
+}
+
+TEST(KernelsAttention, PagedMatchesContiguous) {
+  std::mt19937 rng(9);
+  for (int n_keys : {1, 15, 16, 17, 97, 1000, 4095}) {
+    std::vector<int32_t> k_pos(n_keys);
+    std::iota(k_pos.begin(), k_pos.end(), 0);
+    for (int page_tokens : {1, 16, 64}) {
+      for (int head_dim : {64, 80, 128}) {
+        TestKv kv = MakeKv(k_pos, page_tokens, head_dim, rng);
+        for (int n_heads : {1, 3, 4}) {
+          // Sharper softmax for some cases, to exercise the running-max rescaling.
+          const float scale =
+              (n_heads == 3 ? 4.0f : 1.0f) / std::sqrt(static_cast<float>(head_dim));
+          const std::string what =
+              "keys=" + std::to_string(n_keys) + " page=" + std::to_string(page_tokens) +
+              " head_dim=" + std::to_string(head_dim) + " heads=" + std::to_string(n_heads);
+          // Decode: one query at the last position.
+          CheckAttention(kv, MakeQueries({n_keys - 1}, n_heads, head_dim, rng), scale,
+                         "decode " + what);
+          // Prefill chunk: the queries are the last keys, causally masked.
+          const int n_q = std::min(n_keys, 7);
+          std::vector<int32_t> q_pos(n_q);
+          std::iota(q_pos.begin(), q_pos.end(), n_keys - n_q);
+          CheckAttention(kv, MakeQueries(q_pos, n_heads, head_dim, rng), scale, "prefill " + what);
+        }
+      }
+    }
+  }
+}
+
+// Many query tokens (several tiles of query rows), including a prefill from position 0.
+TEST(KernelsAttention, LongPrefillMatchesContiguous) {
+  std::mt19937 rng(10);
+  const int n_keys = 300, head_dim = 64;
+  std::vector<int32_t> k_pos(n_keys);
+  std::iota(k_pos.begin(), k_pos.end(), 0);
+  TestKv kv = MakeKv(k_pos, 16, head_dim, rng);
+  for (int n_heads : {1, 4, 7, 16}) {
+    std::vector<int32_t> q_pos(n_keys);
+    std::iota(q_pos.begin(), q_pos.end(), 0);
+    CheckAttention(kv, MakeQueries(q_pos, n_heads, head_dim, rng), 0.125f,
+                   "heads=" + std::to_string(n_heads));
+  }
+}
+
+// Positions with gaps (as after eviction), in no particular order across and within pages, and
+// queries before, between and after them.
+TEST(KernelsAttention, GappedUnsortedPositions) {
+  std::mt19937 rng(11);
+  for (int n_keys : {17, 97, 1000}) {
+    std::vector<int32_t> k_pos(n_keys);
+    int32_t p = 10;
+    for (int32_t& x : k_pos) {
+      x = p;
+      p += 1 + static_cast<int32_t>(rng() % 5);
+    }
+    std::shuffle(k_pos.begin(), k_pos.end(), rng);
+    const int32_t last = p;
+    for (int page_tokens : {1, 16, 64}) {
+      for (int head_dim : {64, 80}) {
+        TestKv kv = MakeKv(k_pos, page_tokens, head_dim, rng);
+        for (int n_heads : {1, 3, 4}) {
+          std::vector<int32_t> q_pos = {5,        10,           11,       last / 3,
+                                        last / 2, last / 2 + 1, last - 1, last + 100};
+          CheckAttention(kv, MakeQueries(q_pos, n_heads, head_dim, rng), 0.2f,
+                         "keys=" + std::to_string(n_keys) + " page=" + std::to_string(page_tokens) +
+                             " head_dim=" + std::to_string(head_dim) +
+                             " heads=" + std::to_string(n_heads));
+        }
+      }
+    }
+  }
+}
+
+TEST(KernelsAttention, NoVisibleKeyGivesZeros) {
+  std::mt19937 rng(12);
+  std::vector<int32_t> k_pos(40);
+  std::iota(k_pos.begin(), k_pos.end(), 100);
+  TestKv kv = MakeKv(k_pos, 16, 64, rng);
+  TestQueries q = MakeQueries({3, 99}, 3, 64, rng);
+  TestKv empty = MakeKv({}, 16, 64, rng);
+  for (const TestKv* cache : {&kv, &empty}) {
+    std::vector<float> out_ref, out_contig;
+    ref::PagedAttention(q.Batch(out_ref, 0.125f), cache->view);
+    ref::ContiguousAttention(q.Batch(out_contig, 0.125f), cache->k.data(), cache->v.data(),
+                             cache->k_pos.data(), cache->n_tokens, 64);
+    for (const std::vector<float>* out : {&out_ref, &out_contig}) {
+      for (float x : q.Compact(*out)) ASSERT_EQ(x, 0.0f);
+    }
+    for (int64_t target : KernelTargets()) {
+      ScopedTarget scoped(target);
+      std::vector<float> out_cpu;
+      cpu::PagedAttention(q.Batch(out_cpu, 0.125f), cache->view);
+      for (float x : q.Compact(out_cpu)) ASSERT_EQ(x, 0.0f) << TargetString(target);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Speed (prints only): --gtest_also_run_disabled_tests --gtest_filter='KernelsBench*'
+
+template <class Fn>
+double SecondsPerCall(const Fn& fn, double min_seconds = 0.3) {
+  fn();  // warm up
+  int iters = 1;
+  for (;;) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < iters; ++i) fn();
+    const double s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (s >= min_seconds) return s / iters;
+    iters *= 2;
+  }
+}
+
+TEST(KernelsBench, DISABLED_MatMul) {
+  std::mt19937 rng(13);
+  for (int threads : {1, 2}) {
+    ThreadPool pool(threads);
+    for (int64_t rows : {1024, 8192}) {
+      const int64_t cols = 384;
+      TestMatrix w = MakeMatrix(rows, cols, DType::kBF16, rng);
+      std::vector<float> x = RandomVec(cols, rng), y(rows);
+      const double s =
+          SecondsPerCall([&] { cpu::MatMul(x.data(), 1, w.m, nullptr, y.data(), rows, pool); });
+      std::printf("decode bf16 %5lldx%lld threads=%d: %8.2f us  %6.1f GB/s\n", (long long)rows,
+                  (long long)cols, threads, s * 1e6, rows * cols * 2 / s / 1e9);
+    }
+    for (DType dtype : kAllTypes) {
+      const int64_t rows = 1024, cols = 384, n = 512;
+      TestMatrix w = MakeMatrix(rows, cols, dtype, rng);
+      std::vector<float> x = RandomVec(n * cols, rng), y(n * rows);
+      const double s =
+          SecondsPerCall([&] { cpu::MatMul(x.data(), n, w.m, nullptr, y.data(), rows, pool); });
+      std::printf("prefill %-4s %lldx%lld n=%lld threads=%d: %8.2f ms  %6.1f GFLOP/s\n",
+                  DTypeName(dtype), (long long)rows, (long long)cols, (long long)n, threads,
+                  s * 1e3, 2.0 * rows * cols * n / s / 1e9);
+    }
+  }
+}
+
+TEST(KernelsBench, DISABLED_Attention) {
+  std::mt19937 rng(14);
+  for (int n_keys : {512, 4096}) {
+    std::vector<int32_t> k_pos(n_keys);
+    std::iota(k_pos.begin(), k_pos.end(), 0);
+    TestKv kv = MakeKv(k_pos, 16, 64, rng);
+    for (int n_q : {1, 64}) {
+      std::vector<int32_t> q_pos(n_q);
+      std::iota(q_pos.begin(), q_pos.end(), n_keys - n_q);
+      TestQueries q = MakeQueries(q_pos, 7, 64, rng);
+      std::vector<float> out;
+      const AttnBatch b = q.Batch(out, 0.125f);
+      const double s = SecondsPerCall([&] { cpu::PagedAttention(b, kv.view); });
+      std::printf("attention keys=%d queries=%d heads=7 head_dim=64: %8.2f us  %6.1f GFLOP/s\n",
+                  n_keys, n_q, s * 1e6, 4.0 * n_q * 7 * 64 * (n_keys - n_q / 2.0) / s / 1e9);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace cachet::kernels

@@ -1,0 +1,76 @@
+// The paged KV cache: pool accounting, all-or-nothing reservation, fork and copy-on-write.
+#include <gtest/gtest.h>
+
+#include "kv/paged_sequence.h"
+
+namespace cachet {
+namespace {
+
+KvLayout SmallLayout() { return KvLayout{2, 2, 8, 4}; }  // 2 layers x 2 heads, 4-token pages
+
+std::vector<float> Row(float v, int n = 8) { return std::vector<float>(n, v); }
+
+void AppendTokens(PagedSequence& s, int n, float base) {
+  ASSERT_TRUE(s.Reserve(n).ok());
+  for (int i = 0; i < n; ++i) {
+    for (int l = 0; l < 2; ++l) {
+      for (int h = 0; h < 2; ++h) {
+        auto k = Row(base + i), v = Row(-(base + i));
+        s.Append(l, h, k.data(), v.data(), s.n_tokens() + i);
+      }
+    }
+  }
+  s.CommitTokens(n);
+}
+
+TEST(KvCache, ReserveIsAllOrNothing) {
+  const KvLayout lay = SmallLayout();
+  PagePool pool(lay, 10 * lay.page_bytes());  // 10 pages; 4 tables
+  EXPECT_EQ(pool.capacity_pages(), 10);
+  PagedSequence s(pool);
+  AppendTokens(s, 5, 0);  // 2 pages per table = 8
+  EXPECT_EQ(pool.used_pages(), 8);
+  EXPECT_EQ(pool.used_bytes(), 8 * lay.page_bytes());
+  // 4 more tokens need one more page per table (4) but only 2 are free.
+  Status st = s.Reserve(4);
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(st.message().find("need 4 pages, 2 of 10 free"), std::string::npos) << st.message();
+  EXPECT_EQ(pool.used_pages(), 8);
+  EXPECT_EQ(s.pages_held(), 8);
+  EXPECT_EQ(s.head_length(1, 1), 5);
+  // 3 more fit in the partly filled pages.
+  AppendTokens(s, 3, 5);
+  EXPECT_EQ(pool.used_pages(), 8);
+  EXPECT_EQ(pool.high_water_pages(), 8);
+}
+
+TEST(KvCache, ForkSharesAndCopiesOnWrite) {
+  const KvLayout lay = SmallLayout();
+  PagePool pool(lay, 64 * lay.page_bytes());
+  auto parent = std::make_unique<PagedSequence>(pool);
+  AppendTokens(*parent, 6, 0);  // pages: one full, one half full, per table
+  EXPECT_EQ(pool.used_pages(), 8);
+  auto child = parent->Fork();
+  EXPECT_EQ(pool.used_pages(), 8);  // shared, nothing copied
+  AppendTokens(*child, 1, 100);     // writes into the shared half page: copied first
+  EXPECT_EQ(pool.used_pages(), 12);
+  // The parent's view is unchanged, the child's holds the new token.
+  const kernels::PagedKv pv = parent->View(0, 0), cv = child->View(0, 0);
+  EXPECT_EQ(pv.n_tokens, 6);
+  EXPECT_EQ(cv.n_tokens, 7);
+  EXPECT_EQ(pv.page_ids[0], cv.page_ids[0]);  // the full page stays shared
+  EXPECT_NE(pv.page_ids[1], cv.page_ids[1]);
+  const float* child_k = pv.slots + cv.page_ids[1] * pv.slot_floats;
+  EXPECT_EQ(child_k[1 * 8], 5.0f);    // token 5 copied
+  EXPECT_EQ(child_k[2 * 8], 100.0f);  // token 6 written
+  const float* parent_k = pv.slots + pv.page_ids[1] * pv.slot_floats;
+  EXPECT_EQ(parent_k[1 * 8], 5.0f);
+  EXPECT_EQ(pool.positions(cv.page_ids[1])[2], 6);
+  parent.reset();  // child still holds the shared full pages
+  EXPECT_EQ(pool.used_pages(), 8);
+  child.reset();
+  EXPECT_EQ(pool.used_pages(), 0);
+}
+
+}  // namespace
+}  // namespace cachet

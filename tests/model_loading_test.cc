@@ -1,0 +1,395 @@
+// Model loading: configs, safetensors (single and sharded), every architecture variant, and the
+// errors bad files must produce (naming file and tensor, never crashing).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <random>
+
+#include "kv/paged_sequence.h"
+#include "model/config.h"
+#include "model/safetensors.h"
+#include "model/transformer.h"
+#include "runtime/sampler.h"
+#include "test_util.h"
+
+namespace cachet {
+namespace {
+
+using nlohmann::json;
+using testing::ModelDir;
+using testing::ReadFile;
+using testing::TempDir;
+
+struct Tensor {
+  std::string name;
+  std::string dtype;  // "F32", "F16", "BF16"
+  std::vector<int64_t> shape;
+  std::vector<float> values;
+};
+
+std::string EncodeSafetensors(const std::vector<Tensor>& tensors) {
+  json header = json::object();
+  std::string data;
+  for (const Tensor& t : tensors) {
+    const size_t begin = data.size();
+    for (float v : t.values) {
+      if (t.dtype == "F32") {
+        data.append(reinterpret_cast<const char*>(&v), 4);
+      } else {
+        uint16_t h = t.dtype == "F16" ? F32ToF16(v) : F32ToBf16(v);
+        data.append(reinterpret_cast<const char*>(&h), 2);
+      }
+    }
+    header[t.name] = {
+        {"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {begin, data.size()}}};
+  }
+  std::string h = header.dump();
+  while (h.size() % 8) h += ' ';
+  uint64_t n = h.size();
+  return std::string(reinterpret_cast<const char*>(&n), 8) + h + data;
+}
+
+// A tiny random Llama-family model: config + tensors.
+struct TinyModel {
+  json config;
+  std::vector<Tensor> tensors;
+};
+
+TinyModel MakeTinyModel(const std::string& model_type, const std::string& dtype, uint32_t seed,
+                        bool zero_bias = false) {
+  const int d = 32, f = 48, n_heads = 4, n_kv = 2, hd = 16, vocab = 64, layers = 2;
+  TinyModel m;
+  m.config = {{"model_type", model_type},
+              {"vocab_size", vocab},
+              {"hidden_size", d},
+              {"intermediate_size", f},
+              {"num_hidden_layers", layers},
+              {"num_attention_heads", n_heads},
+              {"num_key_value_heads", n_kv},
+              {"head_dim", hd},
+              {"rope_theta", 10000.0},
+              {"rms_norm_eps", 1e-6},
+              {"max_position_embeddings", 256},
+              {"tie_word_embeddings", false},
+              {"hidden_act", "silu"}};
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 0.2f);
+  auto add = [&](const std::string& name, std::vector<int64_t> shape, float base = 0.0f,
+                 bool zero = false) {
+    int64_t n = 1;
+    for (int64_t s : shape) n *= s;
+    std::vector<float> v(n);
+    for (float& x : v) {
+      x = zero ? 0.0f : base + nd(rng);
+      x = dtype == "F16" ? F16ToF32(F32ToF16(x)) : dtype == "BF16" ? Bf16ToF32(F32ToBf16(x)) : x;
+    }
+    m.tensors.push_back({name, dtype, shape, v});
+  };
+  add("model.embed_tokens.weight", {vocab, d});
+  add("lm_head.weight", {vocab, d});
+  add("model.norm.weight", {d}, 1.0f);
+  for (int l = 0; l < layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    add(p + "self_attn.q_proj.weight", {n_heads * hd, d});
+    add(p + "self_attn.k_proj.weight", {n_kv * hd, d});
+    add(p + "self_attn.v_proj.weight", {n_kv * hd, d});
+    add(p + "self_attn.o_proj.weight", {d, n_heads * hd});
+    add(p + "mlp.gate_proj.weight", {f, d});
+    add(p + "mlp.up_proj.weight", {f, d});
+    add(p + "mlp.down_proj.weight", {d, f});
+    add(p + "input_layernorm.weight", {d}, 1.0f);
+    add(p + "post_attention_layernorm.weight", {d}, 1.0f);
+    if (model_type == "qwen2") {
+      add(p + "self_attn.q_proj.bias", {n_heads * hd}, 0.0f, zero_bias);
+      add(p + "self_attn.k_proj.bias", {n_kv * hd}, 0.0f, zero_bias);
+      add(p + "self_attn.v_proj.bias", {n_kv * hd}, 0.0f, zero_bias);
+    }
+    if (model_type == "qwen3") {
+      add(p + "self_attn.q_norm.weight", {hd}, 1.0f);
+      add(p + "self_attn.k_norm.weight", {hd}, 1.0f);
+    }
+  }
+  return m;
+}
+
+void WriteModel(const TempDir& dir, const TinyModel& m, int shards = 1) {
+  dir.Write("config.json", m.config.dump());
+  if (shards == 1) {
+    dir.Write("model.safetensors", EncodeSafetensors(m.tensors));
+    return;
+  }
+  json index = {{"metadata", json::object()}, {"weight_map", json::object()}};
+  for (int s = 0; s < shards; ++s) {
+    std::vector<Tensor> part;
+    const std::string name =
+        "model-0000" + std::to_string(s + 1) + "-of-0000" + std::to_string(shards) + ".safetensors";
+    for (size_t i = s; i < m.tensors.size(); i += shards) {
+      part.push_back(m.tensors[i]);
+      index["weight_map"][m.tensors[i].name] = name;
+    }
+    dir.Write(name, EncodeSafetensors(part));
+  }
+  dir.Write("model.safetensors.index.json", index.dump());
+}
+
+// Logits of every token of a fixed prompt.
+Result<std::vector<float>> RunTiny(const std::string& dir) {
+  CACHET_ASSIGN_OR_RETURN(auto model, Transformer::Load(dir, 16));
+  const ModelConfig& c = model->config();
+  PagePool pool(KvLayout{c.n_layers, c.n_kv_heads, c.head_dim, 4}, 1 << 20);
+  PagedSequence seq(pool);
+  ThreadPool threads(2);
+  std::vector<int32_t> tokens = {1, 5, 9, 33, 2, 60, 7, 7, 12, 40, 3};
+  std::vector<int32_t> pos(tokens.size());
+  for (size_t i = 0; i < pos.size(); ++i) pos[i] = static_cast<int32_t>(i);
+  std::vector<float> logits(tokens.size() * c.vocab_size);
+  CACHET_RETURN_IF_ERROR(model->Forward(tokens, pos, seq, threads, logits.data(), true));
+  return logits;
+}
+
+double RelErr(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (a[i] - b[i]) * double(a[i] - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return std::sqrt(num / den);
+}
+
+TEST(ModelLoading, KvtinyConfigAndTensors) {
+  auto c = ModelConfig::Load(ModelDir());
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->arch, Arch::kLlama);
+  EXPECT_EQ(c->n_layers, 8);
+  EXPECT_EQ(c->n_kv_heads, 2);
+  EXPECT_EQ(c->head_dim, 64);
+  EXPECT_TRUE(c->tie_word_embeddings);
+  EXPECT_NEAR(c->ParamCount() / 1e6, 15.74, 0.01);
+  auto store = TensorStore::OpenDir(ModelDir());
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  EXPECT_EQ(store->tensors().at("model.embed_tokens.weight").dtype, DType::kBF16);
+}
+
+TEST(ModelLoading, ArchitectureVariantsRun) {
+  for (std::string arch : {"llama", "mistral", "qwen2", "qwen3"}) {
+    TempDir dir;
+    WriteModel(dir, MakeTinyModel(arch, "F32", 7));
+    auto logits = RunTiny(dir.path());
+    ASSERT_TRUE(logits.ok()) << arch << ": " << logits.status().ToString();
+    for (float v : *logits) ASSERT_TRUE(std::isfinite(v)) << arch;
+  }
+}
+
+TEST(ModelLoading, Qwen2WithZeroBiasEqualsLlama) {
+  TempDir a, b, c;
+  WriteModel(a, MakeTinyModel("llama", "F32", 11));
+  WriteModel(b, MakeTinyModel("qwen2", "F32", 11, /*zero_bias=*/true));
+  WriteModel(c, MakeTinyModel("qwen2", "F32", 11, /*zero_bias=*/false));
+  auto la = RunTiny(a.path()), lb = RunTiny(b.path()), lc = RunTiny(c.path());
+  ASSERT_TRUE(la.ok() && lb.ok() && lc.ok());
+  EXPECT_LT(RelErr(*lb, *la), 1e-6);  // the bias path adds exactly zero
+  EXPECT_GT(RelErr(*lc, *la), 1e-3);  // and real biases do change the output
+}
+
+TEST(ModelLoading, Qwen3UnitNormsDifferFromLlama) {
+  // q_norm/k_norm normalize each head; with weights 1 the output still differs from plain llama,
+  // proving the per-head norms are applied.
+  TempDir a, b;
+  WriteModel(a, MakeTinyModel("llama", "F32", 13));
+  WriteModel(b, MakeTinyModel("qwen3", "F32", 13));
+  auto la = RunTiny(a.path()), lb = RunTiny(b.path());
+  ASSERT_TRUE(la.ok() && lb.ok());
+  EXPECT_GT(RelErr(*lb, *la), 1e-3);
+}
+
+TEST(ModelLoading, DTypesAndShardingAgree) {
+  // Values rounded to bf16 are exact in f32, f16 (in this range) and bf16 files alike.
+  TinyModel m = MakeTinyModel("llama", "BF16", 5);
+  TempDir f32, f16, bf16, sharded;
+  TinyModel m32 = m, m16 = m;
+  for (auto& t : m32.tensors) t.dtype = "F32";
+  for (auto& t : m16.tensors) t.dtype = "F16";
+  WriteModel(f32, m32);
+  WriteModel(f16, m16);
+  WriteModel(bf16, m);
+  WriteModel(sharded, m, /*shards=*/3);
+  auto a = RunTiny(f32.path()), b = RunTiny(f16.path()), c = RunTiny(bf16.path()),
+       d = RunTiny(sharded.path());
+  ASSERT_TRUE(a.ok() && b.ok() && c.ok() && d.ok()) << d.status().ToString();
+  EXPECT_LT(RelErr(*b, *a), 1e-4);  // f16 rounding of the few values bf16 keeps but f16 cannot
+  EXPECT_LT(RelErr(*c, *a), 1e-6);
+  EXPECT_EQ(*d, *c);
+}
+
+TEST(ModelLoading, RopeScalingInvFreq) {
+  ModelConfig c;
+  c.head_dim = 128;
+  c.rope_theta = 500000.0f;
+  const std::vector<float> plain = c.RopeInvFreq();
+  c.rope_scaling.type = RopeScaling::Type::kLinear;
+  c.rope_scaling.factor = 4.0f;
+  std::vector<float> linear = c.RopeInvFreq();
+  for (size_t i = 0; i < plain.size(); ++i) EXPECT_FLOAT_EQ(linear[i], plain[i] / 4.0f);
+  // Llama 3.1: factor 8, low 1, high 4, original context 8192. High frequencies (wavelength below
+  // 2048) are kept, low ones (above 8192) divided by 8, the band between interpolated.
+  c.rope_scaling = {RopeScaling::Type::kLlama3, 8.0f, 1.0f, 4.0f, 8192};
+  std::vector<float> l3 = c.RopeInvFreq();
+  int kept = 0, divided = 0, smooth = 0;
+  for (size_t i = 0; i < plain.size(); ++i) {
+    const float wavelen = 2 * M_PI / plain[i];
+    if (wavelen < 2048) {
+      EXPECT_FLOAT_EQ(l3[i], plain[i]);
+      ++kept;
+    } else if (wavelen > 8192) {
+      EXPECT_FLOAT_EQ(l3[i], plain[i] / 8);
+      ++divided;
+    } else {
+      EXPECT_LT(l3[i], plain[i]);
+      EXPECT_GT(l3[i], plain[i] / 8);
+      ++smooth;
+    }
+  }
+  EXPECT_GT(kept, 0);
+  EXPECT_GT(divided, 0);
+  EXPECT_GT(smooth, 0);
+  EXPECT_NEAR(l3[0], 1.0f, 1e-6);  // the highest frequency is untouched
+}
+
+// ---- bad inputs: each names what is wrong and where ----
+
+std::string LoadError(const std::string& dir) {
+  auto r = Transformer::Load(dir, 8);
+  EXPECT_FALSE(r.ok());
+  return r.ok() ? "" : r.status().ToString();
+}
+
+TEST(ModelLoadingErrors, UnknownArchitecture) {
+  TempDir dir;
+  TinyModel m = MakeTinyModel("llama", "F32", 1);
+  m.config["model_type"] = "gpt_neox";
+  WriteModel(dir, m);
+  const std::string e = LoadError(dir.path());
+  EXPECT_NE(e.find("config.json"), std::string::npos) << e;
+  EXPECT_NE(e.find("gpt_neox"), std::string::npos) << e;
+}
+
+TEST(ModelLoadingErrors, MalformedConfig) {
+  TempDir dir;
+  dir.Write("config.json", "{\"model_type\": \"llama\", \"hidden_size\": \"big\"");
+  EXPECT_NE(LoadError(dir.path()).find("config.json"), std::string::npos);
+  json config = MakeTinyModel("llama", "F32", 1).config;
+  config["hidden_size"] = "big";
+  dir.Write("config.json", config.dump());
+  const std::string e = LoadError(dir.path());
+  EXPECT_NE(e.find("hidden_size"), std::string::npos) << e;
+}
+
+TEST(ModelLoadingErrors, MissingTensor) {
+  TempDir dir;
+  TinyModel m = MakeTinyModel("llama", "F32", 1);
+  m.tensors.erase(m.tensors.begin() + 5);  // a layer-0 matrix
+  const std::string name = MakeTinyModel("llama", "F32", 1).tensors[5].name;
+  WriteModel(dir, m);
+  const std::string e = LoadError(dir.path());
+  EXPECT_NE(e.find(name), std::string::npos) << e;
+  EXPECT_NE(e.find("missing"), std::string::npos) << e;
+}
+
+TEST(ModelLoadingErrors, MisShapedTensor) {
+  TempDir dir;
+  TinyModel m = MakeTinyModel("llama", "F32", 1);
+  for (auto& t : m.tensors) {
+    if (t.name == "model.layers.1.mlp.up_proj.weight") t.shape = {32, 48};  // transposed
+  }
+  WriteModel(dir, m);
+  const std::string e = LoadError(dir.path());
+  EXPECT_NE(e.find("model.layers.1.mlp.up_proj.weight"), std::string::npos) << e;
+  EXPECT_NE(e.find("[32, 48]"), std::string::npos) << e;
+  EXPECT_NE(e.find("expected [48, 32]"), std::string::npos) << e;
+  EXPECT_NE(e.find("model.safetensors"), std::string::npos) << e;
+}
+
+TEST(ModelLoadingErrors, TruncatedShard) {
+  TempDir dir;
+  WriteModel(dir, MakeTinyModel("llama", "F32", 1), 3);
+  const std::string shard = dir.path() + "/model-00002-of-00003.safetensors";
+  std::filesystem::resize_file(shard, std::filesystem::file_size(shard) - 100);
+  const std::string e = LoadError(dir.path());
+  EXPECT_NE(e.find("model-00002-of-00003.safetensors"), std::string::npos) << e;
+  EXPECT_NE(e.find("truncated"), std::string::npos) << e;
+  EXPECT_NE(e.find("tensor '"), std::string::npos) << e;
+}
+
+TEST(ModelLoadingErrors, HeaderLies) {
+  TempDir dir;
+  WriteModel(dir, MakeTinyModel("llama", "F32", 1));
+  std::string file = ReadFile(dir.path() + "/model.safetensors");
+  // Header length beyond the file.
+  std::string bad = file;
+  uint64_t huge = file.size() + 10;
+  std::memcpy(bad.data(), &huge, 8);
+  dir.Write("model.safetensors", bad);
+  EXPECT_NE(LoadError(dir.path()).find("exceeds the file size"), std::string::npos);
+  // Offsets beyond the data section, and offsets that disagree with the shape.
+  for (auto [from, to, what] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"\"data_offsets\":[0,", "\"data_offsets\":[999999999,", "outside"},
+           {"\"shape\":[64,32]", "\"shape\":[64,31]", "do not hold shape"},
+           {"\"dtype\":\"F32\"", "\"dtype\":\"I64\"", "unsupported dtype I64"},
+           {"\"data_offsets\"", "\"data_offsetz\"", "malformed entry"}}) {
+    std::string f = file;
+    size_t at = f.find(from);
+    ASSERT_NE(at, std::string::npos) << from;
+    std::string replaced = f.substr(0, at) + to + f.substr(at + from.size());
+    // Keep the header length consistent with the edited header.
+    uint64_t hl;
+    std::memcpy(&hl, replaced.data(), 8);
+    hl += to.size() - from.size();
+    std::memcpy(replaced.data(), &hl, 8);
+    dir.Write("model.safetensors", replaced);
+    const std::string e = LoadError(dir.path());
+    EXPECT_NE(e.find(what), std::string::npos) << e;
+    EXPECT_NE(e.find("model.safetensors"), std::string::npos) << e;
+  }
+  // Not JSON at all.
+  std::string garbage = file;
+  garbage[9] = '#';
+  dir.Write("model.safetensors", garbage);
+  EXPECT_NE(LoadError(dir.path()).find("not a JSON object"), std::string::npos);
+}
+
+TEST(ModelLoadingErrors, IndexNamesMissingShard) {
+  TempDir dir;
+  WriteModel(dir, MakeTinyModel("llama", "F32", 1), 2);
+  std::filesystem::remove(dir.path() + "/model-00002-of-00002.safetensors");
+  const std::string e = LoadError(dir.path());
+  EXPECT_NE(e.find("model-00002-of-00002.safetensors"), std::string::npos) << e;
+}
+
+TEST(ModelLoadingErrors, NoWeightsAtAll) {
+  TempDir dir;
+  dir.Write("config.json", MakeTinyModel("llama", "F32", 1).config.dump());
+  const std::string e = LoadError(dir.path());
+  EXPECT_NE(e.find("model.safetensors"), std::string::npos) << e;
+}
+
+TEST(ModelLoadingErrors, BadTokenIdChangesNothing) {
+  TempDir dir;
+  WriteModel(dir, MakeTinyModel("llama", "F32", 1));
+  auto model = Transformer::Load(dir.path(), 8);
+  ASSERT_TRUE(model.ok());
+  const ModelConfig& c = (*model)->config();
+  PagePool pool(KvLayout{c.n_layers, c.n_kv_heads, c.head_dim, 4}, 1 << 20);
+  PagedSequence seq(pool);
+  ThreadPool threads(1);
+  std::vector<int32_t> tokens = {1, 2, 64}, pos = {0, 1, 2};
+  std::vector<float> logits(c.vocab_size);
+  Status s = (*model)->Forward(tokens, pos, seq, threads, logits.data(), false);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("token id 64 at index 2"), std::string::npos) << s.message();
+  EXPECT_EQ(pool.used_pages(), 0);
+  EXPECT_EQ(seq.n_tokens(), 0);
+}
+
+}  // namespace
+}  // namespace cachet
