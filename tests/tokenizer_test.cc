@@ -138,7 +138,8 @@ TEST_F(TokenizerKvtiny, KnownPieces) {
   // The Llama-3-style regex splits numbers into single digits.
   const Ids digits = tok_->Encode("1234567890");
   ASSERT_EQ(digits.size(), 10u);
-  for (int i = 0; i < 10; ++i) EXPECT_EQ(tok_->TokenBytes(digits[i]), std::string(1, "1234567890"[i]));
+  for (int i = 0; i < 10; ++i)
+    EXPECT_EQ(tok_->TokenBytes(digits[i]), std::string(1, "1234567890"[i]));
   EXPECT_EQ(tok_->Encode(" the").size(), 1u);
   EXPECT_EQ(tok_->Encode("").size(), 0u);
   EXPECT_EQ(tok_->EncodePrompt(""), Ids{0});
@@ -151,7 +152,8 @@ TEST_F(TokenizerKvtiny, RoundTripsHaystackCorpus) {
     ASSERT_GT(text.size(), 50000u) << name;
     const auto start = std::chrono::steady_clock::now();
     const Ids ids = tok_->Encode(text);
-    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     EXPECT_TRUE(tok_->Decode(ids) == text) << name;
     // An 8k-vocab English BPE averages a few bytes per token.
     const double bytes_per_token = static_cast<double>(text.size()) / ids.size();
@@ -181,8 +183,13 @@ TEST_F(TokenizerKvtiny, ParsesSpecialTokensOnlyWhenAsked) {
 }
 
 TEST_F(TokenizerKvtiny, InvalidUtf8RoundTrips) {
-  std::vector<std::string> inputs = {"\xff\xfe abc \xc3", "\xc3", "a\xe2\x82", "\xed\xa0\x80 surrogate",
-                                     "over\xc0\xaflong", "\xf4\x90\x80\x80", "ok \xf0\x9f\x8e\x89 \x80\x80x",
+  std::vector<std::string> inputs = {"\xff\xfe abc \xc3",
+                                     "\xc3",
+                                     "a\xe2\x82",
+                                     "\xed\xa0\x80 surrogate",
+                                     "over\xc0\xaflong",
+                                     "\xf4\x90\x80\x80",
+                                     "ok \xf0\x9f\x8e\x89 \x80\x80x",
                                      std::string("nul\0byte", 8)};
   std::mt19937 rng(42);
   for (int k = 0; k < 50; ++k) {
@@ -228,8 +235,12 @@ TEST_F(TokenizerKvtiny, StreamDecoderEmitsWholeCharacters) {
 TEST_F(TokenizerKvtiny, StreamDecoderReplacesInvalidBytes) {
   StreamDecoder stream(*tok_);
   std::string out;
-  for (int32_t id : tok_->Encode("a\xff" "b\xe2\x82")) out += stream.Push(id);
-  EXPECT_EQ(out, "a\xEF\xBF\xBD" "b");  // the truncated "\xe2\x82" is held back
+  for (int32_t id : tok_->Encode("a\xff"
+                                 "b\xe2\x82"))
+    out += stream.Push(id);
+  EXPECT_EQ(out,
+            "a\xEF\xBF\xBD"
+            "b");  // the truncated "\xe2\x82" is held back
   EXPECT_EQ(stream.Flush(), "\xEF\xBF\xBD");
   EXPECT_EQ(stream.Flush(), "");
 }
@@ -411,6 +422,8 @@ TEST(TokenizerSplit, Behaviours) {
   EXPECT_EQ(load(split("MergedWithNext"))->Encode("b-a"), (Ids{1, 4}));
   EXPECT_EQ(load(split("Isolated"))->Encode("a--b"), (Ids{0, 2, 2, 1}));
   EXPECT_EQ(load(split("Contiguous"))->Encode("a--b"), (Ids{0, 6, 1}));
+  // Empty matches split too (between "a" and "b"), as in the reference.
+  EXPECT_EQ(load(split("Isolated", R"({"Regex": "-*"})"))->Encode("ab--ab"), (Ids{0, 1, 6, 0, 1}));
   // Chained Splits: "-" is split off, then "b" is split off each piece.
   EXPECT_EQ(load(split("Isolated") + "," + split("Isolated", R"({"Regex": "b"})"))->Encode("ab-ab"),
             (Ids{0, 1, 2, 0, 1}));

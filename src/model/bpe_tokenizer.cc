@@ -642,7 +642,10 @@ void ForEachRegexSpan(OnigRegex re, std::string_view text, const F& cb) {
       const int r = onig_search(re, start, end, p + pos, end, region, ONIG_OPTION_NONE);
       if (r < 0) break;  // no further match (or a matcher error: the rest is one gap)
       const size_t mb = i + region->beg[0], me = i + region->end[0];
-      if (me == mb) {  // an empty match splits nothing: look again one character later
+      if (me == mb) {  // an empty match only splits, as in HF; look again one character later
+        if (mb > gap) cb(gap, mb, false);
+        gap = mb;
+        if (mb >= j) break;
         pos = mb + Utf8Scan(p + mb, j - mb).len;
         continue;
       }

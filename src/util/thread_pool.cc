@@ -22,8 +22,8 @@ ThreadPool::ThreadPool(int n_threads) {
 
 ThreadPool::~ThreadPool() {
   stop_.store(true, std::memory_order_release);
-  generation_.fetch_add(1, std::memory_order_acq_rel);
-  generation_.notify_all();
+  work_.fetch_add(uint64_t{1} << 32, std::memory_order_acq_rel);
+  work_.notify_all();
   for (auto& w : workers_) w.join();
 }
 
@@ -32,26 +32,35 @@ int ThreadPool::DefaultThreads() {
   return n == 0 ? 1 : static_cast<int>(n);
 }
 
-void ThreadPool::Drain(int thread) {
+void ThreadPool::Drain(uint32_t generation, int thread) {
   for (;;) {
-    int64_t task = next_task_.fetch_add(1, std::memory_order_relaxed);
-    if (task >= n_tasks_) break;
-    (*fn_)(task, thread);
+    uint64_t w = work_.load(std::memory_order_acquire);
+    if (static_cast<uint32_t>(w >> 32) != generation) return;
+    const int64_t task = static_cast<uint32_t>(w);
+    const int64_t n = n_tasks_.load(std::memory_order_relaxed);
+    if (task >= n) return;
+    if (!work_.compare_exchange_weak(w, w + 1, std::memory_order_acq_rel)) continue;
+    // The claim succeeded in this generation, so fn_ and n_tasks_ are this round's.
+    (*fn_.load(std::memory_order_relaxed))(task, thread);
+    if (done_.fetch_add(1, std::memory_order_acq_rel) + 1 == n) done_.notify_one();
   }
 }
 
 void ThreadPool::WorkerLoop(int thread) {
-  uint64_t seen = 0;
+  uint32_t seen = 0;
   for (;;) {
-    for (int i = 0; i < kSpinIterations; ++i) {
-      if (generation_.load(std::memory_order_acquire) != seen) break;
+    uint64_t w = work_.load(std::memory_order_acquire);
+    for (int i = 0; i < kSpinIterations && static_cast<uint32_t>(w >> 32) == seen; ++i) {
       CACHET_PAUSE();
+      w = work_.load(std::memory_order_acquire);
     }
-    generation_.wait(seen, std::memory_order_acquire);
-    seen = generation_.load(std::memory_order_acquire);
+    while (static_cast<uint32_t>(w >> 32) == seen) {
+      work_.wait(w, std::memory_order_acquire);
+      w = work_.load(std::memory_order_acquire);
+    }
     if (stop_.load(std::memory_order_acquire)) return;
-    Drain(thread);
-    if (busy_workers_.fetch_sub(1, std::memory_order_acq_rel) == 1) busy_workers_.notify_one();
+    seen = static_cast<uint32_t>(w >> 32);
+    Drain(seen, thread);
   }
 }
 
@@ -61,21 +70,22 @@ void ThreadPool::Run(int64_t n_tasks, const std::function<void(int64_t, int)>& f
     for (int64_t t = 0; t < n_tasks; ++t) fn(t, 0);
     return;
   }
-  fn_ = &fn;
-  n_tasks_ = n_tasks;
-  next_task_.store(0, std::memory_order_relaxed);
-  busy_workers_.store(static_cast<int>(workers_.size()), std::memory_order_relaxed);
-  generation_.fetch_add(1, std::memory_order_acq_rel);
-  generation_.notify_all();
-  Drain(0);
-  for (int i = 0; i < kSpinIterations; ++i) {
-    if (busy_workers_.load(std::memory_order_acquire) == 0) break;
+  fn_.store(&fn, std::memory_order_relaxed);
+  n_tasks_.store(n_tasks, std::memory_order_relaxed);
+  done_.store(0, std::memory_order_relaxed);
+  ++generation_;
+  work_.store(uint64_t{generation_} << 32, std::memory_order_release);
+  work_.notify_all();
+  Drain(generation_, 0);
+  int64_t done = done_.load(std::memory_order_acquire);
+  for (int i = 0; i < kSpinIterations && done != n_tasks; ++i) {
     CACHET_PAUSE();
+    done = done_.load(std::memory_order_acquire);
   }
-  for (int busy; (busy = busy_workers_.load(std::memory_order_acquire)) != 0;) {
-    busy_workers_.wait(busy, std::memory_order_acquire);
+  while (done != n_tasks) {
+    done_.wait(done, std::memory_order_acquire);
+    done = done_.load(std::memory_order_acquire);
   }
-  fn_ = nullptr;
 }
 
 }  // namespace cachet

@@ -20,21 +20,24 @@ class ThreadPool {
   int size() const { return static_cast<int>(workers_.size()) + 1; }
 
   // Calls fn(task, thread) for every task in [0, n_tasks) and returns when all are done.
-  // thread is in [0, size()) and identifies per-thread scratch.
+  // thread is in [0, size()) and identifies per-thread scratch. Not reentrant.
   void Run(int64_t n_tasks, const std::function<void(int64_t task, int thread)>& fn);
 
   static int DefaultThreads();
 
  private:
   void WorkerLoop(int thread);
-  void Drain(int thread);
+  void Drain(uint32_t generation, int thread);
 
   std::vector<std::thread> workers_;
-  const std::function<void(int64_t, int)>* fn_ = nullptr;
-  int64_t n_tasks_ = 0;
-  std::atomic<int64_t> next_task_{0};
-  std::atomic<uint64_t> generation_{0};
-  std::atomic<int> busy_workers_{0};
+  std::atomic<const std::function<void(int64_t, int)>*> fn_{nullptr};
+  std::atomic<int64_t> n_tasks_{0};
+  // (generation << 32) | next task. Tasks are claimed by CAS on the whole word, so a worker that
+  // wakes late can never run a task of a round that has already finished: the caller waits only
+  // for tasks that were claimed, never for a descheduled worker to show up.
+  std::atomic<uint64_t> work_{0};
+  std::atomic<int64_t> done_{0};
+  uint32_t generation_ = 0;
   std::atomic<bool> stop_{false};
 };
 

@@ -167,7 +167,7 @@ void PagedAttentionImpl(const AttnBatch& b, const PagedKv& kv) {
       const int32_t p_min = *std::min_element(pos, pos + cnt);
       const int32_t p_max = *std::max_element(pos, pos + cnt);
       if (p_min > q_max) continue;  // no key of the page is visible to the tile
-      const bool all_visible = p_max <= q_max;
+      const bool all_visible = p_max <= q_min;
 
       // Scores, four keys at a time; a last partial group repeats its last key.
       for (int j = 0; j < cnt; j += 4) {
