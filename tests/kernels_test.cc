@@ -632,18 +632,23 @@ TEST(KernelsAttention, NoVisibleKeyGivesZeros) {
 // ------------------------------------------------------------------------------------------------
 // Speed (prints only): --gtest_also_run_disabled_tests --gtest_filter='KernelsBench*'
 
+// Seconds per call: the best of many short batches, since the machine may be shared.
 template <class Fn>
-double SecondsPerCall(const Fn& fn, double min_seconds = 0.3) {
+double SecondsPerCall(const Fn& fn, double total_seconds = 0.5) {
+  using Clock = std::chrono::steady_clock;
   fn();  // warm up
-  int iters = 1;
-  for (;;) {
-    const auto start = std::chrono::steady_clock::now();
-    for (int i = 0; i < iters; ++i) fn();
-    const double s =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (s >= min_seconds) return s / iters;
-    iters *= 2;
+  auto t0 = Clock::now();
+  fn();
+  const double one = std::chrono::duration<double>(Clock::now() - t0).count();
+  const int batch = std::max(1, static_cast<int>(1e-3 / std::max(one, 1e-9)));
+  double best = one;
+  const auto end = Clock::now() + std::chrono::duration<double>(total_seconds);
+  while (Clock::now() < end) {
+    t0 = Clock::now();
+    for (int i = 0; i < batch; ++i) fn();
+    best = std::min(best, std::chrono::duration<double>(Clock::now() - t0).count() / batch);
   }
+  return best;
 }
 
 TEST(KernelsBench, DISABLED_MatMul) {

@@ -354,6 +354,13 @@ TEST(TokenizerErrors, NameTheFileAndJsonPath) {
             std::string::npos)
       << m;
 
+  m = LoadError(dir, R"({"pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+      {"type": "ByteLevel"}, {"type": "Split", "pattern": {"String": " "}, "behavior": "Isolated"}]},
+      "model": {"type": "BPE", "vocab": {}, "merges": []}})");
+  EXPECT_NE(m.find("pre_tokenizer.pretokenizers[1].type: unsupported 'Split after ByteLevel'"),
+            std::string::npos)
+      << m;
+
   m = LoadError(dir, R"({"model": {"type": "BPE", "vocab": [], "merges": []}})");
   EXPECT_NE(m.find("model.vocab: expected an object, got array"), std::string::npos) << m;
   m = LoadError(dir, R"({"model": {"type": "BPE", "vocab": {"a": "x"}, "merges": []}})");
@@ -467,6 +474,8 @@ TEST(TokenizerSentencePiece, TrainedModelMatchesProcessor) {
     EXPECT_EQ(bytes, " " + text);  // the dummy-prefix space that Decode strips
     EXPECT_EQ(tok.EncodePrompt(text).front(), sp.bos_id());
   }
+  // SentencePiece itself decides what invalid UTF-8 becomes; it must not crash.
+  for (int32_t id : tok.Encode("\xff\xfe abc \xc3")) EXPECT_TRUE(id >= 0 && id < tok.vocab_size());
   // Characters unseen in training fall back to byte pieces.
   const Ids ids = tok.Encode("日");
   EXPECT_EQ(ids.size(), 4u);  // "▁" + 3 bytes

@@ -9,6 +9,7 @@
 #include "cachet/commands.h"
 #include "model/config.h"
 #include "model/transformer.h"
+#include "runtime/sampler.h"
 #include "util/progress.h"
 #include "util/thread_pool.h"
 
@@ -67,6 +68,67 @@ int64_t WeightBytesPerToken(const Transformer& model) {
   return total;
 }
 
+// Fraction of a cold prefill's FLOPs left when the first f*N tokens are cached: weights (all
+// projections and the LM head) for the uncached tokens, attention of each over all before it.
+double RemainingWorkFraction(const ModelConfig& c, int n, int cached) {
+  const double d = c.hidden_size, q = c.n_heads * c.head_dim, kv = c.n_kv_heads * c.head_dim;
+  const double w = 2.0 * (c.n_layers * (2 * d * q + 2 * d * kv + 3 * d * c.intermediate_size) +
+                          d * c.vocab_size);
+  const double a = 4.0 * c.n_layers * q;  // q.k and p.v per key
+  auto work = [&](double from) { return (n - from) * w + a * (double(n) * n - from * from) / 2.0; };
+  return work(cached) / work(0);
+}
+
+nlohmann::json PrefixHitBench(Engine& engine, const std::vector<int32_t>& tokens,
+                              const std::vector<double>& fractions, int reps) {
+  const ModelConfig& c = engine.config();
+  const int n = static_cast<int>(tokens.size());
+  const int page = engine.options().page_tokens;
+  nlohmann::json out;
+  out["model"] = engine.options().model_dir;
+  out["threads"] = engine.pool().size();
+  out["ctx"] = n;
+  out["reps"] = reps;
+  ProgressBar progress("bench --prefix-hit", int64_t(fractions.size()) * reps);
+  double ttft0 = 0;
+  for (double f : fractions) {
+    const int cached = static_cast<int>(f * n) / page * page;
+    std::vector<double> ms;
+    for (int rep = 0; rep < reps; ++rep) {
+      engine.ClearPrefixCache();
+      if (cached > 0) {  // a previous request with the same first `cached` tokens
+        auto warm = engine.NewSession();
+        if (!warm->Eval(std::span(tokens).first(cached + 1), nullptr).ok()) continue;
+        warm->Publish();
+      }
+      auto session = engine.NewSession();
+      std::vector<float> logits;
+      auto t0 = Clock::now();
+      Status s = session->Eval(tokens, &logits);
+      const int32_t first = ArgMax(logits);
+      ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+      if (!s.ok() || first < 0) {
+        std::fprintf(stderr, "cachet: %s\n", s.ToString().c_str());
+        throw CLI::RuntimeError(1);
+      }
+      if (f == fractions.front() && rep == 0) {
+        out["kv_bytes_per_token"] = double(engine.kv_stats().bytes_used) / n;
+      }
+      progress.Add();
+    }
+    const Summary sm = Summarize(ms);
+    char key[32];
+    std::snprintf(key, sizeof key, "%g", f);
+    if (cached == 0) ttft0 = sm.median;
+    out["ttft_ms"][key] = sm.median;
+    out["ttft_ms_min_max"][key] = {sm.min, sm.max};
+    out["cached_tokens"][key] = cached;
+    out["r"][key] = RemainingWorkFraction(c, n, cached);
+    out["ttft_ratio"][key] = ttft0 > 0 ? sm.median / ttft0 : 0.0;
+  }
+  return out;
+}
+
 }  // namespace
 
 void AddBench(CLI::App& app) {
@@ -80,6 +142,7 @@ void AddBench(CLI::App& app) {
     int n_decode = 32;
     bool json = false;
     bool roofline = true;
+    std::vector<double> prefix_hit;
   };
   auto o = std::make_shared<Opts>();
   AddEngineFlags(*cmd, o->engine);
@@ -92,6 +155,11 @@ void AddBench(CLI::App& app) {
       ->check(CLI::PositiveNumber);
   cmd->add_flag("--json", o->json, "Print one JSON object instead of a table");
   cmd->add_flag("!--no-roofline", o->roofline, "Skip the memory-bandwidth roofline measurement");
+  cmd->add_option("--prefix-hit", o->prefix_hit,
+                  "Instead: time to first token at each largest --ctx when this fraction of the "
+                  "prompt is already in the prefix cache, e.g. 0,0.5,0.9 (JSON key ttft_ms)")
+      ->delimiter(',')
+      ->check(CLI::Range(0.0, 1.0));
   cmd->callback([o] {
     EngineOptions eo = o->engine;
     const int max_ctx = *std::max_element(o->ctx.begin(), o->ctx.end());
@@ -105,6 +173,26 @@ void AddBench(CLI::App& app) {
     for (int32_t& t : tokens) t = dist(rng);
 
     nlohmann::json out;
+    if (!o->prefix_hit.empty()) {
+      out = PrefixHitBench(*engine, tokens, o->prefix_hit, o->reps);
+      if (o->json) {
+        std::printf("%s\n", out.dump().c_str());
+      } else {
+        std::printf("ctx %d, %d threads, median of %d runs\n", max_ctx, engine->pool().size(),
+                    o->reps);
+        std::printf("%8s  %10s  %16s  %8s  %10s\n", "hit", "TTFT ms", "TTFT/TTFT(0)", "r(f)",
+                    "ratio/r");
+        for (const auto& [k, v] : out["ttft_ms"].items()) {
+          const double ratio = out["ttft_ratio"][k].get<double>(), r = out["r"][k].get<double>();
+          std::printf("%8s  %10.1f  %16.3f  %8.3f  %10.3f\n", k.c_str(), v.get<double>(), ratio, r,
+                      ratio / r);
+        }
+        std::printf("KV bytes/token measured by the pool %.1f, theoretical (f32) %lld\n",
+                    out["kv_bytes_per_token"].get<double>(),
+                    static_cast<long long>(c.KvBytesPerToken(4)));
+      }
+      return;
+    }
     out["model"] = engine->options().model_dir;
     out["threads"] = engine->pool().size();
     out["reps"] = o->reps;

@@ -93,6 +93,9 @@ void AddRun(CLI::App& app) {
   auto prompt = std::make_shared<std::string>();
   auto prompt_file = std::make_shared<std::string>();
   auto quiet = std::make_shared<bool>(false);
+  auto kv_stats = std::make_shared<bool>(false);
+  auto n_parallel = std::make_shared<int>(1);
+  auto salt = std::make_shared<std::string>();
   AddEngineFlags(*cmd, opts->engine);
   AddSamplingFlags(*cmd, opts->gen);
   auto* p = cmd->add_option("-p,--prompt", *prompt,
@@ -102,6 +105,16 @@ void AddRun(CLI::App& app) {
       ->check(CLI::ExistingFile)
       ->excludes(p);
   cmd->add_flag("-q,--quiet", *quiet, "Do not print timing stats to stderr");
+  cmd->add_flag("--kv-stats", *kv_stats,
+                "Print KV cache statistics (pages, bytes, prefix hits) "
+                "to stderr at the end");
+  cmd->add_option("--np", *n_parallel,
+                  "Parallel sampling: N completions of one prompt, sharing "
+                  "its KV pages (fork + copy-on-write); seeds seed..seed+N-1")
+      ->check(CLI::Range(1, 64));
+  cmd->add_option("--cache-salt", *salt,
+                  "Prefix-cache namespace: requests with different salts "
+                  "never share cached pages");
   cmd->callback([=] {
     std::string text = *prompt;
     if (!prompt_file->empty()) {
@@ -112,13 +125,32 @@ void AddRun(CLI::App& app) {
     }
     auto engine = LoadEngine(opts->engine);
     if (!engine) throw CLI::RuntimeError(1);
-    auto r = engine->Generate(text, opts->gen, PrintPiece);
-    if (!r.ok()) {
-      std::fprintf(stderr, "\ncachet: %s\n", r.status().ToString().c_str());
+    auto fail = [](const Status& s) {
+      std::fprintf(stderr, "\ncachet: %s\n", s.ToString().c_str());
       throw CLI::RuntimeError(1);
+    };
+    if (*n_parallel == 1) {
+      auto r = engine->Generate(text, opts->gen, PrintPiece, *salt);
+      if (!r.ok()) fail(r.status());
+      std::fputc('\n', stdout);
+      if (!*quiet) PrintStats(*r);
+    } else {
+      // Prefill once; each completion forks the prompt's pages and diverges copy-on-write.
+      auto prompt_session = engine->NewSession(*salt);
+      const std::vector<int32_t> ids = engine->tokenizer().EncodePrompt(text);
+      if (Status s = prompt_session->Eval(ids, nullptr); !s.ok()) fail(s);
+      for (int i = 0; i < *n_parallel; ++i) {
+        auto fork = prompt_session->Fork();
+        GenerateOptions g = opts->gen;
+        g.sampling.seed += i;
+        if (!*quiet) std::fprintf(stderr, "--- completion %d of %d\n", i + 1, *n_parallel);
+        auto r = fork->Generate({}, g, PrintPiece);
+        if (!r.ok()) fail(r.status());
+        std::fputc('\n', stdout);
+        if (!*quiet) PrintStats(*r);
+      }
     }
-    std::fputc('\n', stdout);
-    if (!*quiet) PrintStats(*r);
+    if (*kv_stats) std::fputs(engine->kv_stats().ToString().c_str(), stderr);
   });
 }
 

@@ -21,17 +21,43 @@ class ThreadPool;
 class Transformer;
 class PagePool;
 class PagedSequence;
+class PrefixTree;
+
+// A snapshot of the KV cache's accounting.
+struct KvStats {
+  int64_t page_bytes = 0;  // one page: page_tokens tokens of one KV head of one layer
+  int32_t page_tokens = 0;
+  int32_t pages_total = 0;
+  int32_t pages_used = 0;  // referenced by a sequence or the prefix cache
+  int32_t pages_free = 0;
+  int32_t pages_cached = 0;       // held by the prefix cache (some also used by live sequences)
+  int32_t pages_reclaimable = 0;  // cached pages no sequence uses: evicted LRU on demand
+  int32_t pages_high_water = 0;
+  int64_t bytes_used = 0;
+  int64_t bytes_high_water = 0;
+  std::vector<std::pair<std::string, int64_t>> bytes_by_codec;  // codec name -> bytes in use
+  int64_t prefix_lookups = 0;
+  int64_t prefix_hits = 0;
+  int64_t prefix_misses = 0;
+  int64_t prefix_hit_tokens = 0;
+  int64_t prefix_cached_blocks = 0;
+  int64_t evicted_blocks = 0;
+  int64_t evicted_pages = 0;
+
+  std::string ToString() const;  // a few human-readable lines
+};
 
 // The model directory used when none is given (the embedded kvtiny).
 std::string DefaultModelDir();
 
 struct EngineOptions {
-  std::string model_dir;   // empty: DefaultModelDir()
-  int threads = 0;         // 0: one per core
-  int ubatch = 512;        // tokens per prefill chunk
-  int page_tokens = 16;    // tokens per KV page
-  int64_t kv_mem_mib = 0;  // KV pool capacity; 0: enough for one sequence of n_ctx tokens
-  int n_ctx = 0;           // max tokens of a sequence; 0: the model's max_position_embeddings
+  std::string model_dir;     // empty: DefaultModelDir()
+  int threads = 0;           // 0: one per core
+  int ubatch = 512;          // tokens per prefill chunk
+  int page_tokens = 16;      // tokens per KV page
+  int64_t kv_mem_mib = 0;    // KV pool capacity; 0: enough for one sequence of n_ctx tokens
+  bool prefix_cache = true;  // share and reuse full pages of common prompt prefixes
+  int n_ctx = 0;             // max tokens of a sequence; 0: the model's max_position_embeddings
 };
 
 struct GenerateOptions {
@@ -69,6 +95,8 @@ class Session {
                                   const TextCallback& on_text = nullptr);
   // A new session sharing this one's KV pages (copy-on-write).
   std::unique_ptr<Session> Fork() const;
+  // Offers this session's full pages to the prefix cache (Generate does it when it ends).
+  void Publish();
 
   // Tokens whose K/V is in the cache.
   int n_tokens() const;
@@ -77,9 +105,10 @@ class Session {
 
  private:
   friend class Engine;
-  Session(Engine& engine, std::unique_ptr<PagedSequence> seq);
+  Session(Engine& engine, std::unique_ptr<PagedSequence> seq, uint64_t salt);
 
   Engine& engine_;
+  uint64_t salt_;
   std::unique_ptr<PagedSequence> seq_;
   std::vector<int32_t> tokens_;
   std::vector<float> last_logits_;
@@ -92,10 +121,13 @@ class Engine {
   static Result<std::unique_ptr<Engine>> Create(const EngineOptions& options);
   ~Engine();
 
-  std::unique_ptr<Session> NewSession();
+  // cache_salt isolates tenants: sessions of different salts never share cached pages, so one
+  // tenant's cached prompt cannot speed up (and so leak through timing to) another's.
+  std::unique_ptr<Session> NewSession(std::string_view cache_salt = {});
   // Tokenizes prompt (BOS added as the tokenizer says) and generates in a fresh session.
   Result<GenerateResult> Generate(std::string_view prompt, const GenerateOptions& options,
-                                  const TextCallback& on_text = nullptr);
+                                  const TextCallback& on_text = nullptr,
+                                  std::string_view cache_salt = {});
 
   const ModelConfig& config() const;
   const Tokenizer& tokenizer() const { return *tokenizer_; }
@@ -103,6 +135,8 @@ class Engine {
   ThreadPool& pool() { return *pool_; }
   PagePool& kv_pool() { return *kv_pool_; }
   const EngineOptions& options() const { return options_; }
+  KvStats kv_stats() const;
+  void ClearPrefixCache();  // drops every cached page no session uses
   int n_ctx() const { return n_ctx_; }
 
  private:
@@ -115,6 +149,7 @@ class Engine {
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<PagePool> kv_pool_;
+  std::unique_ptr<PrefixTree> prefix_;  // null when the prefix cache is off
 };
 
 }  // namespace cachet

@@ -31,10 +31,14 @@ PagePool::~PagePool() {
 }
 
 Status PagePool::Alloc(int n, std::vector<int32_t>* out) {
+  if (n > free_pages() && reclaimer_ != nullptr && n <= available_pages()) {
+    reclaimer_->Reclaim(n - free_pages());
+  }
   if (n > free_pages()) {
     return ResourceExhausted("KV pool exhausted: need " + std::to_string(n) + " pages, " +
-                             std::to_string(free_pages()) + " of " + std::to_string(capacity_) +
-                             " free (" + std::to_string(layout_.page_bytes()) +
+                             std::to_string(available_pages()) + " of " +
+                             std::to_string(capacity_) + " free (" +
+                             std::to_string(layout_.page_bytes()) +
                              " bytes each); raise --kv-mem or shorten the prompt");
   }
   for (int i = 0; i < n; ++i) {

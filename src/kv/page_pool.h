@@ -25,6 +25,15 @@ struct KvLayout {
   int heads_total() const { return n_layers * n_kv_heads; }
 };
 
+// Something that holds pages it could give back when the pool runs dry (the prefix cache).
+class PageReclaimer {
+ public:
+  virtual ~PageReclaimer() = default;
+  virtual int32_t Reclaimable() const = 0;
+  // Frees at least `pages` pages if it can; returns how many it freed.
+  virtual int32_t Reclaim(int32_t pages) = 0;
+};
+
 class PagePool {
  public:
   // Capacity is rounded down to whole pages. Memory is reserved, not touched: RSS grows only with
@@ -41,8 +50,14 @@ class PagePool {
   int32_t high_water_pages() const { return high_water_; }
   size_t used_bytes() const { return static_cast<size_t>(used_pages()) * layout_.page_bytes(); }
 
-  // n fresh pages (refcount 1), all or nothing: ResourceExhausted leaves the pool unchanged.
+  // n fresh pages (refcount 1), all or nothing: ResourceExhausted leaves the pool unchanged
+  // (the reclaimer is asked for pages only when it can cover the whole shortfall).
   Status Alloc(int n, std::vector<int32_t>* out);
+  void set_reclaimer(PageReclaimer* r) { reclaimer_ = r; }
+  // Pages a request could get now: free plus reclaimable.
+  int32_t available_pages() const {
+    return free_pages() + (reclaimer_ ? reclaimer_->Reclaimable() : 0);
+  }
   void Ref(int32_t page) { ++refs_[page]; }
   void Unref(int32_t page);  // frees the page when its last reference goes
   int32_t refcount(int32_t page) const { return refs_[page]; }
@@ -62,6 +77,7 @@ class PagePool {
   std::vector<int32_t> refs_;
   std::vector<int32_t> free_;  // a stack: recently freed (cache-warm) pages are reused first
   int32_t high_water_ = 0;
+  PageReclaimer* reclaimer_ = nullptr;
 };
 
 }  // namespace cachet

@@ -27,6 +27,27 @@ std::unique_ptr<PagedSequence> PagedSequence::Fork() const {
   return child;
 }
 
+void PagedSequence::AttachBlock(std::span<const int32_t> pages) {
+  const int pt = pool_.layout().page_tokens;
+  for (size_t i = 0; i < tables_.size(); ++i) {
+    BlockTable& t = tables_[i];
+    pool_.Ref(pages[i]);
+    t.pages.push_back(pages[i]);
+    t.n_tokens += pt;
+  }
+  n_tokens_ += pt;
+}
+
+bool PagedSequence::BlockPages(int block, std::vector<int32_t>* pages) const {
+  const int pt = pool_.layout().page_tokens;
+  pages->clear();
+  for (const BlockTable& t : tables_) {
+    if (t.n_tokens != n_tokens_ || (block + 1) * pt > t.n_tokens) return false;
+    pages->push_back(t.pages[block]);
+  }
+  return true;
+}
+
 int PagedSequence::pages_held() const {
   int n = 0;
   for (const BlockTable& t : tables_) n += static_cast<int>(t.pages.size());

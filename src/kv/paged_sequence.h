@@ -4,6 +4,7 @@
 #pragma once
 
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "kv/page_pool.h"
@@ -25,6 +26,13 @@ class PagedSequence final : public KvSequence {
   void Append(int layer, int kv_head, const float* k, const float* v, int32_t pos) override;
   void CommitTokens(int n) override { n_tokens_ += n; }
   kernels::PagedKv View(int layer, int kv_head) const override;
+
+  // Appends one full block of shared pages (one per (layer, KV head), in table order), taking a
+  // reference on each. The sequence must hold whole blocks only, with equal per-head lengths.
+  void AttachBlock(std::span<const int32_t> pages);
+  // The pages of full block b, one per (layer, KV head); false when per-head lengths differ
+  // (a compressed sequence) or the block is not full.
+  bool BlockPages(int block, std::vector<int32_t>* pages) const;
 
   int n_tokens() const { return n_tokens_; }  // tokens committed to the sequence
   int head_length(int layer, int kv_head) const { return table(layer, kv_head).n_tokens; }

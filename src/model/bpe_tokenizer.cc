@@ -5,6 +5,8 @@
 // NFC already: no-op), pre_tokenizer null / Split / ByteLevel / Sequence of those with ByteLevel
 // last, decoder null / ByteLevel / ByteFallback / Fuse / Sequence of those. Anything else is
 // rejected with Unimplemented rather than silently encoding differently from the reference.
+// Added tokens: longest match first; lstrip/rstrip strip ASCII whitespace only; single_word and
+// normalized are ignored.
 #include "model/bpe_tokenizer.h"
 
 #include <oniguruma.h>
@@ -234,8 +236,10 @@ class BpeLoader {
       return OkStatus();
     }
     if (type != "Split" && type != "ByteLevel") return f_.Unsupported(Join(path, "type"), type);
-    if (tok_->byte_level_) return f_.Invalid(path, "steps after ByteLevel are unsupported");
-    BpeTokenizer::Step step;
+    // Later steps would see text in ByteLevel's alphabet, which the encoder never materializes.
+    if (tok_->byte_level_) return f_.Unsupported(Join(path, "type"), type + " after ByteLevel");
+    // Owned by the tokenizer from here on, so that an error below still frees its regex.
+    BpeTokenizer::Step& step = tok_->steps_.emplace_back();
     if (type == "ByteLevel") {
       step.byte_level = tok_->byte_level_ = true;
       CACHET_ASSIGN_OR_RETURN(step.add_prefix_space, f_.Bool(pt, "add_prefix_space", path, true));
@@ -268,7 +272,6 @@ class BpeLoader {
       step.behavior = it->second;
       CACHET_ASSIGN_OR_RETURN(step.invert, f_.Bool(pt, "invert", path, false));
     }
-    tok_->steps_.push_back(step);
     return OkStatus();
   }
 
@@ -337,7 +340,8 @@ class BpeLoader {
     for (int b = 0; b < 256; ++b) {
       int32_t id = -1;
       if (t.byte_level_) {
-        auto it = t.vocab_.find(std::string_view(reinterpret_cast<const char*>(&b), 1));
+        const char c = static_cast<char>(b);
+        auto it = t.vocab_.find(std::string_view(&c, 1));
         if (it != t.vocab_.end()) id = it->second;
       }
       if (id < 0 && t.byte_fallback_) {
@@ -348,13 +352,13 @@ class BpeLoader {
       }
       t.byte_ids_[b] = id;
     }
-    if (const json* unk = Find(m, "unk_token")) {
+    if (Find(m, "unk_token")) {
       CACHET_ASSIGN_OR_RETURN(std::string name, f_.String(m, "unk_token", "model"));
       auto it = names_.find(name);
-      if (it == names_.end())
+      if (it == names_.end()) {
         return f_.Invalid("model.unk_token", "'" + name + "' not in model.vocab");
+      }
       t.unk_id_ = it->second;
-      (void)unk;
     }
 
     CACHET_ASSIGN_OR_RETURN(const json* merges, f_.Array(m, "merges", "model"));
@@ -519,7 +523,7 @@ class BpeLoader {
       }
     }
     for (int32_t* id : {&t.bos_id_, &t.eos_id_}) {
-      if (*id >= t.vocab_size()) *id = -1;
+      if (*id < 0 || *id >= t.vocab_size()) *id = -1;
     }
     t.add_bos_ = add_bos.value_or(template_bos.has_value()) && t.bos_id_ >= 0;
     return OkStatus();

@@ -1,10 +1,15 @@
 #include "cachet/engine.h"
 
+#include <xxhash.h>
+
 #include <chrono>
+#include <sstream>
 
 #include "kv/paged_sequence.h"
+#include "kv/prefix_tree.h"
 #include "model/tokenizer.h"
 #include "model/transformer.h"
+#include "util/mmap_file.h"
 #include "util/thread_pool.h"
 
 namespace cachet {
@@ -45,33 +50,98 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
                                            ((e->n_ctx_ + o.page_tokens - 1) / o.page_tokens) *
                                            layout.page_bytes();
   e->kv_pool_ = std::make_unique<PagePool>(layout, capacity);
+  if (o.prefix_cache) {
+    // Cached pages are only valid for the same weights: key them by config and tensor layout.
+    std::string identity = ReadTextFile(o.model_dir + "/config.json").value();
+    for (const auto& [name, t] : e->model_->weights().store.tensors()) {
+      identity += name + DTypeName(t.dtype) + std::to_string(t.n_bytes);
+    }
+    e->prefix_ =
+        std::make_unique<PrefixTree>(*e->kv_pool_, XXH3_64bits(identity.data(), identity.size()));
+  }
   return e;
 }
 
-Engine::~Engine() = default;
+Engine::~Engine() {
+  prefix_.reset();  // returns its pages before the pool goes
+}
 
 const ModelConfig& Engine::config() const { return model_->config(); }
 
-std::unique_ptr<Session> Engine::NewSession() {
-  return std::unique_ptr<Session>(new Session(*this, std::make_unique<PagedSequence>(*kv_pool_)));
+std::unique_ptr<Session> Engine::NewSession(std::string_view cache_salt) {
+  const uint64_t salt = cache_salt.empty() ? 0 : XXH3_64bits(cache_salt.data(), cache_salt.size());
+  return std::unique_ptr<Session>(
+      new Session(*this, std::make_unique<PagedSequence>(*kv_pool_), salt));
 }
 
 Result<GenerateResult> Engine::Generate(std::string_view prompt, const GenerateOptions& options,
-                                        const TextCallback& on_text) {
+                                        const TextCallback& on_text, std::string_view cache_salt) {
   std::vector<int32_t> ids = tokenizer_->EncodePrompt(prompt);
-  auto session = NewSession();
+  auto session = NewSession(cache_salt);
   return session->Generate(ids, options, on_text);
 }
 
-Session::Session(Engine& engine, std::unique_ptr<PagedSequence> seq)
-    : engine_(engine), seq_(std::move(seq)) {}
+KvStats Engine::kv_stats() const {
+  KvStats s;
+  const PagePool& p = *kv_pool_;
+  s.page_bytes = static_cast<int64_t>(p.layout().page_bytes());
+  s.page_tokens = p.layout().page_tokens;
+  s.pages_total = p.capacity_pages();
+  s.pages_used = p.used_pages();
+  s.pages_free = p.free_pages();
+  s.pages_high_water = p.high_water_pages();
+  s.bytes_used = static_cast<int64_t>(p.used_bytes());
+  s.bytes_high_water = s.pages_high_water * s.page_bytes;
+  s.bytes_by_codec = {{"f32", s.bytes_used}};
+  if (prefix_) {
+    const PrefixStats& ps = prefix_->stats();
+    s.pages_cached = prefix_->cached_pages();
+    s.pages_reclaimable = prefix_->Reclaimable();
+    s.prefix_lookups = ps.lookups;
+    s.prefix_hits = ps.hits;
+    s.prefix_misses = ps.lookups - ps.hits;
+    s.prefix_hit_tokens = ps.hit_tokens;
+    s.prefix_cached_blocks = prefix_->cached_blocks();
+    s.evicted_blocks = ps.evicted_blocks;
+    s.evicted_pages = ps.evicted_pages;
+  }
+  return s;
+}
+
+void Engine::ClearPrefixCache() {
+  if (prefix_) prefix_->Clear();
+}
+
+std::string KvStats::ToString() const {
+  std::ostringstream o;
+  const double mib = 1.0 / (1 << 20);
+  o << "[kv] pages: " << pages_used << " used, " << pages_free << " free of " << pages_total << " ("
+    << page_tokens << " tokens, " << page_bytes << " B each); high water " << pages_high_water
+    << " pages (" << bytes_high_water * mib << " MiB)\n";
+  o << "[kv] bytes in use: " << bytes_used * mib << " MiB";
+  for (const auto& [codec, bytes] : bytes_by_codec)
+    o << "; " << codec << " " << bytes * mib << " MiB";
+  o << "\n[kv] prefix cache: " << prefix_cached_blocks << " blocks, " << pages_cached << " pages ("
+    << pages_reclaimable << " reclaimable); lookups " << prefix_lookups << ", hits " << prefix_hits
+    << ", misses " << prefix_misses << ", hit tokens " << prefix_hit_tokens << "; evicted "
+    << evicted_blocks << " blocks / " << evicted_pages << " pages\n";
+  return o.str();
+}
+
+Session::Session(Engine& engine, std::unique_ptr<PagedSequence> seq, uint64_t salt)
+    : engine_(engine), salt_(salt), seq_(std::move(seq)) {}
 
 Session::~Session() = default;
 
 int Session::n_tokens() const { return static_cast<int>(tokens_.size()); }
 
+void Session::Publish() {
+  if (engine_.prefix_) engine_.prefix_->Publish(tokens_, salt_, *seq_);
+}
+
 std::unique_ptr<Session> Session::Fork() const {
-  std::unique_ptr<Session> s(new Session(engine_, seq_->Fork()));
+  std::unique_ptr<Session> s(new Session(engine_, seq_->Fork(), salt_));
+  s->pending_ = pending_;
   s->tokens_ = tokens_;
   s->last_logits_ = last_logits_;
   return s;
@@ -105,8 +175,22 @@ Status Session::Eval(std::span<const int32_t> tokens, std::vector<float>* logits
                              std::to_string(vocab) + ")");
     }
   }
+  // A fresh session first reuses the longest cached prefix (whole pages, leaving at least one
+  // token to compute logits from). Not when every token's logits are wanted.
+  int reused = 0;
+  if (tokens_.empty() && engine_.prefix_ && !all_logits) {
+    reused = engine_.prefix_->Lookup(tokens, salt_, static_cast<int>(tokens.size()) - 1, *seq_);
+    tokens_.assign(tokens.begin(), tokens.begin() + reused);
+    tokens = tokens.subspan(reused);
+  }
   // Reserve the whole span first, so pool exhaustion is reported before any chunk runs.
-  CACHET_RETURN_IF_ERROR(seq_->Reserve(static_cast<int>(tokens.size())));
+  if (Status s = seq_->Reserve(static_cast<int>(tokens.size())); !s.ok()) {
+    if (reused > 0) {  // back to the empty session we started from
+      seq_->Clear();
+      tokens_.clear();
+    }
+    return s;
+  }
   const int ub = engine_.options().ubatch;
   if (all_logits && logits) logits->resize(tokens.size() * size_t(vocab));
   last_logits_.resize(vocab);
@@ -168,6 +252,7 @@ Result<GenerateResult> Session::Generate(std::span<const int32_t> prompt,
   r.text += rest;
   if (on_text && !rest.empty()) on_text(rest);
   r.decode_ms = MsSince(t1);
+  Publish();
   return r;
 }
 

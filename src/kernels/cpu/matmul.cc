@@ -94,6 +94,17 @@ void ConvertRow(const void* row, int64_t cols, int64_t cols_pad, float* HWY_REST
 // ------------------------------------------------------------------------------------------------
 // Decode: matrix-vector.
 
+// Stops the compiler from folding a load into each of its two users (the shift and the mask below
+// would otherwise each read the weights from memory): ~10% on L2-resident decode with AVX-512.
+template <class V>
+HWY_INLINE void KeepInRegister(V& v) {
+#if HWY_ARCH_X86 && (HWY_COMPILER_GCC || HWY_COMPILER_CLANG)
+  asm("" : "+v"(v.raw));
+#else
+  (void)v;
+#endif
+}
+
 // Loads 2N weights of a row starting at column c (even) as two f32 vectors. bf16: w0 = the even
 // columns, w1 = the odd ones; f16/f32: w0 = columns [c, c+N), w1 = [c+N, c+2N).
 template <DType kType>
@@ -102,7 +113,8 @@ HWY_INLINE void LoadPair(const void* row, int64_t c, VF& w0, VF& w1) {
   if constexpr (kType == DType::kBF16) {
     const hn::Repartition<uint16_t, DF> d16;
     const hn::RebindToUnsigned<DF> du32;
-    const auto u = hn::BitCast(du32, hn::LoadU(d16, static_cast<const uint16_t*>(row) + c));
+    auto u = hn::BitCast(du32, hn::LoadU(d16, static_cast<const uint16_t*>(row) + c));
+    KeepInRegister(u);
     w0 = hn::BitCast(df, hn::ShiftLeft<16>(u));
     w1 = hn::BitCast(df, hn::And(u, hn::Set(du32, 0xFFFF0000u)));
   } else if constexpr (kType == DType::kF16) {

@@ -1,0 +1,153 @@
+// Kernel micro-benchmarks: decode matvec bandwidth, prefill GEMM throughput and paged attention,
+// for the cpu:: kernels (CACHET_REF_KERNELS does not apply: the cpu:: entry points are called).
+//
+// Not built by CMake yet; to build against a configured build directory:
+//   g++ -O2 -std=c++20 -Isrc bench/kernels_bench.cc build/libcachet_core.a -lhwy -lpthread \
+//       -o kernels_bench
+// Usage: kernels_bench [max_threads]   (default: all hardware threads)
+// Times are the best per-call time over many short batches, so a shared machine reads high.
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "kernels/kernels.h"
+#include "util/dtype.h"
+#include "util/thread_pool.h"
+
+namespace {
+
+using cachet::DType;
+using cachet::ThreadPool;
+using namespace cachet::kernels;
+
+template <class Fn>
+double SecondsPerCall(const Fn& fn, double total_seconds = 0.5) {
+  using Clock = std::chrono::steady_clock;
+  fn();
+  auto t0 = Clock::now();
+  fn();
+  const double one = std::chrono::duration<double>(Clock::now() - t0).count();
+  const int batch = std::max(1, static_cast<int>(1e-3 / std::max(one, 1e-9)));
+  double best = one;
+  const auto end = Clock::now() + std::chrono::duration<double>(total_seconds);
+  while (Clock::now() < end) {
+    t0 = Clock::now();
+    for (int i = 0; i < batch; ++i) fn();
+    best = std::min(best, std::chrono::duration<double>(Clock::now() - t0).count() / batch);
+  }
+  return best;
+}
+
+// Weights of a [rows][cols] matrix in dtype, 64-byte aligned.
+struct Weights {
+  std::vector<uint8_t> bytes;
+  Matrix m;
+  Weights(int64_t rows, int64_t cols, DType dtype, std::mt19937& rng) {
+    std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+    const size_t elem = cachet::DTypeSize(dtype);
+    bytes.resize(rows * cols * elem + 64);
+    uint8_t* p = bytes.data() + (64 - reinterpret_cast<uintptr_t>(bytes.data()) % 64) % 64;
+    for (int64_t i = 0; i < rows * cols; ++i) {
+      const float v = dist(rng);
+      if (dtype == DType::kF32) {
+        reinterpret_cast<float*>(p)[i] = v;
+      } else {
+        reinterpret_cast<uint16_t*>(p)[i] =
+            dtype == DType::kBF16 ? cachet::F32ToBf16(v) : cachet::F32ToF16(v);
+      }
+    }
+    m = Matrix{p, dtype, rows, cols};
+  }
+};
+
+std::vector<float> RandomVec(size_t n, std::mt19937& rng) {
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+void BenchMatMul(ThreadPool& pool, std::mt19937& rng) {
+  struct Shape {
+    int64_t rows, cols;
+  };
+  for (Shape s : {Shape{1024, 384}, Shape{8192, 384}, Shape{4864, 896}, Shape{896, 4864}}) {
+    for (DType dtype : {DType::kBF16, DType::kF16, DType::kF32}) {
+      Weights w(s.rows, s.cols, dtype, rng);
+      std::vector<float> x = RandomVec(s.cols, rng), y(s.rows);
+      const double t =
+          SecondsPerCall([&] { MatMul(x.data(), 1, w.m, nullptr, y.data(), s.rows, pool); });
+      std::printf("  decode  %-4s %5lldx%-5lld          %9.2f us %7.1f GB/s\n",
+                  cachet::DTypeName(dtype), static_cast<long long>(s.rows),
+                  static_cast<long long>(s.cols), t * 1e6,
+                  s.rows * s.cols * cachet::DTypeSize(dtype) / t / 1e9);
+    }
+  }
+  for (Shape s : {Shape{1024, 384}, Shape{4864, 896}, Shape{896, 4864}}) {
+    for (int64_t n : {4, 64, 512}) {
+      Weights w(s.rows, s.cols, DType::kBF16, rng);
+      std::vector<float> x = RandomVec(n * s.cols, rng), y(n * s.rows);
+      const double t =
+          SecondsPerCall([&] { MatMul(x.data(), n, w.m, nullptr, y.data(), s.rows, pool); });
+      std::printf("  prefill bf16 %5lldx%-5lld n=%-4lld %9.3f ms %7.1f GFLOP/s\n",
+                  static_cast<long long>(s.rows), static_cast<long long>(s.cols),
+                  static_cast<long long>(n), t * 1e3, 2.0 * s.rows * s.cols * n / t / 1e9);
+    }
+  }
+}
+
+void BenchAttention(std::mt19937& rng) {
+  const int page_tokens = 16;
+  for (int head_dim : {64, 128}) {
+    for (int n_keys : {512, 4096}) {
+      const int n_pages = (n_keys + page_tokens - 1) / page_tokens;
+      const int64_t slot_floats = 2 * page_tokens * head_dim;
+      std::vector<float> slots = RandomVec(n_pages * slot_floats, rng);
+      std::vector<int32_t> positions(n_pages * page_tokens), page_ids(n_pages);
+      std::iota(positions.begin(), positions.end(), 0);
+      std::iota(page_ids.begin(), page_ids.end(), 0);
+      PagedKv kv{slots.data(), positions.data(), slot_floats, page_tokens,
+                 head_dim,     page_ids.data(),  n_keys};
+      for (int n_heads : {1, 7}) {
+        for (int n_q : {1, 64}) {
+          std::vector<float> q = RandomVec(static_cast<size_t>(n_q) * n_heads * head_dim, rng);
+          std::vector<float> out(q.size());
+          std::vector<int32_t> q_pos(n_q);
+          std::iota(q_pos.begin(), q_pos.end(), n_keys - n_q);
+          AttnBatch b{q.data(),     int64_t{n_heads} * head_dim,
+                      out.data(),   int64_t{n_heads} * head_dim,
+                      q_pos.data(), n_q,
+                      n_heads,      1.0f / 8.0f};
+          const double t = SecondsPerCall([&] { PagedAttention(b, kv); });
+          const double flops = 4.0 * n_q * n_heads * head_dim * (n_keys - n_q / 2.0);
+          std::printf(
+              "  attention head_dim=%-3d keys=%-4d heads=%d queries=%-2d %9.2f us %6.1f GFLOP/s\n",
+              head_dim, n_keys, n_heads, n_q, t * 1e6, flops / t / 1e9);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int max_threads = argc > 1 ? std::atoi(argv[1]) : ThreadPool::DefaultThreads();
+  std::mt19937 rng(1);
+  std::printf("attention (single-threaded):\n");
+  BenchAttention(rng);
+  std::vector<int> thread_counts;
+  for (int t = 1; t < max_threads; t *= 2) thread_counts.push_back(t);
+  thread_counts.push_back(std::max(1, max_threads));
+  for (int threads : thread_counts) {
+    ThreadPool pool(threads);
+    std::printf("matmul, %d thread(s):\n", threads);
+    BenchMatMul(pool, rng);
+  }
+  return 0;
+}

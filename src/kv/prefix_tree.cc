@@ -1,0 +1,174 @@
+#include "kv/prefix_tree.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstring>
+#include <queue>
+
+#include "kv/paged_sequence.h"
+
+namespace cachet {
+
+PrefixTree::PrefixTree(PagePool& pool, uint64_t model_id) : pool_(pool), model_id_(model_id) {
+  pool_.set_reclaimer(this);
+}
+
+PrefixTree::~PrefixTree() {
+  pool_.set_reclaimer(nullptr);
+  Clear();
+}
+
+void PrefixTree::Clear() {
+  for (auto& [key, node] : nodes_) {
+    for (int32_t p : node.pages) pool_.Unref(p);
+  }
+  nodes_.clear();
+}
+
+uint64_t PrefixTree::BlockKey(uint64_t parent, std::span<const int32_t> block,
+                              uint64_t salt) const {
+  // (parent, model, salt, tokens) hashed in one call; page_tokens <= 256 bounds the buffer.
+  uint64_t buf[3 + 128];
+  buf[0] = parent;
+  buf[1] = model_id_;
+  buf[2] = salt;
+  std::memcpy(buf + 3, block.data(), block.size_bytes());
+  const uint64_t key = XXH3_64bits(buf, 3 * sizeof(uint64_t) + block.size_bytes());
+  return key == 0 ? 1 : key;  // 0 marks "no parent"
+}
+
+const PrefixTree::Node* PrefixTree::Find(uint64_t key, uint64_t parent,
+                                         std::span<const int32_t> block) const {
+  auto it = nodes_.find(key);
+  if (it == nodes_.end()) return nullptr;
+  const Node& n = it->second;
+  // A 64-bit collision is unlikely but must never hand out another prompt's KV.
+  if (n.parent != parent ||
+      !std::equal(block.begin(), block.end(), n.tokens.begin(), n.tokens.end())) {
+    return nullptr;
+  }
+  return &n;
+}
+
+int PrefixTree::Lookup(std::span<const int32_t> tokens, uint64_t salt, int max_tokens,
+                       PagedSequence& seq) {
+  const int pt = pool_.layout().page_tokens;
+  ++stats_.lookups;
+  ++clock_;
+  uint64_t parent = 0;
+  int reused = 0;
+  const int limit = std::min<int>(max_tokens, static_cast<int>(tokens.size()));
+  while (reused + pt <= limit) {
+    const auto block = tokens.subspan(reused, pt);
+    const uint64_t key = BlockKey(parent, block, salt);
+    const Node* n = Find(key, parent, block);
+    if (n == nullptr) break;
+    const_cast<Node*>(n)->last_used = clock_;
+    seq.AttachBlock(n->pages);
+    parent = key;
+    reused += pt;
+  }
+  if (reused > 0) {
+    ++stats_.hits;
+    stats_.hit_tokens += reused;
+  }
+  return reused;
+}
+
+void PrefixTree::Publish(std::span<const int32_t> tokens, uint64_t salt, const PagedSequence& seq) {
+  const int pt = pool_.layout().page_tokens;
+  const int blocks = std::min<int>(seq.n_tokens(), static_cast<int>(tokens.size())) / pt;
+  ++clock_;
+  uint64_t parent = 0;
+  std::vector<int32_t> pages;
+  for (int b = 0; b < blocks; ++b) {
+    const auto block = tokens.subspan(size_t(b) * pt, pt);
+    const uint64_t key = BlockKey(parent, block, salt);
+    auto it = nodes_.find(key);
+    if (it != nodes_.end()) {
+      if (Find(key, parent, block) == nullptr) return;  // collision: keep the existing entry
+      it->second.last_used = clock_;
+    } else {
+      if (!seq.BlockPages(b, &pages)) return;
+      Node n;
+      n.parent = parent;
+      n.tokens.assign(block.begin(), block.end());
+      n.pages = pages;
+      n.last_used = clock_;
+      for (int32_t p : pages) pool_.Ref(p);
+      if (parent != 0) ++nodes_.at(parent).children;
+      nodes_.emplace(key, std::move(n));
+    }
+    parent = key;
+  }
+}
+
+bool PrefixTree::Unused(const Node& n) const {
+  return std::all_of(n.pages.begin(), n.pages.end(),
+                     [&](int32_t p) { return pool_.refcount(p) == 1; });
+}
+
+int32_t PrefixTree::Reclaimable() const {
+  // A node is freeable once no sequence uses it or any node below it. A used node usually has
+  // used ancestors, but not always: a sequence that computed a block itself may have published
+  // it under another sequence's copy of the parent block. So pin every ancestor of a used node.
+  std::unordered_map<uint64_t, bool> pinned;
+  for (const auto& [key, node] : nodes_) {
+    if (Unused(node)) continue;
+    for (uint64_t k = key; k != 0;) {
+      bool& p = pinned[k];
+      if (p) break;
+      p = true;
+      k = nodes_.at(k).parent;
+    }
+  }
+  int32_t n = 0;
+  for (const auto& [key, node] : nodes_) {
+    if (!pinned.count(key)) n += static_cast<int32_t>(node.pages.size());
+  }
+  return n;
+}
+
+void PrefixTree::EvictNode(std::unordered_map<uint64_t, Node>::iterator it) {
+  for (int32_t p : it->second.pages) pool_.Unref(p);
+  stats_.evicted_pages += static_cast<int64_t>(it->second.pages.size());
+  ++stats_.evicted_blocks;
+  if (it->second.parent != 0) --nodes_.at(it->second.parent).children;
+  nodes_.erase(it);
+}
+
+int32_t PrefixTree::Reclaim(int32_t pages) {
+  using Entry = std::pair<uint64_t, uint64_t>;  // (last_used, key), oldest first
+  std::priority_queue<Entry, std::vector<Entry>, std::greater<>> leaves;
+  for (const auto& [key, node] : nodes_) {
+    if (node.children == 0 && Unused(node)) leaves.emplace(node.last_used, key);
+  }
+  int32_t freed = 0;
+  while (freed < pages && !leaves.empty()) {
+    const uint64_t key = leaves.top().second;
+    leaves.pop();
+    auto it = nodes_.find(key);
+    const uint64_t parent = it->second.parent;
+    freed += static_cast<int32_t>(it->second.pages.size());
+    EvictNode(it);
+    if (parent != 0) {
+      const Node& p = nodes_.at(parent);
+      if (p.children == 0 && Unused(p)) leaves.emplace(p.last_used, parent);
+    }
+  }
+  return freed;
+}
+
+void PrefixTree::CollectPages(std::vector<int32_t>* pages) const {
+  for (const auto& [key, node] : nodes_)
+    pages->insert(pages->end(), node.pages.begin(), node.pages.end());
+}
+
+int32_t PrefixTree::cached_pages() const {
+  int32_t n = 0;
+  for (const auto& [key, node] : nodes_) n += static_cast<int32_t>(node.pages.size());
+  return n;
+}
+
+}  // namespace cachet
