@@ -1,0 +1,99 @@
+// The cachet CLI as a user runs it: exit codes, what goes to stdout vs stderr, error messages.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdio>
+#include <string>
+
+#include "test_util.h"
+
+namespace cachet {
+namespace {
+
+struct RunResult {
+  int status = -1;
+  std::string out, err;
+};
+
+RunResult RunCachet(const std::string& args, const std::string& stdin_text = "") {
+  testing::TempDir dir;
+  const std::string in = dir.Write("stdin.txt", stdin_text);
+  const std::string err = dir.path() + "/stderr.txt";
+  const std::string cmd = std::string(CACHET_BINARY) + " " + args + " < " + in + " 2> " + err;
+  RunResult r;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) return r;
+  std::array<char, 4096> buf;
+  for (size_t n; (n = fread(buf.data(), 1, buf.size(), p)) > 0;) r.out.append(buf.data(), n);
+  r.status = pclose(p);
+  r.err = testing::ReadFile(err);
+  return r;
+}
+
+TEST(Cli, ChatKeepsTheConversationCached) {
+  RunResult r = RunCachet("chat -t 1 -n 8 --temp 0", "Hello there\nWhat is the pass key?\n");
+  ASSERT_EQ(r.status, 0) << r.err;
+  // One stats line per turn: the second turn prefills only its own text.
+  size_t first = r.err.find(" tokens in context, ");
+  ASSERT_NE(first, std::string::npos) << r.err;
+  size_t second = r.err.find(" tokens in context, ", first + 1);
+  ASSERT_NE(second, std::string::npos) << r.err;
+  int ctx1 = 0, new1 = 0, ctx2 = 0, new2 = 0;
+  ASSERT_EQ(std::sscanf(r.err.c_str() + r.err.rfind('[', first), "[%d tokens in context, %d new",
+                        &ctx1, &new1),
+            2);
+  ASSERT_EQ(std::sscanf(r.err.c_str() + r.err.rfind('[', second), "[%d tokens in context, %d new",
+                        &ctx2, &new2),
+            2);
+  EXPECT_GT(ctx2, ctx1);
+  EXPECT_LT(new2, ctx2 - 8);  // not the whole conversation again
+  EXPECT_FALSE(r.out.empty());
+}
+
+TEST(Cli, OversizePromptIsAClearError) {
+  RunResult r = RunCachet("run -t 1 -c 16 -p \"" + std::string(200, 'a') + " b c d e f\"");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("context full"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("n_ctx 16"), std::string::npos) << r.err;
+  EXPECT_TRUE(r.out.empty()) << r.out;
+}
+
+TEST(Cli, FullKvPoolIsAClearError) {
+  testing::TempDir dir;
+  const std::string prompt = dir.Write(
+      "p.txt", testing::ReadFile(std::string(CACHET_SOURCE_DIR) + "/data/haystack/bible.txt")
+                   .substr(0, 12000));
+  RunResult r = RunCachet("run -t 1 -n 4 --kv-mem 1 -f " + prompt);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("RESOURCE_EXHAUSTED: KV pool exhausted"), std::string::npos) << r.err;
+}
+
+TEST(Cli, BadModelDirNamesIt) {
+  testing::TempDir dir;
+  RunResult r = RunCachet("run -m " + dir.path() + " -p hi");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find(dir.path() + "/config.json"), std::string::npos) << r.err;
+}
+
+TEST(Cli, InspectAndKvStats) {
+  RunResult r = RunCachet("inspect");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("architecture     llama"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("f32 8192"), std::string::npos) << r.out;
+  r = RunCachet("run -t 1 -n 4 --temp 0 --kv-stats -p \"In the beginning\"");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.err.find("[kv] pages:"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("prefix cache:"), std::string::npos) << r.err;
+}
+
+TEST(Cli, ParallelSamplingPrintsEachCompletion) {
+  RunResult r = RunCachet("run -t 1 -n 6 --np 3 --temp 1 -p \"The quick brown fox\"");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.err.find("completion 3 of 3"), std::string::npos) << r.err;
+  int lines = 0;
+  for (char ch : r.out) lines += ch == '\n';
+  EXPECT_GE(lines, 3);
+}
+
+}  // namespace
+}  // namespace cachet
