@@ -1,0 +1,458 @@
+#include "kv/codecs/codec.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+
+#include "util/dtype.h"
+
+namespace cachet::codecs {
+namespace {
+
+constexpr int kBlock = 32;    // q8_0 / q4_0 block, KIVI value channel group
+constexpr int kMaxDim = 512;  // bounds the stack scratch of the fused kernels
+
+struct Info {
+  Codec id;
+  const char* name;
+};
+constexpr Info kCodecs[] = {
+    {Codec::kF32, "f32"},     {Codec::kF16, "f16"},     {Codec::kBF16, "bf16"},
+    {Codec::kInt8, "int8"},   {Codec::kQ8_0, "q8_0"},   {Codec::kQ4_0, "q4_0"},
+    {Codec::kKivi4, "kivi4"}, {Codec::kKivi2, "kivi2"}, {Codec::kRot4, "rot4"},
+    {Codec::kRot3, "rot3"},   {Codec::kRot2, "rot2"},
+};
+
+int KiviBits(Codec c) { return c == Codec::kKivi4 ? 4 : 2; }
+int RotBits(Codec c) { return c == Codec::kRot4 ? 4 : c == Codec::kRot3 ? 3 : 2; }
+bool IsKivi(Codec c) { return c == Codec::kKivi4 || c == Codec::kKivi2; }
+
+uint16_t H(float f) { return F32ToF16(f); }
+float F(uint16_t h) { return F16ToF32(h); }
+
+// Little-endian bit packing of n codes of b bits each.
+void PackBits(const uint8_t* codes, int n, int b, uint8_t* out) {
+  uint64_t acc = 0;
+  int bits = 0;
+  for (int i = 0; i < n; ++i) {
+    acc |= static_cast<uint64_t>(codes[i]) << bits;
+    bits += b;
+    while (bits >= 8) {
+      *out++ = static_cast<uint8_t>(acc);
+      acc >>= 8;
+      bits -= 8;
+    }
+  }
+  if (bits > 0) *out = static_cast<uint8_t>(acc);
+}
+
+void UnpackBits(const uint8_t* in, int n, int b, uint8_t* codes) {
+  uint64_t acc = 0;
+  int bits = 0;
+  const uint8_t mask = static_cast<uint8_t>((1u << b) - 1);
+  for (int i = 0; i < n; ++i) {
+    while (bits < b) {
+      acc |= static_cast<uint64_t>(*in++) << bits;
+      bits += 8;
+    }
+    codes[i] = static_cast<uint8_t>(acc & mask);
+    acc >>= b;
+    bits -= b;
+  }
+}
+
+size_t PackedBytes(int n, int b) { return (static_cast<size_t>(n) * b + 7) / 8; }
+
+// Lloyd-Max reconstruction levels of N(0, 1), ascending.
+const float* LloydMax(int bits) {
+  static const std::array<float, 4> k2 = {-1.5104f, -0.4528f, 0.4528f, 1.5104f};
+  static const std::array<float, 8> k3 = {-2.1520f, -1.3439f, -0.7560f, -0.2451f,
+                                          0.2451f,  0.7560f,  1.3439f,  2.1520f};
+  static const std::array<float, 16> k4 = {
+      -2.7326f, -2.0690f, -1.6181f, -1.2562f, -0.9424f, -0.6568f, -0.3881f, -0.1284f,
+      0.1284f,  0.3881f,  0.6568f,  0.9424f,  1.2562f,  1.6181f,  2.0690f,  2.7326f};
+  return bits == 2 ? k2.data() : bits == 3 ? k3.data() : k4.data();
+}
+
+uint8_t NearestLevel(float x, const float* levels, int n) {
+  int i = 0;
+  while (i + 1 < n && x > 0.5f * (levels[i] + levels[i + 1])) ++i;
+  return static_cast<uint8_t>(i);
+}
+
+// The random signs of the Hadamard rotation: fixed, so every process encodes alike.
+float Sign(int i) {
+  uint64_t z = static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull + 0x5eed;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return ((z ^ (z >> 31)) & 1) ? -1.0f : 1.0f;
+}
+
+void Fwht(float* x, int n) {
+  for (int len = 1; len < n; len <<= 1) {
+    for (int i = 0; i < n; i += len << 1) {
+      for (int j = i; j < i + len; ++j) {
+        const float a = x[j], b = x[j + len];
+        x[j] = a + b;
+        x[j + len] = a - b;
+      }
+    }
+  }
+  const float s = 1.0f / std::sqrt(static_cast<float>(n));
+  for (int i = 0; i < n; ++i) x[i] *= s;
+}
+
+// Asymmetric min/max quantization of n values with stride, as KIVI: f16 min and scale.
+void QuantizeMinMax(const float* x, int n, int stride, int bits, uint16_t* min_h, uint16_t* scale_h,
+                    uint8_t* codes) {
+  float lo = x[0], hi = x[0];
+  for (int i = 1; i < n; ++i) {
+    lo = std::min(lo, x[i * stride]);
+    hi = std::max(hi, x[i * stride]);
+  }
+  const int qmax = (1 << bits) - 1;
+  *min_h = H(lo);
+  *scale_h = H((hi - lo) / qmax);
+  const float m = F(*min_h), s = F(*scale_h);
+  const float inv = s > 0 ? 1.0f / s : 0.0f;
+  for (int i = 0; i < n; ++i) {
+    const int q = static_cast<int>(std::lround((x[i * stride] - m) * inv));
+    codes[i] = static_cast<uint8_t>(std::clamp(q, 0, qmax));
+  }
+}
+
+// Per-token row layout of the row-wise codecs (everything but KIVI keys).
+size_t RowBytes(Codec c, int dim) {
+  switch (c) {
+    case Codec::kF32:
+      return 4 * size_t(dim);
+    case Codec::kF16:
+    case Codec::kBF16:
+      return 2 * size_t(dim);
+    case Codec::kInt8:
+      return 4 + size_t(dim);
+    case Codec::kQ8_0:
+      return size_t(dim / kBlock) * (2 + kBlock);
+    case Codec::kQ4_0:
+      return size_t(dim / kBlock) * (2 + kBlock / 2);
+    case Codec::kKivi4:
+    case Codec::kKivi2:
+      return size_t(dim / kBlock) * 4 + PackedBytes(dim, KiviBits(c));
+    case Codec::kRot4:
+    case Codec::kRot3:
+    case Codec::kRot2:
+      return 4 + PackedBytes(dim, RotBits(c));
+  }
+  return 0;
+}
+
+void EncodeRow(Codec c, const float* x, int dim, uint8_t* out) {
+  switch (c) {
+    case Codec::kF32:
+      std::memcpy(out, x, 4 * size_t(dim));
+      return;
+    case Codec::kF16:
+    case Codec::kBF16: {
+      uint16_t* o = reinterpret_cast<uint16_t*>(out);
+      for (int i = 0; i < dim; ++i) o[i] = c == Codec::kF16 ? F32ToF16(x[i]) : F32ToBf16(x[i]);
+      return;
+    }
+    case Codec::kInt8: {
+      float amax = 0;
+      for (int i = 0; i < dim; ++i) amax = std::max(amax, std::fabs(x[i]));
+      const float scale = amax / 127.0f, inv = scale > 0 ? 1.0f / scale : 0.0f;
+      std::memcpy(out, &scale, 4);
+      int8_t* q = reinterpret_cast<int8_t*>(out + 4);
+      for (int i = 0; i < dim; ++i) q[i] = static_cast<int8_t>(std::lround(x[i] * inv));
+      return;
+    }
+    case Codec::kQ8_0:
+      for (int b = 0; b < dim / kBlock; ++b, x += kBlock, out += 2 + kBlock) {
+        float amax = 0;
+        for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
+        const float d = amax / 127.0f, id = d != 0 ? 1.0f / d : 0.0f;
+        const uint16_t dh = H(d);
+        std::memcpy(out, &dh, 2);
+        for (int i = 0; i < kBlock; ++i) {
+          out[2 + i] = static_cast<uint8_t>(static_cast<int8_t>(std::lround(x[i] * id)));
+        }
+      }
+      return;
+    case Codec::kQ4_0:
+      for (int b = 0; b < dim / kBlock; ++b, x += kBlock, out += 2 + kBlock / 2) {
+        float amax = 0, max = 0;
+        for (int i = 0; i < kBlock; ++i) {
+          if (std::fabs(x[i]) > amax) amax = std::fabs(x[i]), max = x[i];
+        }
+        const float d = max / -8.0f, id = d != 0 ? 1.0f / d : 0.0f;
+        const uint16_t dh = H(d);
+        std::memcpy(out, &dh, 2);
+        for (int j = 0; j < kBlock / 2; ++j) {
+          const int q0 = std::min(15, static_cast<int>(x[j] * id + 8.5f));
+          const int q1 = std::min(15, static_cast<int>(x[j + kBlock / 2] * id + 8.5f));
+          out[2 + j] = static_cast<uint8_t>(q0 | (q1 << 4));
+        }
+      }
+      return;
+    case Codec::kKivi4:
+    case Codec::kKivi2: {  // a value row: groups of 32 channels
+      const int bits = KiviBits(c), groups = dim / kBlock;
+      uint16_t* meta = reinterpret_cast<uint16_t*>(out);
+      uint8_t codes[kMaxDim];
+      for (int g = 0; g < groups; ++g) {
+        QuantizeMinMax(x + g * kBlock, kBlock, 1, bits, &meta[2 * g], &meta[2 * g + 1],
+                       codes + g * kBlock);
+      }
+      PackBits(codes, dim, bits, out + 4 * groups);
+      return;
+    }
+    case Codec::kRot4:
+    case Codec::kRot3:
+    case Codec::kRot2: {
+      const int bits = RotBits(c), n_levels = 1 << bits;
+      const float* levels = LloydMax(bits);
+      float y[kMaxDim];
+      std::copy(x, x + dim, y);
+      Rotate(y, dim);
+      float norm2 = 0;
+      for (int i = 0; i < dim; ++i) norm2 += y[i] * y[i];
+      // Coordinates of a rotated unit vector are ~N(0, 1/dim): quantize y * sqrt(dim) / |y|.
+      const float to_unit = norm2 > 0 ? std::sqrt(dim / norm2) : 0.0f;
+      uint8_t codes[kMaxDim];
+      float dot = 0, lev2 = 0;
+      for (int i = 0; i < dim; ++i) {
+        codes[i] = NearestLevel(y[i] * to_unit, levels, n_levels);
+        dot += y[i] * levels[codes[i]];
+        lev2 += levels[codes[i]] * levels[codes[i]];
+      }
+      const float scale = lev2 > 0 ? dot / lev2 : 0.0f;  // least-squares fit of the levels to y
+      std::memcpy(out, &scale, 4);
+      PackBits(codes, dim, bits, out + 4);
+      return;
+    }
+  }
+}
+
+// Row t of a row-wise codec, decoded into the basis it is stored in (rotated for rot codecs).
+void DecodeRowStored(Codec c, const uint8_t* in, int dim, float* x) {
+  switch (c) {
+    case Codec::kF32:
+      std::memcpy(x, in, 4 * size_t(dim));
+      return;
+    case Codec::kF16:
+    case Codec::kBF16: {
+      const uint16_t* h = reinterpret_cast<const uint16_t*>(in);
+      for (int i = 0; i < dim; ++i) x[i] = c == Codec::kF16 ? F16ToF32(h[i]) : Bf16ToF32(h[i]);
+      return;
+    }
+    case Codec::kInt8: {
+      float scale;
+      std::memcpy(&scale, in, 4);
+      const int8_t* q = reinterpret_cast<const int8_t*>(in + 4);
+      for (int i = 0; i < dim; ++i) x[i] = scale * q[i];
+      return;
+    }
+    case Codec::kQ8_0:
+      for (int b = 0; b < dim / kBlock; ++b, x += kBlock, in += 2 + kBlock) {
+        uint16_t dh;
+        std::memcpy(&dh, in, 2);
+        const float d = F(dh);
+        for (int i = 0; i < kBlock; ++i) x[i] = d * static_cast<int8_t>(in[2 + i]);
+      }
+      return;
+    case Codec::kQ4_0:
+      for (int b = 0; b < dim / kBlock; ++b, x += kBlock, in += 2 + kBlock / 2) {
+        uint16_t dh;
+        std::memcpy(&dh, in, 2);
+        const float d = F(dh);
+        for (int j = 0; j < kBlock / 2; ++j) {
+          x[j] = d * ((in[2 + j] & 0x0f) - 8);
+          x[j + kBlock / 2] = d * ((in[2 + j] >> 4) - 8);
+        }
+      }
+      return;
+    case Codec::kKivi4:
+    case Codec::kKivi2: {
+      const int bits = KiviBits(c), groups = dim / kBlock;
+      const uint16_t* meta = reinterpret_cast<const uint16_t*>(in);
+      uint8_t codes[kMaxDim];
+      UnpackBits(in + 4 * groups, dim, bits, codes);
+      for (int i = 0; i < dim; ++i) {
+        const int g = i / kBlock;
+        x[i] = F(meta[2 * g]) + F(meta[2 * g + 1]) * codes[i];
+      }
+      return;
+    }
+    case Codec::kRot4:
+    case Codec::kRot3:
+    case Codec::kRot2: {
+      const int bits = RotBits(c);
+      const float* levels = LloydMax(bits);
+      float scale;
+      std::memcpy(&scale, in, 4);
+      uint8_t codes[kMaxDim];
+      UnpackBits(in + 4, dim, bits, codes);
+      for (int i = 0; i < dim; ++i) x[i] = scale * levels[codes[i]];
+      return;
+    }
+  }
+}
+
+// KIVI keys: per channel (f16 min, f16 scale) for the page, then token-major packed codes.
+size_t KiviKeyMetaBytes(int dim) { return 4 * size_t(dim); }
+
+}  // namespace
+
+const char* CodecName(Codec c) {
+  for (const Info& i : kCodecs) {
+    if (i.id == c) return i.name;
+  }
+  return "?";
+}
+
+std::string CodecNames() {
+  std::string s;
+  for (const Info& i : kCodecs) s += (s.empty() ? "" : ", ") + std::string(i.name);
+  return s;
+}
+
+Result<Codec> ParseCodec(std::string_view name) {
+  for (const Info& i : kCodecs) {
+    if (name == i.name) return i.id;
+  }
+  return InvalidArgument("unknown KV codec '" + std::string(name) + "' (known: " + CodecNames() +
+                         ")");
+}
+
+Status CheckDim(Codec c, int dim) {
+  if (dim <= 0 || dim > kMaxDim) {
+    return InvalidArgument("head_dim " + std::to_string(dim) + " outside [1, 512]");
+  }
+  const bool block = c == Codec::kQ8_0 || c == Codec::kQ4_0 || IsKivi(c);
+  if (block && dim % kBlock != 0) {
+    return InvalidArgument(std::string("codec ") + CodecName(c) +
+                           " needs head_dim % 32 == 0, got " + std::to_string(dim));
+  }
+  if (IsRotated(c) && (dim & (dim - 1)) != 0) {
+    return InvalidArgument(std::string("codec ") + CodecName(c) +
+                           " needs a power-of-two head_dim, got " + std::to_string(dim));
+  }
+  return OkStatus();
+}
+
+bool IsRotated(Codec c) { return c == Codec::kRot4 || c == Codec::kRot3 || c == Codec::kRot2; }
+
+bool NeedsFullPage(Codec c, Role role) { return IsKivi(c) && role == Role::kKey; }
+
+size_t PageBytes(Codec c, Role role, int tokens, int dim) {
+  if (IsKivi(c) && role == Role::kKey) {
+    return KiviKeyMetaBytes(dim) + size_t(tokens) * PackedBytes(dim, KiviBits(c));
+  }
+  return size_t(tokens) * RowBytes(c, dim);
+}
+
+double BitsPerValue(Codec c, Role role, int tokens, int dim) {
+  return 8.0 * PageBytes(c, role, tokens, dim) / (double(tokens) * dim);
+}
+
+void Rotate(float* x, int dim) {
+  for (int i = 0; i < dim; ++i) x[i] *= Sign(i);
+  Fwht(x, dim);
+}
+
+void Unrotate(float* x, int dim) {
+  Fwht(x, dim);
+  for (int i = 0; i < dim; ++i) x[i] *= Sign(i);
+}
+
+void EncodePage(Codec c, Role role, const float* rows, int n, int tokens, int dim, uint8_t* page) {
+  if (IsKivi(c) && role == Role::kKey) {
+    const int bits = KiviBits(c);
+    uint16_t* meta = reinterpret_cast<uint16_t*>(page);
+    uint8_t* packed = page + KiviKeyMetaBytes(dim);
+    const size_t row_bytes = PackedBytes(dim, bits);
+    // Quantize channel by channel over the page's tokens, then pack token-major.
+    uint8_t codes[kMaxDim * 256];
+    for (int ch = 0; ch < dim; ++ch) {
+      uint8_t col[256];
+      QuantizeMinMax(rows + ch, n, dim, bits, &meta[2 * ch], &meta[2 * ch + 1], col);
+      for (int t = 0; t < n; ++t) codes[t * dim + ch] = col[t];
+    }
+    for (int t = 0; t < n; ++t) PackBits(codes + t * dim, dim, bits, packed + t * row_bytes);
+    return;
+  }
+  const size_t rb = RowBytes(c, dim);
+  for (int t = 0; t < n; ++t) EncodeRow(c, rows + size_t(t) * dim, dim, page + t * rb);
+}
+
+void DecodePage(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim, float* rows) {
+  (void)tokens;
+  if (IsKivi(c) && role == Role::kKey) {
+    const int bits = KiviBits(c);
+    const uint16_t* meta = reinterpret_cast<const uint16_t*>(page);
+    const uint8_t* packed = page + KiviKeyMetaBytes(dim);
+    const size_t row_bytes = PackedBytes(dim, bits);
+    uint8_t codes[kMaxDim];
+    for (int t = 0; t < n; ++t) {
+      UnpackBits(packed + t * row_bytes, dim, bits, codes);
+      for (int ch = 0; ch < dim; ++ch) {
+        rows[size_t(t) * dim + ch] = F(meta[2 * ch]) + F(meta[2 * ch + 1]) * codes[ch];
+      }
+    }
+    return;
+  }
+  const size_t rb = RowBytes(c, dim);
+  for (int t = 0; t < n; ++t) {
+    float* x = rows + size_t(t) * dim;
+    DecodeRowStored(c, page + t * rb, dim, x);
+    if (IsRotated(c)) Unrotate(x, dim);
+  }
+}
+
+void DotKeys(Codec c, const uint8_t* page, int n, int tokens, int dim, const float* q, float* out) {
+  (void)tokens;
+  if (IsKivi(c)) {
+    // q.k = sum_c (q_c scale_c) code_c + sum_c q_c min_c: fold the per-channel scales into q once.
+    const int bits = KiviBits(c);
+    const uint16_t* meta = reinterpret_cast<const uint16_t*>(page);
+    const uint8_t* packed = page + KiviKeyMetaBytes(dim);
+    const size_t row_bytes = PackedBytes(dim, bits);
+    float qs[kMaxDim];
+    float bias = 0;
+    for (int ch = 0; ch < dim; ++ch) {
+      qs[ch] = q[ch] * F(meta[2 * ch + 1]);
+      bias += q[ch] * F(meta[2 * ch]);
+    }
+    uint8_t codes[kMaxDim];
+    for (int t = 0; t < n; ++t) {
+      UnpackBits(packed + t * row_bytes, dim, bits, codes);
+      float s = 0;
+      for (int ch = 0; ch < dim; ++ch) s += qs[ch] * codes[ch];
+      out[t] = s + bias;
+    }
+    return;
+  }
+  const size_t rb = RowBytes(c, dim);
+  float x[kMaxDim];
+  for (int t = 0; t < n; ++t) {
+    DecodeRowStored(c, page + t * rb, dim, x);
+    float s = 0;
+    for (int i = 0; i < dim; ++i) s += q[i] * x[i];
+    out[t] = s;
+  }
+}
+
+void AccumulateValues(Codec c, const uint8_t* page, int n, int tokens, int dim, const float* p,
+                      float* acc) {
+  (void)tokens;
+  const size_t rb = RowBytes(c, dim);
+  float x[kMaxDim];
+  for (int t = 0; t < n; ++t) {
+    if (p[t] == 0.0f) continue;
+    DecodeRowStored(c, page + t * rb, dim, x);
+    for (int i = 0; i < dim; ++i) acc[i] += p[t] * x[i];
+  }
+}
+
+}  // namespace cachet::codecs

@@ -1,0 +1,65 @@
+// KV codecs: how one page of K or V rows (page_tokens rows of head_dim values) is stored, and the
+// fused operations attention runs on the stored form (q.k over a page's keys, p.v accumulated
+// over its values) without materializing a dequantized copy.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "util/status.h"
+
+namespace cachet::codecs {
+
+enum class Codec : uint8_t {
+  kF32,
+  kF16,
+  kBF16,
+  kInt8,   // per token, symmetric absmax, f32 scale
+  kQ8_0,   // llama.cpp block_q8_0: per 32 values an f16 scale and 32 int8
+  kQ4_0,   // llama.cpp block_q4_0: per 32 values an f16 scale and 16 bytes of nibbles
+  kKivi4,  // KIVI: keys per channel over the page, values per token in groups of 32 channels
+  kKivi2,
+  kRot4,  // randomized Hadamard rotation + Lloyd-Max levels of N(0,1), per-token norm
+  kRot3,
+  kRot2,
+};
+
+enum class Role : uint8_t { kKey, kValue };
+
+const char* CodecName(Codec c);
+Result<Codec> ParseCodec(std::string_view name);
+// The names ParseCodec accepts, comma separated (for --help and errors).
+std::string CodecNames();
+// Checks the codec can store rows of this width (block codecs need multiples of 32, rotation
+// codecs a power of two).
+Status CheckDim(Codec c, int dim);
+
+// Bytes of one page of `tokens` rows of `dim` values, metadata (scales, norms) included.
+size_t PageBytes(Codec c, Role role, int tokens, int dim);
+// Nominal bits per stored value, metadata included, for a full page.
+double BitsPerValue(Codec c, Role role, int tokens, int dim);
+bool IsRotated(Codec c);
+// KIVI keys are quantized per channel over the whole page: encoding must wait until it is full.
+bool NeedsFullPage(Codec c, Role role);
+
+// Encodes rows [n][dim] (n <= tokens) into a page laid out for `tokens` rows. Rows past n are
+// unspecified. Rotation codecs rotate the rows themselves.
+void EncodePage(Codec c, Role role, const float* rows, int n, int tokens, int dim, uint8_t* page);
+// Decodes rows back to f32 (rotation codecs: into the original basis).
+void DecodePage(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim, float* rows);
+
+// out[t] = q . k_t for the first n keys of a page. For rotation codecs q must be rotated
+// (Rotate) first.
+void DotKeys(Codec c, const uint8_t* page, int n, int tokens, int dim, const float* q, float* out);
+// acc += sum_t p[t] * v_t over the first n values of a page. For rotation codecs acc is in the
+// rotated basis: Unrotate it once after the last page.
+void AccumulateValues(Codec c, const uint8_t* page, int n, int tokens, int dim, const float* p,
+                      float* acc);
+
+// The fixed randomized Hadamard transform: x <- H D x / sqrt(dim) (orthogonal), and its inverse.
+void Rotate(float* x, int dim);
+void Unrotate(float* x, int dim);
+
+}  // namespace cachet::codecs

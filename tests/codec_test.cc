@@ -1,0 +1,159 @@
+// KV codecs: reconstruction error within each codec's bound, fused q.k and p.v equal to
+// dequantize-then-compute, exact byte sizes.
+#include "kv/codecs/codec.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+namespace cachet::codecs {
+namespace {
+
+constexpr Codec kAll[] = {Codec::kF32,  Codec::kF16,  Codec::kBF16,  Codec::kInt8,
+                          Codec::kQ8_0, Codec::kQ4_0, Codec::kKivi4, Codec::kKivi2,
+                          Codec::kRot4, Codec::kRot3, Codec::kRot2};
+
+// Rows like real keys: Gaussian with a few large-magnitude outlier channels.
+std::vector<float> Rows(int n, int dim, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> x(size_t(n) * dim);
+  for (int t = 0; t < n; ++t) {
+    for (int c = 0; c < dim; ++c) x[size_t(t) * dim + c] = nd(rng) * (c % 17 == 3 ? 8.0f : 1.0f);
+  }
+  return x;
+}
+
+double RelErr(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (a[i] - b[i]) * double(a[i] - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return std::sqrt(num / den);
+}
+
+double Bound(Codec c) {
+  switch (c) {
+    case Codec::kF32:
+      return 0.0;
+    case Codec::kF16:
+      return 1e-3;
+    case Codec::kBF16:
+      return 5e-3;
+    case Codec::kInt8:
+      return 2e-2;
+    case Codec::kQ8_0:
+      return 2e-2;
+    case Codec::kQ4_0:
+      return 0.2;
+    case Codec::kKivi4:
+      return 0.12;
+    case Codec::kKivi2:
+      return 0.6;
+    case Codec::kRot4:
+      return 0.15;
+    case Codec::kRot3:
+      return 0.25;
+    case Codec::kRot2:
+      return 0.45;
+  }
+  return 0;
+}
+
+TEST(Codec, RoundTripWithinBound) {
+  for (int dim : {64, 128}) {
+    for (Codec c : kAll) {
+      for (Role role : {Role::kKey, Role::kValue}) {
+        SCOPED_TRACE(std::string(CodecName(c)) + (role == Role::kKey ? " key" : " value") +
+                     " dim " + std::to_string(dim));
+        ASSERT_TRUE(CheckDim(c, dim).ok());
+        const int tokens = 16;
+        auto x = Rows(tokens, dim, 7 + dim);
+        std::vector<uint8_t> page(PageBytes(c, role, tokens, dim));
+        EncodePage(c, role, x.data(), tokens, tokens, dim, page.data());
+        std::vector<float> y(x.size());
+        DecodePage(c, role, page.data(), tokens, tokens, dim, y.data());
+        const double err = RelErr(y, x);
+        EXPECT_LE(err, Bound(c));
+        if (c != Codec::kF32) EXPECT_GT(err, 0.0);  // the codec really is lossy
+      }
+    }
+  }
+}
+
+TEST(Codec, FusedOpsEqualDequantizeThenCompute) {
+  const int dim = 64, tokens = 16;
+  for (Codec c : kAll) {
+    SCOPED_TRACE(CodecName(c));
+    for (int n : {1, 5, 16}) {
+      auto x = Rows(tokens, dim, 3);
+      auto q = Rows(1, dim, 4);
+      std::vector<float> p(tokens);
+      for (int t = 0; t < tokens; ++t) p[t] = 0.1f + 0.05f * t;
+      // Keys.
+      std::vector<uint8_t> kp(PageBytes(c, Role::kKey, tokens, dim));
+      EncodePage(c, Role::kKey, x.data(), n, tokens, dim, kp.data());
+      std::vector<float> k(size_t(n) * dim), scores(n), want(n);
+      DecodePage(c, Role::kKey, kp.data(), n, tokens, dim, k.data());
+      std::vector<float> qr = q;
+      if (IsRotated(c)) Rotate(qr.data(), dim);
+      DotKeys(c, kp.data(), n, tokens, dim, qr.data(), scores.data());
+      for (int t = 0; t < n; ++t) {
+        double s = 0;
+        for (int i = 0; i < dim; ++i) s += double(q[i]) * k[size_t(t) * dim + i];
+        want[t] = static_cast<float>(s);
+      }
+      EXPECT_LT(RelErr(scores, want), 1e-5) << "n " << n;
+      // Values.
+      std::vector<uint8_t> vp(PageBytes(c, Role::kValue, tokens, dim));
+      EncodePage(c, Role::kValue, x.data(), n, tokens, dim, vp.data());
+      std::vector<float> v(size_t(n) * dim), acc(dim, 0.0f), ref(dim, 0.0f);
+      DecodePage(c, Role::kValue, vp.data(), n, tokens, dim, v.data());
+      AccumulateValues(c, vp.data(), n, tokens, dim, p.data(), acc.data());
+      if (IsRotated(c)) Unrotate(acc.data(), dim);
+      for (int t = 0; t < n; ++t) {
+        for (int i = 0; i < dim; ++i) ref[i] += p[t] * v[size_t(t) * dim + i];
+      }
+      EXPECT_LT(RelErr(acc, ref), 1e-5) << "n " << n;
+    }
+  }
+}
+
+TEST(Codec, BytesPerValue) {
+  // llama.cpp's block sizes: q8_0 34 bytes and q4_0 18 bytes per 32 values.
+  EXPECT_EQ(PageBytes(Codec::kQ8_0, Role::kKey, 16, 64), 16u * 2 * 34);
+  EXPECT_EQ(PageBytes(Codec::kQ4_0, Role::kValue, 16, 64), 16u * 2 * 18);
+  EXPECT_DOUBLE_EQ(BitsPerValue(Codec::kF16, Role::kKey, 16, 64), 16.0);
+  EXPECT_DOUBLE_EQ(BitsPerValue(Codec::kQ8_0, Role::kKey, 16, 64), 8.5);
+  EXPECT_DOUBLE_EQ(BitsPerValue(Codec::kQ4_0, Role::kKey, 16, 64), 4.5);
+  // KIVI-4 keys: per channel f16 min+scale over the page, 4-bit codes.
+  EXPECT_EQ(PageBytes(Codec::kKivi4, Role::kKey, 32, 64), 64u * 4 + 32 * 32);
+  EXPECT_EQ(PageBytes(Codec::kRot3, Role::kKey, 16, 64), 16u * (4 + 24));
+}
+
+TEST(Codec, RotationIsOrthogonal) {
+  auto x = Rows(1, 128, 11);
+  std::vector<float> y = x;
+  Rotate(y.data(), 128);
+  double nx = 0, ny = 0;
+  for (int i = 0; i < 128; ++i) nx += x[i] * x[i], ny += y[i] * y[i];
+  EXPECT_NEAR(nx, ny, 1e-3 * nx);
+  Unrotate(y.data(), 128);
+  EXPECT_LT(RelErr(y, x), 1e-6);
+}
+
+TEST(Codec, NamesAndDimChecks) {
+  EXPECT_EQ(ParseCodec("kivi2").value(), Codec::kKivi2);
+  auto bad = ParseCodec("int3");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("rot3"), std::string::npos);
+  EXPECT_FALSE(CheckDim(Codec::kQ4_0, 80).ok());
+  EXPECT_FALSE(CheckDim(Codec::kRot4, 96).ok());
+  EXPECT_TRUE(CheckDim(Codec::kInt8, 80).ok());
+}
+
+}  // namespace
+}  // namespace cachet::codecs
