@@ -1,10 +1,13 @@
 #include "cachet/commands.h"
 
+#include <sys/resource.h>
+
 #include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <sstream>
 
+#include "kv/codecs/codec.h"
 #include "model/config.h"
 #include "model/tokenizer.h"
 #include "util/thread_pool.h"
@@ -30,6 +33,16 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o) {
   app.add_option("--page-tokens", o.page_tokens, "Tokens per KV page (one layer, one KV head)")
       ->default_val(16)
       ->check(CLI::Range(1, 256));
+  app.add_option("--cache-type-k,--ctk", o.kv_codec_k, "KV codec of keys: " + codecs::CodecNames())
+      ->default_val("f32");
+  app.add_option("--cache-type-v,--ctv", o.kv_codec_v,
+                 "KV codec of values: " + codecs::CodecNames())
+      ->default_val("f32");
+  app.add_option("--kv-sinks", o.kv_sinks,
+                 "Keep the pages holding the first N tokens in full precision (attention sinks)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("!--no-prefix-cache", o.prefix_cache,
+               "Do not share or reuse KV pages of common prompt prefixes");
 }
 
 void AddSamplingFlags(CLI::App& app, GenerateOptions& o) {
@@ -67,14 +80,20 @@ std::unique_ptr<Engine> LoadEngine(const EngineOptions& o) {
 
 namespace {
 
+double PeakRssMib() {
+  struct rusage ru {};
+  getrusage(RUSAGE_SELF, &ru);
+  return ru.ru_maxrss / 1024.0;  // KiB on Linux
+}
+
 void PrintStats(const GenerateResult& r) {
   const double pf = r.prefill_ms > 0 ? r.prompt_tokens / (r.prefill_ms / 1e3) : 0;
   const double dc = r.decode_ms > 0 ? r.tokens.size() / (r.decode_ms / 1e3) : 0;
   std::fprintf(stderr,
                "\n[cachet] prompt %d tokens in %.1f ms (%.1f tok/s) | generated %zu tokens in "
-               "%.1f ms (%.1f tok/s) | finish: %s\n",
+               "%.1f ms (%.1f tok/s) | finish: %s | peak RSS %.1f MiB\n",
                r.prompt_tokens, r.prefill_ms, pf, r.tokens.size(), r.decode_ms, dc,
-               r.finish_reason.c_str());
+               r.finish_reason.c_str(), PeakRssMib());
 }
 
 bool PrintPiece(std::string_view piece) {

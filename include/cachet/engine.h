@@ -33,6 +33,9 @@ struct KvStats {
   int32_t pages_cached = 0;       // held by the prefix cache (some also used by live sequences)
   int32_t pages_reclaimable = 0;  // cached pages no sequence uses: evicted LRU on demand
   int32_t pages_high_water = 0;
+  int64_t bytes_total = 0;
+  std::string codec;           // "f32" or "<k codec>/<v codec>"
+  double bytes_per_token = 0;  // of a full page in the layout's codec, all layers and heads
   int64_t bytes_used = 0;
   int64_t bytes_high_water = 0;
   std::vector<std::pair<std::string, int64_t>> bytes_by_codec;  // codec name -> bytes in use
@@ -51,13 +54,16 @@ struct KvStats {
 std::string DefaultModelDir();
 
 struct EngineOptions {
-  std::string model_dir;     // empty: DefaultModelDir()
-  int threads = 0;           // 0: one per core
-  int ubatch = 512;          // tokens per prefill chunk
-  int page_tokens = 16;      // tokens per KV page
-  int64_t kv_mem_mib = 0;    // KV pool capacity; 0: enough for one sequence of n_ctx tokens
-  bool prefix_cache = true;  // share and reuse full pages of common prompt prefixes
-  int n_ctx = 0;             // max tokens of a sequence; 0: the model's max_position_embeddings
+  std::string model_dir;           // empty: DefaultModelDir()
+  int threads = 0;                 // 0: one per core
+  int ubatch = 512;                // tokens per prefill chunk
+  int page_tokens = 16;            // tokens per KV page
+  int64_t kv_mem_mib = 0;          // KV pool capacity; 0: enough for one sequence of n_ctx tokens
+  bool prefix_cache = true;        // share and reuse full pages of common prompt prefixes
+  std::string kv_codec_k = "f32";  // how K pages are stored (see kv/codecs/codec.h)
+  std::string kv_codec_v = "f32";
+  int kv_sinks = 0;  // pages holding the first kv_sinks tokens stay full precision
+  int n_ctx = 0;     // max tokens of a sequence; 0: the model's max_position_embeddings
 };
 
 struct GenerateOptions {

@@ -2,61 +2,94 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
+#include <climits>
 #include <cstdio>
 #include <cstdlib>
 #include <new>
 
 namespace cachet {
 
-PagePool::PagePool(const KvLayout& layout, size_t capacity_bytes) : layout_(layout) {
-  const size_t page_bytes = layout.page_bytes();
-  capacity_ = static_cast<int32_t>(std::min<size_t>(capacity_bytes / page_bytes, INT32_MAX / 2));
-  const size_t value_bytes = static_cast<size_t>(capacity_) * layout.slot_floats() * sizeof(float);
-  const size_t pos_bytes = static_cast<size_t>(capacity_) * layout.page_tokens * sizeof(int32_t);
-  mapped_bytes_ = value_bytes + pos_bytes;
-  if (mapped_bytes_ > 0) {
-    void* p = ::mmap(nullptr, mapped_bytes_, PROT_READ | PROT_WRITE,
+std::string KvLayout::codec_name() const {
+  if (plain()) return "f32";
+  return std::string(codecs::CodecName(codec_k)) + "/" + codecs::CodecName(codec_v);
+}
+
+void PagePool::MapArena(Arena& a, size_t data_bytes_per_slot, size_t capacity_bytes) {
+  const size_t page_bytes = data_bytes_per_slot + layout_.page_tokens * sizeof(int32_t);
+  a.slots = static_cast<int32_t>(std::min<size_t>(capacity_bytes / page_bytes, kCodecPageBit - 1));
+  const size_t data = static_cast<size_t>(a.slots) * data_bytes_per_slot;
+  const size_t pos = static_cast<size_t>(a.slots) * layout_.page_tokens * sizeof(int32_t);
+  a.mapped = data + pos;
+  if (a.mapped > 0) {
+    void* p = ::mmap(nullptr, a.mapped, PROT_READ | PROT_WRITE,
                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) throw std::bad_alloc();
-    slots_ = static_cast<float*>(p);
-    positions_ = reinterpret_cast<int32_t*>(static_cast<char*>(p) + value_bytes);
+    a.base = static_cast<uint8_t*>(p);
+    a.positions = reinterpret_cast<int32_t*>(a.base + data);
   }
-  refs_.assign(capacity_, 0);
-  free_.reserve(capacity_);
-  for (int32_t i = capacity_ - 1; i >= 0; --i) free_.push_back(i);
+  a.refs.assign(a.slots, 0);
+  a.free.reserve(a.slots);
+  for (int32_t i = a.slots - 1; i >= 0; --i) a.free.push_back(i);
+}
+
+PagePool::PagePool(const KvLayout& layout, size_t capacity_bytes)
+    : layout_(layout), capacity_bytes_(capacity_bytes) {
+  MapArena(raw_, layout.slot_floats() * sizeof(float), capacity_bytes);
+  if (!layout.plain()) {
+    MapArena(codec_, codec_data_bytes(), capacity_bytes);
+  }
 }
 
 PagePool::~PagePool() {
-  if (slots_) ::munmap(slots_, mapped_bytes_);
+  for (Arena* a : {&raw_, &codec_}) {
+    if (a->base) ::munmap(a->base, a->mapped);
+  }
 }
 
-Status PagePool::Alloc(int n, std::vector<int32_t>* out) {
-  if (n > free_pages() && reclaimer_ != nullptr && n <= available_pages()) {
-    reclaimer_->Reclaim(n - free_pages());
+Status PagePool::Alloc(int n_raw, int n_codec, std::vector<int32_t>* raw,
+                       std::vector<int32_t>* codec) {
+  const size_t need = static_cast<size_t>(n_raw) * layout_.raw_page_bytes() +
+                      static_cast<size_t>(n_codec) * layout_.codec_page_bytes();
+  auto fits = [&] {
+    return need <= free_bytes() && n_raw <= static_cast<int>(raw_.free.size()) &&
+           n_codec <= static_cast<int>(codec_.free.size());
+  };
+  if (!fits() && reclaimer_ != nullptr && need <= available_bytes()) {
+    reclaimer_->Reclaim(need > free_bytes() ? need - free_bytes() : layout_.page_bytes());
   }
-  if (n > free_pages()) {
-    return ResourceExhausted("KV pool exhausted: need " + std::to_string(n) + " pages, " +
-                             std::to_string(available_pages()) + " of " +
-                             std::to_string(capacity_) + " free (" +
-                             std::to_string(layout_.page_bytes()) +
-                             " bytes each); raise --kv-mem or shorten the prompt");
+  if (!fits()) {
+    return ResourceExhausted(
+        "KV pool exhausted: need " + std::to_string(need) + " bytes (" +
+        std::to_string(n_raw + n_codec) + " pages), " + std::to_string(available_bytes()) + " of " +
+        std::to_string(capacity_bytes_) + " bytes free; raise --kv-mem or shorten the prompt");
   }
-  for (int i = 0; i < n; ++i) {
-    int32_t page = free_.back();
-    free_.pop_back();
-    refs_[page] = 1;
-    out->push_back(page);
-  }
-  high_water_ = std::max(high_water_, used_pages());
+  auto take = [](Arena& a, int n, int32_t bit, std::vector<int32_t>* out) {
+    for (int i = 0; i < n; ++i) {
+      const int32_t slot = a.free.back();
+      a.free.pop_back();
+      a.refs[slot] = 1;
+      ++a.used;
+      out->push_back(slot | bit);
+    }
+  };
+  take(raw_, n_raw, 0, raw);
+  take(codec_, n_codec, kCodecPageBit, codec);
+  high_water_bytes_ = std::max(high_water_bytes_, used_bytes());
   return OkStatus();
 }
 
 void PagePool::Unref(int32_t page) {
-  if (refs_[page] <= 0) {
+  int32_t& rc = refs(page);
+  if (rc <= 0) {
     std::fprintf(stderr, "cachet: internal error: page %d freed twice\n", page);
     std::abort();
   }
-  if (--refs_[page] == 0) free_.push_back(page);
+  if (--rc == 0) {
+    Arena& a = IsCodecPage(page) ? codec_ : raw_;
+    a.free.push_back(page & ~kCodecPageBit);
+    --a.used;
+  }
 }
 
 }  // namespace cachet

@@ -1,82 +1,154 @@
-// The page pool: one arena of fixed-size slots, each holding one page (page_tokens tokens of one
-// KV head of one layer: K rows, V rows, and the tokens' original positions). Slots carry only ids
-// and refcounts; byte accounting is exact and the capacity is a hard limit.
+// The page pool: arenas of fixed-size slots, each holding one page (page_tokens tokens of one KV
+// head of one layer: K rows, V rows, and the tokens' original positions). A page is either raw
+// (f32 rows, writable in place) or encoded by the layout's K/V codecs; each kind has its own arena
+// of its own slot size, so a compressed page really takes fewer bytes. Slots carry only ids and
+// refcounts; byte accounting is exact and the capacity (bytes) is a hard limit.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
+#include "kv/codecs/codec.h"
 #include "util/status.h"
 
 namespace cachet {
+
+// Page ids with this bit set live in the codec arena.
+constexpr int32_t kCodecPageBit = 1 << 30;
+inline bool IsCodecPage(int32_t id) { return (id & kCodecPageBit) != 0; }
 
 struct KvLayout {
   int n_layers = 0;
   int n_kv_heads = 0;
   int head_dim = 0;
   int page_tokens = 16;
+  codecs::Codec codec_k = codecs::Codec::kF32;
+  codecs::Codec codec_v = codecs::Codec::kF32;
+  int sinks = 0;  // pages holding any of the first `sinks` tokens stay raw (full precision)
 
+  // Plain layouts store every page raw; others encode pages (see PagedSequence).
+  bool plain() const { return codec_k == codecs::Codec::kF32 && codec_v == codecs::Codec::kF32; }
+  // Codecs that need a whole page (KIVI keys) stage tokens in a raw page and encode it when full;
+  // row-wise codecs encode each token as it is written.
+  bool staged() const {
+    return codecs::NeedsFullPage(codec_k, codecs::Role::kKey) ||
+           codecs::NeedsFullPage(codec_v, codecs::Role::kValue);
+  }
   int64_t slot_floats() const { return int64_t{2} * page_tokens * head_dim; }
-  // K and V values plus the int32 position of each token.
-  size_t page_bytes() const {
+  size_t raw_page_bytes() const {
     return slot_floats() * sizeof(float) + page_tokens * sizeof(int32_t);
   }
+  size_t codec_k_bytes() const {
+    return codecs::PageBytes(codec_k, codecs::Role::kKey, page_tokens, head_dim);
+  }
+  size_t codec_v_bytes() const {
+    return codecs::PageBytes(codec_v, codecs::Role::kValue, page_tokens, head_dim);
+  }
+  size_t codec_page_bytes() const {
+    return codec_k_bytes() + codec_v_bytes() + page_tokens * sizeof(int32_t);
+  }
+  // Bytes of a page as most of a long sequence stores it.
+  size_t page_bytes() const { return plain() ? raw_page_bytes() : codec_page_bytes(); }
   int heads_total() const { return n_layers * n_kv_heads; }
+  std::string codec_name() const;  // "f32", or "<k>/<v>"
 };
 
 // Something that holds pages it could give back when the pool runs dry (the prefix cache).
 class PageReclaimer {
  public:
   virtual ~PageReclaimer() = default;
-  virtual int32_t Reclaimable() const = 0;
-  // Frees at least `pages` pages if it can; returns how many it freed.
-  virtual int32_t Reclaim(int32_t pages) = 0;
+  virtual size_t ReclaimableBytes() const = 0;
+  // Frees at least `bytes` bytes of pages if it can; returns the bytes freed.
+  virtual size_t Reclaim(size_t bytes) = 0;
 };
 
 class PagePool {
  public:
-  // Capacity is rounded down to whole pages. Memory is reserved, not touched: RSS grows only with
-  // the pages actually written.
+  // Memory is reserved, not touched: RSS grows only with the pages actually written.
   PagePool(const KvLayout& layout, size_t capacity_bytes);
   ~PagePool();
   PagePool(const PagePool&) = delete;
   PagePool& operator=(const PagePool&) = delete;
 
   const KvLayout& layout() const { return layout_; }
-  int32_t capacity_pages() const { return capacity_; }
-  int32_t free_pages() const { return static_cast<int32_t>(free_.size()); }
-  int32_t used_pages() const { return capacity_ - free_pages(); }
-  int32_t high_water_pages() const { return high_water_; }
-  size_t used_bytes() const { return static_cast<size_t>(used_pages()) * layout_.page_bytes(); }
-
-  // n fresh pages (refcount 1), all or nothing: ResourceExhausted leaves the pool unchanged
-  // (the reclaimer is asked for pages only when it can cover the whole shortfall).
-  Status Alloc(int n, std::vector<int32_t>* out);
-  void set_reclaimer(PageReclaimer* r) { reclaimer_ = r; }
-  // Pages a request could get now: free plus reclaimable.
-  int32_t available_pages() const {
-    return free_pages() + (reclaimer_ ? reclaimer_->Reclaimable() : 0);
+  size_t capacity_bytes() const { return capacity_bytes_; }
+  size_t used_bytes() const {
+    return raw_.used * layout_.raw_page_bytes() + codec_.used * layout_.codec_page_bytes();
   }
-  void Ref(int32_t page) { ++refs_[page]; }
-  void Unref(int32_t page);  // frees the page when its last reference goes
-  int32_t refcount(int32_t page) const { return refs_[page]; }
+  size_t free_bytes() const { return capacity_bytes_ - used_bytes(); }
+  size_t high_water_bytes() const { return high_water_bytes_; }
+  size_t raw_bytes_used() const { return raw_.used * layout_.raw_page_bytes(); }
+  size_t codec_bytes_used() const { return codec_.used * layout_.codec_page_bytes(); }
+  int32_t raw_pages_used() const { return raw_.used; }
+  int32_t codec_pages_used() const { return codec_.used; }
 
-  float* keys(int32_t page) { return slots_ + page * layout_.slot_floats(); }
+  // Counts in units of the layout's page_bytes() (exact for a plain layout).
+  int32_t capacity_pages() const {
+    return static_cast<int32_t>(capacity_bytes_ / layout_.page_bytes());
+  }
+  int32_t used_pages() const { return raw_.used + codec_.used; }
+  int32_t free_pages() const { return static_cast<int32_t>(free_bytes() / layout_.page_bytes()); }
+  int32_t high_water_pages() const {
+    return static_cast<int32_t>(high_water_bytes_ / layout_.page_bytes());
+  }
+
+  // Fresh pages (refcount 1), all or nothing: ResourceExhausted leaves the pool unchanged (the
+  // reclaimer is asked for pages only when it can cover the whole shortfall).
+  Status Alloc(int n_raw, int n_codec, std::vector<int32_t>* raw, std::vector<int32_t>* codec);
+  Status Alloc(int n, std::vector<int32_t>* out) { return Alloc(n, 0, out, nullptr); }
+  void set_reclaimer(PageReclaimer* r) { reclaimer_ = r; }
+  size_t available_bytes() const {
+    return free_bytes() + (reclaimer_ ? reclaimer_->ReclaimableBytes() : 0);
+  }
+
+  void Ref(int32_t page) { ++refs(page); }
+  void Unref(int32_t page);  // frees the page when its last reference goes
+  int32_t refcount(int32_t page) const {
+    return IsCodecPage(page) ? codec_.refs[page & ~kCodecPageBit] : raw_.refs[page];
+  }
+  size_t page_bytes(int32_t page) const {
+    return IsCodecPage(page) ? layout_.codec_page_bytes() : layout_.raw_page_bytes();
+  }
+
+  // Raw pages: f32 K rows then V rows.
+  float* keys(int32_t page) {
+    return reinterpret_cast<float*>(raw_.base) + page * layout_.slot_floats();
+  }
   float* values(int32_t page) { return keys(page) + layout_.page_tokens * layout_.head_dim; }
-  int32_t* positions(int32_t page) { return positions_ + page * layout_.page_tokens; }
-  const float* slots_base() const { return slots_; }
-  const int32_t* positions_base() const { return positions_; }
+  // Codec pages: encoded K, then encoded V.
+  uint8_t* codec_keys(int32_t page) {
+    return codec_.base + static_cast<size_t>(page & ~kCodecPageBit) * codec_data_bytes();
+  }
+  uint8_t* codec_values(int32_t page) { return codec_keys(page) + layout_.codec_k_bytes(); }
+  int32_t* positions(int32_t page) {
+    return (IsCodecPage(page) ? codec_.positions : raw_.positions) +
+           static_cast<size_t>(page & ~kCodecPageBit) * layout_.page_tokens;
+  }
+  const float* slots_base() const { return reinterpret_cast<const float*>(raw_.base); }
+  const int32_t* positions_base() const { return raw_.positions; }
 
  private:
+  struct Arena {
+    uint8_t* base = nullptr;
+    int32_t* positions = nullptr;
+    size_t mapped = 0;
+    int32_t slots = 0;
+    int32_t used = 0;
+    std::vector<int32_t> refs;
+    std::vector<int32_t> free;  // a stack: recently freed (cache-warm) slots are reused first
+  };
+  void MapArena(Arena& a, size_t data_bytes_per_slot, size_t capacity_bytes);
+  size_t codec_data_bytes() const { return layout_.codec_k_bytes() + layout_.codec_v_bytes(); }
+  int32_t& refs(int32_t page) {
+    return IsCodecPage(page) ? codec_.refs[page & ~kCodecPageBit] : raw_.refs[page];
+  }
+
   KvLayout layout_;
-  int32_t capacity_ = 0;
-  float* slots_ = nullptr;
-  int32_t* positions_ = nullptr;
-  size_t mapped_bytes_ = 0;
-  std::vector<int32_t> refs_;
-  std::vector<int32_t> free_;  // a stack: recently freed (cache-warm) pages are reused first
-  int32_t high_water_ = 0;
+  size_t capacity_bytes_ = 0;
+  Arena raw_, codec_;
+  size_t high_water_bytes_ = 0;
   PageReclaimer* reclaimer_ = nullptr;
 };
 

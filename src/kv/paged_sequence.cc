@@ -1,8 +1,15 @@
 #include "kv/paged_sequence.h"
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
+
+#include "kernels/kernels.h"
 
 namespace cachet {
+
+using codecs::Role;
 
 PagedSequence::PagedSequence(PagePool& pool) : pool_(pool), tables_(pool.layout().heads_total()) {}
 
@@ -11,7 +18,9 @@ PagedSequence::~PagedSequence() { Clear(); }
 void PagedSequence::Clear() {
   for (BlockTable& t : tables_) {
     for (int32_t p : t.pages) pool_.Unref(p);
+    for (int32_t p : t.seal_pages) pool_.Unref(p);
     t.pages.clear();
+    t.seal_pages.clear();
     t.n_tokens = 0;
   }
   n_tokens_ = 0;
@@ -19,12 +28,19 @@ void PagedSequence::Clear() {
 
 std::unique_ptr<PagedSequence> PagedSequence::Fork() const {
   auto child = std::make_unique<PagedSequence>(pool_);
-  child->tables_ = tables_;
   child->n_tokens_ = n_tokens_;
-  for (const BlockTable& t : tables_) {
-    for (int32_t p : t.pages) pool_.Ref(p);
+  for (size_t i = 0; i < tables_.size(); ++i) {
+    child->tables_[i].pages = tables_[i].pages;
+    child->tables_[i].n_tokens = tables_[i].n_tokens;
+    for (int32_t p : tables_[i].pages) pool_.Ref(p);
   }
   return child;
+}
+
+int PagedSequence::pages_held() const {
+  int n = 0;
+  for (const BlockTable& t : tables_) n += static_cast<int>(t.pages.size() + t.seal_pages.size());
+  return n;
 }
 
 void PagedSequence::AttachBlock(std::span<const int32_t> pages) {
@@ -48,52 +64,103 @@ bool PagedSequence::BlockPages(int block, std::vector<int32_t>* pages) const {
   return true;
 }
 
-int PagedSequence::pages_held() const {
-  int n = 0;
-  for (const BlockTable& t : tables_) n += static_cast<int>(t.pages.size());
-  return n;
-}
-
 Status PagedSequence::Reserve(int n) {
-  const int pt = pool_.layout().page_tokens;
-  // Plan: count the pages every table needs (new pages, plus a private copy of a shared partly
-  // filled last page), then take them all at once so a failure changes nothing.
-  int64_t need = 0;
-  for (const BlockTable& t : tables_) {
-    const int64_t want = (static_cast<int64_t>(t.n_tokens) + n + pt - 1) / pt;
-    need += std::max<int64_t>(0, want - static_cast<int64_t>(t.pages.size()));
-    if (n > 0 && t.n_tokens % pt != 0 && pool_.refcount(t.pages.back()) > 1) ++need;
-  }
-  if (need == 0) return OkStatus();
-  if (need > INT32_MAX) return ResourceExhausted("KV reservation too large");
-  scratch_pages_.clear();
-  CACHET_RETURN_IF_ERROR(pool_.Alloc(static_cast<int>(need), &scratch_pages_));
-  // Apply.
-  size_t next = 0;
+  if (n <= 0) return OkStatus();
   const KvLayout& lay = pool_.layout();
+  const int64_t pt = lay.page_tokens;
+  // Plan: count the pages each table needs (new pages of the right kind, private copies of shared
+  // partly filled last pages, codec pages for staged pages that will fill), then take them all
+  // at once so a failure changes nothing.
+  int64_t need_raw = 0, need_codec = 0;
+  for (const BlockTable& t : tables_) {
+    const int64_t len = t.n_tokens, want = (len + n + pt - 1) / pt;
+    for (int64_t p = static_cast<int64_t>(t.pages.size()); p < want; ++p) {
+      (RawPage(p) ? need_raw : need_codec) += 1;
+    }
+    if (len % pt != 0 && pool_.refcount(t.pages.back()) > 1) {
+      (IsCodecPage(t.pages.back()) ? need_codec : need_raw) += 1;
+    }
+    if (!lay.plain() && lay.staged()) {
+      int64_t fills = 0;
+      for (int64_t p = len / pt; (p + 1) * pt <= len + n; ++p) fills += !IsSinkPage(p);
+      need_codec += std::max<int64_t>(0, fills - static_cast<int64_t>(t.seal_pages.size()));
+    }
+  }
+  if (need_raw + need_codec == 0) return OkStatus();
+  if (need_raw + need_codec > std::numeric_limits<int32_t>::max() / 2) {
+    return ResourceExhausted("KV reservation too large");
+  }
+  scratch_raw_.clear();
+  scratch_codec_.clear();
+  CACHET_RETURN_IF_ERROR(pool_.Alloc(static_cast<int>(need_raw), static_cast<int>(need_codec),
+                                     &scratch_raw_, &scratch_codec_));
+  // Apply.
+  size_t next_raw = 0, next_codec = 0;
   for (BlockTable& t : tables_) {
-    if (n > 0 && t.n_tokens % pt != 0 && pool_.refcount(t.pages.back()) > 1) {
-      const int32_t shared = t.pages.back(), copy = scratch_pages_[next++];
-      std::memcpy(pool_.keys(copy), pool_.keys(shared), lay.slot_floats() * sizeof(float));
+    const int64_t len = t.n_tokens, want = (len + n + pt - 1) / pt;
+    if (len % pt != 0 && pool_.refcount(t.pages.back()) > 1) {
+      const int32_t shared = t.pages.back();
+      const bool codec = IsCodecPage(shared);
+      const int32_t copy = codec ? scratch_codec_[next_codec++] : scratch_raw_[next_raw++];
+      if (codec) {
+        std::memcpy(pool_.codec_keys(copy), pool_.codec_keys(shared),
+                    lay.codec_k_bytes() + lay.codec_v_bytes());
+      } else {
+        std::memcpy(pool_.keys(copy), pool_.keys(shared), lay.slot_floats() * sizeof(float));
+      }
       std::memcpy(pool_.positions(copy), pool_.positions(shared), pt * sizeof(int32_t));
       pool_.Unref(shared);
       t.pages.back() = copy;
     }
-    const int64_t want = (static_cast<int64_t>(t.n_tokens) + n + pt - 1) / pt;
-    while (static_cast<int64_t>(t.pages.size()) < want) t.pages.push_back(scratch_pages_[next++]);
+    for (int64_t p = static_cast<int64_t>(t.pages.size()); p < want; ++p) {
+      t.pages.push_back(RawPage(p) ? scratch_raw_[next_raw++] : scratch_codec_[next_codec++]);
+    }
+    if (!lay.plain() && lay.staged()) {
+      int64_t fills = 0;
+      for (int64_t p = len / pt; (p + 1) * pt <= len + n; ++p) fills += !IsSinkPage(p);
+      while (static_cast<int64_t>(t.seal_pages.size()) < fills) {
+        t.seal_pages.push_back(scratch_codec_[next_codec++]);
+      }
+    }
   }
   return OkStatus();
+}
+
+void PagedSequence::Seal(BlockTable& t, int64_t page_index) {
+  const KvLayout& lay = pool_.layout();
+  const int32_t raw = t.pages[page_index];
+  const int32_t sealed = t.seal_pages.front();
+  t.seal_pages.erase(t.seal_pages.begin());
+  codecs::EncodePage(lay.codec_k, Role::kKey, pool_.keys(raw), lay.page_tokens, lay.page_tokens,
+                     lay.head_dim, pool_.codec_keys(sealed));
+  codecs::EncodePage(lay.codec_v, Role::kValue, pool_.values(raw), lay.page_tokens, lay.page_tokens,
+                     lay.head_dim, pool_.codec_values(sealed));
+  std::memcpy(pool_.positions(sealed), pool_.positions(raw), lay.page_tokens * sizeof(int32_t));
+  pool_.Unref(raw);
+  t.pages[page_index] = sealed;
 }
 
 void PagedSequence::Append(int layer, int kv_head, const float* k, const float* v, int32_t pos) {
   BlockTable& t = table(layer, kv_head);
   const KvLayout& lay = pool_.layout();
-  const int32_t page = t.pages[t.n_tokens / lay.page_tokens];
+  const int64_t page_index = t.n_tokens / lay.page_tokens;
+  const int32_t page = t.pages[page_index];
   const int off = t.n_tokens % lay.page_tokens;
-  std::memcpy(pool_.keys(page) + off * lay.head_dim, k, lay.head_dim * sizeof(float));
-  std::memcpy(pool_.values(page) + off * lay.head_dim, v, lay.head_dim * sizeof(float));
+  if (IsCodecPage(page)) {  // row-wise codec: encode the token where it lands
+    codecs::EncodePage(lay.codec_k, Role::kKey, k, 1, 1, lay.head_dim,
+                       pool_.codec_keys(page) + off * codecs::RowStride(lay.codec_k, lay.head_dim));
+    codecs::EncodePage(
+        lay.codec_v, Role::kValue, v, 1, 1, lay.head_dim,
+        pool_.codec_values(page) + off * codecs::RowStride(lay.codec_v, lay.head_dim));
+  } else {
+    std::memcpy(pool_.keys(page) + off * lay.head_dim, k, lay.head_dim * sizeof(float));
+    std::memcpy(pool_.values(page) + off * lay.head_dim, v, lay.head_dim * sizeof(float));
+  }
   pool_.positions(page)[off] = pos;
   ++t.n_tokens;
+  if (off + 1 == lay.page_tokens && !lay.plain() && lay.staged() && !IsSinkPage(page_index)) {
+    Seal(t, page_index);
+  }
 }
 
 kernels::PagedKv PagedSequence::View(int layer, int kv_head) const {
@@ -108,6 +175,142 @@ kernels::PagedKv PagedSequence::View(int layer, int kv_head) const {
   v.page_ids = t.pages.data();
   v.n_tokens = t.n_tokens;
   return v;
+}
+
+void PagedSequence::Attend(int layer, int kv_head, const kernels::AttnBatch& batch) const {
+  if (pool_.layout().plain()) {
+    kernels::PagedAttention(batch, View(layer, kv_head));
+  } else {
+    CodecAttend(table(layer, kv_head), batch);
+  }
+}
+
+void PagedSequence::Gather(int layer, int kv_head, std::vector<float>* k, std::vector<float>* v,
+                           std::vector<int32_t>* positions) const {
+  const BlockTable& t = table(layer, kv_head);
+  const KvLayout& lay = pool_.layout();
+  const int pt = lay.page_tokens, hd = lay.head_dim;
+  k->resize(size_t(t.n_tokens) * hd);
+  v->resize(size_t(t.n_tokens) * hd);
+  positions->resize(t.n_tokens);
+  PagePool& pool = pool_;
+  for (int p = 0; p * pt < t.n_tokens; ++p) {
+    const int32_t page = t.pages[p];
+    const int cnt = std::min(pt, t.n_tokens - p * pt);
+    float* kd = k->data() + size_t(p) * pt * hd;
+    float* vd = v->data() + size_t(p) * pt * hd;
+    if (IsCodecPage(page)) {
+      codecs::DecodePage(lay.codec_k, Role::kKey, pool.codec_keys(page), cnt, pt, hd, kd);
+      codecs::DecodePage(lay.codec_v, Role::kValue, pool.codec_values(page), cnt, pt, hd, vd);
+    } else {
+      std::memcpy(kd, pool.keys(page), size_t(cnt) * hd * sizeof(float));
+      std::memcpy(vd, pool.values(page), size_t(cnt) * hd * sizeof(float));
+    }
+    std::memcpy(positions->data() + size_t(p) * pt, pool.positions(page), cnt * sizeof(int32_t));
+  }
+}
+
+// Online-softmax attention over pages of mixed kinds: raw f32 pages (sinks, staging) and pages
+// stored by codec. A tile of query rows (token, head) walks the pages once; each codec page is
+// decoded into an L1-sized scratch once per tile, so the decode cost is shared by every row.
+// Rotation codecs keep K and V in the rotated basis: rotated queries score them and values
+// accumulate in a second, rotated accumulator that is rotated back once at the end.
+void PagedSequence::CodecAttend(const BlockTable& t, const kernels::AttnBatch& b) const {
+  const KvLayout& lay = pool_.layout();
+  const int pt = lay.page_tokens, hd = lay.head_dim;
+  const bool rot_k = codecs::IsRotated(lay.codec_k), rot_v = codecs::IsRotated(lay.codec_v);
+  PagePool& pool = pool_;
+  constexpr int kTileRows = 48;
+  const int tile_tok = std::max(1, kTileRows / b.n_heads);
+  const int max_rows = std::min(tile_tok, b.n_tok) * b.n_heads;
+  thread_local std::vector<float> scratch;
+  scratch.resize(size_t(max_rows) * (3 * hd + 2) + size_t(2 * pt) * hd + size_t(max_rows) * pt);
+  float* q_rot = scratch.data();                 // [rows][hd]
+  float* acc = q_rot + size_t(max_rows) * hd;    // [rows][hd], plain basis
+  float* acc_rot = acc + size_t(max_rows) * hd;  // [rows][hd], rotated basis
+  float* run_max = acc_rot + size_t(max_rows) * hd;
+  float* run_sum = run_max + max_rows;
+  float* kbuf = run_sum + max_rows;  // one decoded page
+  float* vbuf = kbuf + size_t(pt) * hd;
+  float* s = vbuf + size_t(pt) * hd;  // [rows][pt]
+  const int n_pages = (t.n_tokens + pt - 1) / pt;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  for (int t0 = 0; t0 < b.n_tok; t0 += tile_tok) {
+    const int nt = std::min(tile_tok, b.n_tok - t0), rows = nt * b.n_heads;
+    auto q_row = [&](int r) {
+      return b.q + int64_t(t0 + r / b.n_heads) * b.q_stride + int64_t(r % b.n_heads) * hd;
+    };
+    for (int r = 0; r < rows; ++r) {
+      std::copy(q_row(r), q_row(r) + hd, q_rot + size_t(r) * hd);
+      if (rot_k) codecs::Rotate(q_rot + size_t(r) * hd, hd);
+    }
+    std::fill(acc, acc + size_t(rows) * hd, 0.0f);
+    std::fill(acc_rot, acc_rot + size_t(rows) * hd, 0.0f);
+    std::fill(run_max, run_max + rows, neg_inf);
+    std::fill(run_sum, run_sum + rows, 0.0f);
+    const int32_t q_max = *std::max_element(b.q_pos + t0, b.q_pos + t0 + nt);
+
+    for (int pg = 0; pg < n_pages; ++pg) {
+      const int32_t page = t.pages[pg];
+      const int cnt = std::min(pt, t.n_tokens - pg * pt);
+      const int32_t* pos = pool.positions(page);
+      if (*std::min_element(pos, pos + cnt) > q_max) continue;
+      const bool codec = IsCodecPage(page);
+      const float* k = pool.keys(page);
+      const float* v = codec ? vbuf : pool.values(page);
+      if (codec) {
+        codecs::DecodeStored(lay.codec_k, Role::kKey, pool.codec_keys(page), cnt, pt, hd, kbuf);
+        codecs::DecodeStored(lay.codec_v, Role::kValue, pool.codec_values(page), cnt, pt, hd, vbuf);
+        k = kbuf;
+      }
+      const bool k_rotated = codec && rot_k, v_rotated = codec && rot_v;
+      for (int r = 0; r < rows; ++r) {
+        const float* q = k_rotated ? q_rot + size_t(r) * hd : q_row(r);
+        const int32_t qpos = b.q_pos[t0 + r / b.n_heads];
+        float* sr = s + size_t(r) * pt;
+        float page_max = neg_inf;
+        for (int j = 0; j < cnt; ++j) {
+          float d = 0;
+          const float* kj = k + size_t(j) * hd;
+          for (int i = 0; i < hd; ++i) d += q[i] * kj[i];
+          sr[j] = pos[j] <= qpos ? d * b.scale : neg_inf;
+          page_max = std::max(page_max, sr[j]);
+        }
+        if (page_max == neg_inf) continue;
+        const float new_m = std::max(run_max[r], page_max);
+        const float corr = std::exp(run_max[r] - new_m);
+        run_max[r] = new_m;
+        float* ar = acc + size_t(r) * hd;
+        float* arr = acc_rot + size_t(r) * hd;
+        if (corr != 1.0f) {
+          run_sum[r] *= corr;
+          for (int i = 0; i < hd; ++i) ar[i] *= corr;
+          if (rot_v)
+            for (int i = 0; i < hd; ++i) arr[i] *= corr;
+        }
+        float* dst = v_rotated ? arr : ar;
+        for (int j = 0; j < cnt; ++j) {
+          if (sr[j] == neg_inf) continue;
+          const float p = std::exp(sr[j] - new_m);
+          run_sum[r] += p;
+          const float* vj = v + size_t(j) * hd;
+          for (int i = 0; i < hd; ++i) dst[i] += p * vj[i];
+        }
+      }
+    }
+    for (int r = 0; r < rows; ++r) {
+      float* ar = acc + size_t(r) * hd;
+      if (rot_v) {
+        float* arr = acc_rot + size_t(r) * hd;
+        codecs::Unrotate(arr, hd);
+        for (int i = 0; i < hd; ++i) ar[i] += arr[i];
+      }
+      const float inv = run_sum[r] > 0 ? 1.0f / run_sum[r] : 0.0f;
+      float* out = b.out + int64_t(t0 + r / b.n_heads) * b.out_stride + int64_t(r % b.n_heads) * hd;
+      for (int i = 0; i < hd; ++i) out[i] = ar[i] * inv;
+    }
+  }
 }
 
 }  // namespace cachet

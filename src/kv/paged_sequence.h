@@ -1,6 +1,8 @@
 // One sequence's KV cache over the page pool: a block table per (layer, KV head) holding page ids
 // and a token count. Pages can be shared between sequences (Fork); a shared, partly filled page is
-// copied before it is written (copy-on-write).
+// copied before it is written (copy-on-write). With a codec layout, tokens are encoded as they
+// are written (row-wise codecs) or staged in a raw page and encoded when it fills (KIVI keys);
+// pages holding the first `sinks` tokens stay raw.
 #pragma once
 
 #include <memory>
@@ -25,24 +27,31 @@ class PagedSequence final : public KvSequence {
   Status Reserve(int n) override;
   void Append(int layer, int kv_head, const float* k, const float* v, int32_t pos) override;
   void CommitTokens(int n) override { n_tokens_ += n; }
-  kernels::PagedKv View(int layer, int kv_head) const override;
+  void Attend(int layer, int kv_head, const kernels::AttnBatch& batch) const override;
+
+  // The page-table view of a plain (f32) layout, as the kernels take it.
+  kernels::PagedKv View(int layer, int kv_head) const;
+  // Decodes the cached K and V of (layer, kv_head) into f32 rows, with their positions.
+  void Gather(int layer, int kv_head, std::vector<float>* k, std::vector<float>* v,
+              std::vector<int32_t>* positions) const;
 
   // Appends one full block of shared pages (one per (layer, KV head), in table order), taking a
   // reference on each. The sequence must hold whole blocks only, with equal per-head lengths.
   void AttachBlock(std::span<const int32_t> pages);
   // The pages of full block b, one per (layer, KV head); false when per-head lengths differ
-  // (a compressed sequence) or the block is not full.
+  // (a compressed sequence) or the block is not full or not yet in its final (encoded) form.
   bool BlockPages(int block, std::vector<int32_t>* pages) const;
 
   int n_tokens() const { return n_tokens_; }  // tokens committed to the sequence
   int head_length(int layer, int kv_head) const { return table(layer, kv_head).n_tokens; }
-  int pages_held() const;
-  void Clear();  // back to empty, all references dropped
+  int pages_held() const;  // page references held, reserved ones included
+  void Clear();            // back to empty, all references dropped
 
  private:
   struct BlockTable {
     std::vector<int32_t> pages;
     int32_t n_tokens = 0;
+    std::vector<int32_t> seal_pages;  // codec pages reserved for staged pages that will fill
   };
   BlockTable& table(int layer, int kv_head) {
     return tables_[layer * pool_.layout().n_kv_heads + kv_head];
@@ -50,11 +59,21 @@ class PagedSequence final : public KvSequence {
   const BlockTable& table(int layer, int kv_head) const {
     return tables_[layer * pool_.layout().n_kv_heads + kv_head];
   }
+  bool IsSinkPage(int64_t page_index) const {
+    return page_index * pool_.layout().page_tokens < pool_.layout().sinks;
+  }
+  // Whether logical page p is written raw (plain layouts, sinks, staging) or encoded directly.
+  bool RawPage(int64_t p) const {
+    const KvLayout& l = pool_.layout();
+    return l.plain() || l.staged() || IsSinkPage(p);
+  }
+  void Seal(BlockTable& t, int64_t page_index);
+  void CodecAttend(const BlockTable& t, const kernels::AttnBatch& b) const;
 
   PagePool& pool_;
   std::vector<BlockTable> tables_;
   int n_tokens_ = 0;
-  std::vector<int32_t> scratch_pages_;  // reused by Reserve: no allocation per decode step
+  std::vector<int32_t> scratch_raw_, scratch_codec_;  // reused by Reserve: no per-step allocation
 };
 
 }  // namespace cachet

@@ -109,7 +109,8 @@ bool PrefixTree::Unused(const Node& n) const {
                      [&](int32_t p) { return pool_.refcount(p) == 1; });
 }
 
-int32_t PrefixTree::Reclaimable() const {
+template <class Fn>
+void PrefixTree::ForEachUnpinned(Fn&& fn) const {
   // A node is freeable once no sequence uses it or any node below it. A used node usually has
   // used ancestors, but not always: a sequence that computed a block itself may have published
   // it under another sequence's copy of the parent block. So pin every ancestor of a used node.
@@ -123,11 +124,23 @@ int32_t PrefixTree::Reclaimable() const {
       k = nodes_.at(k).parent;
     }
   }
-  int32_t n = 0;
   for (const auto& [key, node] : nodes_) {
-    if (!pinned.count(key)) n += static_cast<int32_t>(node.pages.size());
+    if (!pinned.count(key)) fn(node);
   }
-  return n;
+}
+
+size_t PrefixTree::ReclaimableBytes() const {
+  size_t bytes = 0;
+  ForEachUnpinned([&](const Node& n) {
+    for (int32_t p : n.pages) bytes += pool_.page_bytes(p);
+  });
+  return bytes;
+}
+
+int32_t PrefixTree::ReclaimablePages() const {
+  int32_t count = 0;
+  ForEachUnpinned([&](const Node& n) { count += static_cast<int32_t>(n.pages.size()); });
+  return count;
 }
 
 void PrefixTree::EvictNode(std::unordered_map<uint64_t, Node>::iterator it) {
@@ -138,19 +151,19 @@ void PrefixTree::EvictNode(std::unordered_map<uint64_t, Node>::iterator it) {
   nodes_.erase(it);
 }
 
-int32_t PrefixTree::Reclaim(int32_t pages) {
+size_t PrefixTree::Reclaim(size_t bytes) {
   using Entry = std::pair<uint64_t, uint64_t>;  // (last_used, key), oldest first
   std::priority_queue<Entry, std::vector<Entry>, std::greater<>> leaves;
   for (const auto& [key, node] : nodes_) {
     if (node.children == 0 && Unused(node)) leaves.emplace(node.last_used, key);
   }
-  int32_t freed = 0;
-  while (freed < pages && !leaves.empty()) {
+  size_t freed = 0;
+  while (freed < bytes && !leaves.empty()) {
     const uint64_t key = leaves.top().second;
     leaves.pop();
     auto it = nodes_.find(key);
     const uint64_t parent = it->second.parent;
-    freed += static_cast<int32_t>(it->second.pages.size());
+    for (int32_t p : it->second.pages) freed += pool_.page_bytes(p);
     EvictNode(it);
     if (parent != 0) {
       const Node& p = nodes_.at(parent);

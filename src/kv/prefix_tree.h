@@ -35,9 +35,10 @@ class PrefixTree final : public PageReclaimer {
   // Publishes the full blocks of seq (whose tokens are tokens) so later requests can reuse them.
   void Publish(std::span<const int32_t> tokens, uint64_t salt, const PagedSequence& seq);
 
-  // PageReclaimer: pages the tree could free, and freeing them (LRU leaves first).
-  int32_t Reclaimable() const override;
-  int32_t Reclaim(int32_t pages) override;
+  // PageReclaimer: bytes the tree could free, and freeing them (LRU leaves first).
+  size_t ReclaimableBytes() const override;
+  size_t Reclaim(size_t bytes) override;
+  int32_t ReclaimablePages() const;
 
   int64_t cached_blocks() const { return static_cast<int64_t>(nodes_.size()); }
   int32_t cached_pages() const;  // pages held by the tree (shared with sequences or not)
@@ -57,6 +58,9 @@ class PrefixTree final : public PageReclaimer {
   uint64_t BlockKey(uint64_t parent, std::span<const int32_t> block, uint64_t salt) const;
   const Node* Find(uint64_t key, uint64_t parent, std::span<const int32_t> block) const;
   bool Unused(const Node& n) const;  // only the tree references its pages
+  // Calls fn(node) for every node no sequence uses, below or at it.
+  template <class Fn>
+  void ForEachUnpinned(Fn&& fn) const;
   void EvictNode(std::unordered_map<uint64_t, Node>::iterator it);
 
   PagePool& pool_;

@@ -20,7 +20,9 @@ class KvSequence {
   virtual void Append(int layer, int kv_head, const float* k, const float* v, int32_t pos) = 0;
   // Marks the tokens appended since the last call as part of the sequence (all layers done).
   virtual void CommitTokens(int n) = 0;
-  virtual kernels::PagedKv View(int layer, int kv_head) const = 0;
+  // Attention of a GQA group's queries over the cached K/V of (layer, kv_head), whatever codec
+  // stores it.
+  virtual void Attend(int layer, int kv_head, const kernels::AttnBatch& batch) const = 0;
 };
 
 }  // namespace cachet

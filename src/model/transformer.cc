@@ -168,7 +168,7 @@ void Transformer::Attention(int layer, int n, const int32_t* positions, KvSequen
     batch.n_tok = hi - lo;
     batch.n_heads = group;
     batch.scale = scale;
-    kernels::PagedAttention(batch, kv.View(layer, h));
+    kv.Attend(layer, h, batch);
   });
 }
 

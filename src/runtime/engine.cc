@@ -45,10 +45,16 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
   e->n_ctx_ = o.n_ctx > 0 ? o.n_ctx : c.max_position_embeddings;
   e->pool_ = std::make_unique<ThreadPool>(o.threads > 0 ? o.threads : ThreadPool::DefaultThreads());
   KvLayout layout{c.n_layers, c.n_kv_heads, c.head_dim, o.page_tokens};
+  CACHET_ASSIGN_OR_RETURN(layout.codec_k, codecs::ParseCodec(o.kv_codec_k));
+  CACHET_ASSIGN_OR_RETURN(layout.codec_v, codecs::ParseCodec(o.kv_codec_v));
+  CACHET_RETURN_IF_ERROR(codecs::CheckDim(layout.codec_k, c.head_dim));
+  CACHET_RETURN_IF_ERROR(codecs::CheckDim(layout.codec_v, c.head_dim));
+  if (o.kv_sinks < 0) return InvalidArgument("--kv-sinks must be >= 0");
+  layout.sinks = o.kv_sinks;
   size_t capacity = o.kv_mem_mib > 0 ? static_cast<size_t>(o.kv_mem_mib) << 20
                                      : static_cast<size_t>(layout.heads_total()) *
                                            ((e->n_ctx_ + o.page_tokens - 1) / o.page_tokens) *
-                                           layout.page_bytes();
+                                           layout.raw_page_bytes();
   e->kv_pool_ = std::make_unique<PagePool>(layout, capacity);
   if (o.prefix_cache) {
     // Cached pages are only valid for the same weights: key them by config and tensor layout.
@@ -84,19 +90,24 @@ Result<GenerateResult> Engine::Generate(std::string_view prompt, const GenerateO
 KvStats Engine::kv_stats() const {
   KvStats s;
   const PagePool& p = *kv_pool_;
-  s.page_bytes = static_cast<int64_t>(p.layout().page_bytes());
-  s.page_tokens = p.layout().page_tokens;
+  const KvLayout& lay = p.layout();
+  s.page_bytes = static_cast<int64_t>(lay.page_bytes());
+  s.page_tokens = lay.page_tokens;
+  s.codec = lay.codec_name();
+  s.bytes_per_token = double(lay.page_bytes()) * lay.heads_total() / lay.page_tokens;
   s.pages_total = p.capacity_pages();
   s.pages_used = p.used_pages();
   s.pages_free = p.free_pages();
   s.pages_high_water = p.high_water_pages();
+  s.bytes_total = static_cast<int64_t>(p.capacity_bytes());
   s.bytes_used = static_cast<int64_t>(p.used_bytes());
-  s.bytes_high_water = s.pages_high_water * s.page_bytes;
-  s.bytes_by_codec = {{"f32", s.bytes_used}};
+  s.bytes_high_water = static_cast<int64_t>(p.high_water_bytes());
+  s.bytes_by_codec = {{"f32", static_cast<int64_t>(p.raw_bytes_used())}};
+  if (!lay.plain()) s.bytes_by_codec.emplace_back(s.codec, p.codec_bytes_used());
   if (prefix_) {
     const PrefixStats& ps = prefix_->stats();
     s.pages_cached = prefix_->cached_pages();
-    s.pages_reclaimable = prefix_->Reclaimable();
+    s.pages_reclaimable = prefix_->ReclaimablePages();
     s.prefix_lookups = ps.lookups;
     s.prefix_hits = ps.hits;
     s.prefix_misses = ps.lookups - ps.hits;
@@ -115,9 +126,10 @@ void Engine::ClearPrefixCache() {
 std::string KvStats::ToString() const {
   std::ostringstream o;
   const double mib = 1.0 / (1 << 20);
-  o << "[kv] pages: " << pages_used << " used, " << pages_free << " free of " << pages_total << " ("
-    << page_tokens << " tokens, " << page_bytes << " B each); high water " << pages_high_water
-    << " pages (" << bytes_high_water * mib << " MiB)\n";
+  o << "[kv] codec " << codec << ", " << bytes_per_token << " bytes/token; pages: " << pages_used
+    << " used, " << pages_free << " free of " << pages_total << " (" << page_tokens << " tokens, "
+    << page_bytes << " B each); high water " << pages_high_water << " pages ("
+    << bytes_high_water * mib << " MiB)\n";
   o << "[kv] bytes in use: " << bytes_used * mib << " MiB";
   for (const auto& [codec, bytes] : bytes_by_codec)
     o << "; " << codec << " " << bytes * mib << " MiB";

@@ -341,6 +341,8 @@ Status CheckDim(Codec c, int dim) {
   return OkStatus();
 }
 
+size_t RowStride(Codec c, int dim) { return RowBytes(c, dim); }
+
 bool IsRotated(Codec c) { return c == Codec::kRot4 || c == Codec::kRot3 || c == Codec::kRot2; }
 
 bool NeedsFullPage(Codec c, Role role) { return IsKivi(c) && role == Role::kKey; }
@@ -408,6 +410,16 @@ void DecodePage(Codec c, Role role, const uint8_t* page, int n, int tokens, int 
     DecodeRowStored(c, page + t * rb, dim, x);
     if (IsRotated(c)) Unrotate(x, dim);
   }
+}
+
+void DecodeStored(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim,
+                  float* rows) {
+  if (IsKivi(c) && role == Role::kKey) {
+    DecodePage(c, role, page, n, tokens, dim, rows);  // KIVI is never rotated
+    return;
+  }
+  const size_t rb = RowBytes(c, dim);
+  for (int t = 0; t < n; ++t) DecodeRowStored(c, page + t * rb, dim, rows + size_t(t) * dim);
 }
 
 void DotKeys(Codec c, const uint8_t* page, int n, int tokens, int dim, const float* q, float* out) {

@@ -47,8 +47,15 @@ bool NeedsFullPage(Codec c, Role role);
 // Encodes rows [n][dim] (n <= tokens) into a page laid out for `tokens` rows. Rows past n are
 // unspecified. Rotation codecs rotate the rows themselves.
 void EncodePage(Codec c, Role role, const float* rows, int n, int tokens, int dim, uint8_t* page);
+// Bytes of one row of a row-wise codec (all but KIVI keys): row t of a page starts at t * stride,
+// so rows can be encoded one at a time as tokens arrive.
+size_t RowStride(Codec c, int dim);
 // Decodes rows back to f32 (rotation codecs: into the original basis).
 void DecodePage(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim, float* rows);
+
+// Decodes rows into the basis they are stored in (rotated for rotation codecs): what attention
+// scores against rotated queries and accumulates into a rotated accumulator.
+void DecodeStored(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim, float* rows);
 
 // out[t] = q . k_t for the first n keys of a page. For rotation codecs q must be rotated
 // (Rotate) first.

@@ -1,0 +1,162 @@
+// Codecs inside the engine: attention on encoded pages equals attention on their decoded rows,
+// compressed caches stay close to the f32 cache, really take fewer bytes, and compose with
+// prefix reuse, fork and sinks.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "cachet/engine.h"
+#include "kernels/kernels.h"
+#include "kv/paged_sequence.h"
+#include "model/config.h"
+#include "test_util.h"
+
+namespace cachet {
+namespace {
+
+std::unique_ptr<Engine> MakeEngine(const std::string& k, const std::string& v, int sinks = 0,
+                                   bool prefix = false) {
+  EngineOptions o;
+  o.model_dir = testing::ModelDir();
+  o.threads = 2;
+  o.kv_codec_k = k;
+  o.kv_codec_v = v;
+  o.kv_sinks = sinks;
+  o.prefix_cache = prefix;
+  auto e = Engine::Create(o);
+  EXPECT_TRUE(e.ok()) << e.status().ToString();
+  return std::move(e).value();
+}
+
+// Mean KL(p_ref || p) of next-token distributions over every position.
+double MeanKl(const std::vector<float>& ref, const std::vector<float>& got, int vocab) {
+  double total = 0;
+  const size_t n = ref.size() / vocab;
+  for (size_t t = 0; t < n; ++t) {
+    const float* a = ref.data() + t * vocab;
+    const float* b = got.data() + t * vocab;
+    const float ma = *std::max_element(a, a + vocab), mb = *std::max_element(b, b + vocab);
+    double za = 0, zb = 0;
+    for (int i = 0; i < vocab; ++i) za += std::exp(a[i] - ma), zb += std::exp(b[i] - mb);
+    double kl = 0;
+    for (int i = 0; i < vocab; ++i) {
+      const double la = a[i] - ma - std::log(za), lb = b[i] - mb - std::log(zb);
+      kl += std::exp(la) * (la - lb);
+    }
+    total += kl;
+  }
+  return total / n;
+}
+
+std::vector<int32_t> Prompt() { return testing::LoadGolden().back().ids; }
+
+TEST(CodecEngine, AttentionOnCodesEqualsAttentionOnDecodedRows) {
+  for (std::string codec : {"int8", "q4_0", "kivi2", "rot3"}) {
+    SCOPED_TRACE(codec);
+    auto e = MakeEngine(codec, codec, /*sinks=*/4);
+    auto s = e->NewSession();
+    const auto prompt = Prompt();
+    ASSERT_TRUE(s->Eval(std::span(prompt).first(203), nullptr).ok());
+    const PagedSequence& kv = s->kv();
+    const int hd = e->config().head_dim, group = e->config().n_heads / e->config().n_kv_heads;
+    std::vector<float> q(3 * group * hd);
+    for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.37f * i);
+    std::vector<int32_t> qpos = {150, 201, 202};
+    kernels::AttnBatch b;
+    b.q = q.data();
+    b.q_stride = group * hd;
+    b.n_tok = 3;
+    b.n_heads = group;
+    b.q_pos = qpos.data();
+    b.scale = 0.125f;
+    std::vector<float> got(q.size()), want(q.size());
+    b.out = got.data();
+    b.out_stride = group * hd;
+    kv.Attend(3, 1, b);
+    std::vector<float> k, v;
+    std::vector<int32_t> pos;
+    kv.Gather(3, 1, &k, &v, &pos);
+    b.out = want.data();
+    kernels::ref::ContiguousAttention(b, k.data(), v.data(), pos.data(),
+                                      static_cast<int>(pos.size()), hd);
+    double num = 0, den = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      num += (got[i] - want[i]) * double(got[i] - want[i]);
+      den += double(want[i]) * want[i];
+    }
+    EXPECT_LT(std::sqrt(num / den), 1e-5);
+  }
+}
+
+TEST(CodecEngine, CompressedCachesAreCloseAndSmaller) {
+  const auto prompt = Prompt();
+  std::vector<float> ref;
+  auto f32 = MakeEngine("f32", "f32");
+  ASSERT_TRUE(f32->NewSession()->Eval(prompt, &ref, true).ok());
+  const int64_t f32_bytes = f32->kv_stats().bytes_high_water;
+  const int vocab = f32->config().vocab_size;
+  struct Case {
+    std::string k, v;
+    double max_kl;
+  };
+  // Loose bounds (kvtiny is small and fragile); docs/BENCHMARKS.md has the measured table.
+  for (const Case& c : std::vector<Case>{{"f16", "f16", 1e-5},
+                                         {"q8_0", "q8_0", 2e-3},
+                                         {"int8", "int8", 2e-3},
+                                         {"kivi4", "kivi4", 0.1},
+                                         {"q4_0", "q4_0", 0.3},
+                                         {"int8", "rot3", 0.3}}) {
+    SCOPED_TRACE(c.k + "/" + c.v);
+    auto e = MakeEngine(c.k, c.v);
+    auto s = e->NewSession();
+    std::vector<float> got;
+    ASSERT_TRUE(s->Eval(prompt, &got, true).ok());
+    const double kl = MeanKl(ref, got, vocab);
+    EXPECT_LT(kl, c.max_kl);
+    EXPECT_GT(kl, 0.0);
+    const KvStats st = e->kv_stats();
+    EXPECT_LT(st.bytes_used, f32_bytes * 0.6) << st.ToString();
+  }
+}
+
+TEST(CodecEngine, PrefixReuseForkAndSinksCompose) {
+  const auto prompt = Prompt();
+  for (std::string codec : {"q8_0", "kivi4"}) {
+    SCOPED_TRACE(codec);
+    std::vector<float> cold, warm;
+    ASSERT_TRUE(MakeEngine(codec, codec, 16)->NewSession()->Eval(prompt, &cold).ok());
+    auto e = MakeEngine(codec, codec, 16, /*prefix=*/true);
+    {
+      auto s = e->NewSession();
+      ASSERT_TRUE(s->Eval(prompt, nullptr).ok());
+      s->Publish();
+    }
+    auto s = e->NewSession();
+    ASSERT_TRUE(s->Eval(prompt, &warm).ok());
+    EXPECT_EQ(e->kv_stats().prefix_hits, 1);
+    EXPECT_EQ(warm, cold);  // the cached pages hold the very codes a cold run writes
+    // Fork at a partial page; both sides diverge without touching each other.
+    auto child = s->Fork();
+    std::vector<float> a, b;
+    ASSERT_TRUE(child->Eval(std::vector<int32_t>{5}, &a).ok());
+    ASSERT_TRUE(s->Eval(std::vector<int32_t>{6}, &b).ok());
+    EXPECT_NE(a, b);
+    // Sinks: the first page of every (layer, head) stays raw f32.
+    std::vector<float> k, v;
+    std::vector<int32_t> pos;
+    s->kv().Gather(0, 0, &k, &v, &pos);
+    EXPECT_EQ(pos[0], 0);
+  }
+}
+
+TEST(CodecEngine, BadCodecOptionsAreClearErrors) {
+  EngineOptions o;
+  o.model_dir = testing::ModelDir();
+  o.kv_codec_k = "int3";
+  auto e = Engine::Create(o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("unknown KV codec 'int3'"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace cachet
