@@ -8,6 +8,8 @@
 #include <random>
 #include <vector>
 
+#include "kv/codecs/codec_simd.h"
+
 namespace cachet::codecs {
 namespace {
 
@@ -78,7 +80,9 @@ TEST(Codec, RoundTripWithinBound) {
         DecodePage(c, role, page.data(), tokens, tokens, dim, y.data());
         const double err = RelErr(y, x);
         EXPECT_LE(err, Bound(c));
-        if (c != Codec::kF32) EXPECT_GT(err, 0.0);  // the codec really is lossy
+        if (c != Codec::kF32) {
+          EXPECT_GT(err, 0.0);  // the codec really is lossy
+        }
       }
     }
   }
@@ -153,6 +157,41 @@ TEST(Codec, NamesAndDimChecks) {
   EXPECT_FALSE(CheckDim(Codec::kQ4_0, 80).ok());
   EXPECT_FALSE(CheckDim(Codec::kRot4, 96).ok());
   EXPECT_TRUE(CheckDim(Codec::kInt8, 80).ok());
+}
+
+}  // namespace
+}  // namespace cachet::codecs
+
+namespace cachet::codecs {
+namespace {
+
+TEST(Codec, SimdDecodeEqualsReference) {
+  for (int dim : {64, 128, 96}) {
+    for (Codec c : kAll) {
+      if (!CheckDim(c, dim).ok()) continue;
+      for (Role role : {Role::kKey, Role::kValue}) {
+        SCOPED_TRACE(std::string(CodecName(c)) + " dim " + std::to_string(dim));
+        const int tokens = 16;
+        auto x = Rows(tokens, dim, 5);
+        std::vector<uint8_t> page(PageBytes(c, role, tokens, dim));
+        EncodePage(c, role, x.data(), tokens, tokens, dim, page.data());
+        for (int n : {1, 7, 16}) {
+          std::vector<float> want(size_t(n) * dim), got(size_t(n) * dim, -1.0f);
+          DecodeStored(c, role, page.data(), n, tokens, dim, want.data());
+          simd::DecodeStored(c, role, page.data(), n, tokens, dim, got.data());
+          EXPECT_EQ(got, want) << "n " << n;
+        }
+      }
+    }
+  }
+  auto a = Rows(1, 77, 1), b = Rows(1, 77, 2);
+  double want = 0;
+  for (int i = 0; i < 77; ++i) want += double(a[i]) * b[i];
+  EXPECT_NEAR(simd::Dot(a.data(), b.data(), 77), want, 1e-4 * std::fabs(want) + 1e-4);
+  std::vector<float> y(77, 1.0f);
+  simd::Axpy(2.0f, a.data(), y.data(), 77);
+  simd::Scale(0.5f, y.data(), 77);
+  for (int i = 0; i < 77; ++i) EXPECT_FLOAT_EQ(y[i], 0.5f * (1.0f + 2.0f * a[i]));
 }
 
 }  // namespace

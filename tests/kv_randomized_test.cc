@@ -110,7 +110,9 @@ class Harness {
     for (int32_t p = 0; p < pool_.capacity_pages(); ++p) {
       const int32_t rc = pool_.refcount(p);
       if (rc > 0) ++referenced;
-      if (refs.count(p)) ASSERT_LE(refs[p], rc) << "page " << p;
+      if (refs.count(p)) {
+        ASSERT_LE(refs[p], rc) << "page " << p;
+      }
     }
     ASSERT_EQ(referenced, pool_.used_pages());
     ASSERT_EQ(pool_.used_pages() + pool_.free_pages(), pool_.capacity_pages());

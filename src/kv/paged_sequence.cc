@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "kernels/kernels.h"
+#include "kv/codecs/codec_simd.h"
 
 namespace cachet {
 
@@ -271,10 +272,7 @@ void PagedSequence::CodecAttend(const BlockTable& t, const kernels::AttnBatch& b
         float* sr = s + size_t(r) * pt;
         float page_max = neg_inf;
         for (int j = 0; j < cnt; ++j) {
-          float d = 0;
-          const float* kj = k + size_t(j) * hd;
-          for (int i = 0; i < hd; ++i) d += q[i] * kj[i];
-          sr[j] = pos[j] <= qpos ? d * b.scale : neg_inf;
+          sr[j] = pos[j] <= qpos ? codecs::simd::Dot(q, k + size_t(j) * hd, hd) * b.scale : neg_inf;
           page_max = std::max(page_max, sr[j]);
         }
         if (page_max == neg_inf) continue;
@@ -285,17 +283,15 @@ void PagedSequence::CodecAttend(const BlockTable& t, const kernels::AttnBatch& b
         float* arr = acc_rot + size_t(r) * hd;
         if (corr != 1.0f) {
           run_sum[r] *= corr;
-          for (int i = 0; i < hd; ++i) ar[i] *= corr;
-          if (rot_v)
-            for (int i = 0; i < hd; ++i) arr[i] *= corr;
+          codecs::simd::Scale(corr, ar, hd);
+          if (rot_v) codecs::simd::Scale(corr, arr, hd);
         }
         float* dst = v_rotated ? arr : ar;
         for (int j = 0; j < cnt; ++j) {
           if (sr[j] == neg_inf) continue;
           const float p = std::exp(sr[j] - new_m);
           run_sum[r] += p;
-          const float* vj = v + size_t(j) * hd;
-          for (int i = 0; i < hd; ++i) dst[i] += p * vj[i];
+          codecs::simd::Axpy(p, v + size_t(j) * hd, dst, hd);
         }
       }
     }

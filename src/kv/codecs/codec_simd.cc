@@ -1,0 +1,228 @@
+// Highway codec decoding and the dot/axpy of the codec attention loop.
+
+// clang-format off
+#include "kernels/cpu/hwy_targets.h"  // must precede every Highway header
+// clang-format on
+
+#include "kv/codecs/codec_simd.h"
+
+#include <cstring>
+
+#include "util/dtype.h"
+
+// clang-format off
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kv/codecs/codec_simd.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+// clang-format on
+
+HWY_BEFORE_NAMESPACE();
+namespace cachet::codecs::simd::HWY_NAMESPACE {
+namespace hn = hwy::HWY_NAMESPACE;
+using DF = hn::ScalableTag<float>;
+
+float DotImpl(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b, int n) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  auto acc0 = hn::Zero(df), acc1 = hn::Zero(df);
+  int i = 0;
+  for (; i + 2 * N <= n; i += 2 * N) {
+    acc0 = hn::MulAdd(hn::LoadU(df, a + i), hn::LoadU(df, b + i), acc0);
+    acc1 = hn::MulAdd(hn::LoadU(df, a + i + N), hn::LoadU(df, b + i + N), acc1);
+  }
+  for (; i + N <= n; i += N) acc0 = hn::MulAdd(hn::LoadU(df, a + i), hn::LoadU(df, b + i), acc0);
+  float s = hn::GetLane(hn::SumOfLanes(df, hn::Add(acc0, acc1)));
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+void AxpyImpl(float a, const float* HWY_RESTRICT x, float* HWY_RESTRICT y, int n) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  const auto va = hn::Set(df, a);
+  int i = 0;
+  for (; i + N <= n; i += N)
+    hn::StoreU(hn::MulAdd(va, hn::LoadU(df, x + i), hn::LoadU(df, y + i)), df, y + i);
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+void ScaleImpl(float s, float* HWY_RESTRICT x, int n) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  const auto vs = hn::Set(df, s);
+  int i = 0;
+  for (; i + N <= n; i += N) hn::StoreU(hn::Mul(vs, hn::LoadU(df, x + i)), df, x + i);
+  for (; i < n; ++i) x[i] *= s;
+}
+
+// out[i] = scale * q[i] (+ offset) for n signed bytes.
+HWY_INLINE void Int8ToF32(const int8_t* HWY_RESTRICT q, int n, float scale,
+                          float* HWY_RESTRICT out) {
+  const DF df;
+  const hn::Rebind<int32_t, DF> di;
+  const hn::Rebind<int8_t, DF> d8;
+  const int N = static_cast<int>(hn::Lanes(df));
+  const auto vs = hn::Set(df, scale);
+  int i = 0;
+  for (; i + N <= n; i += N) {
+    hn::StoreU(hn::Mul(vs, hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(d8, q + i)))), df,
+               out + i);
+  }
+  for (; i < n; ++i) out[i] = scale * q[i];
+}
+
+// out[i] = min + scale * code[i] for n unsigned codes.
+HWY_INLINE void CodesToF32(const uint8_t* HWY_RESTRICT codes, int n, float min, float scale,
+                           float* HWY_RESTRICT out) {
+  const DF df;
+  const hn::Rebind<int32_t, DF> di;
+  const hn::Rebind<uint8_t, DF> d8;
+  const int N = static_cast<int>(hn::Lanes(df));
+  const auto vs = hn::Set(df, scale), vm = hn::Set(df, min);
+  int i = 0;
+  for (; i + N <= n; i += N) {
+    const auto c = hn::ConvertTo(
+        df, hn::BitCast(di, hn::PromoteTo(hn::Rebind<uint32_t, DF>(), hn::LoadU(d8, codes + i))));
+    hn::StoreU(hn::MulAdd(vs, c, vm), df, out + i);
+  }
+  for (; i < n; ++i) out[i] = min + scale * codes[i];
+}
+
+// Unpacks n little-endian codes of 2 or 4 bits.
+HWY_INLINE void Unpack(const uint8_t* in, int n, int bits, uint8_t* codes) {
+  if (bits == 4) {
+    for (int i = 0; i < n / 2; ++i) codes[2 * i] = in[i] & 15, codes[2 * i + 1] = in[i] >> 4;
+  } else {
+    for (int i = 0; i < n / 4; ++i) {
+      const uint8_t b = in[i];
+      codes[4 * i] = b & 3, codes[4 * i + 1] = (b >> 2) & 3, codes[4 * i + 2] = (b >> 4) & 3,
+                codes[4 * i + 3] = b >> 6;
+    }
+  }
+}
+
+void DecodeStoredImpl(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim,
+                      float* rows) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  constexpr int kBlock = 32;
+  uint8_t codes[512];
+  const bool kivi = c == Codec::kKivi4 || c == Codec::kKivi2;
+  const int kivi_bits = c == Codec::kKivi4 ? 4 : 2;
+  if (kivi && role == Role::kKey) {  // per-channel min/scale, token-major codes
+    const uint16_t* meta = reinterpret_cast<const uint16_t*>(page);
+    const uint8_t* packed = page + 4 * size_t(dim);
+    const size_t row_bytes = size_t(dim) * kivi_bits / 8;
+    float mins[512], scales[512];
+    for (int ch = 0; ch < dim; ++ch)
+      mins[ch] = F16ToF32(meta[2 * ch]), scales[ch] = F16ToF32(meta[2 * ch + 1]);
+    const hn::Rebind<int32_t, DF> di;
+    const hn::Rebind<uint8_t, DF> d8;
+    for (int t = 0; t < n; ++t) {
+      Unpack(packed + t * row_bytes, dim, kivi_bits, codes);
+      float* x = rows + size_t(t) * dim;
+      int ch = 0;
+      for (; ch + N <= dim; ch += N) {
+        const auto cv = hn::ConvertTo(
+            df,
+            hn::BitCast(di, hn::PromoteTo(hn::Rebind<uint32_t, DF>(), hn::LoadU(d8, codes + ch))));
+        hn::StoreU(hn::MulAdd(hn::LoadU(df, scales + ch), cv, hn::LoadU(df, mins + ch)), df,
+                   x + ch);
+      }
+      for (; ch < dim; ++ch) x[ch] = mins[ch] + scales[ch] * codes[ch];
+    }
+    return;
+  }
+  const size_t stride = RowStride(c, dim);
+  for (int t = 0; t < n; ++t) {
+    const uint8_t* in = page + t * stride;
+    float* x = rows + size_t(t) * dim;
+    switch (c) {
+      case Codec::kF32:
+        std::memcpy(x, in, 4 * size_t(dim));
+        break;
+      case Codec::kF16: {
+        const hn::Rebind<hwy::float16_t, DF> dh;
+        const hwy::float16_t* h = reinterpret_cast<const hwy::float16_t*>(in);
+        int i = 0;
+        for (; i + N <= dim; i += N) hn::StoreU(hn::PromoteTo(df, hn::LoadU(dh, h + i)), df, x + i);
+        for (; i < dim; ++i) x[i] = F16ToF32(reinterpret_cast<const uint16_t*>(in)[i]);
+        break;
+      }
+      case Codec::kBF16: {
+        const hn::Rebind<uint16_t, DF> du16;
+        const hn::Rebind<uint32_t, DF> du32;
+        const uint16_t* h = reinterpret_cast<const uint16_t*>(in);
+        int i = 0;
+        for (; i + N <= dim; i += N) {
+          hn::StoreU(
+              hn::BitCast(df, hn::ShiftLeft<16>(hn::PromoteTo(du32, hn::LoadU(du16, h + i)))), df,
+              x + i);
+        }
+        for (; i < dim; ++i) x[i] = Bf16ToF32(h[i]);
+        break;
+      }
+      case Codec::kInt8: {
+        float scale;
+        std::memcpy(&scale, in, 4);
+        Int8ToF32(reinterpret_cast<const int8_t*>(in + 4), dim, scale, x);
+        break;
+      }
+      case Codec::kQ8_0:
+        for (int b = 0; b < dim / kBlock; ++b) {
+          const uint8_t* blk = in + b * (2 + kBlock);
+          uint16_t dh;
+          std::memcpy(&dh, blk, 2);
+          Int8ToF32(reinterpret_cast<const int8_t*>(blk + 2), kBlock, F16ToF32(dh), x + b * kBlock);
+        }
+        break;
+      case Codec::kQ4_0:
+        for (int b = 0; b < dim / kBlock; ++b) {
+          const uint8_t* blk = in + b * (2 + kBlock / 2);
+          uint16_t dh;
+          std::memcpy(&dh, blk, 2);
+          for (int j = 0; j < kBlock / 2; ++j)
+            codes[j] = blk[2 + j] & 15, codes[j + 16] = blk[2 + j] >> 4;
+          const float d = F16ToF32(dh);
+          CodesToF32(codes, kBlock, -8.0f * d, d, x + b * kBlock);
+        }
+        break;
+      case Codec::kKivi4:
+      case Codec::kKivi2: {
+        const int groups = dim / kBlock;
+        const uint16_t* meta = reinterpret_cast<const uint16_t*>(in);
+        Unpack(in + 4 * groups, dim, kivi_bits, codes);
+        for (int g = 0; g < groups; ++g) {
+          CodesToF32(codes + g * kBlock, kBlock, F16ToF32(meta[2 * g]), F16ToF32(meta[2 * g + 1]),
+                     x + g * kBlock);
+        }
+        break;
+      }
+      default:  // rotation codecs: table lookups, the scalar path
+        codecs::DecodeStored(c, role, in, 1, 1, dim, x);
+        break;
+    }
+  }
+  (void)tokens;
+}
+
+}  // namespace cachet::codecs::simd::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace cachet::codecs::simd {
+HWY_EXPORT(DotImpl);
+HWY_EXPORT(AxpyImpl);
+HWY_EXPORT(ScaleImpl);
+HWY_EXPORT(DecodeStoredImpl);
+
+float Dot(const float* a, const float* b, int n) { return HWY_DYNAMIC_DISPATCH(DotImpl)(a, b, n); }
+void Axpy(float a, const float* x, float* y, int n) { HWY_DYNAMIC_DISPATCH(AxpyImpl)(a, x, y, n); }
+void Scale(float s, float* x, int n) { HWY_DYNAMIC_DISPATCH(ScaleImpl)(s, x, n); }
+void DecodeStored(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim,
+                  float* rows) {
+  HWY_DYNAMIC_DISPATCH(DecodeStoredImpl)(c, role, page, n, tokens, dim, rows);
+}
+}  // namespace cachet::codecs::simd
+#endif
