@@ -1,11 +1,12 @@
 // Kernel micro-benchmarks: decode matvec bandwidth, prefill GEMM throughput and paged attention,
-// for the cpu:: kernels (CACHET_REF_KERNELS does not apply: the cpu:: entry points are called).
+// through the dispatching entry points (cpu:: kernels; CACHET_REF_KERNELS=1 times the reference).
 //
 // Not built by CMake yet; to build against a configured build directory:
-//   g++ -O2 -std=c++20 -Isrc bench/kernels_bench.cc build/libcachet_core.a -lhwy -lpthread \
+//   g++ -O2 -std=c++20 -Isrc bench/kernels_bench.cc build/libcachet_core.a -lhwy -lpthread
 //       -o kernels_bench
 // Usage: kernels_bench [max_threads]   (default: all hardware threads)
-// Times are the best per-call time over many short batches, so a shared machine reads high.
+// Times are the best per-call time over many short batches, which filters out most interference
+// from other load on the machine.
 #include <algorithm>
 #include <chrono>
 #include <cstdint>

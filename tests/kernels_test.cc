@@ -315,9 +315,10 @@ TEST(KernelsCpu, MatMulIndependentOfThreadCount) {
   std::mt19937 rng(6);
   ThreadPool pool1(1), pool3(3);
   for (DType dtype : kAllTypes) {
-    for (int64_t n : {1, 7}) {
-      TestMatrix w = MakeMatrix(1029, 391, dtype, rng);
-      std::vector<float> x = RandomVec(n * 391, rng);
+    for (int64_t n : {1, 7, 37}) {
+      const int64_t cols = n == 37 ? 1029 : 391;  // 1029: the column-chunked prefill path
+      TestMatrix w = MakeMatrix(1029, cols, dtype, rng);
+      std::vector<float> x = RandomVec(n * cols, rng);
       for (int64_t target : KernelTargets()) {
         ScopedTarget scoped(target);
         std::vector<float> y1(n * 1029), y3(n * 1029);

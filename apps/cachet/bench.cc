@@ -57,7 +57,7 @@ double MeasureReadBandwidth(ThreadPool& pool) {
 int64_t WeightBytesPerToken(const Transformer& model) {
   const ModelWeights& w = model.weights();
   auto bytes = [](const kernels::Matrix& m) {
-    return m.rows * m.cols * int64_t(DTypeSize(m.dtype));
+    return m.rows * int64_t(DTypeRowBytes(m.dtype, m.cols));
   };
   int64_t total = bytes(w.lm_head);
   for (const LayerWeights& L : w.layers) {

@@ -18,7 +18,7 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o) {
   app.add_option("-m,--model", o.model_dir,
                  "HF model directory (config.json, *.safetensors, tokenizer.json or "
                  "tokenizer.model); default: the embedded kvtiny")
-      ->check(CLI::ExistingDirectory);
+      ->check(CLI::ExistingPath);
   app.add_option("-t,--threads", o.threads, "Worker threads (0 = one per core)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--ubatch", o.ubatch, "Prompt tokens per prefill chunk")
@@ -228,7 +228,7 @@ void AddInspect(CLI::App& app) {
                                  "cache bytes per token");
   auto dir = std::make_shared<std::string>();
   cmd->add_option("-m,--model", *dir, "HF model directory (default: the embedded kvtiny)")
-      ->check(CLI::ExistingDirectory);
+      ->check(CLI::ExistingPath);
   cmd->callback([=] {
     EngineOptions o;
     o.model_dir = *dir;

@@ -24,5 +24,7 @@ void AddRun(CLI::App& app);
 void AddChat(CLI::App& app);
 void AddInspect(CLI::App& app);
 void AddBench(CLI::App& app);
+void AddEval(CLI::App& app);
+void AddConvert(CLI::App& app);
 
 }  // namespace cachet::cli

@@ -11,6 +11,8 @@ int main(int argc, char** argv) {
   cachet::cli::AddChat(app);
   cachet::cli::AddInspect(app);
   cachet::cli::AddBench(app);
+  cachet::cli::AddEval(app);
+  cachet::cli::AddConvert(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }

@@ -11,7 +11,8 @@
 
 namespace cachet::kernels {
 
-// Row-major weight matrix [rows][cols] in its file dtype (an nn.Linear weight is [out][in]).
+// Row-major weight matrix [rows][cols] in its file dtype (an nn.Linear weight is [out][in]). For
+// quantized dtypes each row is its own sequence of blocks (DTypeRowBytes(dtype, cols) bytes).
 struct Matrix {
   const void* data = nullptr;
   DType dtype = DType::kF32;
@@ -73,6 +74,20 @@ CACHET_KERNEL_DECLS
 }  // namespace cpu
 
 #undef CACHET_KERNEL_DECLS
+
+// Quantized weights (DTypeIsQuantized: GGUF blocks, w.cols a multiple of DTypeBlockElems; a row is
+// DTypeRowBytes bytes). MatMul and DequantRow above dispatch them to these.
+namespace ref {
+void QuantDequantRow(const Matrix& w, int64_t r, float* out);  // kernels/ref/quant.cc
+// Reference quantizer of one row of n values (n a multiple of the block size) into
+// DTypeRowBytes(t, n) bytes at out, in llama.cpp's block layout.
+void QuantizeRow(DType t, const float* x, int64_t n, void* out);
+}  // namespace ref
+namespace cpu {
+void QuantMatMul(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
+                 int64_t y_stride, ThreadPool& pool);  // kernels/cpu/quant.cc
+void QuantDequantRow(const Matrix& w, int64_t r, float* out);
+}  // namespace cpu
 
 bool UseReferenceKernels();  // CACHET_REF_KERNELS=1, read once
 

@@ -44,6 +44,15 @@ int PagedSequence::pages_held() const {
   return n;
 }
 
+size_t PagedSequence::bytes_held() const {
+  size_t n = 0;
+  for (const BlockTable& t : tables_) {
+    for (int32_t p : t.pages) n += pool_.page_bytes(p);
+    for (int32_t p : t.seal_pages) n += pool_.page_bytes(p);
+  }
+  return n;
+}
+
 void PagedSequence::AttachBlock(std::span<const int32_t> pages) {
   const int pt = pool_.layout().page_tokens;
   for (size_t i = 0; i < tables_.size(); ++i) {

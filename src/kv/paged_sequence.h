@@ -44,8 +44,9 @@ class PagedSequence final : public KvSequence {
 
   int n_tokens() const { return n_tokens_; }  // tokens committed to the sequence
   int head_length(int layer, int kv_head) const { return table(layer, kv_head).n_tokens; }
-  int pages_held() const;  // page references held, reserved ones included
-  void Clear();            // back to empty, all references dropped
+  int pages_held() const;     // page references held, reserved ones included
+  size_t bytes_held() const;  // their bytes (raw and codec pages differ in size)
+  void Clear();               // back to empty, all references dropped
 
  private:
   struct BlockTable {

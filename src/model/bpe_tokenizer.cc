@@ -203,6 +203,24 @@ class BpeLoader {
 
   Result<std::unique_ptr<Tokenizer>> Load() {
     CACHET_ASSIGN_OR_RETURN(json root, ParseJsonFile(f_.file()));
+    return LoadRoot(root);
+  }
+
+  // From an in-memory tokenizer.json-shaped object (GGUF metadata): no side files are read, the
+  // special ids are given.
+  Result<std::unique_ptr<Tokenizer>> LoadInMemory(const json& root, int32_t bos, int32_t eos,
+                                                  bool add_bos) {
+    side_files_ = false;
+    CACHET_ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> t, LoadRoot(root));
+    BpeTokenizer& b = static_cast<BpeTokenizer&>(*t);
+    b.bos_id_ = bos >= 0 && bos < b.vocab_size() ? bos : -1;
+    b.eos_id_ = eos >= 0 && eos < b.vocab_size() ? eos : -1;
+    b.add_bos_ = add_bos && b.bos_id_ >= 0;
+    return t;
+  }
+
+ private:
+  Result<std::unique_ptr<Tokenizer>> LoadRoot(const json& root) {
     if (!root.is_object()) return f_.WrongType("(root)", "an object", root);
     CACHET_RETURN_IF_ERROR(LoadNormalizer(root));
     if (const json* pt = Find(root, "pre_tokenizer")) {
@@ -211,11 +229,10 @@ class BpeLoader {
     CACHET_RETURN_IF_ERROR(LoadModel(root));
     CACHET_RETURN_IF_ERROR(LoadAddedTokens(root));
     if (const json* d = Find(root, "decoder")) CACHET_RETURN_IF_ERROR(CheckDecoder(*d, "decoder"));
-    CACHET_RETURN_IF_ERROR(LoadSpecialIds(root));
+    if (side_files_) CACHET_RETURN_IF_ERROR(LoadSpecialIds(root));
     return std::unique_ptr<Tokenizer>(std::move(tok_));
   }
 
- private:
   Status LoadNormalizer(const json& root) {
     const json* n = Find(root, "normalizer");
     if (!n) return OkStatus();
@@ -530,6 +547,7 @@ class BpeLoader {
   }
 
   JsonFile f_;
+  bool side_files_ = true;  // tokenizer_config.json / config.json next to the file
   std::unique_ptr<BpeTokenizer> tok_;
   StringMap<int32_t> names_;  // vocab strings as written in the file, and added tokens -> id
 };
@@ -539,6 +557,16 @@ Result<std::unique_ptr<Tokenizer>> Tokenizer::FromHfJson(const std::string& json
     return BpeLoader(json_path).Load();
   } catch (const std::exception& e) {  // e.g. bad_alloc: keep exceptions out of callers
     return Internal(json_path + ": " + e.what());
+  }
+}
+
+Result<std::unique_ptr<Tokenizer>> BpeTokenizerFromJson(const nlohmann::json& root,
+                                                        const std::string& origin, int32_t bos_id,
+                                                        int32_t eos_id, bool add_bos) {
+  try {
+    return BpeLoader(origin).LoadInMemory(root, bos_id, eos_id, add_bos);
+  } catch (const std::exception& e) {
+    return Internal(origin + ": " + e.what());
   }
 }
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <nlohmann/json_fwd.hpp>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -79,6 +80,13 @@ using StringMap = std::unordered_map<std::string, V, StringHash, std::equal_to<>
 }  // namespace tokenizer_internal
 
 class BpeLoader;
+
+// A BPE tokenizer from an in-memory object shaped like tokenizer.json (model, pre_tokenizer,
+// added_tokens, decoder), with the given BOS/EOS ids (-1: none): how GGUF vocabularies are loaded.
+// No file is read; origin names the source in errors.
+Result<std::unique_ptr<Tokenizer>> BpeTokenizerFromJson(const nlohmann::json& root,
+                                                        const std::string& origin, int32_t bos_id,
+                                                        int32_t eos_id, bool add_bos);
 
 // Byte-level (GPT-2 / Llama-3 / Qwen) or plain (optionally byte_fallback) BPE.
 class BpeTokenizer final : public Tokenizer {

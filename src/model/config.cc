@@ -3,6 +3,7 @@
 #include <cmath>
 #include <nlohmann/json.hpp>
 
+#include "model/gguf_model.h"
 #include "util/mmap_file.h"
 
 namespace cachet {
@@ -128,6 +129,10 @@ Result<ModelConfig> ModelConfig::FromJson(const std::string& text, const std::st
 }
 
 Result<ModelConfig> ModelConfig::Load(const std::string& model_dir) {
+  if (IsGgufPath(model_dir)) {
+    CACHET_ASSIGN_OR_RETURN(GgufFile file, GgufFile::Open(model_dir));
+    return GgufConfig(file);
+  }
   std::string path = model_dir + "/config.json";
   CACHET_ASSIGN_OR_RETURN(std::string text, ReadTextFile(path));
   return FromJson(text, path);

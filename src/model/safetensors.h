@@ -13,6 +13,8 @@
 
 namespace cachet {
 
+class GgufFile;
+
 struct TensorInfo {
   DType dtype = DType::kF32;
   std::vector<int64_t> shape;
@@ -29,6 +31,10 @@ class TensorStore {
   static Result<TensorStore> OpenDir(const std::string& model_dir);
   // Adds one safetensors file; tensors already present are an error (duplicate name).
   Status AddFile(const std::string& path);
+  // The tensors of a GGUF file under their GGUF names (token_embd.weight, blk.0.attn_q.weight...),
+  // shapes in row-major order; the store takes over the file's mapping (model/gguf_model.cc).
+  static Result<TensorStore> FromGguf(GgufFile file);
+  bool gguf() const { return gguf_; }
 
   bool Has(const std::string& name) const { return tensors_.count(name) != 0; }
   // The tensor, checked to have exactly this shape; the error names tensor, file and shapes.
@@ -41,6 +47,7 @@ class TensorStore {
   std::string origin_;  // the model directory or file, for error messages
   std::vector<MappedFile> files_;
   std::map<std::string, TensorInfo> tensors_;
+  bool gguf_ = false;
 };
 
 std::string ShapeString(const std::vector<int64_t>& shape);

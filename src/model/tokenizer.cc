@@ -4,6 +4,7 @@
 #include <filesystem>
 
 #include "model/bpe_tokenizer.h"
+#include "model/gguf_model.h"
 
 namespace cachet {
 
@@ -11,6 +12,10 @@ using tokenizer_internal::Utf8Scan;
 using tokenizer_internal::Utf8Step;
 
 Result<std::unique_ptr<Tokenizer>> Tokenizer::Load(const std::string& model_dir) {
+  if (IsGgufPath(model_dir)) {
+    CACHET_ASSIGN_OR_RETURN(GgufFile file, GgufFile::Open(model_dir));
+    return TokenizerFromGguf(file);
+  }
   const std::filesystem::path dir(model_dir);
   std::error_code ec;
   if (std::filesystem::exists(dir / "tokenizer.json", ec)) {

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "kernels/kernels.h"
+#include "model/gguf_model.h"
 
 namespace cachet {
 
@@ -23,6 +24,13 @@ Transformer::Transformer(ModelConfig config, ModelWeights weights, int max_batch
 }
 
 Result<std::unique_ptr<Transformer>> Transformer::Load(const std::string& dir, int max_batch) {
+  if (IsGgufPath(dir)) {  // a single .gguf file instead of a HF directory
+    CACHET_ASSIGN_OR_RETURN(GgufFile file, GgufFile::Open(dir));
+    CACHET_ASSIGN_OR_RETURN(ModelConfig config, GgufConfig(file));
+    CACHET_ASSIGN_OR_RETURN(TensorStore store, TensorStore::FromGguf(std::move(file)));
+    CACHET_ASSIGN_OR_RETURN(ModelWeights weights, ModelWeights::Load(config, std::move(store)));
+    return std::make_unique<Transformer>(std::move(config), std::move(weights), max_batch);
+  }
   CACHET_ASSIGN_OR_RETURN(ModelConfig config, ModelConfig::Load(dir));
   CACHET_ASSIGN_OR_RETURN(TensorStore store, TensorStore::OpenDir(dir));
   CACHET_ASSIGN_OR_RETURN(ModelWeights weights, ModelWeights::Load(config, std::move(store)));

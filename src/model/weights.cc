@@ -1,18 +1,30 @@
 #include "model/weights.h"
 
+#include <cstring>
+
+#include "model/gguf_model.h"
+
 namespace cachet {
 namespace {
 
 struct Loader {
   const TensorStore& store;
 
+  // Tensors are named as in HF checkpoints; a GGUF store holds them under their GGUF names.
+  std::string Name(const std::string& hf) const { return store.gguf() ? GgufTensorName(hf) : hf; }
+  bool Has(const std::string& name) const { return store.Has(Name(name)); }
+
   Result<kernels::Matrix> Matrix(const std::string& name, int64_t rows, int64_t cols) {
-    CACHET_ASSIGN_OR_RETURN(const TensorInfo* t, store.Get(name, {rows, cols}));
+    CACHET_ASSIGN_OR_RETURN(const TensorInfo* t, store.Get(Name(name), {rows, cols}));
     return kernels::Matrix{t->data, t->dtype, rows, cols};
   }
 
   Result<std::vector<float>> Vector(const std::string& name, int64_t n) {
-    CACHET_ASSIGN_OR_RETURN(const TensorInfo* t, store.Get(name, {n}));
+    CACHET_ASSIGN_OR_RETURN(const TensorInfo* t, store.Get(Name(name), {n}));
+    if (DTypeIsQuantized(t->dtype)) {
+      return Unimplemented("tensor '" + Name(name) + "' is " + DTypeName(t->dtype) +
+                           ": vectors (norms, biases) must be f32, f16 or bf16");
+    }
     std::vector<float> v(n);
     for (int64_t i = 0; i < n; ++i) v[i] = LoadAsF32(t->data, t->dtype, i);
     return v;
@@ -29,7 +41,7 @@ Result<ModelWeights> ModelWeights::Load(const ModelConfig& c, TensorStore store)
   const int64_t q_dim = c.n_heads * hd, kv_dim = c.n_kv_heads * hd;
   CACHET_ASSIGN_OR_RETURN(w.embed, ld.Matrix("model.embed_tokens.weight", c.vocab_size, d));
   CACHET_ASSIGN_OR_RETURN(w.final_norm, ld.Vector("model.norm.weight", d));
-  if (c.tie_word_embeddings || !w.store.Has("lm_head.weight")) {
+  if (c.tie_word_embeddings || !ld.Has("lm_head.weight")) {
     if (!c.tie_word_embeddings) {
       return NotFound("tensor 'lm_head.weight' is missing and tie_word_embeddings is false");
     }
@@ -58,6 +70,22 @@ Result<ModelWeights> ModelWeights::Load(const ModelConfig& c, TensorStore store)
     if (c.qk_norm) {
       CACHET_ASSIGN_OR_RETURN(L.q_norm, ld.Vector(p + "self_attn.q_norm.weight", hd));
       CACHET_ASSIGN_OR_RETURN(L.k_norm, ld.Vector(p + "self_attn.k_norm.weight", hd));
+    }
+    if (w.store.gguf() && GgufPermutesQK(c.arch)) {
+      // Undo llama.cpp's Q/K row permutation (see model/gguf_model.h) in private copies.
+      for (kernels::Matrix* m : {&L.wq, &L.wk}) {
+        const int64_t row_bytes = DTypeRowBytes(m->dtype, m->cols);
+        std::vector<uint8_t>& buf = w.owned.emplace_back(m->rows * row_bytes);
+        const uint8_t* src = static_cast<const uint8_t*>(m->data);
+        for (int64_t r = 0; r < m->rows; ++r) {
+          std::memcpy(buf.data() + r * row_bytes, src + GgufRopeRow(r, hd) * row_bytes, row_bytes);
+        }
+        m->data = buf.data();
+      }
+      for (std::vector<float>* b : {&L.bq, &L.bk}) {
+        const std::vector<float> g = *b;
+        for (size_t r = 0; r < g.size(); ++r) (*b)[r] = g[GgufRopeRow(r, hd)];
+      }
     }
   }
   return w;

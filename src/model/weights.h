@@ -2,6 +2,7 @@
 // copies (norm weights and biases, a few KB).
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "kernels/kernels.h"
@@ -23,6 +24,8 @@ struct ModelWeights {
   kernels::Matrix lm_head;  // == embed when tied
   std::vector<float> final_norm;
   std::vector<LayerWeights> layers;
+  // Matrices that are not views of the files: llama GGUF Q/K rows put back in HF order.
+  std::vector<std::vector<uint8_t>> owned;
 
   static Result<ModelWeights> Load(const ModelConfig& config, TensorStore store);
 };

@@ -58,7 +58,9 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
   e->kv_pool_ = std::make_unique<PagePool>(layout, capacity);
   if (o.prefix_cache) {
     // Cached pages are only valid for the same weights: key them by config and tensor layout.
-    std::string identity = ReadTextFile(o.model_dir + "/config.json").value();
+    // (A GGUF file has no config.json: its path and tensor table identify it.)
+    auto config_text = ReadTextFile(o.model_dir + "/config.json");
+    std::string identity = config_text.ok() ? config_text.value() : o.model_dir;
     for (const auto& [name, t] : e->model_->weights().store.tensors()) {
       identity += name + DTypeName(t.dtype) + std::to_string(t.n_bytes);
     }

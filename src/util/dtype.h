@@ -6,11 +6,65 @@
 
 namespace cachet {
 
-enum class DType : uint8_t { kF32, kF16, kBF16 };
+// kQ8_0 .. kQ6_K are GGUF (GGML) block-quantized weight types: a row of a matrix is a sequence of
+// blocks of DTypeBlockElems(t) elements, DTypeBlockBytes(t) bytes each (layouts in
+// kernels/ref/quant.cc). They have no per-element size: use DTypeRowBytes, never DTypeSize.
+enum class DType : uint8_t { kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_K, kQ6_K };
 
+inline bool DTypeIsQuantized(DType t) { return t >= DType::kQ8_0; }
+// Bytes of one element: f32/f16/bf16 only.
 inline size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
 inline const char* DTypeName(DType t) {
-  return t == DType::kF32 ? "f32" : t == DType::kF16 ? "f16" : "bf16";
+  switch (t) {
+    case DType::kF32:
+      return "f32";
+    case DType::kF16:
+      return "f16";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kQ8_0:
+      return "q8_0";
+    case DType::kQ4_0:
+      return "q4_0";
+    case DType::kQ4_K:
+      return "q4_k";
+    case DType::kQ6_K:
+      return "q6_k";
+  }
+  return "?";
+}
+// Elements per block (1 for the plain float types) and bytes per block.
+inline int64_t DTypeBlockElems(DType t) {
+  switch (t) {
+    case DType::kQ8_0:
+    case DType::kQ4_0:
+      return 32;
+    case DType::kQ4_K:
+    case DType::kQ6_K:
+      return 256;
+    default:
+      return 1;
+  }
+}
+inline int64_t DTypeBlockBytes(DType t) {
+  switch (t) {
+    case DType::kQ8_0:
+      return 34;  // f16 scale + 32 x int8
+    case DType::kQ4_0:
+      return 18;  // f16 scale + 16 bytes of nibbles
+    case DType::kQ4_K:
+      return 144;  // f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
+    case DType::kQ6_K:
+      return 210;  // 128 bytes low nibbles, 64 bytes high 2 bits, 16 int8 scales, f16 d
+    default:
+      return static_cast<int64_t>(DTypeSize(t));
+  }
+}
+// Bytes of a row of `cols` elements; -1 when cols is not a multiple of the block size.
+inline int64_t DTypeRowBytes(DType t, int64_t cols) {
+  const int64_t be = DTypeBlockElems(t);
+  if (cols % be != 0) return -1;
+  return cols / be * DTypeBlockBytes(t);
 }
 
 inline float Bf16ToF32(uint16_t h) {
@@ -67,6 +121,8 @@ inline float LoadAsF32(const void* data, DType t, int64_t i) {
       return F16ToF32(static_cast<const uint16_t*>(data)[i]);
     case DType::kBF16:
       return Bf16ToF32(static_cast<const uint16_t*>(data)[i]);
+    default:  // quantized types have no per-element access: use kernels::DequantRow
+      break;
   }
   return 0.0f;
 }

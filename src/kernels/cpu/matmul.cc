@@ -9,6 +9,7 @@
 // n > 1 (prefill) is compute bound: each task converts a block of weight rows to f32 in per-thread
 // scratch (zero-padded to a multiple of the vector length, as is x) and runs a 4 tokens x 4 rows
 // register tile over it for all n tokens. The 16 dot products of a tile are reduced four at a time.
+// Long rows go by column chunks, so that a tile's operands stay in L1.
 //
 // Both paths compute every output with the same operation order whatever the thread count.
 
@@ -49,8 +50,16 @@ constexpr int64_t RoundUp(int64_t a, int64_t b) { return CeilDiv(a, b) * b; }
 
 // Below this many weights a call runs on the calling thread: waking the pool costs more.
 constexpr int64_t kMinParallelWeights = 1 << 16;
-// Size of the f32 weight block a prefill task keeps hot in L2.
-constexpr int64_t kPrefillBlockBytes = 192 * 1024;
+// Prefill tasks: blocks of up to this many weight rows (a multiple of 4), converted to f32 once
+// and used for all tokens, so that each x row loaded serves many rows ...
+constexpr int64_t kPrefillBlockRows = 128;
+// ... and of at most this many bytes as f32 (the per-thread scratch), unless rows are very long.
+constexpr int64_t kPrefillBlockBytes = 2 << 20;
+// Rows longer than this are processed in chunks of this many columns (a multiple of every N), so
+// that the operands of a tile stay in L1 ...
+constexpr int64_t kPrefillChunkCols = 512;
+// ... by groups of this many tokens (a multiple of 4), whose accumulators wait between chunks.
+constexpr int64_t kPrefillTokens = 32;
 
 const char* RowPtr(const Matrix& w, int64_t r) {
   return static_cast<const char*>(w.data) + r * w.cols * static_cast<int64_t>(DTypeSize(w.dtype));
@@ -228,20 +237,32 @@ void MatVec(const float* x, const Matrix& w, const float* bias, float* y, Thread
 // ------------------------------------------------------------------------------------------------
 // Prefill: matrix-matrix.
 
-// out[t] = [x_t . w_0, x_t . w_1, x_t . w_2, x_t . w_3] for four tokens and four weight rows, all
-// f32 and cols_pad (a multiple of N) long.
+// One 4 tokens x 4 weight rows tile over columns [k0, k1) (multiples of N) of f32 rows. The 16
+// accumulators start from zero if `first`, else from acc (16 vectors); if `last`, the dot products
+// are reduced into out[t] = [x_t . w_0, x_t . w_1, x_t . w_2, x_t . w_3], else saved in acc.
+// Splitting the columns this way does not change the arithmetic.
 HWY_INLINE void Tile4x4(const float* HWY_RESTRICT x0, const float* HWY_RESTRICT x1,
                         const float* HWY_RESTRICT x2, const float* HWY_RESTRICT x3,
                         const float* HWY_RESTRICT w0, const float* HWY_RESTRICT w1,
-                        const float* HWY_RESTRICT w2, const float* HWY_RESTRICT w3,
-                        int64_t cols_pad, V4* out) {
+                        const float* HWY_RESTRICT w2, const float* HWY_RESTRICT w3, int64_t k0,
+                        int64_t k1, bool first, bool last, float* HWY_RESTRICT acc, V4* out) {
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
-  VF a00 = hn::Zero(df), a01 = hn::Zero(df), a02 = hn::Zero(df), a03 = hn::Zero(df);
-  VF a10 = hn::Zero(df), a11 = hn::Zero(df), a12 = hn::Zero(df), a13 = hn::Zero(df);
-  VF a20 = hn::Zero(df), a21 = hn::Zero(df), a22 = hn::Zero(df), a23 = hn::Zero(df);
-  VF a30 = hn::Zero(df), a31 = hn::Zero(df), a32 = hn::Zero(df), a33 = hn::Zero(df);
-  for (int64_t c = 0; c < cols_pad; c += N) {
+  VF a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33;
+  if (first) {
+    a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = hn::Zero(df);
+    a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = hn::Zero(df);
+  } else {
+    a00 = hn::Load(df, acc + 0 * N), a01 = hn::Load(df, acc + 1 * N);
+    a02 = hn::Load(df, acc + 2 * N), a03 = hn::Load(df, acc + 3 * N);
+    a10 = hn::Load(df, acc + 4 * N), a11 = hn::Load(df, acc + 5 * N);
+    a12 = hn::Load(df, acc + 6 * N), a13 = hn::Load(df, acc + 7 * N);
+    a20 = hn::Load(df, acc + 8 * N), a21 = hn::Load(df, acc + 9 * N);
+    a22 = hn::Load(df, acc + 10 * N), a23 = hn::Load(df, acc + 11 * N);
+    a30 = hn::Load(df, acc + 12 * N), a31 = hn::Load(df, acc + 13 * N);
+    a32 = hn::Load(df, acc + 14 * N), a33 = hn::Load(df, acc + 15 * N);
+  }
+  for (int64_t c = k0; c < k1; c += N) {
     const VF vw0 = hn::LoadU(df, w0 + c);
     const VF vw1 = hn::LoadU(df, w1 + c);
     const VF vw2 = hn::LoadU(df, w2 + c);
@@ -267,17 +288,45 @@ HWY_INLINE void Tile4x4(const float* HWY_RESTRICT x0, const float* HWY_RESTRICT 
     a32 = hn::MulAdd(vx, vw2, a32);
     a33 = hn::MulAdd(vx, vw3, a33);
   }
-  out[0] = Reduce4(a00, a01, a02, a03);
-  out[1] = Reduce4(a10, a11, a12, a13);
-  out[2] = Reduce4(a20, a21, a22, a23);
-  out[3] = Reduce4(a30, a31, a32, a33);
+  if (last) {
+    out[0] = Reduce4(a00, a01, a02, a03);
+    out[1] = Reduce4(a10, a11, a12, a13);
+    out[2] = Reduce4(a20, a21, a22, a23);
+    out[3] = Reduce4(a30, a31, a32, a33);
+  } else {
+    hn::Store(a00, df, acc + 0 * N), hn::Store(a01, df, acc + 1 * N);
+    hn::Store(a02, df, acc + 2 * N), hn::Store(a03, df, acc + 3 * N);
+    hn::Store(a10, df, acc + 4 * N), hn::Store(a11, df, acc + 5 * N);
+    hn::Store(a12, df, acc + 6 * N), hn::Store(a13, df, acc + 7 * N);
+    hn::Store(a20, df, acc + 8 * N), hn::Store(a21, df, acc + 9 * N);
+    hn::Store(a22, df, acc + 10 * N), hn::Store(a23, df, acc + 11 * N);
+    hn::Store(a30, df, acc + 12 * N), hn::Store(a31, df, acc + 13 * N);
+    hn::Store(a32, df, acc + 14 * N), hn::Store(a33, df, acc + 15 * N);
+  }
+}
+
+// y[t][r0 + i] for tokens t of a tile (nt of 4 valid) and rows i of a tile (ni of 4 valid).
+HWY_INLINE void StoreTile(const V4* out, int64_t nt, int64_t ni, const float* bias, int64_t r,
+                          float* y, int64_t y_stride) {
+  const D4 d4;
+  if (ni == 4) {
+    const V4 b4 = bias != nullptr ? hn::LoadU(d4, bias + r) : hn::Zero(d4);
+    for (int64_t k = 0; k < nt; ++k) hn::StoreU(hn::Add(out[k], b4), d4, y + k * y_stride + r);
+  } else {
+    float b4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    if (bias != nullptr) std::copy(bias + r, bias + r + ni, b4);
+    for (int64_t k = 0; k < nt; ++k) {
+      float o[4];
+      hn::StoreU(hn::Add(out[k], hn::LoadU(d4, b4)), d4, o);
+      std::copy(o, o + ni, y + k * y_stride + r);
+    }
+  }
 }
 
 template <DType kType>
 void MatMulPrefill(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
                    int64_t y_stride, ThreadPool& pool) {
   const DF df;
-  const D4 d4;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   const int64_t cols = w.cols;
   const int64_t cols_pad = RoundUp(cols, N);
@@ -299,9 +348,14 @@ void MatMulPrefill(const float* x, int64_t n, const Matrix& w, const float* bias
 
   const bool parallel = w.rows * cols * n >= kMinParallelWeights;
   const int64_t threads = parallel ? pool.size() : 1;
-  int64_t block = std::max<int64_t>(4, kPrefillBlockBytes / (cols_pad * 4) / 4 * 4);
+  int64_t block =
+      std::clamp<int64_t>(kPrefillBlockBytes / (cols_pad * 4) / 4 * 4, 16, kPrefillBlockRows);
   block = std::min(block, RoundUp(CeilDiv(w.rows, threads), 4));
   const int64_t n_tasks = CeilDiv(w.rows, block);
+  // Long rows are processed in column chunks so that a tile's x and w rows stay in L1; the tiles'
+  // accumulators wait in per-thread scratch between chunks (a group of kPrefillTokens tokens).
+  const int64_t n_chunks = CeilDiv(cols_pad, kPrefillChunkCols);
+  const int64_t tok_step = n_chunks == 1 ? n : kPrefillTokens;
 
   RunTasks(pool, n_tasks, parallel, [&](int64_t task) {
     const int64_t r0 = task * block;
@@ -319,32 +373,35 @@ void MatMulPrefill(const float* x, int64_t n, const Matrix& w, const float* bias
       wb = static_cast<const float*>(w.data) + r0 * cols;
       w_stride = cols;
     }
+    const int64_t row_tiles = CeilDiv(nr, 4);
+    float* acc = nullptr;
+    if (n_chunks > 1) {
+      acc = ThreadScratch(kScratchMatMulAcc,
+                          static_cast<size_t>(CeilDiv(tok_step, 4) * row_tiles * 16 * N));
+    }
     V4 out[4];
-    for (int64_t t = 0; t < n; t += 4) {
-      const int64_t nt = std::min<int64_t>(4, n - t);
-      const float* x0 = xp + t * x_stride;
-      const float* x1 = xp + (t + std::min<int64_t>(1, nt - 1)) * x_stride;
-      const float* x2 = xp + (t + std::min<int64_t>(2, nt - 1)) * x_stride;
-      const float* x3 = xp + (t + std::min<int64_t>(3, nt - 1)) * x_stride;
-      for (int64_t i = 0; i < nr; i += 4) {
-        const int64_t ni = std::min<int64_t>(4, nr - i);
-        const float* w0 = wb + i * w_stride;
-        const float* w1 = wb + (i + std::min<int64_t>(1, ni - 1)) * w_stride;
-        const float* w2 = wb + (i + std::min<int64_t>(2, ni - 1)) * w_stride;
-        const float* w3 = wb + (i + std::min<int64_t>(3, ni - 1)) * w_stride;
-        Tile4x4(x0, x1, x2, x3, w0, w1, w2, w3, cols_pad, out);
-        const int64_t r = r0 + i;
-        if (ni == 4) {
-          const V4 b4 = bias != nullptr ? hn::LoadU(d4, bias + r) : hn::Zero(d4);
-          for (int64_t k = 0; k < nt; ++k)
-            hn::StoreU(hn::Add(out[k], b4), d4, y + (t + k) * y_stride + r);
-        } else {
-          float b4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-          if (bias != nullptr) std::copy(bias + r, bias + r + ni, b4);
-          for (int64_t k = 0; k < nt; ++k) {
-            float o[4];
-            hn::StoreU(hn::Add(out[k], hn::LoadU(d4, b4)), d4, o);
-            std::copy(o, o + ni, y + (t + k) * y_stride + r);
+    for (int64_t t0 = 0; t0 < n; t0 += tok_step) {
+      const int64_t t1 = std::min(n, t0 + tok_step);
+      for (int64_t chunk = 0; chunk < n_chunks; ++chunk) {
+        const int64_t k0 = chunk * kPrefillChunkCols;
+        const int64_t k1 = std::min(cols_pad, k0 + kPrefillChunkCols);
+        const bool first = chunk == 0, last = chunk == n_chunks - 1;
+        for (int64_t t = t0; t < t1; t += 4) {
+          const int64_t nt = std::min<int64_t>(4, t1 - t);
+          const float* x0 = xp + t * x_stride;
+          const float* x1 = xp + (t + std::min<int64_t>(1, nt - 1)) * x_stride;
+          const float* x2 = xp + (t + std::min<int64_t>(2, nt - 1)) * x_stride;
+          const float* x3 = xp + (t + std::min<int64_t>(3, nt - 1)) * x_stride;
+          float* acc_t = acc != nullptr ? acc + (t - t0) / 4 * row_tiles * 16 * N : nullptr;
+          for (int64_t i = 0; i < nr; i += 4) {
+            const int64_t ni = std::min<int64_t>(4, nr - i);
+            const float* w0 = wb + i * w_stride;
+            const float* w1 = wb + (i + std::min<int64_t>(1, ni - 1)) * w_stride;
+            const float* w2 = wb + (i + std::min<int64_t>(2, ni - 1)) * w_stride;
+            const float* w3 = wb + (i + std::min<int64_t>(3, ni - 1)) * w_stride;
+            float* acc_tile = acc_t != nullptr ? acc_t + i / 4 * 16 * N : nullptr;
+            Tile4x4(x0, x1, x2, x3, w0, w1, w2, w3, k0, k1, first, last, acc_tile, out);
+            if (last) StoreTile(out, nt, ni, bias, r0 + i, y + t * y_stride, y_stride);
           }
         }
       }
@@ -380,6 +437,8 @@ void MatMulImpl(const float* x, int64_t n, const Matrix& w, const float* bias, f
       return MatMulT<DType::kF16>(x, n, w, bias, y, y_stride, pool);
     case DType::kBF16:
       return MatMulT<DType::kBF16>(x, n, w, bias, y, y_stride, pool);
+    default:  // quantized: QuantMatMul (kernels/cpu/quant.cc)
+      return QuantMatMul(x, n, w, bias, y, y_stride, pool);
   }
 }
 
@@ -391,6 +450,8 @@ void DequantRowImpl(const Matrix& w, int64_t r, float* out) {
       return ConvertRow<DType::kF16>(RowPtr(w, r), w.cols, w.cols, out);
     case DType::kBF16:
       return ConvertRow<DType::kBF16>(RowPtr(w, r), w.cols, w.cols, out);
+    default:  // quantized
+      return QuantDequantRow(w, r, out);
   }
 }
 #endif  // HWY_TARGET == HWY_SCALAR

@@ -7,10 +7,11 @@
 namespace cachet::kernels::cpu {
 
 enum ScratchSlot : int {
-  kScratchMatMulX = 0,  // MatMul: prepared activations (filled by the calling thread)
-  kScratchMatMulW = 1,  // MatMul: a block of weight rows converted to f32 (each worker thread)
-  kScratchAttention = 2,
-  kScratchSlots = 3,
+  kScratchMatMulX = 0,    // MatMul: prepared activations (filled by the calling thread)
+  kScratchMatMulW = 1,    // MatMul: a block of weight rows converted to f32 (each worker thread)
+  kScratchMatMulAcc = 2,  // MatMul: tile accumulators between column chunks (each worker thread)
+  kScratchAttention = 3,
+  kScratchSlots = 4,
 };
 
 // At least n floats, 64-byte aligned, owned by the calling thread; contents are unspecified.

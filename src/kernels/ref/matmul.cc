@@ -10,6 +10,7 @@
 namespace cachet::kernels::ref {
 
 void DequantRow(const Matrix& w, int64_t r, float* out) {
+  if (DTypeIsQuantized(w.dtype)) return QuantDequantRow(w, r, out);
   const char* row = static_cast<const char*>(w.data) + r * w.cols * DTypeSize(w.dtype);
   for (int64_t c = 0; c < w.cols; ++c) out[c] = LoadAsF32(row, w.dtype, c);
 }

@@ -1,0 +1,323 @@
+// cachet eval: accuracy on synthetic long-context tasks and KL/perplexity on text, for each KV
+// compression configuration, with memory and speed measured in the same run (docs/EVAL.md).
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "cachet/commands.h"
+#include "eval/harness.h"
+#include "eval/report.h"
+#include "kv/page_pool.h"
+#include "model/config.h"
+#include "model/tokenizer.h"
+
+namespace cachet::cli {
+namespace {
+
+using namespace cachet::eval;
+
+struct EvalOpts {
+  EngineOptions engine;
+  std::vector<std::string> tasks{"passkey"};
+  std::vector<int> lengths{1024};
+  std::vector<int> needles{1};
+  std::vector<std::string> depths{"random"};
+  int samples = 20;
+  uint64_t seed = 1234;
+  int max_new = 16;
+  std::vector<std::string> presses{"full"};
+  std::vector<double> ratios{0.5};
+  std::vector<int> budgets;
+  std::vector<std::string> codecs{"f32"};
+  std::vector<std::string> compress_at{"prompt"};
+  bool kl = false;
+  int windows = 8;
+  int window_len = 1024;
+  std::string text_file;
+  int64_t text_offset = -1;
+  std::string kl_ref = "full/f32";
+  std::string json, csv, report, dump_prompts, predictions;
+  bool prompts_only = false;
+  std::string haystack;
+  bool progress = true;
+  double test_perturb_logits = 0;
+};
+
+[[noreturn]] void Fail(const std::string& message) {
+  std::fprintf(stderr, "cachet eval: %s\n", message.c_str());
+  throw CLI::RuntimeError(1);
+}
+
+template <class T>
+T OrFail(Result<T> r) {
+  if (!r.ok()) Fail(r.status().message());
+  return std::move(r).value();
+}
+
+void Check(const Status& s) {
+  if (!s.ok()) Fail(s.message());
+}
+
+std::vector<Method> MethodGrid(const EvalOpts& o) {
+  std::vector<Method> out;
+  for (const std::string& press : o.presses) {
+    std::vector<Method> sized;  // this press at each ratio or budget
+    if (press == "full") {
+      sized.push_back(Method{});
+    } else if (!o.budgets.empty()) {
+      for (int b : o.budgets) sized.push_back(Method{.press = press, .budget = b});
+    } else {
+      for (double r : o.ratios) sized.push_back(Method{.press = press, .ratio = r});
+    }
+    for (Method m : sized) {
+      for (const std::string& codec : o.codecs) {
+        const size_t colon = codec.find(':');
+        m.codec_k = codec.substr(0, colon);
+        m.codec_v = colon == std::string::npos ? m.codec_k : codec.substr(colon + 1);
+        for (const std::string& at : o.compress_at) {
+          m.compress_at = OrFail(ParseCompressAt(at));
+          Check(ValidateMethod(m));
+          const bool dup = std::any_of(out.begin(), out.end(), [&](const Method& x) {
+            return x.Label() == m.Label() && x.compress_at == m.compress_at;
+          });
+          if (!dup) out.push_back(m);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+void ReportUnavailable(const std::vector<ResultRow>& rows) {
+  std::set<std::string> said;
+  for (const ResultRow& r : rows) {
+    if (r.status != "unavailable" || !said.insert(r.method.Label() + r.reason).second) continue;
+    std::fprintf(stderr, "cachet eval: %s unavailable: %s; reported as 'unavailable' rows\n",
+                 r.method.Label().c_str(), r.reason.c_str());
+  }
+}
+
+std::string ModelName(const std::string& dir) {
+  std::filesystem::path p(dir);
+  if (p.filename().empty()) p = p.parent_path();
+  return p.filename().string();
+}
+
+void Run(const EvalOpts& o) {
+  const bool run_tasks = !o.kl || o.prompts_only;
+  std::vector<TaskKind> tasks;
+  for (const std::string& t : o.tasks) tasks.push_back(OrFail(ParseTaskKind(t)));
+  std::vector<double> depths;
+  for (const std::string& d : o.depths) {
+    if (d == "random") {
+      depths.push_back(-1);
+      continue;
+    }
+    double v = -1;
+    try {
+      size_t used = 0;
+      v = std::stod(d, &used);
+      if (used != d.size()) v = -1;
+    } catch (const std::exception&) {
+    }
+    if (!(v >= 0 && v <= 1)) Fail("--depth takes numbers in [0, 1] or 'random', got '" + d + "'");
+    depths.push_back(v);
+  }
+  for (int n : o.needles) {
+    if (n < 1 || n > 64) Fail("--needles must be in [1, 64]");
+  }
+  const std::vector<Method> methods = MethodGrid(o);
+
+  // Room for the longest prompt (lengths are met within 2%) plus the answer; the pool holds two
+  // such sequences, since a press that compresses after prefill keeps the prefill while its fork
+  // is built. Reserved address space only: pages are touched when written.
+  EngineOptions eo = o.engine;
+  if (eo.model_dir.empty()) eo.model_dir = DefaultModelDir();
+  eo.prefix_cache = false;  // every prefill is measured in full, never served from another's pages
+  const int max_len = *std::max_element(o.lengths.begin(), o.lengths.end());
+  if (eo.n_ctx == 0) {
+    eo.n_ctx =
+        std::max(o.kl ? o.window_len : 0, run_tasks ? max_len + max_len / 50 + o.max_new + 8 : 0);
+  }
+  if (eo.kv_mem_mib == 0) {
+    const ModelConfig c = OrFail(ModelConfig::Load(eo.model_dir));
+    const KvLayout layout{c.n_layers, c.n_kv_heads, c.head_dim, eo.page_tokens};
+    const double bytes = 2.0 * layout.heads_total() *
+                         double((eo.n_ctx + eo.page_tokens - 1) / eo.page_tokens + 2) *
+                         double(layout.page_bytes());
+    eo.kv_mem_mib = static_cast<int64_t>(bytes / (1 << 20)) + 1;
+  }
+  auto engine = LoadEngine(eo);
+  if (!engine) throw CLI::RuntimeError(1);
+  const std::string model = ModelName(engine->options().model_dir);
+
+  std::vector<ResultRow> rows;
+  if (run_tasks) {
+    const std::string dir = o.haystack.empty() ? DefaultHaystackDir() : o.haystack;
+    TaskGenerator gen(engine->tokenizer(), OrFail(Haystack::Load(dir)));
+    if (o.prompts_only) {
+      if (o.dump_prompts.empty()) Fail("--prompts-only needs --dump-prompts FILE");
+      std::ofstream out(o.dump_prompts, std::ios::binary | std::ios::trunc);
+      if (!out) Fail(o.dump_prompts + ": cannot open for writing");
+      int64_t n = 0;
+      for (TaskKind kind : tasks) {
+        for (int len : o.lengths) {
+          for (int needles : kind == TaskKind::kNiah ? o.needles : std::vector<int>{1}) {
+            for (double depth : depths) {
+              const TaskSpec spec{kind, len, needles, depth};
+              for (int i = 0; i < o.samples; ++i, ++n) {
+                out << PromptJsonLine(OrFail(gen.Generate(spec, o.seed, i)), spec, o.seed, i);
+              }
+            }
+          }
+        }
+      }
+      std::fprintf(stderr, "cachet eval: wrote %lld prompts to %s\n", static_cast<long long>(n),
+                   o.dump_prompts.c_str());
+      return;
+    }
+    SweepOptions so;
+    so.tasks = tasks;
+    so.lengths = o.lengths;
+    so.needles = o.needles;
+    so.depths = depths;
+    so.samples = o.samples;
+    so.seed = o.seed;
+    so.max_new = o.max_new;
+    so.methods = methods;
+    so.model_name = model;
+    so.dump_prompts = o.dump_prompts;
+    so.predictions = o.predictions;
+    so.progress = o.progress;
+    rows = OrFail(RunTaskSweep(*engine, gen, so));
+  }
+  if (o.kl) {
+    KlOptions ko;
+    ko.text_file = o.text_file;
+    ko.offset = o.text_offset;
+    ko.windows = o.windows;
+    ko.window_len = o.window_len;
+    ko.methods = methods;
+    ko.reference = OrFail(ParseMethod(o.kl_ref));
+    ko.seed = o.seed;
+    ko.model_name = model;
+    ko.progress = o.progress;
+    ko.test_perturb_logits = o.test_perturb_logits;
+    std::vector<ResultRow> kl = OrFail(RunKlSweep(*engine, ko));
+    rows.insert(rows.end(), kl.begin(), kl.end());
+  }
+
+  ReportUnavailable(rows);
+  if (!o.json.empty()) Check(WriteJsonl(rows, o.json));
+  if (!o.csv.empty()) Check(WriteCsv(rows, o.csv));
+  std::vector<std::string> notes;
+  if (!o.report.empty()) {
+    Check(WriteReport(rows, o.report, CurrentMeta(), &notes));
+    for (const std::string& n : notes) std::fprintf(stderr, "cachet eval: %s\n", n.c_str());
+    std::fprintf(stderr, "cachet eval: report in %s/index.html\n", o.report.c_str());
+  }
+  std::printf("%s", MarkdownTable(rows).c_str());
+}
+
+}  // namespace
+
+void AddEval(CLI::App& app) {
+  auto* cmd = app.add_subcommand(
+      "eval",
+      "Evaluate KV compression: accuracy on synthetic long-context tasks (passkey, niah, kv, vt) "
+      "or KL divergence / perplexity on text (--kl), with KV bytes, peak RSS, tok/s and TTFT of "
+      "each configuration. Methods the build cannot run give 'unavailable' rows");
+  auto o = std::make_shared<EvalOpts>();
+  AddEngineFlags(*cmd, o->engine);
+  cmd->add_option("--task", o->tasks, "Tasks: passkey, niah, kv, vt (comma separated)")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--len", o->lengths, "Prompt lengths in tokens, BOS included (e.g. 1024,4096)")
+      ->delimiter(',')
+      ->check(CLI::Range(16, 1 << 20))
+      ->capture_default_str();
+  cmd->add_option("--samples", o->samples, "Samples per task, length, needles and depth")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--needles", o->needles,
+                  "niah: needles in the haystack (1, 2, 4, 8; a list sweeps)")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--depth", o->depths,
+                  "Needle depth, 0 (start) .. 1 (end), or 'random' (a list sweeps)")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("-s,--seed", o->seed, "Seed of the task prompts (same seed, same prompts)")
+      ->capture_default_str();
+  cmd->add_option("--max-new", o->max_new,
+                  "Max tokens decoded per answer (decoding also stops at a newline or EOS)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--press", o->presses,
+                  "Presses: full, streaming, snapkv, pyramidkv, h2o, tova, knorm, random "
+                  "(this build runs full only)")
+      ->delimiter(',')
+      ->capture_default_str();
+  auto* ratio = cmd->add_option("--ratio", o->ratios,
+                                "Fraction of the KV removed by each press (0.5 = half the "
+                                "entries kept)")
+                    ->delimiter(',')
+                    ->check(CLI::Range(0.0, 0.999999))
+                    ->capture_default_str();
+  cmd->add_option("--budget", o->budgets, "Tokens kept by each press, instead of --ratio")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber)
+      ->excludes(ratio);
+  cmd->add_option("--codec", o->codecs,
+                  "KV codecs: f32, f16, bf16, int8, q8_0, q4_0, kivi4, kivi2, rot4, rot3, rot2, or "
+                  "K:V for different K and V codecs (each codec pair runs on its own engine)")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--compress-at", o->compress_at,
+                  "When a press acts: 'prompt' (after the whole prompt) or 'context' (before "
+                  "the question is appended)")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_flag("--kl", o->kl,
+                "Measure KL divergence, top-1 agreement and perplexity on text against --kl-ref "
+                "instead of task accuracy");
+  cmd->add_option("--windows", o->windows, "KL: text windows")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--window-len", o->window_len,
+                  "KL: tokens per window, BOS included; the first half is context, the second "
+                  "half is scored")
+      ->check(CLI::Range(8, 1 << 20))
+      ->capture_default_str();
+  cmd->add_option("--text", o->text_file, "KL: text file (default: the haystack's pydocs.txt)")
+      ->check(CLI::ExistingFile);
+  cmd->add_option(
+      "--text-offset", o->text_offset,
+      "KL: byte offset in the text (next paragraph start; default: a quarter into the file)");
+  cmd->add_option("--kl-ref", o->kl_ref, "KL: reference configuration, e.g. full/f32")
+      ->capture_default_str();
+  cmd->add_option("--json", o->json, "Write the result rows as JSON lines");
+  cmd->add_option("--csv", o->csv, "Write the result rows as CSV");
+  cmd->add_option("--report", o->report,
+                  "Write DIR/index.html (plots embedded), DIR/summary.md and the plots (gnuplot)");
+  cmd->add_option("--dump-prompts", o->dump_prompts,
+                  "Write the task prompts as JSON lines (id, task, length, text, answer, ...) to "
+                  "score another engine on the same prompts");
+  cmd->add_flag("--prompts-only", o->prompts_only,
+                "With --dump-prompts: write the prompts and stop (no model runs)");
+  cmd->add_option("--predictions", o->predictions,
+                  "Write each sample's prediction per configuration as JSON lines");
+  cmd->add_option("--haystack", o->haystack,
+                  "Directory with bible.txt, pydocs.txt, fortunes.txt, words.txt (default: the "
+                  "source tree's data/haystack)")
+      ->check(CLI::ExistingPath);
+  cmd->add_flag("!--no-progress", o->progress, "No progress bar on stderr");
+  cmd->add_option("--test-perturb-logits", o->test_perturb_logits,
+                  "Test only: add Gaussian noise of this stddev to the tested logits (KL)")
+      ->group("");  // hidden: it exists to show the KL metric can fail
+  cmd->callback([o] { Run(*o); });
+}
+
+}  // namespace cachet::cli

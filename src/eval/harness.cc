@@ -1,0 +1,477 @@
+#include "eval/harness.h"
+
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "cachet/engine.h"
+#include "eval/fidelity.h"
+#include "kv/page_pool.h"
+#include "kv/paged_sequence.h"
+#include "model/config.h"
+#include "model/tokenizer.h"
+#include "runtime/sampler.h"
+#include "util/progress.h"
+#include "util/thread_pool.h"
+
+namespace cachet::eval {
+
+int64_t PeakRssBytes() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<int64_t>(ru.ru_maxrss) * 1024;  // Linux reports KiB
+}
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+std::string DepthName(double depth) {
+  if (depth < 0) return "random";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", depth);
+  return buf;
+}
+
+std::string Strip(std::string_view s) {
+  const char* ws = " \t\r\n\f\v";
+  const size_t a = s.find_first_not_of(ws);
+  if (a == std::string_view::npos) return "";
+  return std::string(s.substr(a, s.find_last_not_of(ws) - a + 1));
+}
+
+// Splits methods into the runnable ones and rows for those the build cannot run.
+struct MethodSet {
+  std::vector<Method> runnable;
+  std::vector<std::pair<Method, std::string>> unavailable;
+};
+
+Result<MethodSet> SortMethods(const std::vector<Method>& methods) {
+  MethodSet set;
+  for (const Method& m : methods) {
+    CACHET_RETURN_IF_ERROR(ValidateMethod(m));
+    Status s = MethodAvailable(m);
+    if (s.ok()) {
+      set.runnable.push_back(m);
+    } else {
+      set.unavailable.emplace_back(m, s.message());
+    }
+  }
+  return set;
+}
+
+ResultRow UnavailableRow(ResultRow base, const Method& m, const std::string& reason) {
+  base.method = m;
+  base.status = "unavailable";
+  base.reason = reason;
+  return base;
+}
+
+// Sums over the samples of one cell for one method.
+struct TaskAcc {
+  int n = 0, correct = 0;
+  double prompt_tokens = 0, prefill_s = 0, decode_s = 0, ttft_ms = 0, kv_prefill = 0;
+  int64_t decode_tokens = 0;
+  double kv_peak = 0;
+};
+
+// A codec is a property of an engine's pool (pages are encoded as they are written), so each K/V
+// codec pair runs on its own engine, built once from the base engine's options.
+using EngineCache = std::map<std::string, std::unique_ptr<Engine>>;
+Result<Engine*> EngineFor(Engine& base, const Method& m, EngineCache& cache) {
+  const EngineOptions& bo = base.options();
+  if (m.codec_k == bo.kv_codec_k && m.codec_v == bo.kv_codec_v) return &base;
+  const std::string key = m.codec_k + ":" + m.codec_v;
+  auto it = cache.find(key);
+  if (it == cache.end()) {
+    EngineOptions o = bo;
+    o.kv_codec_k = m.codec_k;
+    o.kv_codec_v = m.codec_v;
+    CACHET_ASSIGN_OR_RETURN(std::unique_ptr<Engine> e, Engine::Create(o));
+    it = cache.emplace(key, std::move(e)).first;
+  }
+  return it->second.get();
+}
+
+// The distinct codec pairs of the methods, in first-seen order.
+std::vector<Method> CodecGroups(const std::vector<Method>& methods) {
+  std::vector<Method> groups;
+  for (const Method& m : methods) {
+    if (std::none_of(groups.begin(), groups.end(), [&](const Method& g) {
+          return g.codec_k == m.codec_k && g.codec_v == m.codec_v;
+        })) {
+      groups.push_back(m);
+    }
+  }
+  return groups;
+}
+
+int64_t PoolHighWater(Engine& base, const EngineCache& engines) {
+  int64_t n = static_cast<int64_t>(base.kv_pool().high_water_bytes());
+  for (const auto& [key, e] : engines) n += static_cast<int64_t>(e->kv_pool().high_water_bytes());
+  return n;
+}
+
+bool SameCodecs(const Method& a, const Method& b) {
+  return a.codec_k == b.codec_k && a.codec_v == b.codec_v;
+}
+
+Status OpenOutput(const std::string& path, std::ofstream* out) {
+  if (path.empty()) return OkStatus();
+  out->open(path, std::ios::binary | std::ios::trunc);
+  if (!*out) return InvalidArgument(path + ": cannot open for writing");
+  return OkStatus();
+}
+
+}  // namespace
+
+std::string PromptJsonLine(const TaskSample& s, const TaskSpec& spec, uint64_t seed, int index) {
+  const nlohmann::ordered_json j = {{"id", s.id},
+                                    {"task", TaskName(spec.kind)},
+                                    {"length", spec.length},
+                                    {"needles", spec.kind == TaskKind::kNiah ? spec.needles : 1},
+                                    {"depth", DepthName(spec.depth)},
+                                    {"seed", seed},
+                                    {"index", index},
+                                    {"tokens", s.ids.size()},
+                                    {"bos", true},
+                                    {"text", s.prompt},
+                                    {"question", s.question},
+                                    {"answer", s.answer}};
+  return j.dump() + "\n";
+}
+
+Result<std::vector<ResultRow>> RunTaskSweep(Engine& engine, TaskGenerator& gen,
+                                            const SweepOptions& o) {
+  CACHET_ASSIGN_OR_RETURN(MethodSet methods, SortMethods(o.methods));
+  if (o.samples < 1) return InvalidArgument("--samples must be >= 1");
+  if (o.max_new < 1) return InvalidArgument("--max-new must be >= 1");
+  std::ofstream dump, preds;
+  CACHET_RETURN_IF_ERROR(OpenOutput(o.dump_prompts, &dump));
+  CACHET_RETURN_IF_ERROR(OpenOutput(o.predictions, &preds));
+
+  const Tokenizer& tok = engine.tokenizer();
+  EngineCache engines;
+  // Which tokens end the prediction (it is the output up to the first newline).
+  std::vector<char> ends_line(tok.vocab_size());
+  for (int32_t id = 0; id < tok.vocab_size(); ++id) {
+    ends_line[id] = tok.TokenBytes(id).find('\n') != std::string::npos;
+  }
+
+  std::vector<TaskSpec> cells;
+  for (TaskKind kind : o.tasks) {
+    for (int length : o.lengths) {
+      const std::vector<int> needles = kind == TaskKind::kNiah ? o.needles : std::vector<int>{1};
+      for (int n : needles) {
+        for (double depth : o.depths) cells.push_back({kind, length, n, depth});
+      }
+    }
+  }
+  // Progress counts prompt tokens, so the ETA holds when lengths differ 8x.
+  std::unique_ptr<ProgressBar> bar;
+  if (o.progress && !methods.runnable.empty()) {
+    int64_t total = 0;
+    for (const TaskSpec& spec : cells) total += int64_t(spec.length) * o.samples;
+    bar = std::make_unique<ProgressBar>("eval (prompt tokens)", total);
+  }
+
+  std::vector<ResultRow> rows;
+  std::vector<float> prefill_logits, logits;
+  std::vector<int32_t> generated;
+  generated.reserve(o.max_new);
+  for (const TaskSpec& spec : cells) {
+    ResultRow base;
+    base.model = o.model_name;
+    base.task = TaskName(spec.kind);
+    base.length = spec.length;
+    base.needles = spec.kind == TaskKind::kNiah ? spec.needles : 1;
+    base.depth = DepthName(spec.depth);
+    base.seed = o.seed;
+    base.threads = engine.pool().size();
+    const auto cell_start = Clock::now();
+    std::vector<TaskAcc> acc(methods.runnable.size());
+
+    for (int index = 0; index < o.samples && !methods.runnable.empty(); ++index) {
+      CACHET_ASSIGN_OR_RETURN(TaskSample sample, gen.Generate(spec, o.seed, index));
+      if (dump.is_open()) dump << PromptJsonLine(sample, spec, o.seed, index);
+      for (CompressAt at : {CompressAt::kPrompt, CompressAt::kContext}) {
+        if (std::none_of(methods.runnable.begin(), methods.runnable.end(),
+                         [&](const Method& m) { return m.compress_at == at; })) {
+          continue;
+        }
+        // One prefill per sample and codec pair; every configuration forks it (copy-on-write).
+        const std::span<const int32_t> ids(sample.ids);
+        const auto prefix = at == CompressAt::kPrompt ? ids : ids.first(sample.context_tokens);
+        for (const Method& group : CodecGroups(methods.runnable)) {
+          CACHET_ASSIGN_OR_RETURN(Engine * ge, EngineFor(engine, group, engines));
+          auto prefilled = ge->NewSession();
+          auto t0 = Clock::now();
+          CACHET_RETURN_IF_ERROR(prefilled->Eval(prefix, &prefill_logits));
+          const double prefill_s = SecondsSince(t0);
+          const size_t prefill_bytes = prefilled->kv().bytes_held();
+
+          for (size_t mi = 0; mi < methods.runnable.size(); ++mi) {
+            const Method& m = methods.runnable[mi];
+            if (m.compress_at != at || !SameCodecs(m, group)) continue;
+            auto session = prefilled->Fork();
+            auto t1 = Clock::now();
+            CACHET_RETURN_IF_ERROR(ApplyMethod(m, *session));
+            const double apply_s = SecondsSince(t1);
+            double question_s = 0;
+            logits = prefill_logits;
+            if (at == CompressAt::kContext) {
+              auto t2 = Clock::now();
+              CACHET_RETURN_IF_ERROR(session->Eval(ids.subspan(sample.context_tokens), &logits));
+              question_s = SecondsSince(t2);
+            }
+            const size_t start_bytes = session->kv().bytes_held();
+            size_t peak_bytes = std::max(prefill_bytes, start_bytes);
+
+            // Greedy decode until a newline, EOS or max_new tokens.
+            generated.clear();
+            int64_t evals = 0;
+            auto t3 = Clock::now();
+            for (int step = 0; step < o.max_new; ++step) {
+              const int32_t next = ArgMax(logits);
+              if (next == tok.eos_id()) break;
+              generated.push_back(next);
+              if (ends_line[next] || step + 1 == o.max_new) break;
+              const int32_t one[1] = {next};
+              CACHET_RETURN_IF_ERROR(session->Eval(one, &logits));
+              ++evals;
+              peak_bytes = std::max(peak_bytes, session->kv().bytes_held());
+            }
+            const double decode_s = SecondsSince(t3);
+            const std::string output = tok.Decode(generated);
+            const std::string prediction = Strip(output.substr(0, output.find('\n')));
+            const bool correct = prediction == sample.answer;
+
+            TaskAcc& a = acc[mi];
+            a.n += 1;
+            a.correct += correct;
+            a.prompt_tokens += static_cast<double>(ids.size());
+            a.prefill_s += prefill_s + question_s;
+            a.decode_s += decode_s;
+            a.decode_tokens += evals;
+            a.ttft_ms += 1e3 * (prefill_s + apply_s + question_s);
+            a.kv_prefill += double(start_bytes);
+            a.kv_peak = std::max(a.kv_peak, double(peak_bytes));
+            if (preds.is_open()) {
+              nlohmann::ordered_json j = {{"id", sample.id},
+                                          {"method", m.Label()},
+                                          {"compress_at", CompressAtName(m.compress_at)},
+                                          {"prediction", prediction},
+                                          {"answer", sample.answer},
+                                          {"correct", correct},
+                                          {"needle_depth", sample.depth},
+                                          {"prompt_tokens", ids.size()},
+                                          {"ttft_ms", 1e3 * (prefill_s + apply_s + question_s)}};
+              preds << j.dump() << '\n';
+            }
+          }
+        }
+      }
+      if (bar) bar->Add(spec.length);
+    }
+
+    const double cell_s = SecondsSince(cell_start);
+    for (size_t mi = 0; mi < methods.runnable.size(); ++mi) {
+      const TaskAcc& a = acc[mi];
+      ResultRow r = base;
+      r.method = methods.runnable[mi];
+      r.samples = a.n;
+      r.correct = a.correct;
+      r.accuracy = double(a.correct) / a.n;
+      r.prompt_tokens = a.prompt_tokens / a.n;
+      r.kv_bytes_prefill = a.kv_prefill / a.n;
+      r.kv_bytes_peak = a.kv_peak;
+      r.kv_pool_high_water_bytes = PoolHighWater(engine, engines);
+      r.peak_rss_bytes = PeakRssBytes();
+      r.prefill_tok_s = a.prompt_tokens / a.prefill_s;
+      if (a.decode_tokens > 0) r.decode_tok_s = a.decode_tokens / a.decode_s;
+      r.ttft_ms = a.ttft_ms / a.n;
+      r.wall_s = cell_s;
+      rows.push_back(std::move(r));
+    }
+    for (const auto& [m, reason] : methods.unavailable) {
+      rows.push_back(UnavailableRow(base, m, reason));
+    }
+  }
+  return rows;
+}
+
+namespace {
+
+Result<std::vector<int32_t>> TextTokens(const Tokenizer& tok, const std::string& path,
+                                        int64_t offset, size_t need) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return NotFound(path + ": cannot open (--text)");
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  const std::string text = ss.str();
+  size_t start = offset < 0 ? text.size() / 4 : static_cast<size_t>(offset);
+  if (start >= text.size()) {
+    return OutOfRange(path + ": offset " + std::to_string(start) + " is past the end");
+  }
+  // Start on a paragraph boundary, so the first window does not open mid-word.
+  if (start > 0) {
+    const size_t para = text.find("\n\n", start);
+    if (para != std::string::npos) start = para + 2;
+  }
+  // Tokenize only what the windows need (about 4 bytes a token), growing if that was short.
+  for (size_t bytes = need * 6 + 4096;; bytes *= 2) {
+    const size_t n = std::min(bytes, text.size() - start);
+    std::vector<int32_t> ids = tok.Encode(std::string_view(text).substr(start, n));
+    const bool whole = n == text.size() - start;
+    // Beyond the cut, the last tokens may be split differently: keep a margin unless at the end.
+    if (ids.size() >= need + (whole ? 0 : 16)) {
+      ids.resize(need);
+      return ids;
+    }
+    if (whole) {
+      return OutOfRange(path + " has " + std::to_string(ids.size()) + " tokens after byte " +
+                        std::to_string(start) + "; the windows need " + std::to_string(need));
+    }
+  }
+}
+
+// Test-only logit noise: portable Box-Muller over 53-bit uniforms.
+void Perturb(std::span<float> logits, double stddev, std::mt19937_64& rng) {
+  auto uniform = [&] { return (double(rng() >> 11) + 0.5) * 0x1.0p-53; };
+  for (float& x : logits) {
+    x += static_cast<float>(stddev * std::sqrt(-2 * std::log(uniform())) *
+                            std::cos(6.283185307179586 * uniform()));
+  }
+}
+
+struct KlRun {
+  KlAccumulator kl;
+  double prefill_s = 0, kv_prefill = 0, kv_peak = 0;
+  int64_t tokens = 0;
+};
+
+}  // namespace
+
+Result<std::vector<ResultRow>> RunKlSweep(Engine& engine, const KlOptions& o) {
+  if (o.windows < 1) return InvalidArgument("--windows must be >= 1");
+  if (o.window_len < 8) return InvalidArgument("--window-len must be >= 8");
+  if (o.window_len > engine.n_ctx()) {
+    return InvalidArgument("--window-len " + std::to_string(o.window_len) +
+                           " exceeds the context size " + std::to_string(engine.n_ctx()));
+  }
+  if (Status s = MethodAvailable(o.reference); !s.ok()) {
+    return InvalidArgument("the KL reference must be runnable: " + s.message());
+  }
+  CACHET_ASSIGN_OR_RETURN(MethodSet methods, SortMethods(o.methods));
+
+  const Tokenizer& tok = engine.tokenizer();
+  const bool bos = tok.add_bos() && tok.bos_id() >= 0;
+  const int L = o.window_len, half = L / 2, text_per_window = L - (bos ? 1 : 0);
+  const std::string path = o.text_file.empty() ? DefaultHaystackDir() + "/pydocs.txt" : o.text_file;
+  CACHET_ASSIGN_OR_RETURN(std::vector<int32_t> text,
+                          TextTokens(tok, path, o.offset, size_t(o.windows) * text_per_window));
+
+  const int vocab = engine.config().vocab_size;
+  EngineCache engines;
+  std::mt19937_64 noise(MixSeed(o.seed, 0x6e6f697365));
+  std::vector<KlRun> runs(methods.runnable.size());
+  std::vector<int32_t> window(L);
+  std::vector<float> ref_logits, logits;
+  std::unique_ptr<ProgressBar> bar;
+  if (o.progress && !methods.runnable.empty()) bar = std::make_unique<ProgressBar>("kl", o.windows);
+  const auto start = Clock::now();
+
+  for (int w = 0; w < o.windows && !methods.runnable.empty(); ++w) {
+    window.clear();
+    if (bos) window.push_back(tok.bos_id());
+    window.insert(window.end(), text.begin() + size_t(w) * text_per_window,
+                  text.begin() + size_t(w + 1) * text_per_window);
+    const std::span<const int32_t> ids(window);
+    {
+      CACHET_ASSIGN_OR_RETURN(Engine * re, EngineFor(engine, o.reference, engines));
+      auto reference = re->NewSession();
+      CACHET_RETURN_IF_ERROR(reference->Eval(ids.first(half), nullptr));
+      CACHET_RETURN_IF_ERROR(ApplyMethod(o.reference, *reference));
+      CACHET_RETURN_IF_ERROR(reference->Eval(ids.subspan(half), &ref_logits, /*all_logits=*/true));
+    }
+    for (const Method& group : CodecGroups(methods.runnable)) {
+      CACHET_ASSIGN_OR_RETURN(Engine * ge, EngineFor(engine, group, engines));
+      auto prefilled = ge->NewSession();
+      auto t0 = Clock::now();
+      CACHET_RETURN_IF_ERROR(prefilled->Eval(ids.first(half), nullptr));
+      const double prefill_s = SecondsSince(t0);
+      const size_t prefill_bytes = prefilled->kv().bytes_held();
+
+      for (size_t mi = 0; mi < methods.runnable.size(); ++mi) {
+        if (!SameCodecs(methods.runnable[mi], group)) continue;
+        KlRun& run = runs[mi];
+        auto session = prefilled->Fork();
+        auto t1 = Clock::now();
+        CACHET_RETURN_IF_ERROR(ApplyMethod(methods.runnable[mi], *session));
+        const size_t start_bytes = session->kv().bytes_held();
+        CACHET_RETURN_IF_ERROR(session->Eval(ids.subspan(half), &logits, /*all_logits=*/true));
+        run.prefill_s += prefill_s + SecondsSince(t1);
+        run.tokens += L;
+        run.kv_prefill += double(start_bytes);
+        run.kv_peak =
+            std::max(run.kv_peak, double(std::max(prefill_bytes, session->kv().bytes_held())));
+        if (o.test_perturb_logits > 0) Perturb(logits, o.test_perturb_logits, noise);
+        // Row p holds the logits at position half + p, predicting token half + p + 1.
+        for (int p = 0; half + p + 1 < L; ++p) {
+          const size_t off = size_t(p) * vocab;
+          run.kl.Add(std::span<const float>(ref_logits).subspan(off, vocab),
+                     std::span<const float>(logits).subspan(off, vocab), window[half + p + 1]);
+        }
+      }
+    }
+    if (bar) bar->Add();
+  }
+
+  ResultRow base;
+  base.kind = "kl";
+  base.model = o.model_name;
+  base.task = "text";
+  base.length = L;
+  base.prompt_tokens = L;
+  base.seed = o.seed;
+  base.threads = engine.pool().size();
+  base.samples = o.windows;
+  base.depth = "";
+  std::vector<ResultRow> rows;
+  for (size_t mi = 0; mi < methods.runnable.size(); ++mi) {
+    const KlRun& run = runs[mi];
+    const KlSummary s = run.kl.Summary();
+    ResultRow r = base;
+    r.method = methods.runnable[mi];
+    r.scored_tokens = s.positions;
+    r.mean_kl = s.mean_kl;
+    r.p99_kl = s.p99_kl;
+    r.top1_agree = s.top1_agree;
+    r.ppl_ref = s.ppl_ref;
+    r.ppl = s.ppl;
+    r.kv_bytes_prefill = run.kv_prefill / o.windows;
+    r.kv_bytes_peak = run.kv_peak;
+    r.kv_pool_high_water_bytes = PoolHighWater(engine, engines);
+    r.peak_rss_bytes = PeakRssBytes();
+    r.prefill_tok_s = run.tokens / run.prefill_s;
+    r.wall_s = SecondsSince(start);
+    rows.push_back(std::move(r));
+  }
+  for (const auto& [m, reason] : methods.unavailable)
+    rows.push_back(UnavailableRow(base, m, reason));
+  return rows;
+}
+
+}  // namespace cachet::eval

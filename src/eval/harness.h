@@ -1,0 +1,97 @@
+// The evaluation harness: task sweeps (accuracy) and text fidelity (KL, perplexity) over
+// compression methods, each result row carrying the memory and speed measured in the same run.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "eval/method.h"
+#include "eval/tasks.h"
+#include "util/status.h"
+
+namespace cachet {
+class Engine;
+}
+
+namespace cachet::eval {
+
+// One configuration over one cell (task, length, needles, depth) or one KL run.
+struct ResultRow {
+  std::string kind = "task";  // "task" or "kl"
+  std::string status = "ok";  // "ok" or "unavailable" (the method cannot run in this build)
+  std::string reason;         // why unavailable
+  std::string model;
+  std::string task;          // passkey, niah, kv, vt; "text" for kl rows
+  int length = 0;            // target prompt tokens (kl: window length)
+  double prompt_tokens = 0;  // mean measured prompt tokens, BOS included
+  int needles = 0;
+  std::string depth;  // "random" or the requested depth
+  Method method;
+  uint64_t seed = 0;
+  int samples = 0;  // task samples, or kl windows
+  int correct = 0;
+  std::optional<double> accuracy;
+  std::optional<double> mean_kl, p99_kl, top1_agree, ppl_ref, ppl;
+  int64_t scored_tokens = 0;  // kl: positions scored
+  // Cost. kv_bytes_*: this configuration's own cache (pages held x page bytes); the peak counts
+  // the uncompressed prefill for methods that compress after it. The pool's high water and the
+  // peak RSS are process-wide and monotonic (their value when the row was finished).
+  std::optional<double> kv_bytes_prefill, kv_bytes_peak;
+  std::optional<int64_t> kv_pool_high_water_bytes, peak_rss_bytes;
+  std::optional<double> prefill_tok_s, decode_tok_s, ttft_ms;
+  int threads = 0;
+  double wall_s = 0;
+};
+
+struct SweepOptions {
+  std::vector<TaskKind> tasks{TaskKind::kPasskey};
+  std::vector<int> lengths{1024};
+  std::vector<int> needles{1};     // niah only
+  std::vector<double> depths{-1};  // < 0: random
+  int samples = 20;
+  uint64_t seed = 1234;
+  int max_new = 16;
+  std::vector<Method> methods{Method{}};
+  std::string model_name;
+  // Optional outputs: the prompts as jsonl (id, task, length, text, answer), and one line per
+  // sample and configuration with the prediction.
+  std::string dump_prompts, predictions;
+  bool progress = true;
+};
+
+// Runs every cell x sample; each sample is prefilled once (per compress_at) and forked for each
+// runnable method. Methods that cannot run give 'unavailable' rows.
+Result<std::vector<ResultRow>> RunTaskSweep(Engine& engine, TaskGenerator& gen,
+                                            const SweepOptions& o);
+
+struct KlOptions {
+  std::string text_file;  // empty: <haystack>/pydocs.txt from offset
+  int64_t offset = -1;    // byte offset in text_file; < 0: a quarter into the file
+  int windows = 8;
+  int window_len = 1024;  // tokens, BOS included; the second half is scored
+  std::vector<Method> methods{Method{}};
+  Method reference;  // full f32
+  uint64_t seed = 1234;
+  std::string model_name;
+  bool progress = true;
+  // Test-only: Gaussian noise of this stddev added to the tested configurations' logits (never
+  // the reference's), to show the metric can fail. 0 in real runs.
+  double test_perturb_logits = 0;
+};
+
+// For each window: BOS + window_len-1 tokens of text; the first half is prefilled once, then
+// each configuration (reference included) is forked, the method applied, and the second half
+// evaluated. Scores logits at positions [L/2, L-2] (each predicts the next token of the window).
+Result<std::vector<ResultRow>> RunKlSweep(Engine& engine, const KlOptions& o);
+
+// One --dump-prompts line (JSON and a newline): id, task, length, needles, depth, seed, index,
+// tokens, bos, text (the prompt without BOS), question, answer.
+std::string PromptJsonLine(const TaskSample& s, const TaskSpec& spec, uint64_t seed, int index);
+
+// Peak resident set size of this process in bytes (getrusage).
+int64_t PeakRssBytes();
+
+}  // namespace cachet::eval

@@ -1,0 +1,56 @@
+// A KV compression configuration as the harness sweeps it: a press (which entries to keep) and a
+// codec per K and V (how they are stored). ApplyMethod is the one place where a press or codec
+// plugs in; today the engine has only `full` and `f32`, and every other known name is reported
+// as unavailable instead of being run.
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "util/status.h"
+
+namespace cachet {
+class Session;
+}
+
+namespace cachet::eval {
+
+enum class CompressAt {
+  kPrompt,   // prefill the whole prompt (question included), then compress
+  kContext,  // prefill the context, compress, then append the question
+};
+const char* CompressAtName(CompressAt c);
+Result<CompressAt> ParseCompressAt(std::string_view name);
+
+struct Method {
+  std::string press = "full";
+  double ratio = 0;  // fraction of the KV entries removed, in [0, 1)
+  int budget = 0;    // tokens kept instead of a ratio (0: use ratio)
+  std::string codec_k = "f32", codec_v = "f32";
+  CompressAt compress_at = CompressAt::kPrompt;
+
+  // "full/f32", "snapkv@0.5/int8", "streaming#256/int8:kivi2" (compress_at not included).
+  std::string Label() const;
+  // Nominal bits of one stored K or V value (mean of K and V; scales and positions excluded).
+  double BitsPerValue() const;
+};
+
+// Every press and codec name the harness accepts, runnable or not.
+const std::vector<std::string>& KnownPresses();
+const std::vector<std::string>& KnownCodecs();
+int CodecBits(std::string_view codec);  // 0 for unknown names
+
+// Parses a Label() back (e.g. for --kl-ref): press[@ratio|#budget][/codec[:codec_v]].
+Result<Method> ParseMethod(std::string_view label);
+
+// InvalidArgument for unknown names or out-of-range ratio/budget.
+Status ValidateMethod(const Method& m);
+// Unimplemented (with the reason) when the engine cannot run m yet.
+Status MethodAvailable(const Method& m);
+
+// Applies m to a session that holds a prefilled prompt or context. The session was forked from
+// the prefill, so one prefill per sample serves every configuration of a sweep.
+Status ApplyMethod(const Method& m, Session& session);
+
+}  // namespace cachet::eval

@@ -1,0 +1,305 @@
+// Highway MatMul and DequantRow for the GGUF block-quantized weight types (q8_0, q4_0, q4_K, q6_K;
+// layouts in kernels/ref/quant.cc). Weights stay quantized in memory: blocks are widened to f32
+// vectors on the fly (integers promoted to i32 lanes, converted, scaled), all arithmetic is f32.
+//
+// n == 1 (decode): each row's dequantized vectors are dotted with x as they are produced.
+// n > 1 (prefill): each task dequantizes a block of rows into per-thread f32 scratch once and runs
+// a 4 tokens x 4 rows register tile over it for all tokens. Every output is computed with the same
+// operation order whatever the thread count.
+
+// clang-format off
+#include "kernels/cpu/hwy_targets.h"  // must precede every Highway header
+// clang-format on
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "kernels/kernels.h"
+
+// clang-format off
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "kernels/cpu/quant.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+#include "hwy/highway.h"
+#include "kernels/cpu/hwy_util-inl.h"
+// clang-format on
+
+HWY_BEFORE_NAMESPACE();
+namespace cachet::kernels::cpu::HWY_NAMESPACE {
+
+#if HWY_TARGET == HWY_SCALAR
+void QuantMatMulImpl(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
+                     int64_t y_stride, ThreadPool& pool) {
+  ref::MatMul(x, n, w, bias, y, y_stride, pool);
+}
+void QuantDequantRowImpl(const Matrix& w, int64_t r, float* out) {
+  ref::QuantDequantRow(w, r, out);
+}
+#else
+namespace {
+
+using DI32 = hn::RebindToSigned<DF>;
+using DU8 = hn::Rebind<uint8_t, DF>;
+using DI8 = hn::Rebind<int8_t, DF>;
+
+constexpr int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+constexpr int64_t kMinParallelWeights = 1 << 16;
+constexpr int64_t kPrefillBlockBytes = 256 << 10;  // f32 rows a prefill task keeps hot
+
+HWY_INLINE float LoadF16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return F16ToF32(h);
+}
+
+HWY_INLINE hn::Vec<DI32> LoadU8(const uint8_t* p) {
+  return hn::PromoteTo(DI32(), hn::LoadU(DU8(), p));
+}
+
+// Calls fn(c, v) with v = the dequantized columns [c, c + N) of a row, for every column (not in
+// column order). Requires N <= 16 (true of every x86 target).
+template <DType kType, class Fn>
+HWY_INLINE void ForEachVec(const uint8_t* row, int64_t cols, const Fn& fn) {
+  const DF df;
+  const DI32 di;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const int64_t be = DTypeBlockElems(kType), bb = DTypeBlockBytes(kType);
+  const int64_t n_blocks = cols / be;
+  for (int64_t i = 0; i < n_blocks; ++i) {
+    const uint8_t* b = row + i * bb;
+    const int64_t c0 = i * be;
+    if constexpr (kType == DType::kQ8_0) {
+      const VF d = hn::Set(df, LoadF16(b));
+      const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+      for (int64_t k = 0; k < 32; k += N) {
+        fn(c0 + k, hn::Mul(hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(DI8(), q + k))), d));
+      }
+    } else if constexpr (kType == DType::kQ4_0) {
+      const VF d = hn::Set(df, LoadF16(b));
+      const auto mask = hn::Set(di, 0xF), eight = hn::Set(di, 8);
+      for (int64_t k = 0; k < 16; k += N) {
+        const auto u = LoadU8(b + 2 + k);
+        fn(c0 + k, hn::Mul(hn::ConvertTo(df, hn::Sub(hn::And(u, mask), eight)), d));
+        fn(c0 + 16 + k, hn::Mul(hn::ConvertTo(df, hn::Sub(hn::ShiftRight<4>(u), eight)), d));
+      }
+    } else if constexpr (kType == DType::kQ4_K) {
+      const float d = LoadF16(b), dmin = LoadF16(b + 2);
+      const uint8_t* sc = b + 4;
+      const uint8_t* q = b + 16;
+      const auto mask = hn::Set(di, 0xF);
+      for (int j = 0; j < 256; j += 64, q += 32) {
+        const int is = j / 32;
+        uint8_t s1, m1, s2, m2;
+        if (is < 4) {
+          s1 = sc[is] & 63, m1 = sc[is + 4] & 63;
+          s2 = sc[is + 1] & 63, m2 = sc[is + 5] & 63;
+        } else {
+          s1 = (sc[is + 4] & 0xF) | ((sc[is - 4] >> 6) << 4);
+          m1 = (sc[is + 4] >> 4) | ((sc[is] >> 6) << 4);
+          s2 = (sc[is + 5] & 0xF) | ((sc[is - 3] >> 6) << 4);
+          m2 = (sc[is + 5] >> 4) | ((sc[is + 1] >> 6) << 4);
+        }
+        const VF d1 = hn::Set(df, d * s1), mn1 = hn::Set(df, dmin * m1);
+        const VF d2 = hn::Set(df, d * s2), mn2 = hn::Set(df, dmin * m2);
+        for (int64_t k = 0; k < 32; k += N) {
+          const auto u = LoadU8(q + k);
+          fn(c0 + j + k, hn::MulSub(hn::ConvertTo(df, hn::And(u, mask)), d1, mn1));
+          fn(c0 + j + 32 + k, hn::MulSub(hn::ConvertTo(df, hn::ShiftRight<4>(u)), d2, mn2));
+        }
+      }
+    } else {  // kQ6_K
+      const uint8_t* ql = b;
+      const uint8_t* qh = b + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      const float d = LoadF16(b + 208);
+      const auto mask = hn::Set(di, 0xF), three = hn::Set(di, 3), off = hn::Set(di, 32);
+      for (int n = 0; n < 256; n += 128, ql += 64, qh += 32, sc += 8) {
+        for (int64_t l = 0; l < 32; l += N) {
+          const int is = static_cast<int>(l / 16);
+          const auto lo0 = LoadU8(ql + l), lo1 = LoadU8(ql + l + 32), h = LoadU8(qh + l);
+          const auto q1 = hn::Or(hn::And(lo0, mask), hn::ShiftLeft<4>(hn::And(h, three)));
+          const auto q2 =
+              hn::Or(hn::And(lo1, mask), hn::ShiftLeft<4>(hn::And(hn::ShiftRight<2>(h), three)));
+          const auto q3 = hn::Or(hn::ShiftRight<4>(lo0),
+                                 hn::ShiftLeft<4>(hn::And(hn::ShiftRight<4>(h), three)));
+          const auto q4 = hn::Or(hn::ShiftRight<4>(lo1), hn::ShiftLeft<4>(hn::ShiftRight<6>(h)));
+          fn(c0 + n + l, hn::Mul(hn::ConvertTo(df, hn::Sub(q1, off)), hn::Set(df, d * sc[is])));
+          fn(c0 + n + l + 32,
+             hn::Mul(hn::ConvertTo(df, hn::Sub(q2, off)), hn::Set(df, d * sc[is + 2])));
+          fn(c0 + n + l + 64,
+             hn::Mul(hn::ConvertTo(df, hn::Sub(q3, off)), hn::Set(df, d * sc[is + 4])));
+          fn(c0 + n + l + 96,
+             hn::Mul(hn::ConvertTo(df, hn::Sub(q4, off)), hn::Set(df, d * sc[is + 6])));
+        }
+      }
+    }
+  }
+}
+
+const uint8_t* RowPtr(const Matrix& w, int64_t r) {
+  return static_cast<const uint8_t*>(w.data) + r * DTypeRowBytes(w.dtype, w.cols);
+}
+
+template <DType kType>
+void DequantRowT(const Matrix& w, int64_t r, float* HWY_RESTRICT out) {
+  const DF df;
+  ForEachVec<kType>(RowPtr(w, r), w.cols, [&](int64_t c, VF v) { hn::StoreU(v, df, out + c); });
+}
+
+template <class Fn>
+void RunTasks(ThreadPool& pool, int64_t n_tasks, bool parallel, const Fn& fn) {
+  if (!parallel || n_tasks <= 1 || pool.size() == 1) {
+    for (int64_t t = 0; t < n_tasks; ++t) fn(t);
+    return;
+  }
+  pool.Run(n_tasks, [&fn](int64_t task, int /*thread*/) { fn(task); });
+}
+
+template <DType kType>
+void MatVec(const float* HWY_RESTRICT x, const Matrix& w, const float* bias, float* y,
+            ThreadPool& pool) {
+  const DF df;
+  const bool parallel = w.rows * w.cols >= kMinParallelWeights;
+  const int64_t tasks_wanted = parallel ? 4 * static_cast<int64_t>(pool.size()) : 1;
+  const int64_t block = std::max<int64_t>(CeilDiv(w.rows, tasks_wanted), 8);
+  RunTasks(pool, CeilDiv(w.rows, block), parallel, [&](int64_t task) {
+    const int64_t r1 = std::min(w.rows, (task + 1) * block);
+    for (int64_t r = task * block; r < r1; ++r) {
+      VF acc = hn::Zero(df);
+      ForEachVec<kType>(RowPtr(w, r), w.cols,
+                        [&](int64_t c, VF v) { acc = hn::MulAdd(v, hn::LoadU(df, x + c), acc); });
+      y[r] = ReduceSum(acc) + (bias != nullptr ? bias[r] : 0.0f);
+    }
+  });
+}
+
+// out[t] = [x_t . w_0, .., x_t . w_3] for four tokens and four f32 rows of `cols` (multiple of N).
+HWY_INLINE void Tile4x4(const float* const* xs, const float* const* ws, int64_t cols, V4* out) {
+  const DF df;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  VF a[4][4];
+  for (auto& row : a) {
+    for (VF& v : row) v = hn::Zero(df);
+  }
+  for (int64_t c = 0; c < cols; c += N) {
+    const VF w0 = hn::LoadU(df, ws[0] + c), w1 = hn::LoadU(df, ws[1] + c);
+    const VF w2 = hn::LoadU(df, ws[2] + c), w3 = hn::LoadU(df, ws[3] + c);
+    for (int t = 0; t < 4; ++t) {
+      const VF vx = hn::LoadU(df, xs[t] + c);
+      a[t][0] = hn::MulAdd(vx, w0, a[t][0]);
+      a[t][1] = hn::MulAdd(vx, w1, a[t][1]);
+      a[t][2] = hn::MulAdd(vx, w2, a[t][2]);
+      a[t][3] = hn::MulAdd(vx, w3, a[t][3]);
+    }
+  }
+  for (int t = 0; t < 4; ++t) out[t] = Reduce4(a[t][0], a[t][1], a[t][2], a[t][3]);
+}
+
+template <DType kType>
+void MatMulPrefill(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
+                   int64_t y_stride, ThreadPool& pool) {
+  const D4 d4;
+  const int64_t cols = w.cols;
+  const bool parallel = w.rows * cols * n >= kMinParallelWeights;
+  const int64_t threads = parallel ? pool.size() : 1;
+  int64_t block = std::clamp<int64_t>(kPrefillBlockBytes / (cols * 4) / 4 * 4, 4, 128);
+  block = std::min(block, std::max<int64_t>(4, CeilDiv(CeilDiv(w.rows, threads), 4) * 4));
+  RunTasks(pool, CeilDiv(w.rows, block), parallel, [&](int64_t task) {
+    const int64_t r0 = task * block;
+    const int64_t nr = std::min(w.rows - r0, block);
+    thread_local std::vector<float> scratch;
+    if (scratch.size() < static_cast<size_t>(nr * cols)) scratch.resize(nr * cols);
+    float* wb = scratch.data();
+    for (int64_t i = 0; i < nr; ++i) DequantRowT<kType>(w, r0 + i, wb + i * cols);
+    V4 out[4];
+    for (int64_t t = 0; t < n; t += 4) {
+      const int64_t nt = std::min<int64_t>(4, n - t);
+      const float* xs[4];
+      for (int k = 0; k < 4; ++k) xs[k] = x + (t + std::min<int64_t>(k, nt - 1)) * cols;
+      for (int64_t i = 0; i < nr; i += 4) {
+        const int64_t ni = std::min<int64_t>(4, nr - i);
+        const float* ws[4];
+        for (int k = 0; k < 4; ++k) ws[k] = wb + (i + std::min<int64_t>(k, ni - 1)) * cols;
+        Tile4x4(xs, ws, cols, out);
+        float b4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (bias != nullptr) std::copy(bias + r0 + i, bias + r0 + i + ni, b4);
+        const V4 bv = hn::LoadU(d4, b4);
+        for (int64_t k = 0; k < nt; ++k) {
+          float o[4];
+          hn::StoreU(hn::Add(out[k], bv), d4, o);
+          std::copy(o, o + ni, y + (t + k) * y_stride + r0 + i);
+        }
+      }
+    }
+  });
+}
+
+template <DType kType>
+void MatMulT(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
+             int64_t y_stride, ThreadPool& pool) {
+  if (n == 1) {
+    MatVec<kType>(x, w, bias, y, pool);
+  } else {
+    MatMulPrefill<kType>(x, n, w, bias, y, y_stride, pool);
+  }
+}
+
+}  // namespace
+
+void QuantMatMulImpl(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
+                     int64_t y_stride, ThreadPool& pool) {
+  if (n <= 0 || w.rows <= 0) return;
+  if (hn::Lanes(DF()) > 16 || w.cols <= 0) return ref::MatMul(x, n, w, bias, y, y_stride, pool);
+  switch (w.dtype) {
+    case DType::kQ8_0:
+      return MatMulT<DType::kQ8_0>(x, n, w, bias, y, y_stride, pool);
+    case DType::kQ4_0:
+      return MatMulT<DType::kQ4_0>(x, n, w, bias, y, y_stride, pool);
+    case DType::kQ4_K:
+      return MatMulT<DType::kQ4_K>(x, n, w, bias, y, y_stride, pool);
+    case DType::kQ6_K:
+      return MatMulT<DType::kQ6_K>(x, n, w, bias, y, y_stride, pool);
+    default:
+      return ref::MatMul(x, n, w, bias, y, y_stride, pool);
+  }
+}
+
+void QuantDequantRowImpl(const Matrix& w, int64_t r, float* out) {
+  if (hn::Lanes(DF()) > 16) return ref::QuantDequantRow(w, r, out);
+  switch (w.dtype) {
+    case DType::kQ8_0:
+      return DequantRowT<DType::kQ8_0>(w, r, out);
+    case DType::kQ4_0:
+      return DequantRowT<DType::kQ4_0>(w, r, out);
+    case DType::kQ4_K:
+      return DequantRowT<DType::kQ4_K>(w, r, out);
+    case DType::kQ6_K:
+      return DequantRowT<DType::kQ6_K>(w, r, out);
+    default:
+      return ref::QuantDequantRow(w, r, out);
+  }
+}
+#endif  // HWY_TARGET == HWY_SCALAR
+
+}  // namespace cachet::kernels::cpu::HWY_NAMESPACE
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace cachet::kernels::cpu {
+
+HWY_EXPORT(QuantMatMulImpl);
+HWY_EXPORT(QuantDequantRowImpl);
+
+void QuantMatMul(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
+                 int64_t y_stride, ThreadPool& pool) {
+  HWY_DYNAMIC_DISPATCH(QuantMatMulImpl)(x, n, w, bias, y, y_stride, pool);
+}
+
+void QuantDequantRow(const Matrix& w, int64_t r, float* out) {
+  HWY_DYNAMIC_DISPATCH(QuantDequantRowImpl)(w, r, out);
+}
+
+}  // namespace cachet::kernels::cpu
+#endif  // HWY_ONCE

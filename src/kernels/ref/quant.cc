@@ -1,0 +1,295 @@
+// Reference dequantization and quantization of the GGUF (GGML) block formats Cachet computes on
+// directly, written from llama.cpp's ggml-quants layouts (little-endian, packed, no padding):
+//
+//   block_q8_0 (32 values, 34 bytes):  f16 d; int8 qs[32]                   x = d * q
+//   block_q4_0 (32 values, 18 bytes):  f16 d; u8 qs[16]                     x[j] = d * (lo(qs[j]) -
+//   8),
+//                                                                           x[j+16] = d *
+//                                                                           (hi(qs[j]) - 8)
+//   block_q4_K (256 values, 144 bytes): f16 d; f16 dmin; u8 scales[12]; u8 qs[128]
+//       8 sub-blocks of 32 with 6-bit scale sc and 6-bit min m (packed as get_scale_min_k4 reads
+//       them); per 64 values, 32 bytes of qs: low nibbles are sub-block 2i, high nibbles 2i+1;
+//       x = d * sc * q - dmin * m.
+//   block_q6_K (256 values, 210 bytes): u8 ql[128]; u8 qh[64]; int8 scales[16]; f16 d
+//       16 sub-blocks of 16; 6-bit q = low 4 bits from ql, high 2 bits from qh; x = d * sc * (q -
+//       32).
+//
+// The quantizers are simple (per sub-block min/max, no iterative search as llama.cpp's
+// make_qkx2_quants): they produce valid blocks, which is all tests and `cachet convert` need.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/kernels.h"
+
+namespace cachet::kernels::ref {
+namespace {
+
+float LoadF16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return F16ToF32(h);
+}
+void StoreF16(uint8_t* p, float f) {
+  const uint16_t h = F32ToF16(f);
+  std::memcpy(p, &h, 2);
+}
+int NearestInt(float f) { return static_cast<int>(std::nearbyint(f)); }
+
+void DequantQ8_0(const uint8_t* b, float* y) {
+  const float d = LoadF16(b);
+  const int8_t* q = reinterpret_cast<const int8_t*>(b + 2);
+  for (int j = 0; j < 32; ++j) y[j] = d * static_cast<float>(q[j]);
+}
+
+void DequantQ4_0(const uint8_t* b, float* y) {
+  const float d = LoadF16(b);
+  const uint8_t* q = b + 2;
+  for (int j = 0; j < 16; ++j) {
+    y[j] = d * static_cast<float>((q[j] & 0xF) - 8);
+    y[j + 16] = d * static_cast<float>((q[j] >> 4) - 8);
+  }
+}
+
+// Scale and min of sub-block j (0..7) of a q4_K super-block, as llama.cpp's get_scale_min_k4.
+void ScaleMinK4(int j, const uint8_t* q, uint8_t* d, uint8_t* m) {
+  if (j < 4) {
+    *d = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+void DequantQ4_K(const uint8_t* b, float* y) {
+  const float d = LoadF16(b);
+  const float dmin = LoadF16(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* q = b + 16;
+  for (int j = 0, is = 0; j < 256; j += 64, is += 2, q += 32) {
+    uint8_t sc, m;
+    ScaleMinK4(is, scales, &sc, &m);
+    const float d1 = d * sc, m1 = dmin * m;
+    ScaleMinK4(is + 1, scales, &sc, &m);
+    const float d2 = d * sc, m2 = dmin * m;
+    for (int l = 0; l < 32; ++l) y[j + l] = d1 * static_cast<float>(q[l] & 0xF) - m1;
+    for (int l = 0; l < 32; ++l) y[j + 32 + l] = d2 * static_cast<float>(q[l] >> 4) - m2;
+  }
+}
+
+void DequantQ6_K(const uint8_t* b, float* y) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+  const float d = LoadF16(b + 208);
+  for (int n = 0; n < 256; n += 128, ql += 64, qh += 32, sc += 8) {
+    for (int l = 0; l < 32; ++l) {
+      const int is = l / 16;
+      const int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+      const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+      const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+      const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+      y[n + l] = d * sc[is] * static_cast<float>(q1);
+      y[n + l + 32] = d * sc[is + 2] * static_cast<float>(q2);
+      y[n + l + 64] = d * sc[is + 4] * static_cast<float>(q3);
+      y[n + l + 96] = d * sc[is + 6] * static_cast<float>(q4);
+    }
+  }
+}
+
+void QuantizeQ8_0(const float* x, uint8_t* b) {
+  float amax = 0.0f;
+  for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float d = amax / 127.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  StoreF16(b, d);
+  int8_t* q = reinterpret_cast<int8_t*>(b + 2);
+  for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>(std::round(x[j] * id));
+}
+
+void QuantizeQ4_0(const float* x, uint8_t* b) {
+  float amax = 0.0f, max = 0.0f;
+  for (int j = 0; j < 32; ++j) {
+    if (std::fabs(x[j]) > amax) {
+      amax = std::fabs(x[j]);
+      max = x[j];
+    }
+  }
+  const float d = max / -8.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  StoreF16(b, d);
+  uint8_t* q = b + 2;
+  for (int j = 0; j < 16; ++j) {
+    const int x0 = std::min(15, static_cast<int>(x[j] * id + 8.5f));
+    const int x1 = std::min(15, static_cast<int>(x[j + 16] * id + 8.5f));
+    q[j] = static_cast<uint8_t>(std::max(0, x0) | (std::max(0, x1) << 4));
+  }
+}
+
+void QuantizeQ4_K(const float* x, uint8_t* b) {
+  float scale[8], minv[8];
+  float max_scale = 0.0f, max_min = 0.0f;
+  for (int s = 0; s < 8; ++s) {
+    float lo = 0.0f, hi = x[s * 32];
+    for (int l = 0; l < 32; ++l) {
+      lo = std::min(lo, x[s * 32 + l]);
+      hi = std::max(hi, x[s * 32 + l]);
+    }
+    scale[s] = (hi - lo) / 15.0f;
+    minv[s] = -lo;  // >= 0
+    max_scale = std::max(max_scale, scale[s]);
+    max_min = std::max(max_min, minv[s]);
+  }
+  const float d = max_scale / 63.0f, dmin = max_min / 63.0f;
+  uint8_t ls[8], lm[8];
+  for (int s = 0; s < 8; ++s) {
+    ls[s] = static_cast<uint8_t>(d > 0 ? std::clamp(NearestInt(scale[s] / d), 0, 63) : 0);
+    lm[s] = static_cast<uint8_t>(dmin > 0 ? std::clamp(NearestInt(minv[s] / dmin), 0, 63) : 0);
+  }
+  StoreF16(b, d);
+  StoreF16(b + 2, dmin);
+  uint8_t* scales = b + 4;
+  std::memset(scales, 0, 12);
+  for (int j = 0; j < 8; ++j) {
+    if (j < 4) {
+      scales[j] = ls[j];
+      scales[j + 4] = lm[j];
+    } else {
+      scales[j + 4] = static_cast<uint8_t>((ls[j] & 0xF) | ((lm[j] & 0xF) << 4));
+      scales[j - 4] |= static_cast<uint8_t>((ls[j] >> 4) << 6);
+      scales[j] |= static_cast<uint8_t>((lm[j] >> 4) << 6);
+    }
+  }
+  // Quantize against the scales as stored (f16 d, dmin; 6-bit sc, m).
+  const float df = LoadF16(b), dminf = LoadF16(b + 2);
+  uint8_t L[256];
+  for (int s = 0; s < 8; ++s) {
+    uint8_t sc, m;
+    ScaleMinK4(s, scales, &sc, &m);
+    const float dl = df * sc, ml = dminf * m;
+    for (int l = 0; l < 32; ++l) {
+      const int q = dl != 0.0f ? NearestInt((x[s * 32 + l] + ml) / dl) : 0;
+      L[s * 32 + l] = static_cast<uint8_t>(std::clamp(q, 0, 15));
+    }
+  }
+  uint8_t* q = b + 16;
+  for (int j = 0; j < 256; j += 64, q += 32) {
+    for (int l = 0; l < 32; ++l) q[l] = static_cast<uint8_t>(L[j + l] | (L[j + l + 32] << 4));
+  }
+}
+
+void QuantizeQ6_K(const float* x, uint8_t* b) {
+  float scale[16];
+  float max_scale = 0.0f, max_abs = 0.0f;
+  for (int s = 0; s < 16; ++s) {
+    float amax = 0.0f, max = 0.0f;
+    for (int l = 0; l < 16; ++l) {
+      const float v = x[s * 16 + l];
+      if (std::fabs(v) > amax) {
+        amax = std::fabs(v);
+        max = v;
+      }
+    }
+    scale[s] = max / -32.0f;
+    if (std::fabs(scale[s]) > max_abs) {
+      max_abs = std::fabs(scale[s]);
+      max_scale = scale[s];
+    }
+  }
+  uint8_t* ql = b;
+  uint8_t* qh = b + 128;
+  int8_t* sc = reinterpret_cast<int8_t*>(b + 192);
+  if (max_abs == 0.0f) {
+    std::memset(b, 0, 210);
+    return;
+  }
+  const float iscale = -128.0f / max_scale;
+  StoreF16(b + 208, 1.0f / iscale);
+  for (int s = 0; s < 16; ++s)
+    sc[s] = static_cast<int8_t>(std::min(127, NearestInt(iscale * scale[s])));
+  const float d = LoadF16(b + 208);
+  uint8_t L[256];
+  for (int s = 0; s < 16; ++s) {
+    const float dl = d * sc[s];
+    for (int l = 0; l < 16; ++l) {
+      const int q = dl != 0.0f ? NearestInt(x[s * 16 + l] / dl) : 0;
+      L[s * 16 + l] = static_cast<uint8_t>(std::clamp(q, -32, 31) + 32);
+    }
+  }
+  for (int j = 0; j < 256; j += 128, ql += 64, qh += 32) {
+    for (int l = 0; l < 32; ++l) {
+      const uint8_t q1 = L[j + l] & 0xF, q2 = L[j + l + 32] & 0xF;
+      const uint8_t q3 = L[j + l + 64] & 0xF, q4 = L[j + l + 96] & 0xF;
+      ql[l] = static_cast<uint8_t>(q1 | (q3 << 4));
+      ql[l + 32] = static_cast<uint8_t>(q2 | (q4 << 4));
+      qh[l] = static_cast<uint8_t>((L[j + l] >> 4) | ((L[j + l + 32] >> 4) << 2) |
+                                   ((L[j + l + 64] >> 4) << 4) | ((L[j + l + 96] >> 4) << 6));
+    }
+  }
+}
+
+}  // namespace
+
+void QuantDequantRow(const Matrix& w, int64_t r, float* out) {
+  const int64_t be = DTypeBlockElems(w.dtype), bb = DTypeBlockBytes(w.dtype);
+  const int64_t n_blocks = w.cols / be;
+  const uint8_t* row = static_cast<const uint8_t*>(w.data) + r * n_blocks * bb;
+  for (int64_t i = 0; i < n_blocks; ++i) {
+    const uint8_t* b = row + i * bb;
+    float* y = out + i * be;
+    switch (w.dtype) {
+      case DType::kQ8_0:
+        DequantQ8_0(b, y);
+        break;
+      case DType::kQ4_0:
+        DequantQ4_0(b, y);
+        break;
+      case DType::kQ4_K:
+        DequantQ4_K(b, y);
+        break;
+      case DType::kQ6_K:
+        DequantQ6_K(b, y);
+        break;
+      default:
+        std::fill(y, y + be, 0.0f);
+    }
+  }
+}
+
+void QuantizeRow(DType t, const float* x, int64_t n, void* out) {
+  if (!DTypeIsQuantized(t)) {
+    for (int64_t i = 0; i < n; ++i) {
+      if (t == DType::kF32) {
+        std::memcpy(static_cast<float*>(out) + i, x + i, 4);
+      } else {
+        const uint16_t h = t == DType::kF16 ? F32ToF16(x[i]) : F32ToBf16(x[i]);
+        std::memcpy(static_cast<uint16_t*>(out) + i, &h, 2);
+      }
+    }
+    return;
+  }
+  const int64_t be = DTypeBlockElems(t), bb = DTypeBlockBytes(t);
+  uint8_t* o = static_cast<uint8_t*>(out);
+  for (int64_t i = 0; i < n / be; ++i) {
+    switch (t) {
+      case DType::kQ8_0:
+        QuantizeQ8_0(x + i * be, o + i * bb);
+        break;
+      case DType::kQ4_0:
+        QuantizeQ4_0(x + i * be, o + i * bb);
+        break;
+      case DType::kQ4_K:
+        QuantizeQ4_K(x + i * be, o + i * bb);
+        break;
+      case DType::kQ6_K:
+        QuantizeQ6_K(x + i * be, o + i * bb);
+        break;
+      default:
+        break;
+    }
+  }
+}
+
+}  // namespace cachet::kernels::ref

@@ -1,0 +1,281 @@
+#include "model/gguf_convert.h"
+
+#include <sentencepiece_processor.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "kernels/kernels.h"
+#include "model/config.h"
+#include "model/gguf.h"
+#include "model/gguf_model.h"
+#include "model/safetensors.h"
+#include "model/tokenizer.h"
+#include "util/mmap_file.h"
+
+namespace cachet {
+namespace {
+
+using json = nlohmann::json;
+
+// The Split regexes llama.cpp knows by pre-tokenizer name.
+constexpr char kQwen2Regex[] =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+constexpr char kLlama3Regex[] =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+
+uint32_t FileType(DType t) {
+  switch (t) {
+    case DType::kF32:
+      return 0;
+    case DType::kF16:
+      return 1;
+    case DType::kQ4_0:
+      return 2;
+    case DType::kQ8_0:
+      return 7;
+    case DType::kQ4_K:
+      return 15;  // MOSTLY_Q4_K_M's id; every matrix is q4_K here
+    case DType::kQ6_K:
+      return 18;
+    case DType::kBF16:
+      return 32;
+  }
+  return 0;
+}
+
+// The llama.cpp pre-tokenizer name of a tokenizer.json pre_tokenizer.
+Result<std::string> PreTokenizerName(const json& root, const std::string& path) {
+  const json& pt = root.value("pre_tokenizer", json());
+  if (pt.is_object() && pt.value("type", "") == "ByteLevel" && pt.value("use_regex", true)) {
+    return std::string("gpt2");
+  }
+  if (pt.is_object() && pt.value("type", "") == "Sequence" && pt.contains("pretokenizers") &&
+      pt["pretokenizers"].is_array() && pt["pretokenizers"].size() == 2) {
+    const json& split = pt["pretokenizers"][0];
+    const json& bl = pt["pretokenizers"][1];
+    if (split.value("type", "") == "Split" && split.contains("pattern") &&
+        split["pattern"].is_object() && split["pattern"].contains("Regex") &&
+        bl.value("type", "") == "ByteLevel" && !bl.value("use_regex", true)) {
+      const std::string re = split["pattern"]["Regex"].get<std::string>();
+      if (re == kQwen2Regex) return std::string("qwen2");
+      if (re == kLlama3Regex) return std::string("llama-bpe");
+    }
+  }
+  return Unimplemented(path + ": pre_tokenizer " + pt.dump().substr(0, 200) +
+                       " has no llama.cpp pre-tokenizer name (supported: GPT-2 ByteLevel, the "
+                       "Qwen2 and Llama-3 Split regexes)");
+}
+
+Status AddBpeVocab(const std::string& path, int vocab_size, GgufWriter& w) {
+  CACHET_ASSIGN_OR_RETURN(std::string text, ReadTextFile(path));
+  json root = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (root.is_discarded() || !root.is_object() || !root.contains("model") ||
+      !root["model"].is_object()) {
+    return InvalidArgument(path + ": not a tokenizer.json object with a model");
+  }
+  const json& m = root["model"];
+  if (m.value("type", "BPE") != "BPE" || !m.contains("vocab") || !m["vocab"].is_object() ||
+      !m.contains("merges") || !m["merges"].is_array()) {
+    return Unimplemented(path + ": only BPE tokenizer.json models can be converted");
+  }
+  CACHET_ASSIGN_OR_RETURN(std::string pre, PreTokenizerName(root, path));
+  std::vector<std::string> tokens(vocab_size);
+  std::vector<int32_t> types(vocab_size, 5);  // UNUSED until seen
+  for (int i = 0; i < vocab_size; ++i) tokens[i] = "[PAD" + std::to_string(i) + "]";
+  auto set = [&](const std::string& t, int64_t id, int32_t type) -> Status {
+    if (id < 0 || id >= vocab_size) {
+      return InvalidArgument(path + ": token id " + std::to_string(id) + " of '" + t +
+                             "' is outside the model's vocab_size " + std::to_string(vocab_size));
+    }
+    tokens[id] = t;
+    types[id] = type;
+    return OkStatus();
+  };
+  for (auto it = m["vocab"].begin(); it != m["vocab"].end(); ++it) {
+    if (!it.value().is_number_integer()) return InvalidArgument(path + ": bad vocab id");
+    CACHET_RETURN_IF_ERROR(set(it.key(), it.value().get<int64_t>(), 1));
+  }
+  if (root.contains("added_tokens") && root["added_tokens"].is_array()) {
+    for (const json& a : root["added_tokens"]) {
+      if (!a.is_object() || !a.contains("id") || !a.contains("content")) continue;
+      CACHET_RETURN_IF_ERROR(set(a["content"].get<std::string>(), a["id"].get<int64_t>(),
+                                 a.value("special", false) ? 3 : 4));
+    }
+  }
+  std::vector<std::string> merges;
+  merges.reserve(m["merges"].size());
+  for (const json& e : m["merges"]) {
+    if (e.is_string()) {
+      merges.push_back(e.get<std::string>());
+    } else if (e.is_array() && e.size() == 2) {
+      merges.push_back(e[0].get<std::string>() + " " + e[1].get<std::string>());
+    } else {
+      return InvalidArgument(path + ": bad merge " + e.dump());
+    }
+  }
+  w.SetString("tokenizer.ggml.model", "gpt2");
+  w.SetString("tokenizer.ggml.pre", pre);
+  w.SetStringArray("tokenizer.ggml.tokens", tokens);
+  w.SetI32Array("tokenizer.ggml.token_type", types);
+  w.SetStringArray("tokenizer.ggml.merges", merges);
+  return OkStatus();
+}
+
+Status AddSpmVocab(const std::string& path, int vocab_size, GgufWriter& w) {
+  sentencepiece::SentencePieceProcessor sp;
+  const auto st = sp.Load(path);
+  if (!st.ok()) return DataLoss(path + ": " + st.ToString());
+  const int n = sp.GetPieceSize();
+  if (n > vocab_size) {
+    return InvalidArgument(path + ": " + std::to_string(n) + " pieces exceed vocab_size " +
+                           std::to_string(vocab_size));
+  }
+  std::vector<std::string> tokens(vocab_size);
+  std::vector<float> scores(vocab_size, -1000.0f);
+  std::vector<int32_t> types(vocab_size, 5);
+  for (int i = 0; i < vocab_size; ++i) tokens[i] = "[PAD" + std::to_string(i) + "]";
+  for (int i = 0; i < n; ++i) {
+    tokens[i] = sp.IdToPiece(i);
+    scores[i] = sp.GetScore(i);
+    types[i] = sp.IsUnknown(i)   ? 2
+               : sp.IsControl(i) ? 3
+               : sp.IsUnused(i)  ? 5
+               : sp.IsByte(i)    ? 6
+                                 : 1;
+  }
+  w.SetString("tokenizer.ggml.model", "llama");
+  w.SetString("tokenizer.ggml.pre", "default");
+  w.SetStringArray("tokenizer.ggml.tokens", tokens);
+  w.SetF32Array("tokenizer.ggml.scores", scores);
+  w.SetI32Array("tokenizer.ggml.token_type", types);
+  if (sp.unk_id() >= 0) w.SetU32("tokenizer.ggml.unknown_token_id", sp.unk_id());
+  return OkStatus();
+}
+
+}  // namespace
+
+Status ConvertHfToGguf(const std::string& dir, const std::string& out_path, DType type) {
+  CACHET_ASSIGN_OR_RETURN(ModelConfig c, ModelConfig::Load(dir));
+  CACHET_ASSIGN_OR_RETURN(TensorStore store, TensorStore::OpenDir(dir));
+  CACHET_ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> tok, Tokenizer::Load(dir));
+  if (c.rope_scaling.type != RopeScaling::Type::kNone &&
+      c.rope_scaling.type != RopeScaling::Type::kLinear &&
+      c.rope_scaling.type != RopeScaling::Type::kLlama3) {
+    return Unimplemented(dir + ": rope scaling cannot be converted");
+  }
+  const bool permute = GgufPermutesQK(c.arch);
+  // llama.cpp runs Mistral checkpoints as "llama".
+  const std::string arch = c.arch == Arch::kMistral ? "llama" : ArchName(c.arch);
+  GgufWriter w;
+  w.SetString("general.architecture", arch);
+  w.SetString("general.name", std::filesystem::path(dir).filename().string());
+  w.SetU32("general.file_type", FileType(type));
+  w.SetU32("general.quantization_version", 2);
+  const std::string a = arch + ".";
+  w.SetU32(a + "block_count", c.n_layers);
+  w.SetU32(a + "context_length", c.max_position_embeddings);
+  w.SetU32(a + "embedding_length", c.hidden_size);
+  w.SetU32(a + "feed_forward_length", c.intermediate_size);
+  w.SetU32(a + "attention.head_count", c.n_heads);
+  w.SetU32(a + "attention.head_count_kv", c.n_kv_heads);
+  w.SetU32(a + "attention.key_length", c.head_dim);
+  w.SetU32(a + "attention.value_length", c.head_dim);
+  w.SetU32(a + "rope.dimension_count", c.head_dim);
+  w.SetF32(a + "rope.freq_base", c.rope_theta);
+  w.SetF32(a + "attention.layer_norm_rms_epsilon", c.rms_norm_eps);
+  w.SetU32(a + "vocab_size", c.vocab_size);
+  if (c.rope_scaling.type == RopeScaling::Type::kLinear) {
+    w.SetString(a + "rope.scaling.type", "linear");
+    w.SetF32(a + "rope.scaling.factor", c.rope_scaling.factor);
+  }
+
+  const std::filesystem::path d(dir);
+  std::error_code ec;
+  if (std::filesystem::exists(d / "tokenizer.json", ec)) {
+    CACHET_RETURN_IF_ERROR(AddBpeVocab((d / "tokenizer.json").string(), c.vocab_size, w));
+  } else {
+    CACHET_RETURN_IF_ERROR(AddSpmVocab((d / "tokenizer.model").string(), c.vocab_size, w));
+  }
+  if (tok->bos_id() >= 0) w.SetU32("tokenizer.ggml.bos_token_id", tok->bos_id());
+  if (tok->eos_id() >= 0) w.SetU32("tokenizer.ggml.eos_token_id", tok->eos_id());
+  w.SetBool("tokenizer.ggml.add_bos_token", tok->add_bos());
+  w.SetBool("tokenizer.ggml.add_eos_token", false);
+
+  const TensorStore* st = &store;
+  const int hd = c.head_dim;
+  // A matrix: rows converted to f32 and re-encoded; `heads_dim` > 0 permutes rows for RoPE.
+  auto add_matrix = [&](const std::string& hf, bool rope_rows) -> Status {
+    auto it = st->tensors().find(hf);
+    if (it == st->tensors().end()) return NotFound(dir + ": tensor '" + hf + "' is missing");
+    const TensorInfo* t = &it->second;
+    if (t->shape.size() != 2) return InvalidArgument(dir + ": tensor '" + hf + "' is not 2-D");
+    const int64_t rows = t->shape[0], cols = t->shape[1];
+    const DType out = DTypeRowBytes(type, cols) < 0 ? DType::kF16 : type;
+    const int64_t row_bytes = DTypeRowBytes(out, cols);
+    w.AddTensor(GgufTensorName(hf), out, {rows, cols}, [=](uint8_t* dst) {
+      std::vector<float> row(cols);
+      const size_t in_row = cols * DTypeSize(t->dtype);
+      for (int64_t r = 0; r < rows; ++r) {
+        const char* src = static_cast<const char*>(t->data) + r * in_row;
+        for (int64_t k = 0; k < cols; ++k) row[k] = LoadAsF32(src, t->dtype, k);
+        const int64_t g = rope_rows ? GgufRopeRow(r, hd) : r;
+        kernels::ref::QuantizeRow(out, row.data(), cols, dst + g * row_bytes);
+      }
+    });
+    return OkStatus();
+  };
+  auto add_vector = [&](const std::string& hf, bool rope_rows) -> Status {
+    auto it = st->tensors().find(hf);
+    if (it == st->tensors().end()) return NotFound(dir + ": tensor '" + hf + "' is missing");
+    const TensorInfo* t = &it->second;
+    const int64_t n = t->numel();
+    w.AddTensor(GgufTensorName(hf), DType::kF32, {n}, [=](uint8_t* dst) {
+      float* o = reinterpret_cast<float*>(dst);
+      for (int64_t i = 0; i < n; ++i) {
+        o[rope_rows ? GgufRopeRow(i, hd) : i] = LoadAsF32(t->data, t->dtype, i);
+      }
+    });
+    return OkStatus();
+  };
+
+  CACHET_RETURN_IF_ERROR(add_matrix("model.embed_tokens.weight", false));
+  CACHET_RETURN_IF_ERROR(add_vector("model.norm.weight", false));
+  if (!c.tie_word_embeddings && store.Has("lm_head.weight")) {
+    CACHET_RETURN_IF_ERROR(add_matrix("lm_head.weight", false));
+  }
+  if (c.rope_scaling.type == RopeScaling::Type::kLlama3) {
+    ModelConfig plain = c;
+    plain.rope_scaling = RopeScaling();
+    const std::vector<float> base = plain.RopeInvFreq(), scaled = c.RopeInvFreq();
+    w.AddTensor("rope_freqs.weight", DType::kF32, {hd / 2}, [=](uint8_t* dst) {
+      float* o = reinterpret_cast<float*>(dst);
+      for (int i = 0; i < hd / 2; ++i) o[i] = base[i] / scaled[i];
+    });
+  }
+  for (int l = 0; l < c.n_layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    CACHET_RETURN_IF_ERROR(add_vector(p + "input_layernorm.weight", false));
+    CACHET_RETURN_IF_ERROR(add_vector(p + "post_attention_layernorm.weight", false));
+    CACHET_RETURN_IF_ERROR(add_matrix(p + "self_attn.q_proj.weight", permute));
+    CACHET_RETURN_IF_ERROR(add_matrix(p + "self_attn.k_proj.weight", permute));
+    CACHET_RETURN_IF_ERROR(add_matrix(p + "self_attn.v_proj.weight", false));
+    CACHET_RETURN_IF_ERROR(add_matrix(p + "self_attn.o_proj.weight", false));
+    CACHET_RETURN_IF_ERROR(add_matrix(p + "mlp.gate_proj.weight", false));
+    CACHET_RETURN_IF_ERROR(add_matrix(p + "mlp.up_proj.weight", false));
+    CACHET_RETURN_IF_ERROR(add_matrix(p + "mlp.down_proj.weight", false));
+    if (c.attention_bias) {
+      CACHET_RETURN_IF_ERROR(add_vector(p + "self_attn.q_proj.bias", permute));
+      CACHET_RETURN_IF_ERROR(add_vector(p + "self_attn.k_proj.bias", permute));
+      CACHET_RETURN_IF_ERROR(add_vector(p + "self_attn.v_proj.bias", false));
+    }
+    if (c.qk_norm) {
+      CACHET_RETURN_IF_ERROR(add_vector(p + "self_attn.q_norm.weight", false));
+      CACHET_RETURN_IF_ERROR(add_vector(p + "self_attn.k_norm.weight", false));
+    }
+  }
+  return w.Write(out_path);
+}
+
+}  // namespace cachet

@@ -1,0 +1,46 @@
+// A GGUF file as a Cachet model: hyper-parameters from its metadata, tensor names, the tokenizer
+// (gguf_tokenizer.cc), and llama.cpp's Q/K row permutation for `llama` models.
+//
+// llama.cpp's HF -> GGUF converter permutes the rows of q_proj and k_proj (weights and biases) of
+// llama-architecture models (Llama, Mistral) so that GGML's interleaved-pair RoPE equals HF's
+// rotate-half: within each head of d rows, GGUF row 2j + s holds HF row s * d/2 + j (s = 0, 1).
+// Cachet computes rotate-half, so the loader undoes it (whole rows: fine for row-quantized blocks)
+// and `cachet convert` applies it. qwen2 / qwen3 use NEOX (rotate-half) RoPE: no permutation.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "model/config.h"
+#include "model/gguf.h"
+#include "model/tokenizer.h"
+
+namespace cachet {
+
+inline bool IsGgufPath(const std::string& path) {
+  return path.size() >= 5 && path.compare(path.size() - 5, 5, ".gguf") == 0;
+}
+
+// The model's hyper-parameters from general.architecture and {arch}.* keys.
+Result<ModelConfig> GgufConfig(const GgufFile& f);
+
+// The GGUF name of a HF tensor name (model.layers.3.self_attn.q_proj.weight ->
+// blk.3.attn_q.weight); names it does not know are returned unchanged.
+std::string GgufTensorName(const std::string& hf_name);
+
+// True when Q/K rows of this GGUF architecture are stored in llama.cpp's permuted order.
+inline bool GgufPermutesQK(Arch a) { return a == Arch::kLlama || a == Arch::kMistral; }
+// The GGUF row that holds row r (HF order) of a Q/K projection with heads of head_dim rows:
+// loading reads HF row r from it, converting writes HF row r to it.
+inline int64_t GgufRopeRow(int64_t r, int64_t head_dim) {
+  const int64_t head = r / head_dim, i = r % head_dim, half = head_dim / 2;
+  return head * head_dim + 2 * (i % half) + i / half;  // HF s * half + j -> GGUF 2j + s
+}
+
+// The tokenizer described by tokenizer.ggml.* (model "gpt2": byte-level BPE with pre-tokenizers
+// default / llama-bpe / qwen2; model "llama": SentencePiece-style BPE by scores with byte
+// fallback).
+Result<std::unique_ptr<Tokenizer>> TokenizerFromGguf(const GgufFile& f);
+
+}  // namespace cachet

@@ -1,0 +1,572 @@
+// cachet eval: task generators (formats of docs/EVAL.md, determinism, lengths), methods, the KL
+// metric (zero against itself, nonzero when perturbed), a full-cache baseline on kvtiny, reports
+// and the CLI.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <regex>
+#include <set>
+
+#include "cachet/engine.h"
+#include "eval/fidelity.h"
+#include "eval/harness.h"
+#include "eval/method.h"
+#include "eval/report.h"
+#include "eval/tasks.h"
+#include "model/tokenizer.h"
+#include "test_util.h"
+
+namespace cachet::eval {
+namespace {
+
+using cachet::testing::ModelDir;
+using cachet::testing::ReadFile;
+using cachet::testing::TempDir;
+
+std::string HaystackDir() { return std::string(CACHET_SOURCE_DIR) + "/data/haystack"; }
+
+const Tokenizer& Tok() {
+  static const std::unique_ptr<Tokenizer> tok = std::move(Tokenizer::Load(ModelDir())).value();
+  return *tok;
+}
+
+TaskGenerator& Gen() {
+  static TaskGenerator gen(Tok(), std::move(Haystack::Load(HaystackDir())).value());
+  return gen;
+}
+
+TaskSample Sample(TaskKind kind, int length, int index, int needles = 1, double depth = -1,
+                  uint64_t seed = 1234) {
+  auto s = Gen().Generate({kind, length, needles, depth}, seed, index);
+  EXPECT_TRUE(s.ok()) << s.status().ToString();
+  return std::move(s).value();
+}
+
+int Count(const std::string& hay, const std::string& needle) {
+  int n = 0;
+  for (size_t p = hay.find(needle); p != std::string::npos; p = hay.find(needle, p + 1)) ++n;
+  return n;
+}
+
+// A needle sits between paragraphs: at the start of the context or after a blank line.
+void ExpectBetweenParagraphs(const std::string& context, const std::string& needle) {
+  const size_t at = context.find(needle);
+  ASSERT_NE(at, std::string::npos) << needle;
+  EXPECT_TRUE(at == 0 || context.compare(at - 2, 2, "\n\n") == 0) << needle;
+}
+
+std::unique_ptr<Engine> MakeEngine(int n_ctx = 0) {
+  EngineOptions o;
+  o.model_dir = ModelDir();
+  o.threads = 2;
+  o.n_ctx = n_ctx;
+  o.prefix_cache = false;  // as cachet eval runs it
+  auto e = Engine::Create(o);
+  EXPECT_TRUE(e.ok()) << e.status().ToString();
+  return std::move(e).value();
+}
+
+// ---------------------------------------------------------------- determinism
+
+TEST(EvalRandom, UniformIntIsFixedAndInRange) {
+  std::mt19937_64 rng(42);
+  std::vector<uint64_t> got;
+  for (int i = 0; i < 6; ++i) got.push_back(UniformInt(rng, 10000, 99999));
+  // std::mt19937_64 is specified bit for bit; so is UniformInt: these hold on every platform.
+  EXPECT_EQ(got, (std::vector<uint64_t>{30406, 64824, 41450, 65662, 39381, 28428}));
+  for (int i = 0; i < 10000; ++i) {
+    const uint64_t v = UniformInt(rng, 3, 7);
+    ASSERT_GE(v, 3u);
+    ASSERT_LE(v, 7u);
+  }
+  EXPECT_EQ(UniformInt(rng, 5, 5), 5u);
+}
+
+TEST(EvalTasks, FixedSeedGivesFixedPrompts) {
+  // Hashes of the prompt bytes (FNV-1a 64): they change only if the generator, the haystack
+  // slice or the tokenizer changes. Two calls give the same prompt.
+  struct Case {
+    TaskKind kind;
+    int needles;
+    double depth;
+    uint64_t hash;
+  };
+  const Case cases[] = {
+      {TaskKind::kPasskey, 1, -1, 0x2c35ac87ffbc49bdull},
+      {TaskKind::kPasskey, 1, 0.5, 0x2569c9f0eda8f315ull},
+      {TaskKind::kNiah, 1, -1, 0x8c255c10660f224bull},
+      {TaskKind::kNiah, 2, -1, 0x49fdd9cc377e5f26ull},
+      {TaskKind::kNiah, 4, -1, 0x53f9e244787275b3ull},
+      {TaskKind::kNiah, 8, -1, 0x5ee633c3790bf380ull},
+      {TaskKind::kKv, 1, -1, 0x915807297f4d7941ull},
+      {TaskKind::kVt, 1, -1, 0xe76c3d8f05e5970bull},
+  };
+  for (const Case& c : cases) {
+    const TaskSample a = Sample(c.kind, 1024, 3, c.needles, c.depth);
+    const TaskSample b = Sample(c.kind, 1024, 3, c.needles, c.depth);
+    EXPECT_EQ(a.prompt, b.prompt);
+    EXPECT_EQ(a.ids, b.ids);
+    EXPECT_EQ(Fnv1a64(a.prompt), c.hash) << a.id << " " << std::hex << Fnv1a64(a.prompt);
+  }
+  // Another seed or index gives another prompt.
+  EXPECT_NE(Sample(TaskKind::kPasskey, 1024, 0).prompt, Sample(TaskKind::kPasskey, 1024, 1).prompt);
+  EXPECT_NE(Sample(TaskKind::kPasskey, 1024, 0, 1, -1, 1).prompt,
+            Sample(TaskKind::kPasskey, 1024, 0, 1, -1, 2).prompt);
+}
+
+TEST(EvalTasks, PromptLengthWithinTwoPercent) {
+  for (int length : {512, 1024, 2048, 4096}) {
+    for (TaskKind kind : {TaskKind::kPasskey, TaskKind::kNiah, TaskKind::kKv, TaskKind::kVt}) {
+      for (int i = 0; i < 3; ++i) {
+        const int needles = kind == TaskKind::kNiah ? 1 << (2 * i) : 1;  // 1, 4, 16
+        const TaskSample s = Sample(kind, length, i, needles);
+        // Tokens measured with the model's tokenizer, BOS included.
+        ASSERT_EQ(s.ids, Tok().EncodePrompt(s.prompt)) << s.id;
+        EXPECT_LE(std::abs(int(s.ids.size()) - length), length / 50) << s.id << " " << s.ids.size();
+      }
+    }
+  }
+}
+
+TEST(EvalTasks, PasskeyFormat) {
+  for (int i = 0; i < 5; ++i) {
+    const TaskSample s = Sample(TaskKind::kPasskey, 512, i);
+    ASSERT_TRUE(std::regex_match(s.answer, std::regex("[1-9][0-9]{4}"))) << s.answer;
+    const std::string needle =
+        "The pass key is " + s.answer + ". Remember it. " + s.answer + " is the pass key.\n\n";
+    ASSERT_EQ(s.needles, std::vector<std::string>{needle});
+    EXPECT_EQ(Count(s.context, needle), 1);
+    EXPECT_EQ(Count(s.context, "pass key"), 2);
+    ExpectBetweenParagraphs(s.context, needle);
+    EXPECT_EQ(s.question, "Question: What is the pass key?\nAnswer:");
+    EXPECT_EQ(s.prompt, s.context + s.question);
+    EXPECT_EQ(s.context.substr(s.context.size() - 2), "\n\n");
+    EXPECT_EQ(s.context.find("\n\n\n"), std::string::npos);  // paragraphs are closed once
+  }
+}
+
+TEST(EvalTasks, NiahFormatForEveryNeedleCount) {
+  for (int needles : {1, 2, 4, 8}) {
+    const TaskSample s = Sample(TaskKind::kNiah, 1024, needles, needles);
+    ASSERT_EQ(int(s.needles.size()), needles);
+    EXPECT_EQ(Count(s.context, "The special magic number for "), needles);
+    ASSERT_TRUE(std::regex_match(s.answer, std::regex("[1-9][0-9]{6}"))) << s.answer;
+    std::smatch q;
+    ASSERT_TRUE(std::regex_match(
+        s.question, q,
+        std::regex("Question: What is the special magic number for ([a-z']+-[a-z']+)\\?\nAnswer:")))
+        << s.question;
+    std::set<std::string> keys;
+    size_t last = 0;
+    for (const std::string& n : s.needles) {
+      std::smatch m;
+      ASSERT_TRUE(std::regex_match(
+          n, m, std::regex("The special magic number for ([^ ]+) is ([1-9][0-9]{6})\\.\n\n")))
+          << n;
+      keys.insert(m[1]);
+      EXPECT_EQ(Count(s.context, n), 1);
+      ExpectBetweenParagraphs(s.context, n);
+      const size_t at = s.context.find(n);
+      EXPECT_GE(at, last);  // in the order they were made
+      last = at;
+      if (m[1] == q[1].str()) {
+        EXPECT_EQ(m[2], s.answer);
+      }
+    }
+    EXPECT_EQ(int(keys.size()), needles);  // keys differ
+    EXPECT_TRUE(keys.count(q[1]));
+  }
+}
+
+TEST(EvalTasks, KvFormat) {
+  const TaskSample s = Sample(TaskKind::kKv, 1024, 0);
+  ASSERT_TRUE(std::regex_match(s.answer, std::regex("[0-9a-f]{8}"))) << s.answer;
+  EXPECT_EQ(s.context.rfind("Below is a table of keys and their values.\n\n", 0), 0u);
+  EXPECT_EQ(s.context.substr(s.context.size() - 3), "\n\n\n");  // last line, then a blank line
+  std::smatch q;
+  ASSERT_TRUE(std::regex_match(
+      s.question, q, std::regex("Question: What is the value of ([0-9a-f]{8})\\?\nAnswer:")));
+  EXPECT_EQ(Count(s.context, q[1].str() + " => " + s.answer + "\n"), 1);
+  const std::string table = s.context.substr(44, s.context.size() - 44 - 2);
+  EXPECT_TRUE(std::regex_match(table, std::regex("([0-9a-f]{8} => [0-9a-f]{8}\n)+")));
+}
+
+TEST(EvalTasks, VtChainIsCorrect) {
+  for (int i = 0; i < 6; ++i) {
+    const TaskSample s = Sample(TaskKind::kVt, 1024, i);
+    std::smatch q;
+    ASSERT_TRUE(std::regex_match(
+        s.question, q,
+        std::regex(
+            "Question: Which variables are assigned the value ([1-9][0-9]{4})\\?\nAnswer:")));
+    const std::string value = q[1];
+    ASSERT_TRUE(std::regex_match(s.answer, std::regex("[A-Z]{5}( [A-Z]{5}){1,3}"))) << s.answer;
+    // Follow the chain through the needles (in context order) and find one distractor.
+    std::vector<std::string> chain;
+    int distractors = 0;
+    for (const std::string& n : s.needles) {
+      ExpectBetweenParagraphs(s.context, n);
+      std::smatch m;
+      if (std::regex_match(n, m, std::regex("VAR ([A-Z]{5}) = ([1-9][0-9]{4})\\.\n\n"))) {
+        if (m[2] == value) {
+          EXPECT_TRUE(chain.empty());
+          chain.push_back(m[1]);
+        } else {
+          ++distractors;
+        }
+      } else {
+        ASSERT_TRUE(std::regex_match(n, m, std::regex("VAR ([A-Z]{5}) = VAR ([A-Z]{5})\\.\n\n")))
+            << n;
+        ASSERT_FALSE(chain.empty());
+        EXPECT_EQ(m[2], chain.back());
+        chain.push_back(m[1]);
+      }
+    }
+    EXPECT_EQ(distractors, 1);
+    ASSERT_GE(chain.size(), 2u);
+    ASSERT_LE(chain.size(), 4u);
+    std::string joined;
+    for (const auto& v : chain) joined += (joined.empty() ? "" : " ") + v;
+    EXPECT_EQ(joined, s.answer);
+  }
+}
+
+TEST(EvalTasks, DepthPlacesTheNeedle) {
+  const TaskSample start = Sample(TaskKind::kPasskey, 1024, 0, 1, 0.0);
+  EXPECT_EQ(start.context.rfind(start.needles[0], 0), 0u);
+  const TaskSample end = Sample(TaskKind::kPasskey, 1024, 0, 1, 1.0);
+  EXPECT_EQ(end.context.substr(end.context.size() - end.needles[0].size()), end.needles[0]);
+  const TaskSample mid = Sample(TaskKind::kPasskey, 1024, 0, 1, 0.5);
+  EXPECT_NEAR(mid.depth, 0.5, 0.15);
+  // A fixed depth moves the same needle in the same haystack.
+  EXPECT_EQ(start.answer, mid.answer);
+  EXPECT_EQ(start.context.size(), end.context.size());
+}
+
+TEST(EvalTasks, ContextIsATokenPrefix) {
+  for (TaskKind kind : {TaskKind::kPasskey, TaskKind::kNiah, TaskKind::kKv, TaskKind::kVt}) {
+    const TaskSample s = Sample(kind, 512, 1);
+    const std::vector<int32_t> ctx = Tok().EncodePrompt(s.context);
+    ASSERT_EQ(int(ctx.size()), s.context_tokens);
+    EXPECT_TRUE(std::equal(ctx.begin(), ctx.end(), s.ids.begin()));
+    EXPECT_EQ(s.ids.front(), Tok().bos_id());
+  }
+}
+
+TEST(EvalTasks, BadSpecsAreErrors) {
+  EXPECT_FALSE(ParseTaskKind("ruler").ok());
+  EXPECT_FALSE(Gen().Generate({TaskKind::kNiah, 1024, 0, -1}, 1, 0).ok());
+  EXPECT_FALSE(Gen().Generate({TaskKind::kPasskey, 1024, 1, 1.5}, 1, 0).ok());
+  EXPECT_FALSE(Gen().Generate({TaskKind::kNiah, 40, 8, -1}, 1, 0).ok());  // 8 needles > 40 tokens
+}
+
+// ---------------------------------------------------------------- methods
+
+TEST(EvalMethod, NamesAvailabilityAndLabels) {
+  EXPECT_TRUE(MethodAvailable(Method{}).ok());
+  const Method snap{.press = "snapkv", .ratio = 0.5};
+  EXPECT_TRUE(ValidateMethod(snap).ok());
+  EXPECT_EQ(MethodAvailable(snap).code(), StatusCode::kUnimplemented);
+  Method int8;
+  int8.codec_k = int8.codec_v = "int8";
+  EXPECT_TRUE(MethodAvailable(int8).ok());  // codecs run on an engine of their own
+  EXPECT_EQ(ValidateMethod(Method{.press = "magic"}).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateMethod(Method{.press = "snapkv", .ratio = 1.0}).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateMethod(Method{.press = "full", .ratio = 0.5}).code(),
+            StatusCode::kInvalidArgument);
+
+  for (const char* label : {"full/f32", "snapkv@0.5/f32", "streaming#256/int8:kivi2"}) {
+    auto m = ParseMethod(label);
+    ASSERT_TRUE(m.ok()) << label << ": " << m.status().ToString();
+    EXPECT_EQ(m->Label(), label);
+  }
+  EXPECT_EQ(ParseMethod("streaming#256/int8:kivi2")->BitsPerValue(), 5.0);
+  EXPECT_EQ(ParseMethod("full")->Label(), "full/f32");
+  EXPECT_FALSE(ParseMethod("snapkv@x/f32").ok());
+  EXPECT_FALSE(ParseMethod("full/f33").ok());
+
+  auto engine = MakeEngine(64);
+  auto session = engine->NewSession();
+  EXPECT_TRUE(ApplyMethod(Method{}, *session).ok());
+  EXPECT_EQ(ApplyMethod(snap, *session).code(), StatusCode::kUnimplemented);  // never faked
+}
+
+// ---------------------------------------------------------------- KL
+
+TEST(EvalKl, AccumulatorMatchesHandComputedValues) {
+  KlAccumulator acc;
+  const std::vector<float> ref = {0.0f, std::log(3.0f)};  // p = (1/4, 3/4)
+  const std::vector<float> test = {0.0f, 0.0f};           // q = (1/2, 1/2)
+  acc.Add(ref, test, 1);
+  acc.Add(ref, ref, 0);
+  const KlSummary s = acc.Summary();
+  const double kl = 0.25 * std::log(0.5) + 0.75 * std::log(1.5);
+  EXPECT_NEAR(s.mean_kl, kl / 2, 1e-7);
+  EXPECT_NEAR(s.p99_kl, kl, 1e-7);
+  EXPECT_EQ(s.top1_agree, 0.5);  // argmax 1 vs 0 (ties go to the first), then the same
+  EXPECT_NEAR(s.ppl_ref, std::exp(-(std::log(0.75) + std::log(0.25)) / 2), 1e-6);
+  EXPECT_NEAR(s.ppl, std::exp(-(std::log(0.5) + std::log(0.25)) / 2), 1e-6);
+}
+
+KlOptions SmallKl() {
+  KlOptions o;
+  o.windows = 2;
+  o.window_len = 192;
+  o.progress = false;
+  o.model_name = "kvtiny";
+  return o;
+}
+
+TEST(EvalKl, ReferenceAgainstItselfIsExactlyZero) {
+  auto engine = MakeEngine(256);
+  KlOptions o = SmallKl();
+  o.methods = {Method{}, Method{.press = "snapkv", .ratio = 0.5}};
+  auto rows = RunKlSweep(*engine, o);
+  ASSERT_TRUE(rows.ok()) << rows.status().ToString();
+  ASSERT_EQ(rows->size(), 2u);
+  const ResultRow& full = (*rows)[0];
+  EXPECT_EQ(full.status, "ok");
+  EXPECT_EQ(full.scored_tokens, 2 * (192 / 2 - 1));
+  EXPECT_EQ(*full.mean_kl, 0.0);
+  EXPECT_EQ(*full.p99_kl, 0.0);
+  EXPECT_EQ(*full.top1_agree, 1.0);
+  EXPECT_EQ(*full.ppl, *full.ppl_ref);
+  EXPECT_GT(*full.ppl, 1.0);
+  EXPECT_GT(*full.kv_bytes_prefill, 0);
+  EXPECT_GT(*full.prefill_tok_s, 0);
+  const ResultRow& snap = (*rows)[1];
+  EXPECT_EQ(snap.status, "unavailable");
+  EXPECT_FALSE(snap.mean_kl.has_value());
+}
+
+TEST(EvalKl, PerturbedLogitsGiveNonzeroKl) {
+  auto engine = MakeEngine(256);
+  KlOptions o = SmallKl();
+  o.test_perturb_logits = 1.0;
+  auto rows = RunKlSweep(*engine, o);
+  ASSERT_TRUE(rows.ok()) << rows.status().ToString();
+  const ResultRow& r = (*rows)[0];
+  EXPECT_GT(*r.mean_kl, 1e-3);
+  EXPECT_GT(*r.p99_kl, *r.mean_kl);
+  EXPECT_LT(*r.top1_agree, 1.0);
+  EXPECT_NE(*r.ppl, *r.ppl_ref);
+}
+
+TEST(EvalKl, CodecsAreMeasuredOnTheirOwnEngines) {
+  auto engine = MakeEngine(256);
+  KlOptions o = SmallKl();
+  Method q8, q4;
+  q8.codec_k = q8.codec_v = "q8_0";
+  q4.codec_k = q4.codec_v = "q4_0";
+  o.methods = {Method{}, q8, q4};
+  auto rows = RunKlSweep(*engine, o);
+  ASSERT_TRUE(rows.ok()) << rows.status().ToString();
+  ASSERT_EQ(rows->size(), 3u);
+  const ResultRow &f32 = (*rows)[0], &r8 = (*rows)[1], &r4 = (*rows)[2];
+  EXPECT_EQ(*f32.mean_kl, 0.0);
+  EXPECT_GT(*r8.mean_kl, 0.0);
+  EXPECT_GT(*r4.mean_kl, *r8.mean_kl);                           // fewer bits, more damage
+  EXPECT_LT(*r8.kv_bytes_prefill, 0.6 * *f32.kv_bytes_prefill);  // and really fewer bytes
+  EXPECT_LT(*r4.kv_bytes_prefill, *r8.kv_bytes_prefill);
+}
+
+// ---------------------------------------------------------------- baseline
+
+TEST(EvalBaseline, PasskeyAt512FullCache) {
+  auto engine = MakeEngine(600);
+  SweepOptions o;
+  o.tasks = {TaskKind::kPasskey};
+  o.lengths = {512};
+  o.samples = 3;
+  o.progress = false;
+  o.model_name = "kvtiny";
+  Method at_context;
+  at_context.compress_at = CompressAt::kContext;
+  o.methods = {Method{}, at_context};
+  auto rows = RunTaskSweep(*engine, Gen(), o);
+  ASSERT_TRUE(rows.ok()) << rows.status().ToString();
+  ASSERT_EQ(rows->size(), 2u);
+  for (const ResultRow& r : *rows) {
+    SCOPED_TRACE(CompressAtName(r.method.compress_at));
+    EXPECT_EQ(r.status, "ok");
+    EXPECT_EQ(r.samples, 3);
+    EXPECT_GE(*r.accuracy, 2.0 / 3.0);  // kvtiny gets ~100% here
+    EXPECT_NEAR(r.prompt_tokens, 512, 10);
+    // One f32 page per (layer, KV head) per 16 tokens: at least the dense cache.
+    EXPECT_GE(*r.kv_bytes_prefill, 512.0 * 8 * 2 * 2 * 64 * 4);
+    EXPECT_GE(*r.kv_bytes_peak, *r.kv_bytes_prefill);
+    EXPECT_GE(*r.kv_pool_high_water_bytes, *r.kv_bytes_prefill);
+    EXPECT_GT(*r.peak_rss_bytes, 0);
+    EXPECT_GT(*r.prefill_tok_s, 0);
+    EXPECT_GT(*r.decode_tok_s, 0);
+    EXPECT_GT(*r.ttft_ms, 0);
+  }
+  EXPECT_EQ((*rows)[0].correct, (*rows)[1].correct);  // full: both points are the same cache
+}
+
+// ---------------------------------------------------------------- reports
+
+ResultRow FakeRow(const std::string& kind) {
+  ResultRow r;
+  r.kind = kind;
+  r.model = "kvtiny";
+  r.task = kind == "kl" ? "text" : "passkey";
+  r.length = 512;
+  r.prompt_tokens = 512;
+  r.samples = 2;
+  r.correct = 2;
+  if (kind == "kl") {
+    r.mean_kl = r.p99_kl = 0.0;
+    r.top1_agree = 1.0;
+    r.ppl = r.ppl_ref = 3.5;
+  } else {
+    r.accuracy = 1.0;
+    r.decode_tok_s = 80;
+    r.ttft_ms = 400;
+  }
+  r.kv_bytes_prefill = r.kv_bytes_peak = 4 << 20;
+  r.kv_pool_high_water_bytes = 4 << 20;
+  r.peak_rss_bytes = 60 << 20;
+  r.prefill_tok_s = 1200;
+  return r;
+}
+
+TEST(EvalReport, SinglePointPlotsRenderAndTablesAreWritten) {
+  TempDir dir;
+  ResultRow unavailable = FakeRow("task");
+  unavailable.status = "unavailable";
+  unavailable.reason = "press 'snapkv' is not implemented in this build";
+  unavailable.method.press = "snapkv";
+  unavailable.accuracy.reset();
+  const std::vector<ResultRow> rows = {FakeRow("task"), FakeRow("kl"), unavailable};
+  std::vector<std::string> notes;
+  ASSERT_TRUE(WriteReport(rows, dir.path() + "/r", CurrentMeta(), &notes).ok());
+  const std::string html = ReadFile(dir.path() + "/r/index.html");
+  const std::string md = ReadFile(dir.path() + "/r/summary.md");
+  EXPECT_NE(md.find("| passkey | 512 |"), std::string::npos) << md;
+  EXPECT_NE(md.find("unavailable: press 'snapkv'"), std::string::npos);
+  EXPECT_NE(md.find("| full/f32 | 512 | 2 |"), std::string::npos);  // the KL table
+  EXPECT_NE(html.find("<table>"), std::string::npos);
+  if (std::system("command -v gnuplot >/dev/null 2>&1") == 0) {
+    for (const char* f : {"accuracy_vs_ratio.svg", "kl_vs_bits.svg", "memory_vs_context.svg",
+                          "speed_vs_context.svg"}) {
+      EXPECT_GT(std::filesystem::file_size(dir.path() + "/r/" + f), 1000u) << f;
+    }
+    EXPECT_EQ(Count(html, "<img "), 4);
+    EXPECT_TRUE(notes.empty());
+  }
+  // Without gnuplot the tables are still written, and the pages say why there are no plots.
+  const std::string path = std::getenv("PATH") ? std::getenv("PATH") : "";
+  setenv("PATH", "/nonexistent", 1);
+  notes.clear();
+  const Status s = WriteReport(rows, dir.path() + "/nogp", CurrentMeta(), &notes);
+  setenv("PATH", path.c_str(), 1);
+  ASSERT_TRUE(s.ok());
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_NE(notes[0].find("gnuplot not found"), std::string::npos);
+  EXPECT_NE(ReadFile(dir.path() + "/nogp/index.html").find("gnuplot not found"), std::string::npos);
+  EXPECT_NE(ReadFile(dir.path() + "/nogp/summary.md").find("| passkey | 512 |"), std::string::npos);
+}
+
+// ---------------------------------------------------------------- CLI
+
+struct CliRun {
+  int code;
+  std::string err;
+};
+
+CliRun Cachet(const std::string& args, const TempDir& dir) {
+  const std::string err = dir.path() + "/stderr.txt";
+  const std::string cmd = std::string(CACHET_BINARY) + " eval -t 2 --no-progress " + args + " > " +
+                          dir.path() + "/stdout.txt 2> " + err;
+  const int rc = std::system(cmd.c_str());
+  return {WIFEXITED(rc) ? WEXITSTATUS(rc) : -1, ReadFile(err)};
+}
+
+TEST(EvalCli, SmokeWritesReportJsonAndCsv) {
+  TempDir dir;
+  const std::string d = dir.path();
+  const CliRun r = Cachet("--task passkey --len 512 --samples 2 --report " + d + "/rep --json " +
+                              d + "/rows.jsonl --csv " + d + "/rows.csv",
+                          dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::string html = ReadFile(d + "/rep/index.html");
+  EXPECT_TRUE(html.find("<img") != std::string::npos || html.find("<svg") != std::string::npos ||
+              html.find("gnuplot not found") != std::string::npos);
+  EXPECT_NE(ReadFile(d + "/rep/summary.md").find("| passkey | 512 |"), std::string::npos);
+
+  const std::string jsonl = ReadFile(d + "/rows.jsonl");
+  const auto row = nlohmann::json::parse(jsonl.substr(0, jsonl.find('\n')));
+  for (const char* key :
+       {"accuracy", "kv_bytes_prefill", "kv_bytes_peak", "peak_rss_bytes", "prefill_tok_s",
+        "decode_tok_s", "ttft_ms", "model", "task", "length", "press", "ratio", "budget", "codec_k",
+        "codec_v", "compress_at", "needles", "depth", "seed"}) {
+    EXPECT_TRUE(row.contains(key)) << key;
+  }
+  EXPECT_EQ(row["model"], "kvtiny");
+  EXPECT_EQ(row["samples"], 2);
+  EXPECT_EQ(row["status"], "ok");
+
+  const std::string csv = ReadFile(d + "/rows.csv");
+  std::string header;
+  for (const std::string& c : RowColumns()) header += (header.empty() ? "" : ",") + c;
+  EXPECT_EQ(csv.substr(0, csv.find('\n')), header);
+  EXPECT_EQ(Count(csv, "\n"), 2);
+  EXPECT_NE(csv.find("\ntask,ok,,kvtiny,passkey,512,"), std::string::npos) << csv;
+}
+
+TEST(EvalCli, UnavailablePressGivesRowsNotACrash) {
+  TempDir dir;
+  const CliRun r = Cachet(
+      "--task passkey --len 256 --samples 1 --press snapkv,streaming --ratio "
+      "0.5,0.875 --json " +
+          dir.path() + "/rows.jsonl",
+      dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("snapkv@0.5/f32 unavailable: press 'snapkv' is not implemented"),
+            std::string::npos)
+      << r.err;
+  const std::string jsonl = ReadFile(dir.path() + "/rows.jsonl");
+  EXPECT_EQ(Count(jsonl, "\"status\":\"unavailable\""), 4);
+  EXPECT_EQ(Count(jsonl, "\"accuracy\":null"), 4);
+}
+
+TEST(EvalCli, UnknownNamesAreErrors) {
+  TempDir dir;
+  CliRun r = Cachet("--press magic --len 256 --samples 1", dir);
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find("unknown press 'magic'"), std::string::npos) << r.err;
+  r = Cachet("--task ruler --len 256 --samples 1", dir);
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find("unknown task 'ruler'"), std::string::npos) << r.err;
+}
+
+TEST(EvalCli, DumpedPromptsAreTheGeneratorsPrompts) {
+  TempDir dir;
+  const std::string f = dir.path() + "/prompts.jsonl";
+  const CliRun r = Cachet(
+      "--task passkey,niah --needles 2 --len 512 --samples 2 --prompts-only "
+      "--dump-prompts " +
+          f,
+      dir);
+  ASSERT_EQ(r.code, 0) << r.err;
+  std::istringstream lines(ReadFile(f));
+  int n = 0;
+  for (std::string line; std::getline(lines, line); ++n) {
+    const auto j = nlohmann::json::parse(line);
+    const TaskKind kind = ParseTaskKind(j["task"].get<std::string>()).value();
+    const TaskSample s = Sample(kind, 512, j["index"], j["needles"]);
+    EXPECT_EQ(j["id"], s.id);
+    EXPECT_EQ(j["text"], s.prompt);
+    EXPECT_EQ(j["answer"], s.answer);
+    EXPECT_EQ(j["length"], 512);
+    EXPECT_EQ(j["tokens"], s.ids.size());
+  }
+  EXPECT_EQ(n, 4);
+}
+
+}  // namespace
+}  // namespace cachet::eval

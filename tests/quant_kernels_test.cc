@@ -1,0 +1,242 @@
+// Quantized weight kernels (q8_0, q4_0, q4_K, q6_K): the reference quantizers against the values
+// they encode, ref::MatMul against double-precision math over the reference dequantization, and
+// every cpu:: MatMul / DequantRow (each compiled SIMD target this CPU has) against ref::.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "hwy/targets.h"
+#include "kernels/kernels.h"
+#include "util/dtype.h"
+#include "util/thread_pool.h"
+
+namespace cachet::kernels {
+namespace {
+
+constexpr DType kQuantTypes[] = {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kQ6_K};
+
+double NormErr(const float* a, const float* b, size_t n) {
+  double diff = 0.0, ref = 0.0;
+  for (size_t i = 0; i < n; ++i) {
+    const double d = static_cast<double>(a[i]) - b[i];
+    diff += d * d;
+    ref += static_cast<double>(b[i]) * b[i];
+  }
+  if (std::isnan(diff)) return INFINITY;
+  return ref == 0.0 ? std::sqrt(diff) : std::sqrt(diff / ref);
+}
+
+std::vector<float> RandomVec(size_t n, std::mt19937& rng) {
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+struct QuantMatrix {
+  std::vector<float> source;   // what was quantized
+  std::vector<float> deq;      // ref dequantization, rows * cols
+  std::vector<uint8_t> bytes;  // the blocks
+  Matrix m;
+};
+
+QuantMatrix MakeMatrix(DType t, int64_t rows, int64_t cols, std::mt19937& rng) {
+  QuantMatrix q;
+  q.source = RandomVec(rows * cols, rng);
+  const int64_t rb = DTypeRowBytes(t, cols);
+  q.bytes.resize(rows * rb);
+  for (int64_t r = 0; r < rows; ++r) {
+    ref::QuantizeRow(t, q.source.data() + r * cols, cols, q.bytes.data() + r * rb);
+  }
+  q.m = Matrix{q.bytes.data(), t, rows, cols};
+  q.deq.resize(rows * cols);
+  for (int64_t r = 0; r < rows; ++r) ref::DequantRow(q.m, r, q.deq.data() + r * cols);
+  return q;
+}
+
+std::vector<int64_t> Targets() {
+  std::vector<int64_t> targets;
+  const int64_t supported = hwy::SupportedTargets();
+  for (int64_t t : {int64_t{HWY_AVX3}, int64_t{HWY_AVX2}, int64_t{HWY_SSE4}}) {
+    if (supported & t) targets.push_back(t);
+  }
+  if (targets.empty()) targets.push_back(0);
+  return targets;
+}
+
+struct ScopedTarget {
+  explicit ScopedTarget(int64_t t) { hwy::SetSupportedTargetsForTest(t); }
+  ~ScopedTarget() { hwy::SetSupportedTargetsForTest(0); }
+};
+
+TEST(QuantKernels, RowBytesAndBlockSizes) {
+  EXPECT_EQ(DTypeRowBytes(DType::kQ8_0, 64), 68);
+  EXPECT_EQ(DTypeRowBytes(DType::kQ4_0, 32), 18);
+  EXPECT_EQ(DTypeRowBytes(DType::kQ4_K, 512), 288);
+  EXPECT_EQ(DTypeRowBytes(DType::kQ6_K, 256), 210);
+  EXPECT_EQ(DTypeRowBytes(DType::kQ4_K, 384), -1);
+  EXPECT_EQ(DTypeRowBytes(DType::kF16, 3), 6);
+}
+
+// The reference quantizers reproduce their input to within the format's resolution.
+TEST(QuantKernels, ReferenceRoundTripError) {
+  std::mt19937 rng(1);
+  const std::pair<DType, double> kBounds[] = {
+      {DType::kQ8_0, 0.01}, {DType::kQ4_0, 0.15}, {DType::kQ4_K, 0.12}, {DType::kQ6_K, 0.05}};
+  for (auto [t, bound] : kBounds) {
+    QuantMatrix q = MakeMatrix(t, 8, 512, rng);
+    const double err = NormErr(q.deq.data(), q.source.data(), q.deq.size());
+    EXPECT_LT(err, bound) << DTypeName(t);
+    EXPECT_GT(err, 0.0) << DTypeName(t);
+  }
+}
+
+// Hand-built blocks decode as llama.cpp's layouts say.
+TEST(QuantKernels, ReferenceDequantKnownBlocks) {
+  // q8_0: d = 0.5, q = -3..28
+  std::vector<uint8_t> b(34);
+  const uint16_t half = F32ToF16(0.5f);
+  std::memcpy(b.data(), &half, 2);
+  for (int j = 0; j < 32; ++j) b[2 + j] = static_cast<uint8_t>(static_cast<int8_t>(j - 3));
+  float y[256];
+  ref::DequantRow(Matrix{b.data(), DType::kQ8_0, 1, 32}, 0, y);
+  for (int j = 0; j < 32; ++j) EXPECT_EQ(y[j], 0.5f * (j - 3));
+  // q4_0: d = 2, qs[j] = lo j, hi 15 - j
+  std::vector<uint8_t> c(18);
+  const uint16_t two = F32ToF16(2.0f);
+  std::memcpy(c.data(), &two, 2);
+  for (int j = 0; j < 16; ++j) c[2 + j] = static_cast<uint8_t>(j | ((15 - j) << 4));
+  ref::DequantRow(Matrix{c.data(), DType::kQ4_0, 1, 32}, 0, y);
+  for (int j = 0; j < 16; ++j) {
+    EXPECT_EQ(y[j], 2.0f * (j - 8));
+    EXPECT_EQ(y[j + 16], 2.0f * (7 - j));
+  }
+  // q6_K: d = 1, every scale 2, every q = 63 (ql 0xFF, qh 0xFF) -> 2 * 31
+  std::vector<uint8_t> k6(210, 0xFF);
+  for (int s = 0; s < 16; ++s) k6[192 + s] = 2;
+  const uint16_t one = F32ToF16(1.0f);
+  std::memcpy(k6.data() + 208, &one, 2);
+  ref::DequantRow(Matrix{k6.data(), DType::kQ6_K, 1, 256}, 0, y);
+  for (int j = 0; j < 256; ++j) EXPECT_EQ(y[j], 62.0f) << j;
+  // q4_K: d = 1, dmin = 1, sub-block s has scale s + 1 and min 2s (6-bit packing), q = 1
+  std::vector<uint8_t> k4(144, 0x11);
+  std::memcpy(k4.data(), &one, 2);
+  std::memcpy(k4.data() + 2, &one, 2);
+  uint8_t* sc = k4.data() + 4;
+  std::memset(sc, 0, 12);
+  for (int j = 0; j < 8; ++j) {
+    const uint8_t ls = static_cast<uint8_t>(j + 1 + (j >= 4 ? 40 : 0)),
+                  lm = static_cast<uint8_t>(2 * j + (j >= 4 ? 33 : 0));
+    if (j < 4) {
+      sc[j] = ls;
+      sc[j + 4] = lm;
+    } else {
+      sc[j + 4] = static_cast<uint8_t>((ls & 0xF) | ((lm & 0xF) << 4));
+      sc[j - 4] |= static_cast<uint8_t>((ls >> 4) << 6);
+      sc[j] |= static_cast<uint8_t>((lm >> 4) << 6);
+    }
+  }
+  ref::DequantRow(Matrix{k4.data(), DType::kQ4_K, 1, 256}, 0, y);
+  for (int j = 0; j < 256; ++j) {
+    const int s = j / 32;
+    EXPECT_EQ(y[j], static_cast<float>(s + 1 + (s >= 4 ? 40 : 0)) - (2.0f * s + (s >= 4 ? 33 : 0)))
+        << j;
+  }
+}
+
+// ref::MatMul equals double-precision math over the reference dequantization.
+TEST(QuantKernels, ReferenceMatMulMatchesDequantizedMath) {
+  std::mt19937 rng(2);
+  ThreadPool pool(1);
+  for (DType t : kQuantTypes) {
+    const int64_t cols = DTypeBlockElems(t) * 2, rows = 17, n = 3;
+    QuantMatrix q = MakeMatrix(t, rows, cols, rng);
+    std::vector<float> x = RandomVec(n * cols, rng), y(n * rows), expect(n * rows);
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t r = 0; r < rows; ++r) {
+        double s = 0;
+        for (int64_t c = 0; c < cols; ++c) s += double(x[i * cols + c]) * q.deq[r * cols + c];
+        expect[i * rows + r] = static_cast<float>(s);
+      }
+    }
+    ref::MatMul(x.data(), n, q.m, nullptr, y.data(), rows, pool);
+    EXPECT_LT(NormErr(y.data(), expect.data(), y.size()), 1e-5) << DTypeName(t);
+  }
+}
+
+TEST(QuantKernels, CpuDequantRowMatchesReference) {
+  std::mt19937 rng(3);
+  for (int64_t target : Targets()) {
+    ScopedTarget st(target);
+    for (DType t : kQuantTypes) {
+      for (int64_t blocks : {1, 3}) {
+        const int64_t cols = DTypeBlockElems(t) * blocks;
+        QuantMatrix q = MakeMatrix(t, 5, cols, rng);
+        std::vector<float> got(cols);
+        for (int64_t r = 0; r < 5; ++r) {
+          cpu::DequantRow(q.m, r, got.data());
+          EXPECT_LT(NormErr(got.data(), q.deq.data() + r * cols, cols), 1e-6)
+              << DTypeName(t) << " cols=" << cols << " target=" << hwy::TargetName(target);
+        }
+      }
+    }
+  }
+}
+
+TEST(QuantKernels, CpuMatMulMatchesReference) {
+  std::mt19937 rng(4);
+  ThreadPool pool1(1), pool3(3);
+  for (int64_t target : Targets()) {
+    ScopedTarget st(target);
+    for (DType t : kQuantTypes) {
+      const int64_t be = DTypeBlockElems(t);
+      for (int64_t rows : {1, 3, 17, 97}) {
+        for (int64_t cols : {be, 2 * be, be == 32 ? int64_t{384} : int64_t{1024}}) {
+          QuantMatrix q = MakeMatrix(t, rows, cols, rng);
+          const std::vector<float> bias = RandomVec(rows, rng);
+          for (int64_t n : {1, 2, 5, 17}) {
+            const std::vector<float> x = RandomVec(n * cols, rng);
+            const int64_t stride = rows + 3;
+            std::vector<float> expect(n * stride, 7.0f);
+            ref::MatMul(x.data(), n, q.m, bias.data(), expect.data(), stride, pool1);
+            for (ThreadPool* pool : {&pool1, &pool3}) {
+              std::vector<float> got(n * stride, 7.0f);
+              cpu::MatMul(x.data(), n, q.m, bias.data(), got.data(), stride, *pool);
+              const std::string what = std::string(DTypeName(t)) + " rows=" + std::to_string(rows) +
+                                       " cols=" + std::to_string(cols) + " n=" + std::to_string(n) +
+                                       " threads=" + std::to_string(pool->size()) +
+                                       " target=" + hwy::TargetName(target);
+              EXPECT_LT(NormErr(got.data(), expect.data(), got.size()), 1e-5) << what;
+              for (int64_t i = 0; i < n; ++i) {
+                for (int64_t r = rows; r < stride; ++r) {
+                  ASSERT_EQ(got[i * stride + r], 7.0f) << what << ": wrote past rows";
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The dispatching entry points route quantized matrices to these kernels.
+TEST(QuantKernels, DispatchingEntryPoints) {
+  std::mt19937 rng(5);
+  ThreadPool pool(2);
+  QuantMatrix q = MakeMatrix(DType::kQ6_K, 9, 512, rng);
+  const std::vector<float> x = RandomVec(4 * 512, rng);
+  std::vector<float> a(4 * 9), b(4 * 9), row(512);
+  MatMul(x.data(), 4, q.m, nullptr, a.data(), 9, pool);
+  ref::MatMul(x.data(), 4, q.m, nullptr, b.data(), 9, pool);
+  EXPECT_LT(NormErr(a.data(), b.data(), a.size()), 1e-5);
+  DequantRow(q.m, 8, row.data());
+  EXPECT_LT(NormErr(row.data(), q.deq.data() + 8 * 512, 512), 1e-6);
+}
+
+}  // namespace
+}  // namespace cachet::kernels
