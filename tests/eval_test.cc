@@ -257,9 +257,18 @@ TEST(EvalTasks, ContextIsATokenPrefix) {
 
 TEST(EvalTasks, BadSpecsAreErrors) {
   EXPECT_FALSE(ParseTaskKind("ruler").ok());
-  EXPECT_FALSE(Gen().Generate({TaskKind::kNiah, 1024, 0, -1}, 1, 0).ok());
+  EXPECT_FALSE(Gen().Generate({TaskKind::kNiah, 1024, -1, -1}, 1, 0).ok());
   EXPECT_FALSE(Gen().Generate({TaskKind::kPasskey, 1024, 1, 1.5}, 1, 0).ok());
   EXPECT_FALSE(Gen().Generate({TaskKind::kNiah, 40, 8, -1}, 1, 0).ok());  // 8 needles > 40 tokens
+}
+
+TEST(EvalTasks, NeedlesZeroIsTheTrainingMix) {
+  const int mix[] = {1, 1, 2, 4, 8, 1};
+  for (int i = 0; i < 6; ++i) {
+    auto s = Gen().Generate({TaskKind::kNiah, 512, 0, -1}, 3, i);
+    ASSERT_TRUE(s.ok()) << s.status().ToString();
+    EXPECT_EQ(static_cast<int>(s->needles.size()), mix[i]) << "sample " << i;
+  }
 }
 
 // ---------------------------------------------------------------- methods

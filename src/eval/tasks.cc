@@ -380,9 +380,14 @@ TaskSample TaskGenerator::Build(const TaskSpec& spec, std::mt19937_64 rng, int a
   return s;
 }
 
-Result<TaskSample> TaskGenerator::Generate(const TaskSpec& spec, uint64_t seed, int index) {
+Result<TaskSample> TaskGenerator::Generate(const TaskSpec& mixed_spec, uint64_t seed, int index) {
+  // needles == 0: the mix the model was trained and its baseline measured on, by sample index.
+  static constexpr int kTrainingMix[] = {1, 1, 2, 4, 8};
+  TaskSpec spec = mixed_spec;
+  if (spec.kind == TaskKind::kNiah && spec.needles == 0) spec.needles = kTrainingMix[index % 5];
   if (spec.kind == TaskKind::kNiah && (spec.needles < 1 || spec.needles > 64)) {
-    return InvalidArgument("niah needs 1..64 needles, got " + std::to_string(spec.needles));
+    return InvalidArgument("niah needs 1..64 needles (or 0 for the training mix), got " +
+                           std::to_string(spec.needles));
   }
   if (spec.depth > 1) return InvalidArgument("needle depth must be in [0, 1] or random");
   const int needles = spec.kind == TaskKind::kNiah ? spec.needles : 1;

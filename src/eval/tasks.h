@@ -31,7 +31,7 @@ const char* TaskName(TaskKind kind);
 struct TaskSpec {
   TaskKind kind = TaskKind::kPasskey;
   int length = 1024;  // target prompt tokens, BOS included
-  int needles = 1;    // niah: 1, 2, 4 or 8 (the other tasks ignore it)
+  int needles = 1;    // niah: 1, 2, 4 or 8; 0: 1, 1, 2, 4, 8 by sample (the training mix)
   double depth = -1;  // where the needles go, 0 (start) .. 1 (end); < 0: random boundaries
 };
 
