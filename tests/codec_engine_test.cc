@@ -7,6 +7,7 @@
 
 #include "cachet/engine.h"
 #include "kernels/kernels.h"
+#include "kv/codecs/codec.h"
 #include "kv/paged_sequence.h"
 #include "model/config.h"
 #include "test_util.h"
@@ -146,6 +147,52 @@ TEST(CodecEngine, PrefixReuseForkAndSinksCompose) {
     std::vector<int32_t> pos;
     s->kv().Gather(0, 0, &k, &v, &pos);
     EXPECT_EQ(pos[0], 0);
+  }
+}
+
+TEST(CodecEngine, RoundTripOnRealKeysAndValues) {
+  // kvtiny's own K and V (every layer and head of a 1000-token prompt), page by page. Keys carry
+  // outlier channels, which per-token codecs pay for and KIVI's per-channel keys do not.
+  auto e = MakeEngine("f32", "f32");
+  auto s = e->NewSession();
+  ASSERT_TRUE(s->Eval(Prompt(), nullptr).ok());
+  const int hd = e->config().head_dim, pt = 16;
+  struct Bound {
+    codecs::Codec c;
+    double key, value;
+  };
+  const Bound bounds[] = {{codecs::Codec::kF16, 1e-3, 1e-3},  {codecs::Codec::kBF16, 5e-3, 5e-3},
+                          {codecs::Codec::kInt8, 2e-2, 2e-2}, {codecs::Codec::kQ8_0, 2e-2, 2e-2},
+                          {codecs::Codec::kQ4_0, 0.2, 0.2},   {codecs::Codec::kKivi4, 0.1, 0.15},
+                          {codecs::Codec::kKivi2, 0.5, 0.6},  {codecs::Codec::kRot4, 0.15, 0.15},
+                          {codecs::Codec::kRot3, 0.25, 0.25}, {codecs::Codec::kRot2, 0.45, 0.45}};
+  for (const Bound& b : bounds) {
+    SCOPED_TRACE(codecs::CodecName(b.c));
+    for (codecs::Role role : {codecs::Role::kKey, codecs::Role::kValue}) {
+      double num = 0, den = 0;
+      for (int l = 0; l < e->config().n_layers; ++l) {
+        for (int h = 0; h < e->config().n_kv_heads; ++h) {
+          std::vector<float> k, v;
+          std::vector<int32_t> pos;
+          s->kv().Gather(l, h, &k, &v, &pos);
+          const std::vector<float>& x = role == codecs::Role::kKey ? k : v;
+          std::vector<uint8_t> page(codecs::PageBytes(b.c, role, pt, hd));
+          std::vector<float> y(size_t(pt) * hd);
+          for (size_t p = 0; p + size_t(pt) * hd <= x.size(); p += size_t(pt) * hd) {
+            codecs::EncodePage(b.c, role, x.data() + p, pt, pt, hd, page.data());
+            codecs::DecodePage(b.c, role, page.data(), pt, pt, hd, y.data());
+            for (size_t i = 0; i < y.size(); ++i) {
+              num += (y[i] - x[p + i]) * double(y[i] - x[p + i]);
+              den += double(x[p + i]) * x[p + i];
+            }
+          }
+        }
+      }
+      const double err = std::sqrt(num / den);
+      EXPECT_LT(err, role == codecs::Role::kKey ? b.key : b.value)
+          << (role == codecs::Role::kKey ? "keys" : "values");
+      EXPECT_GT(err, 0.0);
+    }
   }
 }
 
