@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kv/codecs/codec_simd.h"
+#include "test_util.h"
 
 namespace cachet::codecs {
 namespace {
@@ -28,14 +29,7 @@ std::vector<float> Rows(int n, int dim, uint32_t seed) {
   return x;
 }
 
-double RelErr(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    num += (a[i] - b[i]) * double(a[i] - b[i]);
-    den += double(b[i]) * b[i];
-  }
-  return std::sqrt(num / den);
-}
+using testing::RelErr;
 
 double Bound(Codec c) {
   switch (c) {

@@ -148,14 +148,7 @@ Result<std::vector<float>> RunTiny(const std::string& dir) {
   return logits;
 }
 
-double RelErr(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    num += (a[i] - b[i]) * double(a[i] - b[i]);
-    den += double(b[i]) * b[i];
-  }
-  return std::sqrt(num / den);
-}
+using testing::RelErr;
 
 TEST(ModelLoading, KvtinyConfigAndTensors) {
   auto c = ModelConfig::Load(ModelDir());

@@ -25,14 +25,7 @@ std::unique_ptr<Engine> MakeEngine(bool prefix_cache, int64_t kv_mem_mib = 0) {
 
 std::vector<int32_t> Prompt() { return testing::LoadGolden().back().ids; }  // ~1000 tokens
 
-double RelErr(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    num += (a[i] - b[i]) * double(a[i] - b[i]);
-    den += double(b[i]) * b[i];
-  }
-  return std::sqrt(num / den);
-}
+using testing::RelErr;
 
 TEST(PrefixCache, ReusedPrefixGivesColdLogits) {
   const auto prompt = Prompt();

@@ -1,6 +1,7 @@
 // Helpers shared by the tests: paths of the embedded model and fixtures, golden cases.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -52,6 +53,16 @@ class TempDir {
  private:
   std::string path_;
 };
+
+// ||a - b|| / ||b||: the normalized error every comparison of float outputs uses.
+inline double RelErr(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num += (a[i] - b[i]) * double(a[i] - b[i]);
+    den += double(b[i]) * b[i];
+  }
+  return std::sqrt(num / den);
+}
 
 inline std::string ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
