@@ -24,6 +24,16 @@ const char* ArchName(Arch a) {
   return "?";
 }
 
+bool ParseArch(const std::string& name, Arch* arch) {
+  for (Arch a : {Arch::kLlama, Arch::kMistral, Arch::kQwen2, Arch::kQwen3}) {
+    if (name == ArchName(a)) {
+      *arch = a;
+      return true;
+    }
+  }
+  return false;
+}
+
 namespace {
 
 // Reads an optional number field; a present field of the wrong type is an error.
@@ -47,15 +57,7 @@ Result<ModelConfig> ParseConfig(const std::string& text, const std::string& wher
   if (j.is_discarded() || !j.is_object()) return InvalidArgument(where + ": not a JSON object");
   ModelConfig c;
   c.model_type = j.value("model_type", "");
-  if (c.model_type == "llama") {
-    c.arch = Arch::kLlama;
-  } else if (c.model_type == "mistral") {
-    c.arch = Arch::kMistral;
-  } else if (c.model_type == "qwen2") {
-    c.arch = Arch::kQwen2;
-  } else if (c.model_type == "qwen3") {
-    c.arch = Arch::kQwen3;
-  } else {
+  if (!ParseArch(c.model_type, &c.arch)) {
     return Unimplemented(where + ": unsupported architecture model_type='" + c.model_type +
                          "' (supported: llama, mistral, qwen2, qwen3)");
   }

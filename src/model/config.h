@@ -11,6 +11,8 @@ namespace cachet {
 
 enum class Arch { kLlama, kMistral, kQwen2, kQwen3 };
 const char* ArchName(Arch a);
+// "llama", "mistral", "qwen2", "qwen3" (HF model_type and GGUF general.architecture alike).
+bool ParseArch(const std::string& name, Arch* arch);
 
 struct RopeScaling {
   enum class Type { kNone, kLinear, kLlama3 } type = Type::kNone;

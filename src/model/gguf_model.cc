@@ -49,15 +49,7 @@ Result<ModelConfig> GgufConfig(const GgufFile& f) {
   const std::string& where = f.path();
   ModelConfig c;
   CACHET_ASSIGN_OR_RETURN(c.model_type, f.GetString("general.architecture"));
-  if (c.model_type == "llama") {
-    c.arch = Arch::kLlama;
-  } else if (c.model_type == "mistral") {
-    c.arch = Arch::kMistral;
-  } else if (c.model_type == "qwen2") {
-    c.arch = Arch::kQwen2;
-  } else if (c.model_type == "qwen3") {
-    c.arch = Arch::kQwen3;
-  } else {
+  if (!ParseArch(c.model_type, &c.arch)) {
     return Unimplemented(where + ": unsupported general.architecture '" + c.model_type +
                          "' (supported: llama, mistral, qwen2, qwen3)");
   }
