@@ -29,6 +29,7 @@
 #define HWY_TARGET_INCLUDE "kernels/cpu/matmul.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
+#include "hwy/cache_control.h"
 #include "kernels/cpu/hwy_util-inl.h"
 // clang-format on
 
@@ -170,6 +171,9 @@ void MatVecRows(const float* HWY_RESTRICT xd, const float* HWY_RESTRICT x, const
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   const int64_t cols = w.cols;
   const int64_t c_full = cols / (2 * N) * (2 * N);
+  const int64_t elem_bytes = DTypeSize(kType);
+  const int64_t row_bytes = cols * elem_bytes;
+  constexpr int64_t kPrefetchRows = 8;
   for (int64_t r = r0; r < r1; r += 4) {
     const int64_t nr = std::min<int64_t>(4, r1 - r);
     const void* p0 = RowPtr(w, r);
@@ -178,7 +182,15 @@ void MatVecRows(const float* HWY_RESTRICT xd, const float* HWY_RESTRICT x, const
     const void* p3 = RowPtr(w, r + std::min<int64_t>(3, nr - 1));
     VF a00 = hn::Zero(df), a01 = hn::Zero(df), a10 = hn::Zero(df), a11 = hn::Zero(df);
     VF a20 = hn::Zero(df), a21 = hn::Zero(df), a30 = hn::Zero(df), a31 = hn::Zero(df);
+    // The next group's rows, fetched while this one computes: the hardware prefetcher alone left
+    // this loop stalled on DRAM at a third of the streaming bandwidth.
+    const char* ahead = reinterpret_cast<const char*>(p0) + kPrefetchRows * row_bytes;
+    const bool prefetch = r + 4 + kPrefetchRows <= r1;
     for (int64_t c = 0; c < c_full; c += 2 * N) {
+      if (prefetch) {
+        const char* a = ahead + c * elem_bytes;
+        for (int i = 0; i < 4; ++i) hwy::Prefetch(a + i * row_bytes);
+      }
       const VF x0 = hn::LoadU(df, xd + c);
       const VF x1 = hn::LoadU(df, xd + c + N);
       VF w0, w1;
