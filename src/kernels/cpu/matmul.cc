@@ -22,6 +22,7 @@
 #include <cstring>
 
 #include "kernels/cpu/scratch.h"
+#include "kernels/cpu/tasks.h"
 #include "kernels/kernels.h"
 
 // clang-format off
@@ -46,9 +47,6 @@ void DequantRowImpl(const Matrix& w, int64_t r, float* out) { ref::DequantRow(w,
 #else
 namespace {
 
-constexpr int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-constexpr int64_t RoundUp(int64_t a, int64_t b) { return CeilDiv(a, b) * b; }
-
 // Below this many weights a call runs on the calling thread: waking the pool costs more.
 constexpr int64_t kMinParallelWeights = 1 << 16;
 // Prefill tasks: blocks of up to this many weight rows (a multiple of 4), converted to f32 once
@@ -64,16 +62,6 @@ constexpr int64_t kPrefillTokens = 32;
 
 const char* RowPtr(const Matrix& w, int64_t r) {
   return static_cast<const char*>(w.data) + r * w.cols * static_cast<int64_t>(DTypeSize(w.dtype));
-}
-
-// Runs fn(task) for every task, on the pool unless the work is too small to be worth it.
-template <class Fn>
-void RunTasks(ThreadPool& pool, int64_t n_tasks, bool parallel, const Fn& fn) {
-  if (!parallel || n_tasks <= 1 || pool.size() == 1) {
-    for (int64_t t = 0; t < n_tasks; ++t) fn(t);
-    return;
-  }
-  pool.Run(n_tasks, [&fn](int64_t task, int /*thread*/) { fn(task); });
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels/cpu/tasks.h"
 #include "kernels/kernels.h"
 
 // clang-format off
@@ -44,7 +45,6 @@ using DI32 = hn::RebindToSigned<DF>;
 using DU8 = hn::Rebind<uint8_t, DF>;
 using DI8 = hn::Rebind<int8_t, DF>;
 
-constexpr int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 constexpr int64_t kMinParallelWeights = 1 << 16;
 constexpr int64_t kPrefillBlockBytes = 256 << 10;  // f32 rows a prefill task keeps hot
 
@@ -146,15 +146,6 @@ template <DType kType>
 void DequantRowT(const Matrix& w, int64_t r, float* HWY_RESTRICT out) {
   const DF df;
   ForEachVec<kType>(RowPtr(w, r), w.cols, [&](int64_t c, VF v) { hn::StoreU(v, df, out + c); });
-}
-
-template <class Fn>
-void RunTasks(ThreadPool& pool, int64_t n_tasks, bool parallel, const Fn& fn) {
-  if (!parallel || n_tasks <= 1 || pool.size() == 1) {
-    for (int64_t t = 0; t < n_tasks; ++t) fn(t);
-    return;
-  }
-  pool.Run(n_tasks, [&fn](int64_t task, int /*thread*/) { fn(task); });
 }
 
 template <DType kType>
