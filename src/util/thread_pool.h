@@ -2,8 +2,10 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -28,6 +30,7 @@ class ThreadPool {
  private:
   void WorkerLoop(int thread);
   void Drain(uint32_t generation, int thread);
+  void WakeWorkers();
 
   std::vector<std::thread> workers_;
   std::atomic<const std::function<void(int64_t, int)>*> fn_{nullptr};
@@ -39,6 +42,12 @@ class ThreadPool {
   std::atomic<int64_t> done_{0};
   uint32_t generation_ = 0;
   std::atomic<bool> stop_{false};
+  // Sleeping after the spin goes through a mutex and condition variables, not atomic::wait:
+  // libstdc++ 12 waits on 64-bit atomics through a shared proxy futex and lost a wake-up in CI
+  // (a worker slept through a new round). Only sleepers and the last finisher touch the mutex.
+  std::mutex sleep_mu_;
+  std::condition_variable work_cv_;
+  std::condition_variable done_cv_;
 };
 
 }  // namespace cachet
