@@ -4,11 +4,16 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
+#include "kernels/kernels.h"
 #include "kv/codecs/codec_simd.h"
+#include "kv/paged_sequence.h"
 #include "test_util.h"
 
 namespace cachet::codecs {
@@ -190,3 +195,117 @@ TEST(Codec, SimdDecodeEqualsReference) {
 
 }  // namespace
 }  // namespace cachet::codecs
+
+namespace cachet {
+namespace {
+
+// AttnObserve through PagedSequence::Attend on codec layouts (CodecAttend): the gathered key
+// weights equal those of ref::ContiguousAttention over the decoded K/V (PagedSequence::Gather),
+// two observes with different min_pos at once, and observing leaves the outputs unchanged.
+TEST(CodecAttend, ObserveMatchesContiguousOverDecodedKv) {
+  using codecs::Codec;
+  struct Case {
+    Codec k, v;
+    int sinks;
+  };
+  const Case cases[] = {{Codec::kQ8_0, Codec::kQ8_0, 0},
+                        {Codec::kF16, Codec::kF16, 0},
+                        {Codec::kQ8_0, Codec::kF16, 16},   // first page raw
+                        {Codec::kKivi4, Codec::kQ8_0, 0},  // staged: last partial page raw
+                        {Codec::kRot4, Codec::kRot4, 0}};  // rotated basis
+  const int hd = 64, pt = 16, n_heads = 4;
+  const float scale = 2.0f / std::sqrt(float(hd));
+  for (const Case& c : cases) {
+    for (int n_keys : {1, 17, 77}) {
+      SCOPED_TRACE(std::string(codecs::CodecName(c.k)) + "/" + codecs::CodecName(c.v) + " sinks " +
+                   std::to_string(c.sinks) + " keys " + std::to_string(n_keys));
+      std::mt19937 rng(21 + n_keys);
+      KvLayout lay{1, 1, hd, pt, c.k, c.v, c.sinks};
+      ASSERT_FALSE(lay.plain());
+      PagePool pool(lay, size_t{1} << 22);
+      PagedSequence seq(pool);
+      // Gapped, shuffled positions.
+      std::vector<int32_t> pos(n_keys);
+      int32_t next = 10;
+      for (int32_t& x : pos) {
+        x = next;
+        next += 1 + int32_t(rng() % 4);
+      }
+      std::shuffle(pos.begin(), pos.end(), rng);
+      const int32_t last = next;
+      std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+      ASSERT_TRUE(seq.Reserve(n_keys).ok());
+      for (int j = 0; j < n_keys; ++j) {
+        std::vector<float> k(hd), v(hd);
+        for (float& x : k) x = u(rng);
+        for (float& x : v) x = u(rng);
+        seq.Append(0, 0, k.data(), v.data(), pos[j]);
+      }
+      seq.CommitTokens(n_keys);
+      std::vector<float> dk, dv;
+      std::vector<int32_t> dpos;
+      seq.Gather(0, 0, &dk, &dv, &dpos);
+      ASSERT_EQ(dpos, pos);
+
+      // Prefill (14 tokens: two tiles of rows, one row seeing no key) and decode (1 token).
+      const std::vector<std::vector<int32_t>> batches = {
+          {5, 10, last / 2, last - 1, 11, last / 3, last, 7, last / 2 + 1, last / 4, last - 2, 12,
+           last + 50, last / 2},
+          {last}};
+      for (const std::vector<int32_t>& q_pos : batches) {
+        const int n_tok = int(q_pos.size());
+        const int64_t stride = int64_t(n_heads) * hd;
+        std::vector<float> q(size_t(n_tok) * stride);
+        for (float& x : q) x = u(rng);
+        const int32_t min_pos[2] = {n_tok == 1 ? 0 : 5, n_tok == 1 ? last + 1 : last / 2 + 1};
+        auto run = [&](bool codec, std::vector<float>* out, std::vector<float>* w, bool observe) {
+          out->assign(q.size(), 0.0f);
+          kernels::AttnObserve obs[2];
+          for (int i = 0; i < 2; ++i) {
+            w[i].assign(n_keys, 0.0f);
+            obs[i] = {min_pos[i], w[i].data()};
+          }
+          kernels::AttnBatch b;
+          b.q = q.data();
+          b.q_stride = stride;
+          b.out = out->data();
+          b.out_stride = stride;
+          b.q_pos = q_pos.data();
+          b.n_tok = n_tok;
+          b.n_heads = n_heads;
+          b.scale = scale;
+          if (observe) {
+            b.observe = obs;
+            b.n_observe = 2;
+          }
+          if (codec) {
+            seq.Attend(0, 0, b);
+          } else {
+            kernels::ref::ContiguousAttention(b, dk.data(), dv.data(), dpos.data(), n_keys, hd);
+          }
+        };
+        std::vector<float> out_plain, out_obs, out_ref, w_none[2], w_got[2], w_ref[2];
+        run(true, &out_plain, w_none, false);
+        run(true, &out_obs, w_got, true);
+        run(false, &out_ref, w_ref, true);
+        EXPECT_EQ(out_obs, out_plain) << "n_tok " << n_tok;
+        for (size_t i = 0; i < out_obs.size(); ++i) {
+          ASSERT_NEAR(out_obs[i], out_ref[i], 1e-4) << "n_tok " << n_tok << " i " << i;
+        }
+        for (int i = 0; i < 2; ++i) {
+          for (int j = 0; j < n_keys; ++j) {
+            ASSERT_NEAR(w_got[i][j], w_ref[i][j], 1e-5)
+                << "n_tok " << n_tok << " observe " << i << " key " << j;
+          }
+          EXPECT_EQ(w_none[i], std::vector<float>(n_keys, 0.0f));
+        }
+        if (n_tok == 1) {
+          EXPECT_EQ(w_got[1], std::vector<float>(n_keys, 0.0f));  // min_pos past the token
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace cachet

@@ -606,6 +606,117 @@ TEST(KernelsAttention, GappedUnsortedPositions) {
   }
 }
 
+// The AttnObserve key weights of one observe, in double: the textbook softmax of each (token,
+// head) row with q_pos >= min_pos, summed over those rows (rows that see no key add nothing).
+std::vector<double> ExpectedKeyWeights(const TestKv& kv, const TestQueries& q, float scale,
+                                       int32_t min_pos) {
+  const int hd = kv.head_dim;
+  std::vector<double> w(kv.n_tokens, 0.0), p(kv.n_tokens);
+  for (size_t t = 0; t < q.q_pos.size(); ++t) {
+    if (q.q_pos[t] < min_pos) continue;
+    for (int h = 0; h < q.n_heads; ++h) {
+      const float* qv = &q.q[t * q.q_stride + h * hd];
+      double max_s = -std::numeric_limits<double>::infinity(), sum = 0.0;
+      for (int j = 0; j < kv.n_tokens; ++j) {
+        if (kv.k_pos[j] > q.q_pos[t]) continue;
+        double s = 0.0;
+        for (int d = 0; d < hd; ++d) s += static_cast<double>(qv[d]) * kv.k[size_t(j) * hd + d];
+        p[j] = s * scale;
+        max_s = std::max(max_s, p[j]);
+      }
+      for (int j = 0; j < kv.n_tokens; ++j) {
+        p[j] = kv.k_pos[j] > q.q_pos[t] ? 0.0 : std::exp(p[j] - max_s);
+        sum += p[j];
+      }
+      if (sum == 0.0) continue;
+      for (int j = 0; j < kv.n_tokens; ++j) w[j] += p[j] / sum;
+    }
+  }
+  return w;
+}
+
+// Gathers two observes at once (different min_pos) with ref:: and cpu:: PagedAttention: the key
+// weights match the double-precision softmax, are added to what key_weight held, nothing past
+// n_tokens is written, and the outputs equal those of the same call without observing.
+void CheckObserve(const TestKv& kv, const TestQueries& q, float scale, int32_t min_pos_a,
+                  int32_t min_pos_b, const std::string& what) {
+  const int32_t min_pos[2] = {min_pos_a, min_pos_b};
+  std::vector<double> expect[2];
+  for (int i = 0; i < 2; ++i) expect[i] = ExpectedKeyWeights(kv, q, scale, min_pos[i]);
+  constexpr float kStart = 0.25f, kGuard = 123.0f;
+  auto run = [&](auto attend, const std::string& who) {
+    std::vector<float> out_plain, out_obs;
+    attend(q.Batch(out_plain, scale));
+    std::vector<float> weights[2];
+    AttnObserve obs[2];
+    for (int i = 0; i < 2; ++i) {
+      weights[i].assign(kv.n_tokens + 1, kStart);
+      weights[i][kv.n_tokens] = kGuard;
+      obs[i].min_pos = min_pos[i];
+      obs[i].key_weight = weights[i].data();
+    }
+    AttnBatch b = q.Batch(out_obs, scale);
+    b.observe = obs;
+    b.n_observe = 2;
+    attend(b);
+    EXPECT_EQ(q.Compact(out_obs), q.Compact(out_plain)) << who << what;
+    for (int i = 0; i < 2; ++i) {
+      EXPECT_EQ(weights[i][kv.n_tokens], kGuard) << who << what;
+      double max_err = 0.0;
+      int worst = -1;
+      for (int j = 0; j < kv.n_tokens; ++j) {
+        const double err = std::fabs(weights[i][j] - kStart - expect[i][j]);
+        if (err > max_err) max_err = err, worst = j;
+      }
+      EXPECT_LT(max_err, 1e-5) << who << what << " observe " << i << " min_pos=" << min_pos[i]
+                               << " key " << worst;
+    }
+  };
+  run([&](const AttnBatch& b) { ref::PagedAttention(b, kv.view); }, "ref ");
+  for (int64_t target : KernelTargets()) {
+    ScopedTarget scoped(target);
+    run([&](const AttnBatch& b) { cpu::PagedAttention(b, kv.view); }, "cpu" + TargetString(target));
+  }
+}
+
+TEST(KernelsAttention, ObserveMatchesReferenceWeights) {
+  std::mt19937 rng(13);
+  for (int n_keys : {1, 17, 97, 1000}) {
+    // Gapped, shuffled positions as in GappedUnsortedPositions.
+    std::vector<int32_t> k_pos(n_keys);
+    int32_t p = 10;
+    for (int32_t& x : k_pos) {
+      x = p;
+      p += 1 + static_cast<int32_t>(rng() % 5);
+    }
+    std::shuffle(k_pos.begin(), k_pos.end(), rng);
+    const int32_t last = p;
+    for (int page_tokens : {1, 16, 64}) {
+      for (int head_dim : {64, 48}) {
+        TestKv kv = MakeKv(k_pos, page_tokens, head_dim, rng);
+        for (int n_heads : {1, 4}) {
+          const float scale = (n_heads == 4 ? 4.0f : 1.0f) / std::sqrt(float(head_dim));
+          const std::string what =
+              " keys=" + std::to_string(n_keys) + " page=" + std::to_string(page_tokens) +
+              " head_dim=" + std::to_string(head_dim) + " heads=" + std::to_string(n_heads);
+          // Prefill: unsorted, with a repeat and a row that sees no key; with 4 heads the rows
+          // span two tiles of the cpu kernel.
+          const std::vector<int32_t> q_pos = {5,        10,       11,           last / 3,
+                                              last / 2, last / 4, last / 2 + 1, last - 1,
+                                              7,        last - 2, last / 2,     last + 100};
+          TestQueries prefill = MakeQueries(q_pos, n_heads, head_dim, rng);
+          CheckObserve(kv, prefill, scale, 5, last / 2 + 1, " prefill" + what);
+          CheckObserve(kv, prefill, scale, last / 3, std::numeric_limits<int32_t>::min(),
+                       " prefill" + what);
+          // Decode: one token, observed by one observe only.
+          TestQueries decode = MakeQueries({last}, n_heads, head_dim, rng);
+          CheckObserve(kv, decode, scale, 0, last + 1, " decode" + what);
+        }
+      }
+    }
+  }
+}
+
 TEST(KernelsAttention, NoVisibleKeyGivesZeros) {
   std::mt19937 rng(12);
   std::vector<int32_t> k_pos(40);

@@ -5,11 +5,13 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "kv/press/press.h"
 #include "runtime/sampler.h"
 #include "util/status.h"
 
@@ -70,6 +72,8 @@ struct GenerateOptions {
   int max_tokens = 128;  // -n
   SamplingParams sampling;
   bool stop_at_eos = true;
+  // Evict with this press after the prompt is evaluated, before the first token is sampled.
+  std::optional<press::PressOptions> press;
 };
 
 struct GenerateResult {
@@ -104,6 +108,13 @@ class Session {
   // Offers this session's full pages to the prefix cache (Generate does it when it ends).
   void Publish();
 
+  // Presses (kv/press). ObserveForPress makes the following Evals gather the attention weights
+  // attention-based presses score by, for a prompt that ends at token position `end` (prefix
+  // reuse is off while observing, so every prompt query is seen); Compress evicts to the press's
+  // budget, frees the pages and stops observing. Forks share what was observed (read-only).
+  void ObserveForPress(int32_t end, int window);
+  Result<press::PressResult> Compress(const press::PressOptions& options);
+
   // Tokens whose K/V is in the cache.
   int n_tokens() const;
   const std::vector<int32_t>& tokens() const { return tokens_; }
@@ -120,6 +131,8 @@ class Session {
   std::vector<float> last_logits_;
   std::vector<int32_t> pending_;    // sampled but not yet evaluated (the last token of Generate)
   std::vector<int32_t> positions_;  // scratch
+  std::shared_ptr<press::PressObserver> observer_;
+  bool observing_ = false;  // observer_ is attached to seq_
 };
 
 class Engine {

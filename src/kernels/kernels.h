@@ -33,6 +33,16 @@ struct PagedKv {
   int n_tokens = 0;  // logical pages [0, n_tokens / page_tokens) are full, the last holds the rest
 };
 
+// Attention weights gathered for presses inside the attention pass (no second pass over the keys).
+// For every query row (token, head of the group) whose position is >= min_pos, the row's final
+// softmax weight of logical key j is added to key_weight[j]; key_weight has one float per key of
+// the page table (PagedKv::n_tokens). So the sum over j grows by the number of observed rows that
+// see at least one key.
+struct AttnObserve {
+  int32_t min_pos = 0;
+  float* key_weight = nullptr;
+};
+
 // The queries of the n_heads query heads that share one KV head (a GQA group), for n_tok tokens.
 struct AttnBatch {
   const float* q = nullptr;  // head h of token t at q + t * q_stride + h * head_dim
@@ -43,6 +53,8 @@ struct AttnBatch {
   int n_tok = 0;
   int n_heads = 0;
   float scale = 1.0f;
+  const AttnObserve* observe = nullptr;  // n_observe independent gatherings (may be none)
+  int n_observe = 0;
 };
 
 #define CACHET_KERNEL_DECLS                                                                       \

@@ -173,6 +173,115 @@ void PagedSequence::Append(int layer, int kv_head, const float* k, const float* 
   }
 }
 
+Status PagedSequence::Retain(std::span<const std::vector<int32_t>> keep) {
+  const KvLayout& lay = pool_.layout();
+  const int pt = lay.page_tokens, hd = lay.head_dim;
+  if (keep.size() != tables_.size()) {
+    return InvalidArgument("Retain: " + std::to_string(keep.size()) + " keep lists for " +
+                           std::to_string(tables_.size()) + " (layer, KV head) tables");
+  }
+  if (!lay.plain() && lay.staged()) {
+    return Unimplemented("eviction from a cache whose keys are stored in " +
+                         std::string(codecs::CodecName(lay.codec_k)) +
+                         " (KIVI keys are encoded per group of tokens); use a row-wise codec");
+  }
+  // Plan: validate, and find the destination pages whose contents change but that others share.
+  std::vector<uint8_t> copy_dest;  // per table, per destination page: needs a private copy
+  std::vector<size_t> copy_begin(tables_.size() + 1, 0);
+  int need_raw = 0, need_codec = 0;
+  for (size_t ti = 0; ti < tables_.size(); ++ti) {
+    const BlockTable& t = tables_[ti];
+    const std::vector<int32_t>& k = keep[ti];
+    for (size_t i = 0; i < k.size(); ++i) {
+      if (k[i] < 0 || k[i] >= t.n_tokens || (i > 0 && k[i] <= k[i - 1])) {
+        return InvalidArgument("Retain: keep list " + std::to_string(ti) +
+                               " is not ascending within [0, " + std::to_string(t.n_tokens) + ")");
+      }
+    }
+    const int dest_pages = static_cast<int>((k.size() + pt - 1) / pt);
+    copy_begin[ti] = copy_dest.size();
+    for (int d = 0; d < dest_pages; ++d) {
+      bool same = true;  // every row of the page keeps its own token
+      for (size_t j = size_t(d) * pt; j < std::min(k.size(), size_t(d + 1) * pt); ++j) {
+        same &= k[j] == static_cast<int32_t>(j);
+      }
+      const bool copy = !same && pool_.refcount(t.pages[d]) > 1;
+      copy_dest.push_back(copy);
+      if (copy) (IsCodecPage(t.pages[d]) ? need_codec : need_raw) += 1;
+    }
+  }
+  copy_begin[tables_.size()] = copy_dest.size();
+  scratch_raw_.clear();
+  scratch_codec_.clear();
+  CACHET_RETURN_IF_ERROR(pool_.Alloc(need_raw, need_codec, &scratch_raw_, &scratch_codec_));
+
+  // Apply. A kept token only moves to an earlier index, so walking source pages in order, each
+  // decoded whole before any of its rows is overwritten, never reads a row that was written.
+  size_t next_raw = 0, next_codec = 0;
+  std::vector<float> kbuf(size_t(pt) * hd), vbuf(size_t(pt) * hd);
+  std::vector<int32_t> src_pos(pt), released;
+  for (size_t ti = 0; ti < tables_.size(); ++ti) {
+    BlockTable& t = tables_[ti];
+    const std::vector<int32_t>& k = keep[ti];
+    const int dest_pages = static_cast<int>((k.size() + pt - 1) / pt);
+    std::vector<int32_t> dest(t.pages.begin(), t.pages.begin() + dest_pages);
+    for (int d = 0; d < dest_pages; ++d) {
+      if (!copy_dest[copy_begin[ti] + d]) continue;
+      released.push_back(dest[d]);
+      dest[d] = IsCodecPage(dest[d]) ? scratch_codec_[next_codec++] : scratch_raw_[next_raw++];
+    }
+    int src_page = -1;
+    for (size_t j = 0; j < k.size(); ++j) {
+      const int d = static_cast<int>(j / pt), off = static_cast<int>(j % pt);
+      if (k[j] == static_cast<int32_t>(j) && !copy_dest[copy_begin[ti] + d]) continue;
+      const int s = k[j] / pt, s_off = k[j] % pt;
+      const int32_t sp = t.pages[s];
+      if (s != src_page) {
+        src_page = s;
+        const int cnt = std::min(pt, t.n_tokens - s * pt);
+        if (IsCodecPage(sp)) {
+          codecs::DecodePage(lay.codec_k, Role::kKey, pool_.codec_keys(sp), cnt, pt, hd,
+                             kbuf.data());
+          codecs::DecodePage(lay.codec_v, Role::kValue, pool_.codec_values(sp), cnt, pt, hd,
+                             vbuf.data());
+        } else {
+          std::memcpy(kbuf.data(), pool_.keys(sp), size_t(cnt) * hd * sizeof(float));
+          std::memcpy(vbuf.data(), pool_.values(sp), size_t(cnt) * hd * sizeof(float));
+        }
+        std::memcpy(src_pos.data(), pool_.positions(sp), cnt * sizeof(int32_t));
+      }
+      const int32_t dp = dest[d];
+      const float* kr = kbuf.data() + size_t(s_off) * hd;
+      const float* vr = vbuf.data() + size_t(s_off) * hd;
+      if (IsCodecPage(dp)) {
+        codecs::EncodePage(lay.codec_k, Role::kKey, kr, 1, 1, hd,
+                           pool_.codec_keys(dp) + off * codecs::RowStride(lay.codec_k, hd));
+        codecs::EncodePage(lay.codec_v, Role::kValue, vr, 1, 1, hd,
+                           pool_.codec_values(dp) + off * codecs::RowStride(lay.codec_v, hd));
+      } else {
+        std::memcpy(pool_.keys(dp) + size_t(off) * hd, kr, hd * sizeof(float));
+        std::memcpy(pool_.values(dp) + size_t(off) * hd, vr, hd * sizeof(float));
+      }
+      pool_.positions(dp)[off] = src_pos[s_off];
+    }
+    for (size_t p = dest_pages; p < t.pages.size(); ++p) pool_.Unref(t.pages[p]);
+    t.pages.assign(dest.begin(), dest.end());
+    t.n_tokens = static_cast<int32_t>(k.size());
+  }
+  for (int32_t p : released) pool_.Unref(p);
+  return OkStatus();
+}
+
+void PagedSequence::Positions(int layer, int kv_head, std::vector<int32_t>* positions) const {
+  const BlockTable& t = table(layer, kv_head);
+  const int pt = pool_.layout().page_tokens;
+  positions->resize(t.n_tokens);
+  for (int p = 0; p * pt < t.n_tokens; ++p) {
+    std::memcpy(positions->data() + size_t(p) * pt, pool_.positions(t.pages[p]),
+                std::min(pt, t.n_tokens - p * pt) * sizeof(int32_t));
+  }
+}
+
 kernels::PagedKv PagedSequence::View(int layer, int kv_head) const {
   const BlockTable& t = table(layer, kv_head);
   const KvLayout& lay = pool_.layout();
@@ -188,10 +297,16 @@ kernels::PagedKv PagedSequence::View(int layer, int kv_head) const {
 }
 
 void PagedSequence::Attend(int layer, int kv_head, const kernels::AttnBatch& batch) const {
+  kernels::AttnBatch b = batch;
+  if (observer_ != nullptr) {
+    const auto obs = observer_->Observe(layer, kv_head, head_length(layer, kv_head), batch);
+    b.observe = obs.data();
+    b.n_observe = static_cast<int>(obs.size());
+  }
   if (pool_.layout().plain()) {
-    kernels::PagedAttention(batch, View(layer, kv_head));
+    kernels::PagedAttention(b, View(layer, kv_head));
   } else {
-    CodecAttend(table(layer, kv_head), batch);
+    CodecAttend(table(layer, kv_head), b);
   }
 }
 
@@ -225,6 +340,8 @@ void PagedSequence::Gather(int layer, int kv_head, std::vector<float>* k, std::v
 // decoded into an L1-sized scratch once per tile, so the decode cost is shared by every row.
 // Rotation codecs keep K and V in the rotated basis: rotated queries score them and values
 // accumulate in a second, rotated accumulator that is rotated back once at the end.
+// AttnObserve: observed rows keep each page's exp(s - m) terms and m, folded at the end of the
+// tile into the final weights p * exp(m - m_final) / sum_final.
 void PagedSequence::CodecAttend(const BlockTable& t, const kernels::AttnBatch& b) const {
   const KvLayout& lay = pool_.layout();
   const int pt = lay.page_tokens, hd = lay.head_dim;
@@ -246,6 +363,27 @@ void PagedSequence::CodecAttend(const BlockTable& t, const kernels::AttnBatch& b
   const int n_pages = (t.n_tokens + pt - 1) / pt;
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
+  // Observed rows (tokens with q_pos >= the smallest min_pos), by their token's slot among the
+  // observed tokens of the tile: obs_p [row][n_tokens] the exp(s - m) of each key, obs_m
+  // [row][n_pages] the m of each page (-inf where the row saw nothing of it).
+  thread_local std::vector<float> obs_scratch;
+  float* obs_p = nullptr;
+  float* obs_m = nullptr;
+  int32_t obs_min_pos = 0;
+  int obs_slot[kTileRows];  // tile token -> slot among observed tokens, or -1
+  if (b.n_observe > 0 && n_pages > 0) {
+    obs_min_pos = b.observe[0].min_pos;
+    for (int i = 1; i < b.n_observe; ++i) obs_min_pos = std::min(obs_min_pos, b.observe[i].min_pos);
+    int n_obs_tok = 0;
+    for (int i = 0; i < b.n_tok; ++i) n_obs_tok += b.q_pos[i] >= obs_min_pos;
+    if (n_obs_tok > 0) {
+      const size_t obs_rows = size_t(std::min(tile_tok, n_obs_tok)) * b.n_heads;
+      obs_scratch.resize(obs_rows * (size_t(t.n_tokens) + n_pages));
+      obs_p = obs_scratch.data();
+      obs_m = obs_p + obs_rows * t.n_tokens;
+    }
+  }
+
   for (int t0 = 0; t0 < b.n_tok; t0 += tile_tok) {
     const int nt = std::min(tile_tok, b.n_tok - t0), rows = nt * b.n_heads;
     auto q_row = [&](int r) {
@@ -260,6 +398,11 @@ void PagedSequence::CodecAttend(const BlockTable& t, const kernels::AttnBatch& b
     std::fill(run_max, run_max + rows, neg_inf);
     std::fill(run_sum, run_sum + rows, 0.0f);
     const int32_t q_max = *std::max_element(b.q_pos + t0, b.q_pos + t0 + nt);
+    int obs_tok = 0;  // observed tokens in this tile
+    if (obs_p != nullptr) {
+      for (int i = 0; i < nt; ++i) obs_slot[i] = b.q_pos[t0 + i] >= obs_min_pos ? obs_tok++ : -1;
+      std::fill(obs_m, obs_m + size_t(obs_tok) * b.n_heads * n_pages, neg_inf);
+    }
 
     for (int pg = 0; pg < n_pages; ++pg) {
       const int32_t page = t.pages[pg];
@@ -296,9 +439,19 @@ void PagedSequence::CodecAttend(const BlockTable& t, const kernels::AttnBatch& b
           if (rot_v) codecs::simd::Scale(corr, arr, hd);
         }
         float* dst = v_rotated ? arr : ar;
+        float* keep = nullptr;  // this row's observed terms of the page
+        if (obs_tok > 0 && obs_slot[r / b.n_heads] >= 0) {
+          const size_t o = size_t(obs_slot[r / b.n_heads]) * b.n_heads + r % b.n_heads;
+          keep = obs_p + o * t.n_tokens + size_t(pg) * pt;
+          obs_m[o * n_pages + pg] = new_m;
+        }
         for (int j = 0; j < cnt; ++j) {
-          if (sr[j] == neg_inf) continue;
+          if (sr[j] == neg_inf) {
+            if (keep) keep[j] = 0.0f;
+            continue;
+          }
           const float p = std::exp(sr[j] - new_m);
+          if (keep) keep[j] = p;
           run_sum[r] += p;
           codecs::simd::Axpy(p, v + size_t(j) * hd, dst, hd);
         }
@@ -314,6 +467,26 @@ void PagedSequence::CodecAttend(const BlockTable& t, const kernels::AttnBatch& b
       const float inv = run_sum[r] > 0 ? 1.0f / run_sum[r] : 0.0f;
       float* out = b.out + int64_t(t0 + r / b.n_heads) * b.out_stride + int64_t(r % b.n_heads) * hd;
       for (int i = 0; i < hd; ++i) out[i] = ar[i] * inv;
+    }
+    // Fold the kept terms of the observed rows into their final weights.
+    for (int r = 0; r < rows && obs_tok > 0; ++r) {
+      const int32_t qpos = b.q_pos[t0 + r / b.n_heads];
+      if (obs_slot[r / b.n_heads] < 0 || run_sum[r] == 0.0f) continue;
+      const size_t o = size_t(obs_slot[r / b.n_heads]) * b.n_heads + r % b.n_heads;
+      const float* p_row = obs_p + o * t.n_tokens;
+      const float* m_row = obs_m + o * n_pages;
+      const float inv = 1.0f / run_sum[r];
+      for (int pg = 0; pg < n_pages; ++pg) {
+        if (m_row[pg] == neg_inf) continue;  // nothing of the page visible to the row
+        const float c = std::exp(m_row[pg] - run_max[r]) * inv;
+        const size_t j0 = size_t(pg) * pt;
+        const int cnt = std::min(pt, t.n_tokens - pg * pt);
+        for (int i = 0; i < b.n_observe; ++i) {
+          if (qpos >= b.observe[i].min_pos) {
+            codecs::simd::Axpy(c, p_row + j0, b.observe[i].key_weight + j0, cnt);
+          }
+        }
+      }
     }
   }
 }

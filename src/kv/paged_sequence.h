@@ -14,6 +14,16 @@
 
 namespace cachet {
 
+// Sees every attention call of a sequence (presses gather attention weights this way, inside the
+// kernels' own pass). Called concurrently for different (layer, KV head) pairs.
+class AttentionObserver {
+ public:
+  virtual ~AttentionObserver() = default;
+  // The gatherings to add to this call over a table of n_keys tokens (may be empty).
+  virtual std::span<const kernels::AttnObserve> Observe(int layer, int kv_head, int n_keys,
+                                                        const kernels::AttnBatch& batch) = 0;
+};
+
 class PagedSequence final : public KvSequence {
  public:
   explicit PagedSequence(PagePool& pool);
@@ -41,6 +51,18 @@ class PagedSequence final : public KvSequence {
   // The pages of full block b, one per (layer, KV head); false when per-head lengths differ
   // (a compressed sequence) or the block is not full or not yet in its final (encoded) form.
   bool BlockPages(int block, std::vector<int32_t>* pages) const;
+
+  // Eviction: keeps in each (layer, KV head) table only the tokens whose indices (ascending, into
+  // the table's current order) are listed in keep[layer * n_kv_heads + kv_head], compacted to the
+  // front, and frees the pages no longer needed. Plan, then apply: pages shared with another
+  // sequence or the prefix cache are copied before they are written, and when the pool cannot
+  // supply those copies nothing changes (ResourceExhausted). Staged (KIVI key) layouts are not
+  // supported: their pages encode groups of tokens together.
+  Status Retain(std::span<const std::vector<int32_t>> keep);
+  // Token positions of one table, in table order.
+  void Positions(int layer, int kv_head, std::vector<int32_t>* positions) const;
+
+  void set_observer(AttentionObserver* observer) { observer_ = observer; }  // null: none
 
   int n_tokens() const { return n_tokens_; }  // tokens committed to the sequence
   int head_length(int layer, int kv_head) const { return table(layer, kv_head).n_tokens; }
@@ -74,6 +96,7 @@ class PagedSequence final : public KvSequence {
   PagePool& pool_;
   std::vector<BlockTable> tables_;
   int n_tokens_ = 0;
+  AttentionObserver* observer_ = nullptr;             // not owned, not inherited by forks
   std::vector<int32_t> scratch_raw_, scratch_codec_;  // reused by Reserve: no per-step allocation
 };
 

@@ -158,7 +158,25 @@ std::unique_ptr<Session> Session::Fork() const {
   s->pending_ = pending_;
   s->tokens_ = tokens_;
   s->last_logits_ = last_logits_;
+  s->observer_ = observer_;  // shared, not attached: the child's tokens are not observed
   return s;
+}
+
+void Session::ObserveForPress(int32_t end, int window) {
+  const ModelConfig& c = engine_.config();
+  observer_ =
+      std::make_shared<press::PressObserver>(c.n_layers, c.n_kv_heads, c.head_dim, end, window);
+  seq_->set_observer(observer_.get());
+  observing_ = true;
+}
+
+Result<press::PressResult> Session::Compress(const press::PressOptions& options) {
+  const ModelConfig& c = engine_.config();
+  seq_->set_observer(nullptr);
+  observing_ = false;
+  auto r = press::Compress(options, *seq_, c.n_layers, c.n_kv_heads, observer_.get());
+  observer_.reset();
+  return r;
 }
 
 Status Session::Eval(std::span<const int32_t> tokens, std::vector<float>* logits, bool all_logits) {
@@ -192,7 +210,7 @@ Status Session::Eval(std::span<const int32_t> tokens, std::vector<float>* logits
   // A fresh session first reuses the longest cached prefix (whole pages, leaving at least one
   // token to compute logits from). Not when every token's logits are wanted.
   int reused = 0;
-  if (tokens_.empty() && engine_.prefix_ && !all_logits) {
+  if (tokens_.empty() && engine_.prefix_ && !all_logits && !observing_) {
     reused = engine_.prefix_->Lookup(tokens, salt_, static_cast<int>(tokens.size()) - 1, *seq_);
     tokens_.assign(tokens.begin(), tokens.begin() + reused);
     tokens = tokens.subspan(reused);
@@ -236,7 +254,15 @@ Result<GenerateResult> Session::Generate(std::span<const int32_t> prompt,
   if (prompt.empty() && last_logits_.empty() && pending_.empty()) {
     return InvalidArgument("Generate: empty prompt and nothing evaluated yet");
   }
+  if (options.press) {
+    ObserveForPress(static_cast<int32_t>(n_tokens() + pending_.size() + prompt.size()),
+                    options.press->window);
+  }
   CACHET_RETURN_IF_ERROR(Eval(prompt, nullptr));
+  if (options.press) {
+    auto pr = Compress(*options.press);
+    if (!pr.ok()) return pr.status();
+  }
   r.prefill_ms = MsSince(t0);
   auto t1 = std::chrono::steady_clock::now();
 

@@ -18,6 +18,8 @@ const char* StatusCodeName(StatusCode code) {
       return "RESOURCE_EXHAUSTED";
     case StatusCode::kUnimplemented:
       return "UNIMPLEMENTED";
+    case StatusCode::kFailedPrecondition:
+      return "FAILED_PRECONDITION";
     case StatusCode::kInternal:
       return "INTERNAL";
   }

@@ -15,6 +15,7 @@ enum class StatusCode {
   kOutOfRange,
   kResourceExhausted,  // KV pool full: callers may queue and retry
   kUnimplemented,
+  kFailedPrecondition,  // the operation needs a state the object is not in
   kInternal,
 };
 
@@ -46,6 +47,9 @@ inline Status ResourceExhausted(std::string m) {
   return {StatusCode::kResourceExhausted, std::move(m)};
 }
 inline Status Unimplemented(std::string m) { return {StatusCode::kUnimplemented, std::move(m)}; }
+inline Status FailedPrecondition(std::string m) {
+  return {StatusCode::kFailedPrecondition, std::move(m)};
+}
 inline Status Internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
 
 template <class T>

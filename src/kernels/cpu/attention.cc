@@ -7,6 +7,11 @@
 // the running sum and accumulator to the new running max, exp of the scores, and acc += p . V.
 // Positions are read per key: they need not be contiguous or sorted. Single-threaded; scratch is
 // per thread and reused.
+//
+// AttnObserve: the final softmax weights are known only once a tile has walked every page, so for
+// the observed rows each page's exp(s - m) terms and the running max m they were taken against are
+// kept (per row, per key / per page), and at the end of the tile folded into
+// weight_j = p_j * exp(m_page - m_final) / sum_final.
 
 // clang-format off
 #include "kernels/cpu/hwy_targets.h"  // must precede every Highway header
@@ -110,6 +115,18 @@ HWY_INLINE void Axpy4(const float* HWY_RESTRICT p, const float* const* HWY_RESTR
   for (; d < hd; ++d) acc[d] += (p[0] * v0[d] + p[1] * v1[d]) + (p[2] * v2[d] + p[3] * v3[d]);
 }
 
+// y += c * x.
+HWY_INLINE void AxpyRow(float c, const float* HWY_RESTRICT x, int n, float* HWY_RESTRICT y) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  const VF vc = hn::Set(df, c);
+  int i = 0;
+  for (; i + N <= n; i += N) {
+    hn::StoreU(hn::MulAdd(vc, hn::LoadU(df, x + i), hn::LoadU(df, y + i)), df, y + i);
+  }
+  for (; i < n; ++i) y[i] += c * x[i];
+}
+
 HWY_INLINE void ScaleRow(float* HWY_RESTRICT x, int n, float s) {
   const DF df;
   const int N = static_cast<int>(hn::Lanes(df));
@@ -144,6 +161,27 @@ void PagedAttentionImpl(const AttnBatch& b, const PagedKv& kv) {
   float* run_max = scores + score_floats;
   float* run_sum = run_max + max_rows;
 
+  // Observed rows: those of tokens with q_pos >= the smallest min_pos. For each, obs_p holds the
+  // exp(s - m) of every key ([row][n_tokens], page-table order) and obs_m the m of each page
+  // ([row][n_pages], -inf where the row saw nothing of the page). Rows are indexed by the
+  // token's slot among the observed tokens of the tile.
+  float* obs_p = nullptr;
+  float* obs_m = nullptr;
+  int32_t obs_min_pos = 0;
+  int obs_slot[kMaxTileRows];  // tile token -> its slot among observed tokens, or -1
+  if (b.n_observe > 0 && n_pages > 0) {
+    obs_min_pos = b.observe[0].min_pos;
+    for (int i = 1; i < b.n_observe; ++i) obs_min_pos = std::min(obs_min_pos, b.observe[i].min_pos);
+    int n_obs_tok = 0;
+    for (int t = 0; t < b.n_tok; ++t) n_obs_tok += b.q_pos[t] >= obs_min_pos;
+    if (n_obs_tok > 0) {
+      const size_t obs_rows = static_cast<size_t>(std::min(tile_tok, n_obs_tok)) * n_heads;
+      obs_p = ThreadScratch(kScratchAttentionObserve,
+                            obs_rows * (static_cast<size_t>(kv.n_tokens) + n_pages));
+      obs_m = obs_p + obs_rows * kv.n_tokens;
+    }
+  }
+
   for (int t0 = 0; t0 < b.n_tok; t0 += tile_tok) {
     const int nt = std::min(tile_tok, b.n_tok - t0);
     const int rows = nt * n_heads;
@@ -157,6 +195,11 @@ void PagedAttentionImpl(const AttnBatch& b, const PagedKv& kv) {
     std::fill(acc, acc + static_cast<size_t>(rows) * hd, 0.0f);
     std::fill(run_max, run_max + rows, kNegInf);
     std::fill(run_sum, run_sum + rows, 0.0f);
+    int obs_tok = 0;  // observed tokens in this tile
+    if (obs_p != nullptr) {
+      for (int t = 0; t < nt; ++t) obs_slot[t] = q_pos[t] >= obs_min_pos ? obs_tok++ : -1;
+      std::fill(obs_m, obs_m + static_cast<size_t>(obs_tok) * n_heads * n_pages, kNegInf);
+    }
 
     for (int page = 0; page < n_pages; ++page) {
       const int64_t slot = kv.page_ids[page];
@@ -218,6 +261,11 @@ void PagedAttentionImpl(const AttnBatch& b, const PagedKv& kv) {
           vsum = hn::Add(vsum, p);
         }
         run_sum[r] += ReduceSum(vsum);
+        if (obs_tok > 0 && obs_slot[r / n_heads] >= 0) {
+          const int64_t o = static_cast<int64_t>(obs_slot[r / n_heads]) * n_heads + r % n_heads;
+          std::copy_n(s, cnt, obs_p + o * kv.n_tokens + static_cast<int64_t>(page) * pt);
+          obs_m[o * n_pages + page] = m_new;
+        }
 
         for (int j = 0; j < cnt; j += 4) {
           const float* v[4];
@@ -241,6 +289,25 @@ void PagedAttentionImpl(const AttnBatch& b, const PagedKv& kv) {
       int d = 0;
       for (; d + N <= hd; d += N) hn::StoreU(hn::Mul(hn::LoadU(df, acc_r + d), vinv), df, out + d);
       for (; d < hd; ++d) out[d] = acc_r[d] * inv;
+    }
+
+    // Fold the kept terms of the observed rows into their final weights.
+    for (int r = 0; r < rows && obs_tok > 0; ++r) {
+      const int32_t qp = q_pos[r / n_heads];
+      if (obs_slot[r / n_heads] < 0 || run_sum[r] == 0.0f) continue;
+      const int64_t o = static_cast<int64_t>(obs_slot[r / n_heads]) * n_heads + r % n_heads;
+      const float* p_row = obs_p + o * kv.n_tokens;
+      const float* m_row = obs_m + o * n_pages;
+      const float inv = 1.0f / run_sum[r];
+      for (int page = 0; page < n_pages; ++page) {
+        if (m_row[page] == kNegInf) continue;  // nothing of the page visible to the row
+        const float c = std::exp(m_row[page] - run_max[r]) * inv;
+        const int64_t j0 = static_cast<int64_t>(page) * pt;
+        const int cnt = std::min(pt, kv.n_tokens - page * pt);
+        for (int i = 0; i < b.n_observe; ++i) {
+          if (qp >= b.observe[i].min_pos) AxpyRow(c, p_row + j0, cnt, b.observe[i].key_weight + j0);
+        }
+      }
     }
   }
 }

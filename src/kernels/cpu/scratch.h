@@ -11,7 +11,8 @@ enum ScratchSlot : int {
   kScratchMatMulW = 1,    // MatMul: a block of weight rows converted to f32 (each worker thread)
   kScratchMatMulAcc = 2,  // MatMul: tile accumulators between column chunks (each worker thread)
   kScratchAttention = 3,
-  kScratchSlots = 4,
+  kScratchAttentionObserve = 4,  // PagedAttention: per-row softmax terms kept for AttnObserve
+  kScratchSlots = 5,
 };
 
 // At least n floats, 64-byte aligned, owned by the calling thread; contents are unspecified.

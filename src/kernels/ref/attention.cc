@@ -1,6 +1,7 @@
 // Reference attention. ContiguousAttention is the textbook computation (scores, max-subtracted
 // softmax, weighted sum of values) over K/V rows in plain arrays; PagedAttention copies the keys
-// of the page table into such arrays, in logical order, and calls it.
+// of the page table into such arrays, in logical order, and calls it (so observed key weights,
+// indexed by key, come out in page-table order).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -46,6 +47,13 @@ void ContiguousAttention(const AttnBatch& b, const float* k, const float* v, con
           for (int d = 0; d < head_dim; ++d) acc[d] += probs[j] * v_j[d];
         }
         for (int d = 0; d < head_dim; ++d) acc[d] /= sum;
+        for (int i = 0; i < b.n_observe; ++i) {
+          const AttnObserve& o = b.observe[i];
+          if (b.q_pos[t] < o.min_pos) continue;
+          for (int j = 0; j < n_keys; ++j) {
+            if (k_pos[j] <= b.q_pos[t]) o.key_weight[j] += probs[j] / sum;
+          }
+        }
       }
       std::memcpy(out, acc.data(), sizeof(float) * head_dim);
     }

@@ -1,0 +1,477 @@
+#include "kv/press/press.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <random>
+
+namespace cachet::press {
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+constexpr const char* kScorerNames[] = {"streaming", "h2o",     "snapkv",   "tova",
+                                        "knorm",     "keydiff", "expected", "random"};
+
+// Scorers whose scores are attention weights (comparable across heads of a layer as they are).
+bool AttentionLike(Scorer s) {
+  return s == Scorer::kH2O || s == Scorer::kSnapKV || s == Scorer::kTova || s == Scorer::kExpected;
+}
+
+// Budgets near want[i] * lambda, each clamped to [lo[i], hi[i]], summing to total when reachable
+// (largest-remainder rounding of the clamped real values).
+std::vector<int> FitToTotal(const std::vector<double>& want, const std::vector<int>& lo,
+                            const std::vector<int>& hi, int64_t total) {
+  const size_t n = want.size();
+  auto sum_at = [&](double lambda) {
+    double s = 0;
+    for (size_t i = 0; i < n; ++i) s += std::clamp(want[i] * lambda, double(lo[i]), double(hi[i]));
+    return s;
+  };
+  double a = 0, b = 1;
+  while (sum_at(b) < total && b < 1e12) b *= 2;
+  for (int it = 0; it < 100; ++it) {
+    const double m = 0.5 * (a + b);
+    (sum_at(m) < total ? a : b) = m;
+  }
+  std::vector<double> x(n);
+  std::vector<int> out(n);
+  int64_t assigned = 0;
+  for (size_t i = 0; i < n; ++i) {
+    x[i] = std::clamp(want[i] * b, double(lo[i]), double(hi[i]));
+    out[i] = static_cast<int>(std::floor(x[i]));
+    assigned += out[i];
+  }
+  std::vector<size_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t i, size_t j) { return x[i] - out[i] > x[j] - out[j]; });
+  for (size_t k = 0; assigned < total && k < n; ++k) {
+    if (out[order[k]] < hi[order[k]]) ++out[order[k]], ++assigned;
+  }
+  for (size_t k = n; assigned > total && k-- > 0;) {
+    if (out[order[k]] > lo[order[k]]) --out[order[k]], --assigned;
+  }
+  return out;
+}
+
+// Indices of the b highest scores (ties to the earlier token), ascending.
+std::vector<int32_t> TopIndices(const std::vector<float>& s, int b) {
+  std::vector<int32_t> idx(s.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  b = std::clamp(b, 0, static_cast<int>(s.size()));
+  std::nth_element(idx.begin(), idx.begin() + b, idx.end(),
+                   [&](int32_t i, int32_t j) { return s[i] > s[j] || (s[i] == s[j] && i < j); });
+  idx.resize(b);
+  std::sort(idx.begin(), idx.end());
+  return idx;
+}
+
+}  // namespace
+
+bool PressOptions::NeedsAttention() const {
+  return scorer == Scorer::kH2O || scorer == Scorer::kSnapKV || scorer == Scorer::kTova ||
+         scorer == Scorer::kExpected;
+}
+
+const std::vector<std::string>& ScorerNames() {
+  static const std::vector<std::string> kNames(std::begin(kScorerNames), std::end(kScorerNames));
+  return kNames;
+}
+
+const char* ScorerName(Scorer s) { return kScorerNames[static_cast<int>(s)]; }
+
+Status ParsePressSpec(std::string_view spec, PressOptions* o) {
+  std::vector<std::string_view> parts;
+  for (size_t start = 0;;) {
+    const size_t plus = spec.find('+', start);
+    parts.push_back(spec.substr(start, plus - start));
+    if (plus == std::string_view::npos) break;
+    start = plus + 1;
+  }
+  o->allocator = Allocator::kUniform;
+  o->share = ShareLayers::kNone;
+  std::string_view name = parts[0];
+  if (name == "pyramidkv") {
+    name = "snapkv";
+    o->allocator = Allocator::kPyramid;
+  }
+  const auto& names = ScorerNames();
+  const auto it = std::find(names.begin(), names.end(), name);
+  if (it == names.end()) {
+    std::string known;
+    for (const auto& n : names) known += n + ", ";
+    return InvalidArgument("unknown press '" + std::string(name) + "' in '" + std::string(spec) +
+                           "' (known: " + known + "pyramidkv)");
+  }
+  o->scorer = static_cast<Scorer>(it - names.begin());
+  for (size_t i = 1; i < parts.size(); ++i) {
+    const std::string_view m = parts[i];
+    if (m == "uniform") {
+      o->allocator = Allocator::kUniform;
+    } else if (m == "pyramid") {
+      o->allocator = Allocator::kPyramid;
+    } else if (m == "ada") {
+      o->allocator = Allocator::kAda;
+    } else if (m == "max") {
+      o->share = ShareLayers::kMax;
+    } else if (m == "mean") {
+      o->share = ShareLayers::kMean;
+    } else {
+      return InvalidArgument("unknown press modifier '" + std::string(m) + "' in '" +
+                             std::string(spec) +
+                             "' (allocators: uniform, pyramid, ada; cross-layer: max, mean)");
+    }
+  }
+  if (o->share != ShareLayers::kNone && o->allocator != Allocator::kUniform) {
+    return InvalidArgument("press '" + std::string(spec) +
+                           "': cross-layer selection (max/mean) keeps one token set everywhere, "
+                           "so it takes no per-head allocator");
+  }
+  return OkStatus();
+}
+
+std::string PressSpec(const PressOptions& o) {
+  std::string s = ScorerName(o.scorer);
+  if (o.allocator == Allocator::kPyramid) s += "+pyramid";
+  if (o.allocator == Allocator::kAda) s += "+ada";
+  if (o.share == ShareLayers::kMax) s += "+max";
+  if (o.share == ShareLayers::kMean) s += "+mean";
+  return s;
+}
+
+PressObserver::PressObserver(int n_layers, int n_kv_heads, int head_dim, int32_t end, int window)
+    : n_kv_heads_(n_kv_heads),
+      head_dim_(head_dim),
+      end_(end),
+      window_(window),
+      heads_(size_t(n_layers) * n_kv_heads) {
+  for (Head& h : heads_) {
+    h.observe[kAll].min_pos = 0;
+    h.observe[kWindow].min_pos = end - std::max(window, 1);
+    h.observe[kLast].min_pos = end - 1;
+    h.q_sum.assign(head_dim, 0.0);
+    h.q_outer.assign(size_t(head_dim) * head_dim, 0.0);
+  }
+}
+
+std::span<const kernels::AttnObserve> PressObserver::Observe(int layer, int kv_head, int n_keys,
+                                                             const kernels::AttnBatch& b) {
+  Head& h = heads_[layer * n_kv_heads_ + kv_head];
+  for (int g = 0; g < kGatherings; ++g) {
+    if (static_cast<int>(h.weights[g].size()) < n_keys) h.weights[g].resize(n_keys, 0.0f);
+    h.observe[g].key_weight = h.weights[g].data();
+  }
+  const int d = head_dim_;
+  for (int t = 0; t < b.n_tok; ++t) {
+    if (b.q_pos[t] < h.observe[kWindow].min_pos) continue;
+    for (int head = 0; head < b.n_heads; ++head) {
+      const float* q = b.q + t * b.q_stride + int64_t(head) * d;
+      for (int i = 0; i < d; ++i) {
+        h.q_sum[i] += q[i];
+        double* row = h.q_outer.data() + size_t(i) * d;
+        for (int j = 0; j < d; ++j) row[j] += double(q[i]) * q[j];
+      }
+      ++h.q_rows;
+    }
+  }
+  return {h.observe, kGatherings};
+}
+
+void PressObserver::QueryStats(int layer, int kv_head, std::vector<double>* mean,
+                               std::vector<double>* cov) const {
+  const Head& h = heads_[layer * n_kv_heads_ + kv_head];
+  const int d = head_dim_;
+  const double n = std::max<int64_t>(h.q_rows, 1);
+  mean->resize(d);
+  cov->resize(size_t(d) * d);
+  for (int i = 0; i < d; ++i) (*mean)[i] = h.q_sum[i] / n;
+  for (int i = 0; i < d; ++i) {
+    for (int j = 0; j < d; ++j) {
+      (*cov)[size_t(i) * d + j] = h.q_outer[size_t(i) * d + j] / n - (*mean)[i] * (*mean)[j];
+    }
+  }
+}
+
+std::vector<int> AllocateBudgets(const PressOptions& o, int n_layers, int n_kv_heads, int n_tokens,
+                                 int64_t total, int min_keep,
+                                 std::span<const std::vector<float>> scores) {
+  const int T = n_layers * n_kv_heads;
+  min_keep = std::min(min_keep, n_tokens);
+  const std::vector<int> lo(T, min_keep), hi(T, n_tokens);
+  total = std::clamp<int64_t>(total, int64_t(T) * min_keep, int64_t(T) * n_tokens);
+  const double mean = double(total) / T;
+  std::vector<double> want(T, 1.0);
+  if (o.allocator == Allocator::kPyramid && n_layers > 1) {
+    // Linear from the bottom layer down to mean / beta at the top, averaging to the mean.
+    const double top = mean / o.pyramid_beta, bottom = 2 * mean - top;
+    for (int l = 0; l < n_layers; ++l) {
+      const double w = bottom + (top - bottom) * l / (n_layers - 1);
+      for (int h = 0; h < n_kv_heads; ++h) want[l * n_kv_heads + h] = w;
+    }
+  } else if (o.allocator == Allocator::kAda && !scores.empty()) {
+    // Per layer: every head keeps its own top floor; the rest of the layer's budget goes to the
+    // best remaining scores of all its heads pooled.
+    const int floor_b =
+        std::clamp(static_cast<int>(std::ceil(o.ada_floor * mean)), min_keep, n_tokens);
+    std::vector<int> out(T, floor_b);
+    for (int l = 0; l < n_layers; ++l) {
+      struct Cand {
+        float s;
+        int head;
+      };
+      std::vector<Cand> pool;
+      for (int h = 0; h < n_kv_heads; ++h) {
+        std::vector<float> s = scores[l * n_kv_heads + h];
+        std::sort(s.begin(), s.end(), std::greater<>());
+        for (size_t i = floor_b; i < s.size(); ++i) pool.push_back({s[i], h});
+      }
+      const int64_t rest = std::clamp<int64_t>(
+          std::llround(mean * n_kv_heads) - int64_t(floor_b) * n_kv_heads, 0, int64_t(pool.size()));
+      std::nth_element(pool.begin(), pool.begin() + rest, pool.end(),
+                       [](const Cand& a, const Cand& b) { return a.s > b.s; });
+      for (int64_t i = 0; i < rest; ++i) ++out[l * n_kv_heads + pool[i].head];
+    }
+    for (int i = 0; i < T; ++i) want[i] = out[i];
+    return FitToTotal(want, lo, hi, total);
+  }
+  return FitToTotal(want, lo, hi, total);
+}
+
+Status ScoreTokens(const PressOptions& o, const PagedSequence& seq, int n_layers, int n_kv_heads,
+                   const PressObserver* observer, std::vector<std::vector<float>>* scores) {
+  if (o.NeedsAttention() && observer == nullptr) {
+    return FailedPrecondition(std::string("press '") + ScorerName(o.scorer) +
+                              "' needs the prompt's attention weights, but no observer watched "
+                              "the prompt");
+  }
+  scores->assign(size_t(n_layers) * n_kv_heads, {});
+  std::vector<float> k, v;
+  std::vector<int32_t> pos;
+  std::vector<double> mean, cov;
+  for (int l = 0; l < n_layers; ++l) {
+    for (int h = 0; h < n_kv_heads; ++h) {
+      const int ti = l * n_kv_heads + h;
+      std::vector<float>& s = (*scores)[ti];
+      const int n = seq.head_length(l, h);
+      s.assign(n, 0.0f);
+      auto weights = [&](PressObserver::Gathering g) -> Status {
+        const std::vector<float>& w = observer->weights(l, h, g);
+        if (static_cast<int>(w.size()) != n) {
+          return FailedPrecondition("the press observer saw " + std::to_string(w.size()) +
+                                    " keys in layer " + std::to_string(l) + " head " +
+                                    std::to_string(h) + " but the cache holds " +
+                                    std::to_string(n) + " (compress right after the prompt)");
+        }
+        s = w;
+        return OkStatus();
+      };
+      switch (o.scorer) {
+        case Scorer::kStreaming:
+          for (int j = 0; j < n; ++j) s[j] = float(j);  // table order is time order
+          break;
+        case Scorer::kRandom: {
+          std::mt19937_64 rng(o.seed * 0x9E3779B97F4A7C15ull + ti);
+          std::uniform_real_distribution<float> u(0.0f, 1.0f);
+          for (float& x : s) x = u(rng);
+          break;
+        }
+        case Scorer::kH2O:
+          CACHET_RETURN_IF_ERROR(weights(PressObserver::kAll));
+          break;
+        case Scorer::kTova:
+          CACHET_RETURN_IF_ERROR(weights(PressObserver::kLast));
+          break;
+        case Scorer::kSnapKV: {
+          CACHET_RETURN_IF_ERROR(weights(PressObserver::kWindow));
+          const int r = std::max(o.pool_kernel, 1) / 2;
+          if (r > 0) {
+            const std::vector<float> w = s;
+            for (int j = 0; j < n; ++j) {
+              float m = w[j];
+              for (int i = std::max(0, j - r); i <= std::min(n - 1, j + r); ++i)
+                m = std::max(m, w[i]);
+              s[j] = m;
+            }
+          }
+          break;
+        }
+        case Scorer::kKNorm:
+        case Scorer::kKeyDiff:
+        case Scorer::kExpected: {
+          seq.Gather(l, h, &k, &v, &pos);
+          const int d = n > 0 ? static_cast<int>(k.size() / n) : 0;
+          if (o.scorer == Scorer::kKNorm) {  // low key norm ~ high attention
+            for (int j = 0; j < n; ++j) {
+              double q = 0;
+              for (int i = 0; i < d; ++i) q += double(k[size_t(j) * d + i]) * k[size_t(j) * d + i];
+              s[j] = -float(std::sqrt(q));
+            }
+          } else if (o.scorer == Scorer::kKeyDiff) {  // distinctive keys: far from the mean key
+            std::vector<double> mk(d, 0.0);
+            for (int j = 0; j < n; ++j)
+              for (int i = 0; i < d; ++i) mk[i] += k[size_t(j) * d + i];
+            double mn = 0;
+            for (double x : mk) mn += x * x;
+            mn = std::sqrt(mn) + 1e-30;
+            for (int j = 0; j < n; ++j) {
+              double dot = 0, kn = 0;
+              for (int i = 0; i < d; ++i) {
+                dot += mk[i] * k[size_t(j) * d + i];
+                kn += double(k[size_t(j) * d + i]) * k[size_t(j) * d + i];
+              }
+              s[j] = -float(dot / (mn * (std::sqrt(kn) + 1e-30)));
+            }
+          } else {
+            // Expected attention of future queries ~ N(mean, cov) of the window's queries:
+            // E[exp(q.k / sqrt d)] = exp(mean.k / sqrt d + k' cov k / 2d), weighted by |v|;
+            // normalized to sum 1 over the head's keys.
+            observer->QueryStats(l, h, &mean, &cov);
+            const double rd = 1.0 / std::sqrt(double(d));
+            std::vector<double> ls(n);
+            double mx = -1e300;
+            for (int j = 0; j < n; ++j) {
+              const float* kj = k.data() + size_t(j) * d;
+              const float* vj = v.data() + size_t(j) * d;
+              double mu = 0, quad = 0, vn = 0;
+              for (int i = 0; i < d; ++i) {
+                mu += mean[i] * kj[i];
+                vn += double(vj[i]) * vj[i];
+                double row = 0;
+                for (int c = 0; c < d; ++c) row += cov[size_t(i) * d + c] * kj[c];
+                quad += kj[i] * row;
+              }
+              ls[j] = mu * rd + quad / (2.0 * d) + 0.5 * std::log(vn + 1e-30);
+              mx = std::max(mx, ls[j]);
+            }
+            double sum = 0;
+            for (int j = 0; j < n; ++j) sum += (ls[j] = std::exp(ls[j] - mx));
+            for (int j = 0; j < n; ++j) s[j] = float(ls[j] / sum);
+          }
+          break;
+        }
+      }
+    }
+  }
+  return OkStatus();
+}
+
+Result<PressResult> Compress(const PressOptions& o, PagedSequence& seq, int n_layers,
+                             int n_kv_heads, const PressObserver* observer) {
+  if (!(o.ratio >= 0 && o.ratio < 1)) {
+    return InvalidArgument("press ratio is the fraction of KV removed and must be in [0, 1)");
+  }
+  if (o.budget < 0) return InvalidArgument("press budget must be a positive token count");
+  const int T = n_layers * n_kv_heads;
+  PressResult r;
+  r.bytes_before = seq.bytes_held();
+  int n_max = 0;
+  for (int l = 0; l < n_layers; ++l) {
+    for (int h = 0; h < n_kv_heads; ++h) {
+      r.tokens_before += seq.head_length(l, h);
+      n_max = std::max(n_max, seq.head_length(l, h));
+    }
+  }
+  std::vector<std::vector<float>> scores;
+  CACHET_RETURN_IF_ERROR(ScoreTokens(o, seq, n_layers, n_kv_heads, observer, &scores));
+
+  // Protection: sinks (by original position), the observation window for the scorers that use
+  // one, then everything else by score.
+  std::vector<int32_t> pos;
+  int protected_max = 0;
+  const bool keeps_window = o.scorer == Scorer::kSnapKV || o.scorer == Scorer::kExpected;
+  const int32_t window_from = observer ? observer->end() - o.window : 0;
+  std::vector<std::vector<uint8_t>> prot(T);
+  for (int ti = 0; ti < T; ++ti) {
+    seq.Positions(ti / n_kv_heads, ti % n_kv_heads, &pos);
+    prot[ti].assign(pos.size(), 0);
+    int count = 0;
+    for (size_t j = 0; j < pos.size(); ++j) {
+      prot[ti][j] = pos[j] < o.sinks || (keeps_window && observer && pos[j] >= window_from);
+      count += prot[ti][j];
+    }
+    protected_max = std::max(protected_max, count);
+  }
+
+  // Normalized scores (what Ada-KV pools and cross-layer selection combines): attention weights
+  // divided by their layer's sum; other scores min-max scaled per head.
+  std::vector<std::vector<float>> norm = scores;
+  for (int l = 0; l < n_layers; ++l) {
+    if (AttentionLike(o.scorer)) {
+      double sum = 0;
+      for (int h = 0; h < n_kv_heads; ++h)
+        for (float x : norm[l * n_kv_heads + h]) sum += x;
+      const float inv = sum > 0 ? float(1.0 / sum) : 0.0f;
+      for (int h = 0; h < n_kv_heads; ++h)
+        for (float& x : norm[l * n_kv_heads + h]) x *= inv;
+    } else {
+      for (int h = 0; h < n_kv_heads; ++h) {
+        auto& s = norm[l * n_kv_heads + h];
+        if (s.empty()) continue;
+        const auto [lo, hi] = std::minmax_element(s.begin(), s.end());
+        const float a = *lo, span = *hi - *lo;
+        for (float& x : s) x = span > 0 ? (x - a) / span : 1.0f;
+      }
+    }
+  }
+  for (int ti = 0; ti < T; ++ti) {
+    for (size_t j = 0; j < norm[ti].size(); ++j) {
+      if (prot[ti][j]) norm[ti][j] = kInf;
+    }
+  }
+
+  // Budgets.
+  const int64_t mean_b =
+      o.budget > 0 ? o.budget : std::llround((1.0 - o.ratio) * static_cast<double>(n_max));
+  std::vector<int> budgets;
+  if (o.share != ShareLayers::kNone) {
+    budgets.assign(T, static_cast<int>(std::clamp<int64_t>(mean_b, protected_max, n_max)));
+  } else {
+    budgets = AllocateBudgets(o, n_layers, n_kv_heads, n_max, mean_b * T, protected_max, norm);
+  }
+
+  std::vector<std::vector<int32_t>> keep(T);
+  if (o.share != ShareLayers::kNone) {
+    std::vector<int32_t> pos0;
+    seq.Positions(0, 0, &pos0);
+    for (int ti = 1; ti < T; ++ti) {
+      seq.Positions(ti / n_kv_heads, ti % n_kv_heads, &pos);
+      if (pos != pos0) {
+        return FailedPrecondition(
+            "cross-layer selection needs every (layer, KV head) to hold the same tokens; this "
+            "cache was already compressed per head");
+      }
+    }
+    std::vector<float> combined(pos0.size(), o.share == ShareLayers::kMax ? -kInf : 0.0f);
+    for (int ti = 0; ti < T; ++ti) {
+      for (size_t j = 0; j < combined.size(); ++j) {
+        combined[j] = o.share == ShareLayers::kMax ? std::max(combined[j], norm[ti][j])
+                                                   : combined[j] + norm[ti][j] / T;
+      }
+    }
+    const std::vector<int32_t> shared = TopIndices(combined, budgets[0]);
+    for (auto& k : keep) k = shared;
+  } else {
+    for (int ti = 0; ti < T; ++ti) {
+      std::vector<float>& s = scores[ti];
+      for (size_t j = 0; j < s.size(); ++j) {
+        if (prot[ti][j]) s[j] = kInf;
+      }
+      int b = std::min<int>(budgets[ti], static_cast<int>(s.size()));
+      if (o.scorer == Scorer::kH2O) {
+        // Half heavy hitters, half the most recent tokens.
+        for (int j = std::max(0, static_cast<int>(s.size()) - b / 2); j < int(s.size()); ++j) {
+          s[j] = kInf;
+        }
+      }
+      keep[ti] = TopIndices(s, b);
+    }
+  }
+  CACHET_RETURN_IF_ERROR(seq.Retain(keep));
+  for (const auto& k : keep) r.tokens_after += static_cast<int64_t>(k.size());
+  r.bytes_after = seq.bytes_held();
+  return r;
+}
+
+}  // namespace cachet::press

@@ -1,0 +1,106 @@
+// Presses: evict cached tokens to a budget, freeing their pages (ALGORITHMS.md, "Eviction
+// scorers" and "Budget allocation"). A scorer rates every cached token of every (layer, KV head);
+// an allocator turns the global budget into per-(layer, head) budgets; the plan keeps the protected
+// tokens plus the best-rated ones and PagedSequence::Retain compacts the tables and frees pages.
+// Scores that need attention weights come from a PressObserver attached while the prompt is
+// evaluated: the attention kernels add the weights during their own pass.
+#pragma once
+
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kv/paged_sequence.h"
+#include "util/status.h"
+
+namespace cachet::press {
+
+enum class Scorer { kStreaming, kH2O, kSnapKV, kTova, kKNorm, kKeyDiff, kExpected, kRandom };
+enum class Allocator { kUniform, kPyramid, kAda };
+enum class ShareLayers { kNone, kMax, kMean };
+
+struct PressOptions {
+  Scorer scorer = Scorer::kSnapKV;
+  Allocator allocator = Allocator::kUniform;
+  ShareLayers share = ShareLayers::kNone;  // one token set for every layer and head
+  double ratio = 0;                        // fraction of each table's tokens removed, in [0, 1)
+  int budget = 0;       // tokens kept per (layer, KV head) on average; overrides ratio when > 0
+  int sinks = 4;        // the first tokens, always kept
+  int window = 32;      // SnapKV/expected: observation window of last prompt queries, always kept
+  int pool_kernel = 7;  // SnapKV: 1-D max pooling of the window's attention
+  double ada_floor = 0.2;    // Ada-KV: each head keeps at least this fraction of the mean budget
+  double pyramid_beta = 20;  // PyramidKV: the top layer gets 1/beta of the mean budget
+  uint64_t seed = 0;         // random
+
+  bool NeedsAttention() const;  // whether a PressObserver must watch the prompt
+};
+
+const std::vector<std::string>& ScorerNames();
+const char* ScorerName(Scorer s);
+// "snapkv", "snapkv+ada", "snapkv+max", "h2o+pyramid", "pyramidkv" (= snapkv+pyramid): a scorer
+// and optional modifiers (allocators uniform|pyramid|ada, cross-layer max|mean). Sets the
+// scorer, allocator and share fields of *options and leaves the others.
+Status ParsePressSpec(std::string_view spec, PressOptions* options);
+std::string PressSpec(const PressOptions& options);  // the inverse
+
+// Gathers, for one sequence, what attention-based scorers need: per (layer, KV head) and key,
+// the attention weight summed over all queries (h2o), over the queries at positions >=
+// end - window (snapkv), and of the last query (tova); and the mean and covariance of the window's
+// queries (expected attention). Attach it before the prompt is evaluated
+// (PagedSequence::set_observer) and keep it until Compress.
+class PressObserver final : public AttentionObserver {
+ public:
+  // end: the position just past the prompt's last token; head_dim and the GQA group size as the
+  // model has them.
+  PressObserver(int n_layers, int n_kv_heads, int head_dim, int32_t end, int window);
+  std::span<const kernels::AttnObserve> Observe(int layer, int kv_head, int n_keys,
+                                                const kernels::AttnBatch& batch) override;
+
+  enum Gathering { kAll = 0, kWindow = 1, kLast = 2, kGatherings = 3 };
+  const std::vector<float>& weights(int layer, int kv_head, Gathering g) const {
+    return heads_[layer * n_kv_heads_ + kv_head].weights[g];
+  }
+  // Mean [head_dim] and covariance [head_dim][head_dim] of the window's query rows.
+  void QueryStats(int layer, int kv_head, std::vector<double>* mean,
+                  std::vector<double>* cov) const;
+  int32_t end() const { return end_; }
+  int window() const { return window_; }
+
+ private:
+  struct Head {
+    std::vector<float> weights[kGatherings];
+    kernels::AttnObserve observe[kGatherings];
+    std::vector<double> q_sum, q_outer;  // over window query rows
+    int64_t q_rows = 0;
+  };
+  int n_kv_heads_, head_dim_;
+  int32_t end_;
+  int window_;
+  std::vector<Head> heads_;
+};
+
+// Per-(layer, KV head) budgets (table order) for tables of n_tokens each, given the scores the
+// Ada-KV allocator pools; every budget is in [min_keep, n_tokens] and they sum to
+// total (when that is reachable).
+std::vector<int> AllocateBudgets(const PressOptions& o, int n_layers, int n_kv_heads, int n_tokens,
+                                 int64_t total, int min_keep,
+                                 std::span<const std::vector<float>> scores);
+
+// Scores every token of every table (higher = keep), in table order.
+Status ScoreTokens(const PressOptions& o, const PagedSequence& seq, int n_layers, int n_kv_heads,
+                   const PressObserver* observer, std::vector<std::vector<float>>* scores);
+
+// What Compress decided, for reports and tests.
+struct PressResult {
+  int64_t tokens_before = 0, tokens_after = 0;  // summed over tables
+  size_t bytes_before = 0, bytes_after = 0;     // the sequence's page bytes
+};
+
+// Evicts to the budget and frees the pages. observer may be null for scorers that do not
+// need attention (NeedsAttention()). Nothing changes on error.
+Result<PressResult> Compress(const PressOptions& o, PagedSequence& seq, int n_layers,
+                             int n_kv_heads, const PressObserver* observer);
+
+}  // namespace cachet::press

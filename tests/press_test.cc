@@ -1,0 +1,398 @@
+// Presses: eviction really frees pages (PagedSequence::Retain), every scorer on hand-built caches
+// whose right answer is known, the budget allocators, and presses on the real kvtiny model.
+#include "kv/press/press.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "cachet/engine.h"
+#include "kernels/kernels.h"
+#include "kv/paged_sequence.h"
+#include "model/config.h"
+#include "test_util.h"
+
+namespace cachet {
+namespace {
+
+using press::Allocator;
+using press::PressOptions;
+using press::Scorer;
+
+constexpr int kDim = 16;
+
+// A sequence of n tokens whose K/V rows are random, identical across tables except for a
+// per-table offset, at positions 0..n-1.
+struct TestCache {
+  TestCache(KvLayout layout, int n, size_t capacity_pages = 4096)
+      : lay(layout), pool(lay, capacity_pages * lay.page_bytes()), seq(pool) {
+    std::mt19937 rng(7);
+    std::normal_distribution<float> g;
+    const int T = lay.n_layers * lay.n_kv_heads;
+    k.assign(T, std::vector<float>(size_t(n) * lay.head_dim));
+    v = k;
+    for (int ti = 0; ti < T; ++ti) {
+      for (auto& x : k[ti]) x = g(rng);
+      for (auto& x : v[ti]) x = g(rng);
+    }
+    EXPECT_TRUE(seq.Reserve(n).ok());
+    for (int j = 0; j < n; ++j) {
+      for (int ti = 0; ti < T; ++ti) {
+        seq.Append(ti / lay.n_kv_heads, ti % lay.n_kv_heads, &k[ti][size_t(j) * lay.head_dim],
+                   &v[ti][size_t(j) * lay.head_dim], j);
+      }
+    }
+    seq.CommitTokens(n);
+  }
+  KvLayout lay;
+  PagePool pool;
+  PagedSequence seq;
+  std::vector<std::vector<float>> k, v;  // per table, [n][head_dim]
+};
+
+KvLayout Layout(int page_tokens, const char* codec = "f32") {
+  KvLayout l{2, 2, kDim, page_tokens};
+  l.codec_k = l.codec_v = codecs::ParseCodec(codec).value();
+  return l;
+}
+
+std::vector<int32_t> RandomKeep(int n, int b, std::mt19937& rng) {
+  std::vector<int32_t> idx(n);
+  std::iota(idx.begin(), idx.end(), 0);
+  std::shuffle(idx.begin(), idx.end(), rng);
+  idx.resize(b);
+  std::sort(idx.begin(), idx.end());
+  return idx;
+}
+
+size_t PagesFor(int tokens, int pt) { return (tokens + pt - 1) / pt; }
+
+TEST(PressRetain, KeepsExactlyTheChosenRowsAndFreesPages) {
+  for (const char* codec : {"f32", "f16", "q8_0"}) {
+    for (int pt : {1, 4, 16}) {
+      for (int n : {1, 17, 97}) {
+        SCOPED_TRACE(std::string(codec) + " pt=" + std::to_string(pt) + " n=" + std::to_string(n));
+        TestCache c(Layout(pt, codec), n);
+        std::mt19937 rng(n * 31 + pt);
+        std::vector<std::vector<int32_t>> keep(4);
+        for (auto& kp : keep)
+          kp = RandomKeep(n, std::uniform_int_distribution<int>(0, n)(rng), rng);
+        std::vector<std::vector<float>> before_k(4), before_v(4);
+        std::vector<int32_t> pos;
+        for (int ti = 0; ti < 4; ++ti)
+          c.seq.Gather(ti / 2, ti % 2, &before_k[ti], &before_v[ti], &pos);
+        ASSERT_TRUE(c.seq.Retain(keep).ok());
+        size_t pages = 0;
+        for (int ti = 0; ti < 4; ++ti) {
+          std::vector<float> kk, vv;
+          c.seq.Gather(ti / 2, ti % 2, &kk, &vv, &pos);
+          ASSERT_EQ(c.seq.head_length(ti / 2, ti % 2), int(keep[ti].size()));
+          for (size_t j = 0; j < keep[ti].size(); ++j) {
+            EXPECT_EQ(pos[j], keep[ti][j]);
+            for (int d = 0; d < kDim; ++d) {
+              // Re-encoding a decoded row is exact for f32/f16 and within one q8_0 step.
+              const float tol = std::string(codec) == "q8_0" ? 0.05f : 0.0f;
+              EXPECT_NEAR(kk[j * kDim + d], before_k[ti][keep[ti][j] * kDim + d], tol);
+              EXPECT_NEAR(vv[j * kDim + d], before_v[ti][keep[ti][j] * kDim + d], tol);
+            }
+          }
+          pages += PagesFor(int(keep[ti].size()), pt);
+        }
+        // Memory really falls: the pool holds the kept tokens' pages and nothing else.
+        EXPECT_EQ(c.pool.used_bytes(), pages * c.lay.page_bytes());
+        EXPECT_EQ(c.seq.bytes_held(), pages * c.lay.page_bytes());
+        // The compacted cache keeps growing normally.
+        ASSERT_TRUE(c.seq.Reserve(3).ok());
+      }
+    }
+  }
+}
+
+TEST(PressRetain, AttentionOverRetainedEqualsContiguousOverSubset) {
+  TestCache c(Layout(16), 200);
+  std::mt19937 rng(3);
+  std::vector<std::vector<int32_t>> keep(4);
+  for (auto& kp : keep) kp = RandomKeep(200, 61, rng);
+  ASSERT_TRUE(c.seq.Retain(keep).ok());
+  std::vector<float> q(2 * kDim), out(2 * kDim), ref(2 * kDim);
+  for (auto& x : q) x = std::normal_distribution<float>()(rng);
+  const int32_t qpos = 500;
+  kernels::AttnBatch b{q.data(), 2 * kDim, out.data(), 2 * kDim, &qpos, 1, 2, 0.25f};
+  c.seq.Attend(1, 0, b);
+  std::vector<float> kk, vv;
+  std::vector<int32_t> kp;
+  for (int j : keep[2]) {
+    kk.insert(kk.end(), &c.k[2][j * kDim], &c.k[2][j * kDim] + kDim);
+    vv.insert(vv.end(), &c.v[2][j * kDim], &c.v[2][j * kDim] + kDim);
+    kp.push_back(j);
+  }
+  kernels::AttnBatch rb = b;
+  rb.out = ref.data();
+  kernels::ref::ContiguousAttention(rb, kk.data(), vv.data(), kp.data(), int(kp.size()), kDim);
+  for (int i = 0; i < 2 * kDim; ++i) EXPECT_NEAR(out[i], ref[i], 1e-5);
+}
+
+TEST(PressRetain, SharedPagesAreCopiedAndFailureChangesNothing) {
+  const KvLayout lay = Layout(4);
+  TestCache c(lay, 16, /*capacity_pages=*/20);  // 16 pages used, 4 free
+  auto child = c.seq.Fork();
+  std::vector<float> pk, pv;
+  std::vector<int32_t> ppos;
+  c.seq.Gather(0, 0, &pk, &pv, &ppos);
+  // Dropping token 0 rewrites every destination page of every table: 16 copies, 4 free.
+  std::vector<std::vector<int32_t>> keep(4, std::vector<int32_t>(15));
+  for (auto& kp : keep) std::iota(kp.begin(), kp.end(), 1);
+  Status st = child->Retain(keep);
+  EXPECT_EQ(st.code(), StatusCode::kResourceExhausted) << st.ToString();
+  EXPECT_EQ(child->head_length(0, 0), 16);
+  EXPECT_EQ(c.pool.used_pages(), 16);
+  // Keeping a prefix rewrites nothing: the shared pages are kept as they are, the tail freed.
+  std::vector<std::vector<int32_t>> prefix(4, std::vector<int32_t>(8));
+  for (auto& kp : prefix) std::iota(kp.begin(), kp.end(), 0);
+  ASSERT_TRUE(child->Retain(prefix).ok());
+  EXPECT_EQ(c.pool.used_pages(), 16);  // the parent still holds all of them
+  // A write into a shared page copies it; the parent's rows are untouched.
+  std::vector<std::vector<int32_t>> drop(4, {0, 2, 4, 6});
+  ASSERT_TRUE(child->Retain(drop).ok());
+  std::vector<float> ck, cv, k2, v2;
+  std::vector<int32_t> cpos, pos2;
+  child->Gather(0, 0, &ck, &cv, &cpos);
+  EXPECT_EQ(cpos, (std::vector<int32_t>{0, 2, 4, 6}));
+  c.seq.Gather(0, 0, &k2, &v2, &pos2);
+  EXPECT_EQ(k2, pk);
+  EXPECT_EQ(pos2, ppos);
+  child.reset();
+  EXPECT_EQ(c.pool.used_pages(), 16);
+}
+
+TEST(PressRetain, RejectsBadKeepListsAndKiviKeys) {
+  TestCache c(Layout(4), 8);
+  std::vector<std::vector<int32_t>> bad(4, {3, 1});
+  EXPECT_EQ(c.seq.Retain(bad).code(), StatusCode::kInvalidArgument);
+  std::vector<std::vector<int32_t>> out_of_range(4, {8});
+  EXPECT_EQ(c.seq.Retain(out_of_range).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(c.seq.head_length(0, 0), 8);
+  TestCache kivi(Layout(32, "kivi4"), 40);
+  std::vector<std::vector<int32_t>> keep(4, {0, 1});
+  Status st = kivi.seq.Retain(keep);
+  EXPECT_EQ(st.code(), StatusCode::kUnimplemented);
+  EXPECT_NE(st.message().find("kivi4"), std::string::npos) << st.message();
+}
+
+// Feeds the observer one attention pass per table of queries that all look at `hot` key rows.
+void ObservePrompt(TestCache& c, press::PressObserver& obs, int n, const std::vector<int>& hot) {
+  c.seq.set_observer(&obs);
+  const int window = obs.window();
+  std::vector<float> q(size_t(window) * 2 * kDim), out(q.size());
+  std::vector<int32_t> qpos(window);
+  for (int ti = 0; ti < 4; ++ti) {
+    for (int t = 0; t < window; ++t) {
+      qpos[t] = n - window + t;
+      for (int h = 0; h < 2; ++h) {
+        float* qr = &q[(size_t(t) * 2 + h) * kDim];
+        std::fill(qr, qr + kDim, 0.0f);
+        for (int j : hot)
+          for (int d = 0; d < kDim; ++d) qr[d] += 3.0f * c.k[ti][j * kDim + d];
+      }
+    }
+    kernels::AttnBatch b{q.data(), 2 * kDim, out.data(), 2 * kDim, qpos.data(), window, 2, 1.0f};
+    c.seq.Attend(ti / 2, ti % 2, b);
+  }
+  c.seq.set_observer(nullptr);
+}
+
+std::vector<int32_t> KeptPositions(const PagedSequence& s, int l, int h) {
+  std::vector<int32_t> pos;
+  s.Positions(l, h, &pos);
+  return pos;
+}
+
+bool Has(const std::vector<int32_t>& v, int x) {
+  return std::find(v.begin(), v.end(), x) != v.end();
+}
+
+TEST(PressScorers, AttentionScorersKeepTheHotTokenAndSinks) {
+  for (Scorer s : {Scorer::kSnapKV, Scorer::kH2O, Scorer::kTova, Scorer::kExpected}) {
+    SCOPED_TRACE(press::ScorerName(s));
+    const int n = 300;
+    TestCache c(Layout(16), n);
+    press::PressObserver obs(2, 2, kDim, n, 8);
+    ObservePrompt(c, obs, n, {123});
+    PressOptions o;
+    o.scorer = s;
+    o.window = 8;
+    o.budget = 40;
+    auto r = press::Compress(o, c.seq, 2, 2, &obs);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->tokens_after, 4 * 40);
+    EXPECT_LT(r->bytes_after, r->bytes_before);
+    for (int ti = 0; ti < 4; ++ti) {
+      const auto kept = KeptPositions(c.seq, ti / 2, ti % 2);
+      EXPECT_EQ(kept.size(), 40u);
+      EXPECT_TRUE(Has(kept, 123));
+      for (int sink = 0; sink < 4; ++sink) EXPECT_TRUE(Has(kept, sink));
+      if (s == Scorer::kSnapKV) {
+        for (int w = n - 8; w < n; ++w) EXPECT_TRUE(Has(kept, w));  // the window stays
+      }
+    }
+  }
+}
+
+TEST(PressScorers, PositionAndKeyScorers) {
+  const int n = 64;
+  {  // streaming: sinks + the most recent
+    TestCache c(Layout(16), n);
+    PressOptions o;
+    o.scorer = Scorer::kStreaming;
+    o.budget = 12;
+    ASSERT_TRUE(press::Compress(o, c.seq, 2, 2, nullptr).ok());
+    std::vector<int32_t> want = {0, 1, 2, 3};
+    for (int j = n - 8; j < n; ++j) want.push_back(j);
+    EXPECT_EQ(KeptPositions(c.seq, 1, 1), want);
+  }
+  {  // knorm keeps the smallest keys; keydiff the one pointing away from the rest
+    PagePool pool(Layout(16), 64 * Layout(16).page_bytes());
+    PagedSequence seq(pool);
+    ASSERT_TRUE(seq.Reserve(n).ok());
+    for (int j = 0; j < n; ++j) {
+      std::vector<float> k(kDim, 1.0f + 0.01f * j), v(kDim, 1.0f);
+      if (j == 40) std::fill(k.begin(), k.end(), 0.001f);
+      if (j == 50) std::fill(k.begin(), k.begin() + kDim / 2, -5.0f);
+      for (int ti = 0; ti < 4; ++ti) seq.Append(ti / 2, ti % 2, k.data(), v.data(), j);
+    }
+    seq.CommitTokens(n);
+    auto fork = seq.Fork();
+    PressOptions o;
+    o.sinks = 0;
+    o.budget = 1;
+    o.scorer = Scorer::kKNorm;
+    ASSERT_TRUE(press::Compress(o, seq, 2, 2, nullptr).ok());
+    EXPECT_EQ(KeptPositions(seq, 0, 1), std::vector<int32_t>{40});
+    o.scorer = Scorer::kKeyDiff;
+    ASSERT_TRUE(press::Compress(o, *fork, 2, 2, nullptr).ok());
+    EXPECT_EQ(KeptPositions(*fork, 0, 1), std::vector<int32_t>{50});
+  }
+  {  // random is seeded, differs from snapkv, and still keeps sinks
+    TestCache a(Layout(16), 300), b(Layout(16), 300), c(Layout(16), 300);
+    press::PressObserver obs(2, 2, kDim, 300, 8);
+    ObservePrompt(c, obs, 300, {123});
+    PressOptions o;
+    o.budget = 40;
+    o.scorer = Scorer::kRandom;
+    ASSERT_TRUE(press::Compress(o, a.seq, 2, 2, nullptr).ok());
+    ASSERT_TRUE(press::Compress(o, b.seq, 2, 2, nullptr).ok());
+    EXPECT_EQ(KeptPositions(a.seq, 1, 0), KeptPositions(b.seq, 1, 0));
+    o.scorer = Scorer::kSnapKV;
+    o.window = 8;
+    ASSERT_TRUE(press::Compress(o, c.seq, 2, 2, &obs).ok());
+    EXPECT_NE(KeptPositions(a.seq, 1, 0), KeptPositions(c.seq, 1, 0));
+    EXPECT_TRUE(Has(KeptPositions(a.seq, 1, 0), 0));
+  }
+}
+
+TEST(PressScorers, AttentionScorersNeedAnObserver) {
+  TestCache c(Layout(16), 32);
+  PressOptions o;
+  o.scorer = Scorer::kSnapKV;
+  o.budget = 8;
+  auto r = press::Compress(o, c.seq, 2, 2, nullptr);
+  EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(c.seq.head_length(0, 0), 32);
+}
+
+TEST(PressAllocators, SumToTheBudgetAndRespectFloors) {
+  const int L = 6, H = 3, n = 1000;
+  std::mt19937 rng(5);
+  std::vector<std::vector<float>> scores(L * H, std::vector<float>(n));
+  for (int ti = 0; ti < L * H; ++ti) {
+    // Head 0 of every layer is concentrated, the others diffuse.
+    for (int j = 0; j < n; ++j)
+      scores[ti][j] = ti % H == 0 ? (j < 20 ? 1.0f : 1e-6f)
+                                  : std::uniform_real_distribution<float>(0.4f, 0.6f)(rng);
+  }
+  for (Allocator a : {Allocator::kUniform, Allocator::kPyramid, Allocator::kAda}) {
+    PressOptions o;
+    o.allocator = a;
+    for (int64_t total : {int64_t(L * H * 100), int64_t(L * H * 37 + 5)}) {
+      const auto b = press::AllocateBudgets(o, L, H, n, total, 8, scores);
+      EXPECT_EQ(std::accumulate(b.begin(), b.end(), int64_t{0}), total);
+      for (int x : b) {
+        EXPECT_GE(x, 8);
+        EXPECT_LE(x, n);
+      }
+      if (a == Allocator::kUniform) {
+        EXPECT_LE(*std::max_element(b.begin(), b.end()) - *std::min_element(b.begin(), b.end()), 1);
+      }
+      if (a == Allocator::kPyramid) {
+        for (int l = 1; l < L; ++l) EXPECT_LE(b[l * H], b[(l - 1) * H]);
+        EXPECT_GT(b[0], 3 * b[(L - 1) * H]);
+      }
+      if (a == Allocator::kAda) {
+        const int mean = int(total / (L * H));
+        for (int l = 0; l < L; ++l) {
+          EXPECT_GE(b[l * H], int(std::ceil(0.2 * mean)) - 1);  // the floor
+          EXPECT_LT(b[l * H], b[l * H + 1]);                    // concentrated head needs fewer
+        }
+      }
+    }
+  }
+}
+
+TEST(PressSpec, ParsesModifiersAndRejectsNonsense) {
+  PressOptions o;
+  ASSERT_TRUE(press::ParsePressSpec("snapkv+ada", &o).ok());
+  EXPECT_EQ(o.scorer, Scorer::kSnapKV);
+  EXPECT_EQ(o.allocator, Allocator::kAda);
+  ASSERT_TRUE(press::ParsePressSpec("pyramidkv", &o).ok());
+  EXPECT_EQ(o.allocator, Allocator::kPyramid);
+  EXPECT_EQ(press::PressSpec(o), "snapkv+pyramid");
+  ASSERT_TRUE(press::ParsePressSpec("h2o+max", &o).ok());
+  EXPECT_EQ(o.share, press::ShareLayers::kMax);
+  EXPECT_FALSE(press::ParsePressSpec("snapkv+ada+max", &o).ok());
+  EXPECT_FALSE(press::ParsePressSpec("snapkv+bogus", &o).ok());
+  EXPECT_FALSE(press::ParsePressSpec("nope", &o).ok());
+}
+
+// On kvtiny: every press runs after a real prompt, frees memory in proportion to the ratio, and
+// leaves a cache the model keeps decoding from.
+TEST(PressEngine, EveryPressFreesMemoryOnKvtiny) {
+  EngineOptions eo;
+  eo.model_dir = testing::ModelDir();
+  eo.threads = 2;
+  eo.prefix_cache = false;
+  auto engine = Engine::Create(eo);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  const ModelConfig& cfg = (*engine)->config();
+  std::vector<int32_t> prompt(600);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = 10 + int32_t(i * 7919 % 400);
+  auto base = (*engine)->NewSession();
+  GenerateOptions full;
+  full.max_tokens = 4;
+  full.sampling.temperature = 0;
+  ASSERT_TRUE(base->Generate(prompt, full).ok());
+  const size_t full_bytes = base->kv().bytes_held();
+  for (const char* spec : {"streaming", "h2o", "snapkv", "snapkv+ada", "snapkv+max", "pyramidkv",
+                           "tova", "knorm", "keydiff", "expected", "random", "expected+mean"}) {
+    SCOPED_TRACE(spec);
+    GenerateOptions g = full;
+    g.press.emplace();
+    ASSERT_TRUE(press::ParsePressSpec(spec, &*g.press).ok());
+    g.press->ratio = 0.75;
+    auto s = (*engine)->NewSession();
+    auto r = s->Generate(prompt, g);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->tokens.size(), 4u);
+    int64_t kept = 0;
+    for (int l = 0; l < cfg.n_layers; ++l)
+      for (int h = 0; h < cfg.n_kv_heads; ++h) kept += s->kv().head_length(l, h);
+    // 150 of 600 per table after the prompt, plus the 3 decoded tokens evaluated since.
+    EXPECT_EQ(kept, int64_t(cfg.n_layers) * cfg.n_kv_heads * (150 + 3));
+    EXPECT_LT(s->kv().bytes_held(), full_bytes * 0.3);
+  }
+}
+
+}  // namespace
+}  // namespace cachet
