@@ -277,7 +277,13 @@ TEST(EvalMethod, NamesAvailabilityAndLabels) {
   EXPECT_TRUE(MethodAvailable(Method{}).ok());
   const Method snap{.press = "snapkv", .ratio = 0.5};
   EXPECT_TRUE(ValidateMethod(snap).ok());
-  EXPECT_EQ(MethodAvailable(snap).code(), StatusCode::kUnimplemented);
+  EXPECT_TRUE(MethodAvailable(snap).ok());
+  Method snap_kivi = snap;
+  snap_kivi.codec_k = "kivi4";  // KIVI keys are encoded per token group: no eviction yet
+  EXPECT_EQ(MethodAvailable(snap_kivi).code(), StatusCode::kUnimplemented);
+  EXPECT_TRUE(ValidateMethod(Method{.press = "snapkv+ada", .ratio = 0.5}).ok());
+  EXPECT_EQ(ValidateMethod(Method{.press = "snapkv+ada+max", .ratio = 0.5}).code(),
+            StatusCode::kInvalidArgument);
   Method int8;
   int8.codec_k = int8.codec_v = "int8";
   EXPECT_TRUE(MethodAvailable(int8).ok());  // codecs run on an engine of their own
@@ -287,7 +293,8 @@ TEST(EvalMethod, NamesAvailabilityAndLabels) {
   EXPECT_EQ(ValidateMethod(Method{.press = "full", .ratio = 0.5}).code(),
             StatusCode::kInvalidArgument);
 
-  for (const char* label : {"full/f32", "snapkv@0.5/f32", "streaming#256/int8:kivi2"}) {
+  for (const char* label :
+       {"full/f32", "snapkv@0.5/f32", "streaming#256/int8:kivi2", "snapkv+max@0.875/f32"}) {
     auto m = ParseMethod(label);
     ASSERT_TRUE(m.ok()) << label << ": " << m.status().ToString();
     EXPECT_EQ(m->Label(), label);
@@ -299,8 +306,14 @@ TEST(EvalMethod, NamesAvailabilityAndLabels) {
 
   auto engine = MakeEngine(64);
   auto session = engine->NewSession();
+  const std::vector<int32_t> prompt(60, 42);
+  ASSERT_TRUE(session->Eval(prompt, nullptr).ok());
   EXPECT_TRUE(ApplyMethod(Method{}, *session).ok());
-  EXPECT_EQ(ApplyMethod(snap, *session).code(), StatusCode::kUnimplemented);  // never faked
+  // SnapKV scores by the prompt's attention: without an observed prefill it refuses.
+  EXPECT_EQ(ApplyMethod(snap, *session).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(session->kv().head_length(0, 0), 60);
+  EXPECT_TRUE(ApplyMethod(Method{.press = "streaming", .ratio = 0.5}, *session).ok());
+  EXPECT_EQ(session->kv().head_length(0, 0), 30);
 }
 
 // ---------------------------------------------------------------- KL
@@ -346,9 +359,11 @@ TEST(EvalKl, ReferenceAgainstItselfIsExactlyZero) {
   EXPECT_GT(*full.ppl, 1.0);
   EXPECT_GT(*full.kv_bytes_prefill, 0);
   EXPECT_GT(*full.prefill_tok_s, 0);
+  // SnapKV at ratio 0.5 really runs: half the KV, some divergence.
   const ResultRow& snap = (*rows)[1];
-  EXPECT_EQ(snap.status, "unavailable");
-  EXPECT_FALSE(snap.mean_kl.has_value());
+  EXPECT_EQ(snap.status, "ok");
+  EXPECT_GT(*snap.mean_kl, 0.0);
+  EXPECT_LT(*snap.kv_bytes_prefill, 0.6 * *full.kv_bytes_prefill);
 }
 
 TEST(EvalKl, PerturbedLogitsGiveNonzeroKl) {
@@ -531,11 +546,11 @@ TEST(EvalCli, UnavailablePressGivesRowsNotACrash) {
   TempDir dir;
   const CliRun r = Cachet(
       "--task passkey --len 256 --samples 1 --press snapkv,streaming --ratio "
-      "0.5,0.875 --json " +
+      "0.5,0.875 --codec kivi4 --json " +
           dir.path() + "/rows.jsonl",
       dir);
   ASSERT_EQ(r.code, 0) << r.err;
-  EXPECT_NE(r.err.find("snapkv@0.5/f32 unavailable: press 'snapkv' is not implemented"),
+  EXPECT_NE(r.err.find("snapkv@0.5/kivi4 unavailable: press 'snapkv' with kivi4 keys"),
             std::string::npos)
       << r.err;
   const std::string jsonl = ReadFile(dir.path() + "/rows.jsonl");

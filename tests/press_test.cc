@@ -13,6 +13,8 @@
 #include "kernels/kernels.h"
 #include "kv/paged_sequence.h"
 #include "model/config.h"
+#include "model/transformer.h"
+#include "util/thread_pool.h"
 #include "test_util.h"
 
 namespace cachet {
@@ -354,6 +356,48 @@ TEST(PressSpec, ParsesModifiersAndRejectsNonsense) {
   EXPECT_FALSE(press::ParsePressSpec("snapkv+ada+max", &o).ok());
   EXPECT_FALSE(press::ParsePressSpec("snapkv+bogus", &o).ok());
   EXPECT_FALSE(press::ParsePressSpec("nope", &o).ok());
+}
+
+// The gathering through the real forward pass: several threads attend to one head at once (the
+// forward pass splits a head's query tokens), so a lost update would show in the sums. Every
+// observed row's weights sum to 1.
+TEST(PressObserverModel, WeightsSumToTheObservedRows) {
+  EngineOptions eo;
+  eo.model_dir = testing::ModelDir();
+  eo.threads = 2;
+  eo.ubatch = 256;
+  auto engine = Engine::Create(eo);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  const ModelConfig& cfg = (*engine)->config();
+  const int n = 700, window = 24, group = cfg.n_heads / cfg.n_kv_heads;
+  std::vector<int32_t> tokens(n), positions(n);
+  for (int i = 0; i < n; ++i) tokens[i] = 10 + i * 13 % 300, positions[i] = i;
+  PagedSequence seq((*engine)->kv_pool());
+  press::PressObserver obs(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n, window);
+  seq.set_observer(&obs);
+  ASSERT_TRUE(seq.Reserve(n).ok());
+  std::vector<float> logits(cfg.vocab_size);
+  for (int start = 0; start < n; start += 256) {
+    const int m = std::min(256, n - start);
+    ASSERT_TRUE((*engine)
+                    ->transformer()
+                    .Forward(std::span(tokens).subspan(start, m),
+                             std::span(positions).subspan(start, m), seq, (*engine)->pool(),
+                             logits.data(), false)
+                    .ok());
+  }
+  for (int l = 0; l < cfg.n_layers; ++l) {
+    for (int h = 0; h < cfg.n_kv_heads; ++h) {
+      auto sum = [&](press::PressObserver::Gathering g) {
+        const auto& w = obs.weights(l, h, g);
+        EXPECT_EQ(w.size(), size_t(n));
+        return std::accumulate(w.begin(), w.end(), 0.0);
+      };
+      EXPECT_NEAR(sum(press::PressObserver::kAll), double(n) * group, 1e-3 * n);
+      EXPECT_NEAR(sum(press::PressObserver::kWindow), double(window) * group, 1e-3 * window);
+      EXPECT_NEAR(sum(press::PressObserver::kLast), double(group), 1e-4);
+    }
+  }
 }
 
 // On kvtiny: every press runs after a real prompt, frees memory in proportion to the ratio, and

@@ -69,6 +69,41 @@ void AddSamplingFlags(CLI::App& app, GenerateOptions& o) {
       "Keep generating past the end-of-sequence token");
 }
 
+void AddPressFlags(CLI::App& app, GenerateOptions& o) {
+  auto spec = std::make_shared<std::string>();
+  auto opts = std::make_shared<press::PressOptions>();
+  app.add_option("--press", *spec,
+                 "Evict KV entries after the prompt: a scorer (streaming, h2o, snapkv, tova, "
+                 "knorm, keydiff, expected, random; pyramidkv = snapkv+pyramid) with optional "
+                 "+uniform|+pyramid|+ada (per-head budgets) or +max|+mean (one token set for "
+                 "all layers)");
+  auto* ratio = app.add_option("--ratio", opts->ratio,
+                               "Press: fraction of the KV removed (0.75 keeps a quarter)")
+                    ->check(CLI::Range(0.0, 0.999999))
+                    ->default_val(0.5);
+  app.add_option("--budget", opts->budget,
+                 "Press: tokens kept per layer and KV head on average, instead of --ratio")
+      ->check(CLI::PositiveNumber)
+      ->excludes(ratio);
+  app.add_option("--window", opts->window,
+                 "Press: observation window, the last prompt tokens whose attention SnapKV and "
+                 "expected attention score by (always kept)")
+      ->check(CLI::PositiveNumber)
+      ->default_val(opts->window);
+  app.add_option("--sinks", opts->sinks, "Press: the first N tokens are always kept")
+      ->check(CLI::NonNegativeNumber)
+      ->default_val(opts->sinks);
+  app.parse_complete_callback([spec, opts, &o] {
+    if (!spec->empty()) {
+      press::PressOptions p = *opts;
+      if (Status s = press::ParsePressSpec(*spec, &p); !s.ok()) {
+        throw CLI::ValidationError("--press", s.message());
+      }
+      o.press = p;
+    }
+  });
+}
+
 std::unique_ptr<Engine> LoadEngine(const EngineOptions& o) {
   auto engine = Engine::Create(o);
   if (!engine.ok()) {
@@ -117,6 +152,7 @@ void AddRun(CLI::App& app) {
   auto salt = std::make_shared<std::string>();
   AddEngineFlags(*cmd, opts->engine);
   AddSamplingFlags(*cmd, opts->gen);
+  AddPressFlags(*cmd, opts->gen);
   auto* p = cmd->add_option("-p,--prompt", *prompt,
                             "Prompt text (BOS is added as the tokenizer "
                             "config says)");
@@ -157,10 +193,16 @@ void AddRun(CLI::App& app) {
       // Prefill once; each completion forks the prompt's pages and diverges copy-on-write.
       auto prompt_session = engine->NewSession(*salt);
       const std::vector<int32_t> ids = engine->tokenizer().EncodePrompt(text);
+      const auto& press = opts->gen.press;
+      if (press) prompt_session->ObserveForPress(static_cast<int32_t>(ids.size()), press->window);
       if (Status s = prompt_session->Eval(ids, nullptr); !s.ok()) fail(s);
+      if (press) {
+        if (auto r = prompt_session->Compress(*press); !r.ok()) fail(r.status());
+      }
       for (int i = 0; i < *n_parallel; ++i) {
         auto fork = prompt_session->Fork();
         GenerateOptions g = opts->gen;
+        g.press.reset();  // the shared prompt is already compressed
         g.sampling.seed += i;
         if (!*quiet) std::fprintf(stderr, "--- completion %d of %d\n", i + 1, *n_parallel);
         auto r = fork->Generate({}, g, PrintPiece);

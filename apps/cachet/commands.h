@@ -17,6 +17,8 @@ struct CommonOptions {
 void AddEngineFlags(CLI::App& app, EngineOptions& o);
 // -n, --temp, --top-k, --top-p, --min-p, --repeat-penalty, --repeat-last-n, --seed.
 void AddSamplingFlags(CLI::App& app, GenerateOptions& o);
+// --press, --ratio, --budget, --window, --sinks: evict after the prompt (kv/press).
+void AddPressFlags(CLI::App& app, GenerateOptions& o);
 // Loads the engine or prints the error and returns null.
 std::unique_ptr<Engine> LoadEngine(const EngineOptions& o);
 

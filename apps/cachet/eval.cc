@@ -32,6 +32,8 @@ struct EvalOpts {
   std::vector<int> budgets;
   std::vector<std::string> codecs{"f32"};
   std::vector<std::string> compress_at{"prompt"};
+  int press_window = 32;
+  int press_sinks = 4;
   bool kl = false;
   int windows = 8;
   int window_len = 1024;
@@ -72,6 +74,8 @@ std::vector<Method> MethodGrid(const EvalOpts& o) {
       for (double r : o.ratios) sized.push_back(Method{.press = press, .ratio = r});
     }
     for (Method m : sized) {
+      m.window = o.press_window;
+      m.sinks = o.press_sinks;
       for (const std::string& codec : o.codecs) {
         const size_t colon = codec.find(':');
         m.codec_k = codec.substr(0, colon);
@@ -257,9 +261,19 @@ void AddEval(CLI::App& app) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
   cmd->add_option("--press", o->presses,
-                  "Presses: full, streaming, snapkv, pyramidkv, h2o, tova, knorm, random "
-                  "(this build runs full only)")
+                  "Presses: full, or a scorer (streaming, h2o, snapkv, tova, knorm, keydiff, "
+                  "expected, random; pyramidkv = snapkv+pyramid) with optional modifiers: "
+                  "+uniform|+pyramid|+ada (per-head budget allocator) or +max|+mean (one token "
+                  "set for all layers, scores combined over layers and heads), e.g. snapkv+max")
       ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--window", o->press_window,
+                  "Presses: observation window (last prompt tokens whose attention SnapKV and "
+                  "expected attention score by; always kept)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--sinks", o->press_sinks, "Presses: the first N tokens are always kept")
+      ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   auto* ratio = cmd->add_option("--ratio", o->ratios,
                                 "Fraction of the KV removed by each press (0.5 = half the "

@@ -128,6 +128,16 @@ bool SameCodecs(const Method& a, const Method& b) {
   return a.codec_k == b.codec_k && a.codec_v == b.codec_v;
 }
 
+// Makes the prefill gather attention weights when a configuration forked from it needs them.
+void ObserveIfNeeded(const std::vector<Method>& methods, const Method& group, int32_t end,
+                     Session& prefilled) {
+  int window = 0;
+  for (const Method& m : methods) {
+    if (SameCodecs(m, group) && NeedsAttention(m)) window = std::max(window, m.window);
+  }
+  if (window > 0) prefilled.ObserveForPress(end, window);
+}
+
 Status OpenOutput(const std::string& path, std::ofstream* out) {
   if (path.empty()) return OkStatus();
   out->open(path, std::ios::binary | std::ios::trunc);
@@ -217,6 +227,7 @@ Result<std::vector<ResultRow>> RunTaskSweep(Engine& engine, TaskGenerator& gen,
         for (const Method& group : CodecGroups(methods.runnable)) {
           CACHET_ASSIGN_OR_RETURN(Engine * ge, EngineFor(engine, group, engines));
           auto prefilled = ge->NewSession();
+          ObserveIfNeeded(methods.runnable, group, static_cast<int32_t>(prefix.size()), *prefilled);
           auto t0 = Clock::now();
           CACHET_RETURN_IF_ERROR(prefilled->Eval(prefix, &prefill_logits));
           const double prefill_s = SecondsSince(t0);
@@ -402,6 +413,7 @@ Result<std::vector<ResultRow>> RunKlSweep(Engine& engine, const KlOptions& o) {
     {
       CACHET_ASSIGN_OR_RETURN(Engine * re, EngineFor(engine, o.reference, engines));
       auto reference = re->NewSession();
+      ObserveIfNeeded({o.reference}, o.reference, static_cast<int32_t>(half), *reference);
       CACHET_RETURN_IF_ERROR(reference->Eval(ids.first(half), nullptr));
       CACHET_RETURN_IF_ERROR(ApplyMethod(o.reference, *reference));
       CACHET_RETURN_IF_ERROR(reference->Eval(ids.subspan(half), &ref_logits, /*all_logits=*/true));
@@ -409,6 +421,7 @@ Result<std::vector<ResultRow>> RunKlSweep(Engine& engine, const KlOptions& o) {
     for (const Method& group : CodecGroups(methods.runnable)) {
       CACHET_ASSIGN_OR_RETURN(Engine * ge, EngineFor(engine, group, engines));
       auto prefilled = ge->NewSession();
+      ObserveIfNeeded(methods.runnable, group, static_cast<int32_t>(half), *prefilled);
       auto t0 = Clock::now();
       CACHET_RETURN_IF_ERROR(prefilled->Eval(ids.first(half), nullptr));
       const double prefill_s = SecondsSince(t0);

@@ -1,7 +1,6 @@
 // A KV compression configuration as the harness sweeps it: a press (which entries to keep) and a
-// codec per K and V (how they are stored). ApplyMethod is the one place where a press or codec
-// plugs in; today the engine has only `full` and `f32`, and every other known name is reported
-// as unavailable instead of being run.
+// codec per K and V (how they are stored). ApplyMethod is the one place where a press plugs in;
+// codecs are a property of the engine that prefilled the session.
 #pragma once
 
 #include <string>
@@ -24,11 +23,13 @@ const char* CompressAtName(CompressAt c);
 Result<CompressAt> ParseCompressAt(std::string_view name);
 
 struct Method {
-  std::string press = "full";
-  double ratio = 0;  // fraction of the KV entries removed, in [0, 1)
-  int budget = 0;    // tokens kept instead of a ratio (0: use ratio)
+  std::string press = "full";  // "full" or a press spec (kv/press: "snapkv", "snapkv+ada", ...)
+  double ratio = 0;            // fraction of the KV entries removed, in [0, 1)
+  int budget = 0;              // tokens kept instead of a ratio (0: use ratio)
   std::string codec_k = "f32", codec_v = "f32";
   CompressAt compress_at = CompressAt::kPrompt;
+  int window = 32;  // press observation window (SnapKV, expected attention)
+  int sinks = 4;    // first tokens every press keeps
 
   // "full/f32", "snapkv@0.5/int8", "streaming#256/int8:kivi2" (compress_at not included).
   std::string Label() const;
@@ -48,6 +49,9 @@ Result<Method> ParseMethod(std::string_view label);
 Status ValidateMethod(const Method& m);
 // Unimplemented (with the reason) when the engine cannot run m yet.
 Status MethodAvailable(const Method& m);
+// Whether m's press scores by attention weights, which the prefill must gather
+// (Session::ObserveForPress before the prefill that m's session forks).
+bool NeedsAttention(const Method& m);
 
 // Applies m to a session that holds a prefilled prompt or context. The session was forked from
 // the prefill, so one prefill per sample serves every configuration of a sweep.

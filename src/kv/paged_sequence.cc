@@ -308,6 +308,7 @@ void PagedSequence::Attend(int layer, int kv_head, const kernels::AttnBatch& bat
   } else {
     CodecAttend(table(layer, kv_head), b);
   }
+  if (observer_ != nullptr) observer_->Merge(layer, kv_head);
 }
 
 void PagedSequence::Gather(int layer, int kv_head, std::vector<float>* k, std::vector<float>* v,

@@ -15,13 +15,16 @@
 namespace cachet {
 
 // Sees every attention call of a sequence (presses gather attention weights this way, inside the
-// kernels' own pass). Called concurrently for different (layer, KV head) pairs.
+// kernels' own pass). Calls come from several threads at once, for the same (layer, KV head) too
+// (the forward pass splits a head's query tokens into tasks): Observe hands out buffers private to
+// the calling thread, and Merge, called on the same thread after the kernel, folds them in.
 class AttentionObserver {
  public:
   virtual ~AttentionObserver() = default;
   // The gatherings to add to this call over a table of n_keys tokens (may be empty).
   virtual std::span<const kernels::AttnObserve> Observe(int layer, int kv_head, int n_keys,
                                                         const kernels::AttnBatch& batch) = 0;
+  virtual void Merge(int layer, int kv_head) = 0;
 };
 
 class PagedSequence final : public KvSequence {

@@ -147,36 +147,70 @@ PressObserver::PressObserver(int n_layers, int n_kv_heads, int head_dim, int32_t
       end_(end),
       window_(window),
       heads_(size_t(n_layers) * n_kv_heads) {
+  min_pos_[kAll] = 0;
+  min_pos_[kWindow] = end - std::max(window, 1);
+  min_pos_[kLast] = end - 1;
   for (Head& h : heads_) {
-    h.observe[kAll].min_pos = 0;
-    h.observe[kWindow].min_pos = end - std::max(window, 1);
-    h.observe[kLast].min_pos = end - 1;
     h.q_sum.assign(head_dim, 0.0);
     h.q_outer.assign(size_t(head_dim) * head_dim, 0.0);
   }
 }
 
-std::span<const kernels::AttnObserve> PressObserver::Observe(int layer, int kv_head, int n_keys,
+namespace {
+// One attention call's gatherings, private to the thread making it (Observe, kernel, Merge).
+struct CallBuffers {
+  std::vector<float> weights;  // [kGatherings][n_keys]
+  kernels::AttnObserve observe[PressObserver::kGatherings];
+  int n_keys = 0;
+  std::vector<double> q_sum, q_outer;
+  int64_t q_rows = 0;
+};
+thread_local CallBuffers tls_call;
+}  // namespace
+
+std::span<const kernels::AttnObserve> PressObserver::Observe(int, int, int n_keys,
                                                              const kernels::AttnBatch& b) {
-  Head& h = heads_[layer * n_kv_heads_ + kv_head];
+  CallBuffers& cb = tls_call;
+  cb.n_keys = n_keys;
+  cb.weights.assign(size_t(kGatherings) * n_keys, 0.0f);
   for (int g = 0; g < kGatherings; ++g) {
-    if (static_cast<int>(h.weights[g].size()) < n_keys) h.weights[g].resize(n_keys, 0.0f);
-    h.observe[g].key_weight = h.weights[g].data();
+    cb.observe[g].min_pos = min_pos_[g];
+    cb.observe[g].key_weight = cb.weights.data() + size_t(g) * n_keys;
   }
   const int d = head_dim_;
+  cb.q_rows = 0;
+  cb.q_sum.assign(d, 0.0);
+  cb.q_outer.assign(size_t(d) * d, 0.0);
   for (int t = 0; t < b.n_tok; ++t) {
-    if (b.q_pos[t] < h.observe[kWindow].min_pos) continue;
+    if (b.q_pos[t] < min_pos_[kWindow]) continue;
     for (int head = 0; head < b.n_heads; ++head) {
       const float* q = b.q + t * b.q_stride + int64_t(head) * d;
       for (int i = 0; i < d; ++i) {
-        h.q_sum[i] += q[i];
-        double* row = h.q_outer.data() + size_t(i) * d;
+        cb.q_sum[i] += q[i];
+        double* row = cb.q_outer.data() + size_t(i) * d;
         for (int j = 0; j < d; ++j) row[j] += double(q[i]) * q[j];
       }
-      ++h.q_rows;
+      ++cb.q_rows;
     }
   }
-  return {h.observe, kGatherings};
+  return {cb.observe, kGatherings};
+}
+
+void PressObserver::Merge(int layer, int kv_head) {
+  const CallBuffers& cb = tls_call;
+  Head& h = heads_[layer * n_kv_heads_ + kv_head];
+  std::lock_guard<std::mutex> lock(h.mu);
+  for (int g = 0; g < kGatherings; ++g) {
+    std::vector<float>& w = h.weights[g];
+    if (static_cast<int>(w.size()) < cb.n_keys) w.resize(cb.n_keys, 0.0f);
+    const float* src = cb.weights.data() + size_t(g) * cb.n_keys;
+    for (int j = 0; j < cb.n_keys; ++j) w[j] += src[j];
+  }
+  if (cb.q_rows > 0) {
+    for (size_t i = 0; i < h.q_sum.size(); ++i) h.q_sum[i] += cb.q_sum[i];
+    for (size_t i = 0; i < h.q_outer.size(); ++i) h.q_outer[i] += cb.q_outer[i];
+    h.q_rows += cb.q_rows;
+  }
 }
 
 void PressObserver::QueryStats(int layer, int kv_head, std::vector<double>* mean,

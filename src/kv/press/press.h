@@ -7,6 +7,7 @@
 #pragma once
 
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
@@ -57,8 +58,10 @@ class PressObserver final : public AttentionObserver {
   PressObserver(int n_layers, int n_kv_heads, int head_dim, int32_t end, int window);
   std::span<const kernels::AttnObserve> Observe(int layer, int kv_head, int n_keys,
                                                 const kernels::AttnBatch& batch) override;
+  void Merge(int layer, int kv_head) override;
 
   enum Gathering { kAll = 0, kWindow = 1, kLast = 2, kGatherings = 3 };
+  // Read once the observed Evals are done.
   const std::vector<float>& weights(int layer, int kv_head, Gathering g) const {
     return heads_[layer * n_kv_heads_ + kv_head].weights[g];
   }
@@ -70,11 +73,12 @@ class PressObserver final : public AttentionObserver {
 
  private:
   struct Head {
+    std::mutex mu;  // guards the rest
     std::vector<float> weights[kGatherings];
-    kernels::AttnObserve observe[kGatherings];
     std::vector<double> q_sum, q_outer;  // over window query rows
     int64_t q_rows = 0;
   };
+  int32_t min_pos_[kGatherings];
   int n_kv_heads_, head_dim_;
   int32_t end_;
   int window_;
