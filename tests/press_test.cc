@@ -14,8 +14,8 @@
 #include "kv/paged_sequence.h"
 #include "model/config.h"
 #include "model/transformer.h"
-#include "util/thread_pool.h"
 #include "test_util.h"
+#include "util/thread_pool.h"
 
 namespace cachet {
 namespace {
@@ -24,7 +24,7 @@ using press::Allocator;
 using press::PressOptions;
 using press::Scorer;
 
-constexpr int kDim = 16;
+constexpr int kDim = 32;  // a whole q8_0 block
 
 // A sequence of n tokens whose K/V rows are random, identical across tables except for a
 // per-table offset, at positions 0..n-1.
@@ -99,6 +99,8 @@ TEST(PressRetain, KeepsExactlyTheChosenRowsAndFreesPages) {
               const float tol = std::string(codec) == "q8_0" ? 0.05f : 0.0f;
               EXPECT_NEAR(kk[j * kDim + d], before_k[ti][keep[ti][j] * kDim + d], tol);
               EXPECT_NEAR(vv[j * kDim + d], before_v[ti][keep[ti][j] * kDim + d], tol);
+              // and still the rows that were appended (within the codec's own error)
+              EXPECT_NEAR(kk[j * kDim + d], c.k[ti][keep[ti][j] * kDim + d], 0.05f);
             }
           }
           pages += PagesFor(int(keep[ti].size()), pt);
@@ -358,6 +360,111 @@ TEST(PressSpec, ParsesModifiersAndRejectsNonsense) {
   EXPECT_FALSE(press::ParsePressSpec("nope", &o).ok());
 }
 
+// Quest: a decode step reads the top-k pages by key-bound score plus the last page, exactly as
+// attention over those pages' keys would; prefill chunks and small caches read everything.
+TEST(PressQuest, DecodeReadsTheTopBoundPagesPlusTheLast) {
+  for (const char* codec : {"f32", "q8_0"}) {
+    SCOPED_TRACE(codec);
+    const int n = 203, pt = 16, k = 3;
+    TestCache c(Layout(pt, codec), n);
+    std::mt19937 rng(11);
+    std::normal_distribution<float> g;
+    std::vector<float> q(2 * kDim), out(2 * kDim), want(2 * kDim), full(2 * kDim);
+    for (auto& x : q) x = g(rng);
+    const int32_t qpos = n;
+    kernels::AttnBatch b{q.data(), 2 * kDim, out.data(), 2 * kDim, &qpos, 1, 2, 0.25f};
+    kernels::AttnBatch bf = b;
+    bf.out = full.data();
+    c.seq.Attend(1, 1, bf);
+    c.seq.set_quest(k, 1.0);
+    c.seq.Attend(1, 1, b);
+    // Expected: bounds from the stored (decoded) keys, top k of the 12 full pages but the last.
+    std::vector<float> kk, vv;
+    std::vector<int32_t> pos;
+    c.seq.Gather(1, 1, &kk, &vv, &pos);
+    const int n_pages = (n + pt - 1) / pt;
+    std::vector<std::pair<float, int>> ub;
+    for (int p = 0; p + 1 < n_pages; ++p) {
+      float best = -1e30f;
+      for (int h = 0; h < 2; ++h) {
+        float s = 0;
+        for (int i = 0; i < kDim; ++i) {
+          float lo = 1e30f, hi = -1e30f;
+          for (int j = p * pt; j < (p + 1) * pt; ++j) {
+            lo = std::min(lo, kk[j * kDim + i]);
+            hi = std::max(hi, kk[j * kDim + i]);
+          }
+          s += std::max(q[h * kDim + i] * lo, q[h * kDim + i] * hi);
+        }
+        best = std::max(best, s);
+      }
+      ub.push_back({-best, p});
+    }
+    std::sort(ub.begin(), ub.end());
+    std::vector<int> pages;
+    for (int i = 0; i < k; ++i) pages.push_back(ub[i].second);
+    std::sort(pages.begin(), pages.end());
+    pages.push_back(n_pages - 1);
+    std::vector<float> sk, sv;
+    std::vector<int32_t> sp;
+    for (int p : pages) {
+      for (int j = p * pt; j < std::min(n, (p + 1) * pt); ++j) {
+        sk.insert(sk.end(), &kk[j * kDim], &kk[j * kDim] + kDim);
+        sv.insert(sv.end(), &vv[j * kDim], &vv[j * kDim] + kDim);
+        sp.push_back(pos[j]);
+      }
+    }
+    kernels::AttnBatch rb = b;
+    rb.out = want.data();
+    kernels::ref::ContiguousAttention(rb, sk.data(), sv.data(), sp.data(), int(sp.size()), kDim);
+    float diff_full = 0;
+    for (int i = 0; i < 2 * kDim; ++i) {
+      EXPECT_NEAR(out[i], want[i], 1e-5) << i;
+      diff_full = std::max(diff_full, std::abs(out[i] - full[i]));
+    }
+    EXPECT_GT(diff_full, 1e-4);  // it really read fewer pages
+    // Enough pages to cover everything: the same as full attention.
+    c.seq.set_quest(100, 1.0);
+    c.seq.Attend(1, 1, b);
+    for (int i = 0; i < 2 * kDim; ++i) EXPECT_EQ(out[i], full[i]);
+  }
+}
+
+TEST(PressQuest, PicksThePageTheQueryPointsAt) {
+  // Small keys everywhere but token 137, which the query points at: its page has the highest
+  // bound, so reading one page besides the last gives (nearly) its value.
+  const int n = 320, pt = 16;
+  const KvLayout lay = Layout(pt);
+  PagePool pool(lay, 256 * lay.page_bytes());
+  PagedSequence seq(pool);
+  ASSERT_TRUE(seq.Reserve(n).ok());
+  std::mt19937 rng(2);
+  std::normal_distribution<float> g;
+  std::vector<float> hot_k(kDim), hot_v(kDim);
+  for (int j = 0; j < n; ++j) {
+    std::vector<float> k(kDim), v(kDim);
+    for (auto& x : k) x = (j == 137 ? 1.0f : 0.1f) * g(rng);
+    for (auto& x : v) x = g(rng);
+    if (j == 137) hot_k = k, hot_v = v;
+    for (int ti = 0; ti < 4; ++ti) seq.Append(ti / 2, ti % 2, k.data(), v.data(), j);
+  }
+  seq.CommitTokens(n);
+  seq.set_quest(1, 1.0);
+  std::vector<float> q(2 * kDim), out(2 * kDim);
+  for (int h = 0; h < 2; ++h)
+    for (int d = 0; d < kDim; ++d) q[h * kDim + d] = 2.0f * hot_k[d];
+  const int32_t qpos = n;
+  kernels::AttnBatch b{q.data(), 2 * kDim, out.data(), 2 * kDim, &qpos, 1, 2, 0.25f};
+  seq.Attend(0, 0, b);
+  float dot = 0, on = 0, vn = 0;
+  for (int d = 0; d < kDim; ++d) {
+    dot += out[d] * hot_v[d];
+    on += out[d] * out[d];
+    vn += hot_v[d] * hot_v[d];
+  }
+  EXPECT_GT(dot / std::sqrt(on * vn), 0.9f);
+}
+
 // The gathering through the real forward pass: several threads attend to one head at once (the
 // forward pass splits a head's query tokens), so a lost update would show in the sums. Every
 // observed row's weights sum to 1.
@@ -418,8 +525,9 @@ TEST(PressEngine, EveryPressFreesMemoryOnKvtiny) {
   full.sampling.temperature = 0;
   ASSERT_TRUE(base->Generate(prompt, full).ok());
   const size_t full_bytes = base->kv().bytes_held();
-  for (const char* spec : {"streaming", "h2o", "snapkv", "snapkv+ada", "snapkv+max", "pyramidkv",
-                           "tova", "knorm", "keydiff", "expected", "random", "expected+mean"}) {
+  for (const char* spec :
+       {"streaming", "h2o", "snapkv", "snapkv+ada", "snapkv+max", "pyramidkv", "tova", "knorm",
+        "keydiff", "expected", "random", "expected+mean", "quest"}) {
     SCOPED_TRACE(spec);
     GenerateOptions g = full;
     g.press.emplace();
@@ -432,6 +540,11 @@ TEST(PressEngine, EveryPressFreesMemoryOnKvtiny) {
     int64_t kept = 0;
     for (int l = 0; l < cfg.n_layers; ++l)
       for (int h = 0; h < cfg.n_kv_heads; ++h) kept += s->kv().head_length(l, h);
+    if (std::string(spec) == "quest") {  // reads a quarter of the pages, frees nothing
+      EXPECT_EQ(kept, int64_t(cfg.n_layers) * cfg.n_kv_heads * (600 + 3));
+      EXPECT_EQ(s->kv().bytes_held(), full_bytes);
+      continue;
+    }
     // 150 of 600 per table after the prompt, plus the 3 decoded tokens evaluated since.
     EXPECT_EQ(kept, int64_t(cfg.n_layers) * cfg.n_kv_heads * (150 + 3));
     EXPECT_LT(s->kv().bytes_held(), full_bytes * 0.3);

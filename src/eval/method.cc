@@ -23,6 +23,7 @@ const std::vector<std::string>& KnownPresses() {
     std::vector<std::string> v = {"full"};
     for (const std::string& s : press::ScorerNames()) v.push_back(s);
     v.push_back("pyramidkv");
+    v.push_back("quest");
     return v;
   }();
   return kPresses;
@@ -124,7 +125,7 @@ Status ValidateMethod(const Method& m) {
 
 Status MethodAvailable(const Method& m) {
   CACHET_RETURN_IF_ERROR(ValidateMethod(m));
-  if (m.press != "full" && IsStagedCodec(m.codec_k)) {
+  if (m.press != "full" && m.press != "quest" && IsStagedCodec(m.codec_k)) {
     return Unimplemented("press '" + m.press + "' with " + m.codec_k +
                          " keys: KIVI keys are encoded per group of tokens, so single tokens "
                          "cannot be evicted from their pages yet");

@@ -22,6 +22,7 @@ void PagedSequence::Clear() {
     for (int32_t p : t.seal_pages) pool_.Unref(p);
     t.pages.clear();
     t.seal_pages.clear();
+    t.key_bounds.clear();
     t.n_tokens = 0;
   }
   n_tokens_ = 0;
@@ -266,6 +267,7 @@ Status PagedSequence::Retain(std::span<const std::vector<int32_t>> keep) {
     }
     for (size_t p = dest_pages; p < t.pages.size(); ++p) pool_.Unref(t.pages[p]);
     t.pages.assign(dest.begin(), dest.end());
+    t.key_bounds.clear();
     t.n_tokens = static_cast<int32_t>(k.size());
   }
   for (int32_t p : released) pool_.Unref(p);
@@ -296,7 +298,87 @@ kernels::PagedKv PagedSequence::View(int layer, int kv_head) const {
   return v;
 }
 
+bool PagedSequence::QuestSelect(const BlockTable& t, const kernels::AttnBatch& b,
+                                std::vector<int32_t>* pages) const {
+  const KvLayout& lay = pool_.layout();
+  const int pt = lay.page_tokens, hd = lay.head_dim;
+  const int n_pages = (t.n_tokens + pt - 1) / pt;
+  const int candidates = n_pages - 1;  // the last page is always read
+  const int k = quest_pages_ > 0
+                    ? quest_pages_
+                    : std::max(1, static_cast<int>(std::ceil(quest_keep_ * candidates)));
+  if (k >= candidates) return false;
+  // Bounds of full pages not yet seen.
+  const int full = t.n_tokens / pt;
+  PagePool& pool = pool_;
+  thread_local std::vector<float> kbuf;
+  for (int p = static_cast<int>(t.key_bounds.size() / (2 * hd)); p < full; ++p) {
+    const int32_t page = t.pages[p];
+    const float* keys = pool.keys(page);
+    if (IsCodecPage(page)) {
+      kbuf.resize(size_t(pt) * hd);
+      codecs::DecodePage(lay.codec_k, Role::kKey, pool.codec_keys(page), pt, pt, hd, kbuf.data());
+      keys = kbuf.data();
+    }
+    const size_t at = t.key_bounds.size();
+    t.key_bounds.resize(at + 2 * hd);
+    float* lo = t.key_bounds.data() + at;
+    float* hi = lo + hd;
+    std::copy(keys, keys + hd, lo);
+    std::copy(keys, keys + hd, hi);
+    for (int j = 1; j < pt; ++j) {
+      for (int i = 0; i < hd; ++i) {
+        lo[i] = std::min(lo[i], keys[size_t(j) * hd + i]);
+        hi[i] = std::max(hi[i], keys[size_t(j) * hd + i]);
+      }
+    }
+  }
+  // Upper bound of q.k over a page: sum_i max(q_i min_i, q_i max_i); the group's heads share the
+  // selection, so a page counts by its best head.
+  thread_local std::vector<std::pair<float, int32_t>> ub;
+  ub.resize(candidates);
+  for (int p = 0; p < candidates; ++p) {
+    const float* lo = t.key_bounds.data() + size_t(p) * 2 * hd;
+    const float* hi = lo + hd;
+    float best = -std::numeric_limits<float>::infinity();
+    for (int h = 0; h < b.n_heads; ++h) {
+      const float* q = b.q + int64_t(h) * hd;
+      float s = 0;
+      for (int i = 0; i < hd; ++i) s += std::max(q[i] * lo[i], q[i] * hi[i]);
+      best = std::max(best, s);
+    }
+    ub[p] = {best, p};
+  }
+  std::nth_element(ub.begin(), ub.begin() + k, ub.end(), [](const auto& a, const auto& c) {
+    return a.first > c.first || (a.first == c.first && a.second < c.second);
+  });
+  std::sort(ub.begin(), ub.begin() + k,
+            [](const auto& a, const auto& c) { return a.second < c.second; });
+  pages->clear();
+  for (int i = 0; i < k; ++i) pages->push_back(t.pages[ub[i].second]);
+  pages->push_back(t.pages[n_pages - 1]);
+  return true;
+}
+
 void PagedSequence::Attend(int layer, int kv_head, const kernels::AttnBatch& batch) const {
+  if (batch.n_tok == 1 && quest() && observer_ == nullptr) {
+    const BlockTable& t = table(layer, kv_head);
+    thread_local BlockTable selected;
+    if (QuestSelect(t, batch, &selected.pages)) {
+      const int pt = pool_.layout().page_tokens;
+      const int last = t.n_tokens - (t.n_tokens - 1) / pt * pt;  // tokens in the last page
+      selected.n_tokens = static_cast<int32_t>((selected.pages.size() - 1) * pt + last);
+      if (pool_.layout().plain()) {
+        kernels::PagedKv v = View(layer, kv_head);
+        v.page_ids = selected.pages.data();
+        v.n_tokens = selected.n_tokens;
+        kernels::PagedAttention(batch, v);
+      } else {
+        CodecAttend(selected, batch);
+      }
+      return;
+    }
+  }
   kernels::AttnBatch b = batch;
   if (observer_ != nullptr) {
     const auto obs = observer_->Observe(layer, kv_head, head_length(layer, kv_head), batch);

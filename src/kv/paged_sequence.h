@@ -67,7 +67,19 @@ class PagedSequence final : public KvSequence {
 
   void set_observer(AttentionObserver* observer) { observer_ = observer; }  // null: none
 
+  // Quest (decode-time page selection, nothing evicted): a decode step (one query token) reads,
+  // per (layer, KV head), only the full pages whose key bounds promise its queries the highest
+  // scores, plus the last page: `pages` of them, or when pages is 0 the fraction `keep` of the
+  // full pages (at least one). Each full page's per-channel key min/max is computed once.
+  // keep >= 1 with pages == 0 turns it off.
+  void set_quest(int pages, double keep) {
+    quest_pages_ = pages;
+    quest_keep_ = keep;
+  }
+  bool quest() const { return quest_pages_ > 0 || quest_keep_ < 1.0; }
+
   int n_tokens() const { return n_tokens_; }  // tokens committed to the sequence
+  const KvLayout& layout() const { return pool_.layout(); }
   int head_length(int layer, int kv_head) const { return table(layer, kv_head).n_tokens; }
   int pages_held() const;     // page references held, reserved ones included
   size_t bytes_held() const;  // their bytes (raw and codec pages differ in size)
@@ -78,6 +90,9 @@ class PagedSequence final : public KvSequence {
     std::vector<int32_t> pages;
     int32_t n_tokens = 0;
     std::vector<int32_t> seal_pages;  // codec pages reserved for staged pages that will fill
+    // Quest: per-channel key min then max ([2][head_dim]) of the first pages; filled lazily by
+    // decode steps (one task per table then), dropped when pages change under it.
+    mutable std::vector<float> key_bounds;
   };
   BlockTable& table(int layer, int kv_head) {
     return tables_[layer * pool_.layout().n_kv_heads + kv_head];
@@ -95,11 +110,16 @@ class PagedSequence final : public KvSequence {
   }
   void Seal(BlockTable& t, int64_t page_index);
   void CodecAttend(const BlockTable& t, const kernels::AttnBatch& b) const;
+  // The pages a Quest decode step reads (ascending, the last page last); false when all are.
+  bool QuestSelect(const BlockTable& t, const kernels::AttnBatch& b,
+                   std::vector<int32_t>* pages) const;
 
   PagePool& pool_;
   std::vector<BlockTable> tables_;
   int n_tokens_ = 0;
-  AttentionObserver* observer_ = nullptr;             // not owned, not inherited by forks
+  AttentionObserver* observer_ = nullptr;  // not owned, not inherited by forks
+  int quest_pages_ = 0;
+  double quest_keep_ = 1.0;
   std::vector<int32_t> scratch_raw_, scratch_codec_;  // reused by Reserve: no per-step allocation
 };
 

@@ -70,10 +70,7 @@ std::vector<int32_t> TopIndices(const std::vector<float>& s, int b) {
 
 }  // namespace
 
-bool PressOptions::NeedsAttention() const {
-  return scorer == Scorer::kH2O || scorer == Scorer::kSnapKV || scorer == Scorer::kTova ||
-         scorer == Scorer::kExpected;
-}
+bool PressOptions::NeedsAttention() const { return !quest && AttentionLike(scorer); }
 
 const std::vector<std::string>& ScorerNames() {
   static const std::vector<std::string> kNames(std::begin(kScorerNames), std::end(kScorerNames));
@@ -92,7 +89,16 @@ Status ParsePressSpec(std::string_view spec, PressOptions* o) {
   }
   o->allocator = Allocator::kUniform;
   o->share = ShareLayers::kNone;
+  o->quest = false;
   std::string_view name = parts[0];
+  if (name == "quest") {
+    if (parts.size() > 1) {
+      return InvalidArgument("press 'quest' evicts nothing, so it takes no modifiers ('" +
+                             std::string(spec) + "')");
+    }
+    o->quest = true;
+    return OkStatus();
+  }
   if (name == "pyramidkv") {
     name = "snapkv";
     o->allocator = Allocator::kPyramid;
@@ -103,7 +109,7 @@ Status ParsePressSpec(std::string_view spec, PressOptions* o) {
     std::string known;
     for (const auto& n : names) known += n + ", ";
     return InvalidArgument("unknown press '" + std::string(name) + "' in '" + std::string(spec) +
-                           "' (known: " + known + "pyramidkv)");
+                           "' (known: " + known + "pyramidkv, quest)");
   }
   o->scorer = static_cast<Scorer>(it - names.begin());
   for (size_t i = 1; i < parts.size(); ++i) {
@@ -133,6 +139,7 @@ Status ParsePressSpec(std::string_view spec, PressOptions* o) {
 }
 
 std::string PressSpec(const PressOptions& o) {
+  if (o.quest) return "quest";
   std::string s = ScorerName(o.scorer);
   if (o.allocator == Allocator::kPyramid) s += "+pyramid";
   if (o.allocator == Allocator::kAda) s += "+ada";
@@ -399,7 +406,17 @@ Result<PressResult> Compress(const PressOptions& o, PagedSequence& seq, int n_la
   if (o.budget < 0) return InvalidArgument("press budget must be a positive token count");
   const int T = n_layers * n_kv_heads;
   PressResult r;
-  r.bytes_before = seq.bytes_held();
+  r.bytes_before = r.bytes_after = seq.bytes_held();
+  if (o.quest) {
+    const int pages = o.quest_pages > 0 ? o.quest_pages
+                      : o.budget > 0    ? std::max(1, o.budget / seq.layout().page_tokens)
+                                        : 0;
+    seq.set_quest(pages, 1.0 - o.ratio);
+    for (int l = 0; l < n_layers; ++l)
+      for (int h = 0; h < n_kv_heads; ++h) r.tokens_before += seq.head_length(l, h);
+    r.tokens_after = r.tokens_before;
+    return r;
+  }
   int n_max = 0;
   for (int l = 0; l < n_layers; ++l) {
     for (int h = 0; h < n_kv_heads; ++h) {

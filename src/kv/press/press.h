@@ -34,14 +34,18 @@ struct PressOptions {
   double ada_floor = 0.2;    // Ada-KV: each head keeps at least this fraction of the mean budget
   double pyramid_beta = 20;  // PyramidKV: the top layer gets 1/beta of the mean budget
   uint64_t seed = 0;         // random
+  // Quest instead of eviction: decode steps read the `quest_pages` pages (or the fraction
+  // 1 - ratio of the pages) whose key bounds score highest; nothing is freed.
+  bool quest = false;
+  int quest_pages = 0;
 
   bool NeedsAttention() const;  // whether a PressObserver must watch the prompt
 };
 
 const std::vector<std::string>& ScorerNames();
 const char* ScorerName(Scorer s);
-// "snapkv", "snapkv+ada", "snapkv+max", "h2o+pyramid", "pyramidkv" (= snapkv+pyramid): a scorer
-// and optional modifiers (allocators uniform|pyramid|ada, cross-layer max|mean). Sets the
+// "snapkv", "snapkv+ada", "snapkv+max", "h2o+pyramid", "pyramidkv" (= snapkv+pyramid), "quest": a
+// scorer and optional modifiers (allocators uniform|pyramid|ada, cross-layer max|mean). Sets the
 // scorer, allocator and share fields of *options and leaves the others.
 Status ParsePressSpec(std::string_view spec, PressOptions* options);
 std::string PressSpec(const PressOptions& options);  // the inverse
