@@ -7,6 +7,7 @@
 #include <random>
 
 #include "cachet/commands.h"
+#include "kv/press/press.h"
 #include "model/config.h"
 #include "model/transformer.h"
 #include "runtime/sampler.h"
@@ -143,9 +144,11 @@ void AddBench(CLI::App& app) {
     bool json = false;
     bool roofline = true;
     std::vector<double> prefix_hit;
+    GenerateOptions gen;  // its press, if any
   };
   auto o = std::make_shared<Opts>();
   AddEngineFlags(*cmd, o->engine);
+  AddPressFlags(*cmd, o->gen);
   cmd->add_option("--ctx", o->ctx, "Context lengths to measure, e.g. 512,4096")
       ->delimiter(',')
       ->check(CLI::PositiveNumber);
@@ -198,16 +201,30 @@ void AddBench(CLI::App& app) {
     out["reps"] = o->reps;
     out["n_decode"] = o->n_decode;
     ProgressBar progress("bench", int64_t(o->ctx.size()) * o->reps);
+    const auto& press = o->gen.press;
+    if (press) out["press"] = press::PressSpec(*press);
     for (int ctx : o->ctx) {
-      std::vector<double> prefill, decode;
+      std::vector<double> prefill, decode, press_ms, kv_before, kv_after;
       for (int rep = 0; rep < o->reps; ++rep) {
         auto session = engine->NewSession();
+        if (press) session->ObserveForPress(ctx, press->window, press::GatheringsFor(*press));
         auto t0 = Clock::now();
         Status s = session->Eval(std::span<const int32_t>(tokens.data(), ctx), nullptr);
         const double pf = std::chrono::duration<double>(Clock::now() - t0).count();
         if (!s.ok()) {
           std::fprintf(stderr, "cachet: %s\n", s.ToString().c_str());
           throw CLI::RuntimeError(1);
+        }
+        if (press) {  // scoring, planning and compaction, timed apart from the prefill
+          kv_before.push_back(double(session->kv().bytes_held()));
+          auto tp = Clock::now();
+          auto r = session->Compress(*press);
+          press_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - tp).count());
+          if (!r.ok()) {
+            std::fprintf(stderr, "cachet: %s\n", r.status().ToString().c_str());
+            throw CLI::RuntimeError(1);
+          }
+          kv_after.push_back(double(session->kv().bytes_held()));
         }
         auto t1 = Clock::now();
         for (int i = 0; i < o->n_decode; ++i) {
@@ -226,6 +243,13 @@ void AddBench(CLI::App& app) {
       out["decode_tok_s"][key] = d.median;
       out["prefill_tok_s_min_max"][key] = {p.min, p.max};
       out["decode_tok_s_min_max"][key] = {d.min, d.max};
+      if (press) {
+        const double ms = Summarize(press_ms).median;
+        out["press_ms"][key] = ms;
+        out["press_fraction_of_prefill"][key] = ms / 1e3 / (ctx / p.median);
+        out["kv_bytes_before_press"][key] = Summarize(kv_before).median;
+        out["kv_bytes_after_press"][key] = Summarize(kv_after).median;
+      }
     }
     if (o->roofline) {
       const double bw = MeasureReadBandwidth(engine->pool());
@@ -265,6 +289,18 @@ void AddBench(CLI::App& app) {
           out["read_bandwidth_gb_s"].get<double>(),
           out["weight_bytes_per_token"].get<double>() / 1e6,
           static_cast<long long>(c.KvBytesPerToken(4)));
+    }
+    if (press) {
+      std::printf("press %s: KV MiB before -> after, press ms (fraction of the prefill)\n",
+                  out["press"].get<std::string>().c_str());
+      for (int ctx : o->ctx) {
+        const std::string k = std::to_string(ctx);
+        std::printf("%8d  %8.2f -> %8.2f  %8.1f ms (%.1f%%)\n", ctx,
+                    out["kv_bytes_before_press"][k].get<double>() / 1048576.0,
+                    out["kv_bytes_after_press"][k].get<double>() / 1048576.0,
+                    out["press_ms"][k].get<double>(),
+                    100 * out["press_fraction_of_prefill"][k].get<double>());
+      }
     }
   });
 }

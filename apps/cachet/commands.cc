@@ -194,7 +194,10 @@ void AddRun(CLI::App& app) {
       auto prompt_session = engine->NewSession(*salt);
       const std::vector<int32_t> ids = engine->tokenizer().EncodePrompt(text);
       const auto& press = opts->gen.press;
-      if (press) prompt_session->ObserveForPress(static_cast<int32_t>(ids.size()), press->window);
+      if (press) {
+        prompt_session->ObserveForPress(static_cast<int32_t>(ids.size()), press->window,
+                                        press::GatheringsFor(*press));
+      }
       if (Status s = prompt_session->Eval(ids, nullptr); !s.ok()) fail(s);
       if (press) {
         if (auto r = prompt_session->Compress(*press); !r.ok()) fail(r.status());

@@ -112,7 +112,8 @@ class Session {
   // attention-based presses score by, for a prompt that ends at token position `end` (prefix
   // reuse is off while observing, so every prompt query is seen); Compress evicts to the press's
   // budget, frees the pages and stops observing. Forks share what was observed (read-only).
-  void ObserveForPress(int32_t end, int window);
+  // gatherings: PressObserver's mask (press::GatheringsFor the presses to be applied).
+  void ObserveForPress(int32_t end, int window, uint32_t gatherings = 7);
   Result<press::PressResult> Compress(const press::PressOptions& options);
 
   // Tokens whose K/V is in the cache.

@@ -132,10 +132,13 @@ bool SameCodecs(const Method& a, const Method& b) {
 void ObserveIfNeeded(const std::vector<Method>& methods, const Method& group, int32_t end,
                      Session& prefilled) {
   int window = 0;
+  uint32_t gatherings = 0;
   for (const Method& m : methods) {
-    if (SameCodecs(m, group) && NeedsAttention(m)) window = std::max(window, m.window);
+    if (!SameCodecs(m, group) || !NeedsAttention(m)) continue;
+    window = std::max(window, m.window);
+    gatherings |= Gatherings(m);
   }
-  if (window > 0) prefilled.ObserveForPress(end, window);
+  if (window > 0) prefilled.ObserveForPress(end, window, gatherings);
 }
 
 Status OpenOutput(const std::string& path, std::ofstream* out) {

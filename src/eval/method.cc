@@ -138,6 +138,12 @@ bool NeedsAttention(const Method& m) {
   return m.press != "full" && press::ParsePressSpec(m.press, &o).ok() && o.NeedsAttention();
 }
 
+uint32_t Gatherings(const Method& m) {
+  press::PressOptions o;
+  if (m.press == "full" || !press::ParsePressSpec(m.press, &o).ok()) return 0;
+  return press::GatheringsFor(o);
+}
+
 Status ApplyMethod(const Method& m, Session& session) {
   CACHET_RETURN_IF_ERROR(MethodAvailable(m));
   // The codec is not applied here: it is a property of the engine's pool, so the session was

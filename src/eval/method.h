@@ -52,6 +52,7 @@ Status MethodAvailable(const Method& m);
 // Whether m's press scores by attention weights, which the prefill must gather
 // (Session::ObserveForPress before the prefill that m's session forks).
 bool NeedsAttention(const Method& m);
+uint32_t Gatherings(const Method& m);  // press::GatheringsFor m's press
 
 // Applies m to a session that holds a prefilled prompt or context. The session was forked from
 // the prefill, so one prefill per sample serves every configuration of a sweep.

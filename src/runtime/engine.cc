@@ -162,10 +162,10 @@ std::unique_ptr<Session> Session::Fork() const {
   return s;
 }
 
-void Session::ObserveForPress(int32_t end, int window) {
+void Session::ObserveForPress(int32_t end, int window, uint32_t gatherings) {
   const ModelConfig& c = engine_.config();
-  observer_ =
-      std::make_shared<press::PressObserver>(c.n_layers, c.n_kv_heads, c.head_dim, end, window);
+  observer_ = std::make_shared<press::PressObserver>(c.n_layers, c.n_kv_heads, c.head_dim, end,
+                                                     window, gatherings);
   seq_->set_observer(observer_.get());
   observing_ = true;
 }
@@ -256,7 +256,7 @@ Result<GenerateResult> Session::Generate(std::span<const int32_t> prompt,
   }
   if (options.press) {
     ObserveForPress(static_cast<int32_t>(n_tokens() + pending_.size() + prompt.size()),
-                    options.press->window);
+                    options.press->window, press::GatheringsFor(*options.press));
   }
   CACHET_RETURN_IF_ERROR(Eval(prompt, nullptr));
   if (options.press) {

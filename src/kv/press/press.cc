@@ -148,8 +148,25 @@ std::string PressSpec(const PressOptions& o) {
   return s;
 }
 
-PressObserver::PressObserver(int n_layers, int n_kv_heads, int head_dim, int32_t end, int window)
-    : n_kv_heads_(n_kv_heads),
+uint32_t GatheringsFor(const PressOptions& o) {
+  if (o.quest) return 0;
+  switch (o.scorer) {
+    case Scorer::kH2O:
+      return 1u << PressObserver::kAll;
+    case Scorer::kSnapKV:
+    case Scorer::kExpected:  // reads the window's query statistics, gathered alongside
+      return 1u << PressObserver::kWindow;
+    case Scorer::kTova:
+      return 1u << PressObserver::kLast;
+    default:
+      return 0;
+  }
+}
+
+PressObserver::PressObserver(int n_layers, int n_kv_heads, int head_dim, int32_t end, int window,
+                             uint32_t gatherings)
+    : gatherings_(gatherings),
+      n_kv_heads_(n_kv_heads),
       head_dim_(head_dim),
       end_(end),
       window_(window),
@@ -180,9 +197,11 @@ std::span<const kernels::AttnObserve> PressObserver::Observe(int, int, int n_key
   CallBuffers& cb = tls_call;
   cb.n_keys = n_keys;
   cb.weights.assign(size_t(kGatherings) * n_keys, 0.0f);
+  int n_observe = 0;
   for (int g = 0; g < kGatherings; ++g) {
-    cb.observe[g].min_pos = min_pos_[g];
-    cb.observe[g].key_weight = cb.weights.data() + size_t(g) * n_keys;
+    if (!(gatherings_ >> g & 1)) continue;
+    cb.observe[n_observe].min_pos = min_pos_[g];
+    cb.observe[n_observe++].key_weight = cb.weights.data() + size_t(g) * n_keys;
   }
   const int d = head_dim_;
   cb.q_rows = 0;
@@ -200,7 +219,7 @@ std::span<const kernels::AttnObserve> PressObserver::Observe(int, int, int n_key
       ++cb.q_rows;
     }
   }
-  return {cb.observe, kGatherings};
+  return {cb.observe, size_t(n_observe)};
 }
 
 void PressObserver::Merge(int layer, int kv_head) {
@@ -208,6 +227,7 @@ void PressObserver::Merge(int layer, int kv_head) {
   Head& h = heads_[layer * n_kv_heads_ + kv_head];
   std::lock_guard<std::mutex> lock(h.mu);
   for (int g = 0; g < kGatherings; ++g) {
+    if (!(gatherings_ >> g & 1)) continue;
     std::vector<float>& w = h.weights[g];
     if (static_cast<int>(w.size()) < cb.n_keys) w.resize(cb.n_keys, 0.0f);
     const float* src = cb.weights.data() + size_t(g) * cb.n_keys;
@@ -299,6 +319,11 @@ Status ScoreTokens(const PressOptions& o, const PagedSequence& seq, int n_layers
       s.assign(n, 0.0f);
       auto weights = [&](PressObserver::Gathering g) -> Status {
         const std::vector<float>& w = observer->weights(l, h, g);
+        if (w.empty() && n > 0) {
+          return FailedPrecondition(std::string("the prompt was observed without the attention "
+                                                "weights press '") +
+                                    ScorerName(o.scorer) + "' scores by");
+        }
         if (static_cast<int>(w.size()) != n) {
           return FailedPrecondition("the press observer saw " + std::to_string(w.size()) +
                                     " keys in layer " + std::to_string(l) + " head " +

@@ -59,7 +59,10 @@ class PressObserver final : public AttentionObserver {
  public:
   // end: the position just past the prompt's last token; head_dim and the GQA group size as the
   // model has them.
-  PressObserver(int n_layers, int n_kv_heads, int head_dim, int32_t end, int window);
+  // gatherings: a mask of 1 << Gathering; only those are gathered (the all-queries one makes
+  // the kernels buffer every row, the others only the window's).
+  PressObserver(int n_layers, int n_kv_heads, int head_dim, int32_t end, int window,
+                uint32_t gatherings = 7);
   std::span<const kernels::AttnObserve> Observe(int layer, int kv_head, int n_keys,
                                                 const kernels::AttnBatch& batch) override;
   void Merge(int layer, int kv_head) override;
@@ -82,12 +85,16 @@ class PressObserver final : public AttentionObserver {
     std::vector<double> q_sum, q_outer;  // over window query rows
     int64_t q_rows = 0;
   };
+  uint32_t gatherings_;
   int32_t min_pos_[kGatherings];
   int n_kv_heads_, head_dim_;
   int32_t end_;
   int window_;
   std::vector<Head> heads_;
 };
+
+// The gatherings (PressObserver mask) o's scorer reads.
+uint32_t GatheringsFor(const PressOptions& o);
 
 // Per-(layer, KV head) budgets (table order) for tables of n_tokens each, given the scores the
 // Ada-KV allocator pools; every budget is in [min_keep, n_tokens] and they sum to
