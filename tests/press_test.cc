@@ -465,6 +465,42 @@ TEST(PressQuest, PicksThePageTheQueryPointsAt) {
   EXPECT_GT(dot / std::sqrt(on * vn), 0.9f);
 }
 
+// Compression during prefill: the cache never holds more than the budget plus one chunk, and ends
+// at the budget.
+TEST(PressEngine, CompressDuringPrefillBoundsPeakMemory) {
+  EngineOptions eo;
+  eo.model_dir = testing::ModelDir();
+  eo.threads = 2;
+  eo.ubatch = 256;
+  eo.prefix_cache = false;
+  auto engine = Engine::Create(eo);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  const ModelConfig& cfg = (*engine)->config();
+  std::vector<int32_t> prompt(2000);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = 10 + int32_t(i * 7919 % 400);
+  const double bytes_per_token = (*engine)->kv_stats().bytes_per_token;
+  for (const char* spec : {"snapkv+chunked", "streaming+chunked", "h2o+ada+chunked"}) {
+    SCOPED_TRACE(spec);
+    press::PressOptions o;
+    ASSERT_TRUE(press::ParsePressSpec(spec, &o).ok());
+    o.ratio = 0.875;  // 250 of 2000 tokens
+    auto s = (*engine)->NewSession();
+    size_t peak = 0;
+    std::vector<float> logits;
+    ASSERT_TRUE(s->EvalCompressing(prompt, o, &logits, &peak).ok());
+    EXPECT_EQ(logits.size(), size_t(cfg.vocab_size));
+    EXPECT_EQ(s->n_tokens(), 2000);
+    int64_t kept = 0;
+    for (int l = 0; l < cfg.n_layers; ++l)
+      for (int h = 0; h < cfg.n_kv_heads; ++h) kept += s->kv().head_length(l, h);
+    EXPECT_EQ(kept, int64_t(cfg.n_layers) * cfg.n_kv_heads * 250);
+    // Budget + one chunk, each table rounded up to whole pages.
+    const double bound = (250 + 256 + 2.0 * eo.page_tokens) * bytes_per_token;
+    EXPECT_LE(double(peak), bound);
+    EXPECT_GT(double(peak), (250 + 200) * bytes_per_token);  // it did hold a chunk
+  }
+}
+
 // The gathering through the real forward pass: several threads attend to one head at once (the
 // forward pass splits a head's query tokens), so a lost update would show in the sums. Every
 // observed row's weights sum to 1.

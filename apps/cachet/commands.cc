@@ -90,6 +90,9 @@ void AddPressFlags(CLI::App& app, GenerateOptions& o) {
                  "expected attention score by (always kept)")
       ->check(CLI::PositiveNumber)
       ->default_val(opts->window);
+  app.add_flag("--compress-during-prefill", opts->during_prefill,
+               "Press: compress after every --ubatch chunk of the prompt, so the KV never holds "
+               "more than the budget plus one chunk (same as the +chunked press modifier)");
   app.add_option("--sinks", opts->sinks, "Press: the first N tokens are always kept")
       ->check(CLI::NonNegativeNumber)
       ->default_val(opts->sinks);
@@ -99,6 +102,7 @@ void AddPressFlags(CLI::App& app, GenerateOptions& o) {
       if (Status s = press::ParsePressSpec(*spec, &p); !s.ok()) {
         throw CLI::ValidationError("--press", s.message());
       }
+      p.during_prefill |= opts->during_prefill;
       o.press = p;
     }
   });
@@ -194,13 +198,17 @@ void AddRun(CLI::App& app) {
       auto prompt_session = engine->NewSession(*salt);
       const std::vector<int32_t> ids = engine->tokenizer().EncodePrompt(text);
       const auto& press = opts->gen.press;
-      if (press) {
-        prompt_session->ObserveForPress(static_cast<int32_t>(ids.size()), press->window,
-                                        press::GatheringsFor(*press));
-      }
-      if (Status s = prompt_session->Eval(ids, nullptr); !s.ok()) fail(s);
-      if (press) {
-        if (auto r = prompt_session->Compress(*press); !r.ok()) fail(r.status());
+      if (press && press->during_prefill) {
+        if (Status s = prompt_session->EvalCompressing(ids, *press, nullptr); !s.ok()) fail(s);
+      } else {
+        if (press) {
+          prompt_session->ObserveForPress(static_cast<int32_t>(ids.size()), press->window,
+                                          press::GatheringsFor(*press));
+        }
+        if (Status s = prompt_session->Eval(ids, nullptr); !s.ok()) fail(s);
+        if (press) {
+          if (auto r = prompt_session->Compress(*press); !r.ok()) fail(r.status());
+        }
       }
       for (int i = 0; i < *n_parallel; ++i) {
         auto fork = prompt_session->Fork();

@@ -115,6 +115,11 @@ class Session {
   // gatherings: PressObserver's mask (press::GatheringsFor the presses to be applied).
   void ObserveForPress(int32_t end, int window, uint32_t gatherings = 7);
   Result<press::PressResult> Compress(const press::PressOptions& options);
+  // Eval of a prompt compressed as it is prefilled: after every ubatch chunk the cache is pressed
+  // back to the budget ((1 - ratio) of the whole prompt, or budget tokens), so it never holds
+  // more than the budget plus one chunk. *peak_bytes gets the most the sequence held.
+  Status EvalCompressing(std::span<const int32_t> tokens, const press::PressOptions& options,
+                         std::vector<float>* logits, size_t* peak_bytes = nullptr);
 
   // Tokens whose K/V is in the cache.
   int n_tokens() const;

@@ -239,19 +239,26 @@ Result<std::vector<ResultRow>> RunTaskSweep(Engine& engine, TaskGenerator& gen,
           for (size_t mi = 0; mi < methods.runnable.size(); ++mi) {
             const Method& m = methods.runnable[mi];
             if (m.compress_at != at || !SameCodecs(m, group)) continue;
-            auto session = prefilled->Fork();
+            std::unique_ptr<Session> session;
+            size_t own_peak = prefill_bytes;
             auto t1 = Clock::now();
-            CACHET_RETURN_IF_ERROR(ApplyMethod(m, *session));
+            if (CompressesDuringPrefill(m)) {  // its own prefill, pressed chunk by chunk
+              session = ge->NewSession();
+              CACHET_RETURN_IF_ERROR(PrefillCompressing(m, prefix, *session, &logits, &own_peak));
+            } else {
+              session = prefilled->Fork();
+              CACHET_RETURN_IF_ERROR(ApplyMethod(m, *session));
+              logits = prefill_logits;
+            }
             const double apply_s = SecondsSince(t1);
             double question_s = 0;
-            logits = prefill_logits;
             if (at == CompressAt::kContext) {
               auto t2 = Clock::now();
               CACHET_RETURN_IF_ERROR(session->Eval(ids.subspan(sample.context_tokens), &logits));
               question_s = SecondsSince(t2);
             }
             const size_t start_bytes = session->kv().bytes_held();
-            size_t peak_bytes = std::max(prefill_bytes, start_bytes);
+            size_t peak_bytes = std::max(own_peak, start_bytes);
 
             // Greedy decode until a newline, EOS or max_new tokens.
             generated.clear();
@@ -433,16 +440,24 @@ Result<std::vector<ResultRow>> RunKlSweep(Engine& engine, const KlOptions& o) {
       for (size_t mi = 0; mi < methods.runnable.size(); ++mi) {
         if (!SameCodecs(methods.runnable[mi], group)) continue;
         KlRun& run = runs[mi];
-        auto session = prefilled->Fork();
+        const Method& m = methods.runnable[mi];
+        std::unique_ptr<Session> session;
+        size_t own_peak = prefill_bytes;
         auto t1 = Clock::now();
-        CACHET_RETURN_IF_ERROR(ApplyMethod(methods.runnable[mi], *session));
+        if (CompressesDuringPrefill(m)) {
+          session = ge->NewSession();
+          CACHET_RETURN_IF_ERROR(
+              PrefillCompressing(m, ids.first(half), *session, nullptr, &own_peak));
+        } else {
+          session = prefilled->Fork();
+          CACHET_RETURN_IF_ERROR(ApplyMethod(m, *session));
+        }
         const size_t start_bytes = session->kv().bytes_held();
         CACHET_RETURN_IF_ERROR(session->Eval(ids.subspan(half), &logits, /*all_logits=*/true));
         run.prefill_s += prefill_s + SecondsSince(t1);
         run.tokens += L;
         run.kv_prefill += double(start_bytes);
-        run.kv_peak =
-            std::max(run.kv_peak, double(std::max(prefill_bytes, session->kv().bytes_held())));
+        run.kv_peak = std::max(run.kv_peak, double(std::max(own_peak, session->kv().bytes_held())));
         if (o.test_perturb_logits > 0) Perturb(logits, o.test_perturb_logits, noise);
         // Row p holds the logits at position half + p, predicting token half + p + 1.
         for (int p = 0; half + p + 1 < L; ++p) {

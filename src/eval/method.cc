@@ -144,17 +144,36 @@ uint32_t Gatherings(const Method& m) {
   return press::GatheringsFor(o);
 }
 
-Status ApplyMethod(const Method& m, Session& session) {
-  CACHET_RETURN_IF_ERROR(MethodAvailable(m));
-  // The codec is not applied here: it is a property of the engine's pool, so the session was
-  // prefilled by an engine storing pages in m's codecs (EngineFor in harness.cc).
-  if (m.press == "full") return OkStatus();
+bool CompressesDuringPrefill(const Method& m) {
+  press::PressOptions o;
+  return m.press != "full" && press::ParsePressSpec(m.press, &o).ok() && o.during_prefill;
+}
+
+namespace {
+Result<press::PressOptions> PressOf(const Method& m) {
   press::PressOptions o;
   CACHET_RETURN_IF_ERROR(press::ParsePressSpec(m.press, &o));
   o.ratio = m.ratio;
   o.budget = m.budget;
   o.window = m.window;
   o.sinks = m.sinks;
+  return o;
+}
+}  // namespace
+
+Status PrefillCompressing(const Method& m, std::span<const int32_t> prompt, Session& session,
+                          std::vector<float>* logits, size_t* peak_bytes) {
+  CACHET_RETURN_IF_ERROR(MethodAvailable(m));
+  CACHET_ASSIGN_OR_RETURN(press::PressOptions o, PressOf(m));
+  return session.EvalCompressing(prompt, o, logits, peak_bytes);
+}
+
+Status ApplyMethod(const Method& m, Session& session) {
+  CACHET_RETURN_IF_ERROR(MethodAvailable(m));
+  // The codec is not applied here: it is a property of the engine's pool, so the session was
+  // prefilled by an engine storing pages in m's codecs (EngineFor in harness.cc).
+  if (m.press == "full") return OkStatus();
+  CACHET_ASSIGN_OR_RETURN(press::PressOptions o, PressOf(m));
   auto r = session.Compress(o);
   return r.ok() ? OkStatus() : r.status();
 }

@@ -3,6 +3,8 @@
 // codecs are a property of the engine that prefilled the session.
 #pragma once
 
+#include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -53,6 +55,11 @@ Status MethodAvailable(const Method& m);
 // (Session::ObserveForPress before the prefill that m's session forks).
 bool NeedsAttention(const Method& m);
 uint32_t Gatherings(const Method& m);  // press::GatheringsFor m's press
+// Presses with "+chunked" compress while prefilling, so they cannot fork a shared prefill:
+// PrefillCompressing evaluates the prompt into a fresh session instead of ApplyMethod.
+bool CompressesDuringPrefill(const Method& m);
+Status PrefillCompressing(const Method& m, std::span<const int32_t> prompt, Session& session,
+                          std::vector<float>* logits, size_t* peak_bytes);
 
 // Applies m to a session that holds a prefilled prompt or context. The session was forked from
 // the prefill, so one prefill per sample serves every configuration of a sweep.

@@ -179,6 +179,40 @@ Result<press::PressResult> Session::Compress(const press::PressOptions& options)
   return r;
 }
 
+Status Session::EvalCompressing(std::span<const int32_t> tokens, const press::PressOptions& options,
+                                std::vector<float>* logits, size_t* peak_bytes) {
+  press::PressOptions o = options;
+  if (o.quest) return InvalidArgument("quest evicts nothing: there is nothing to do per chunk");
+  o.budget = o.budget > 0 ? o.budget
+                          : static_cast<int>(std::lround((1.0 - o.ratio) * double(tokens.size())));
+  o.ratio = 0;
+  const int ub = engine_.options().ubatch;
+  const ModelConfig& c = engine_.config();
+  size_t peak = seq_->bytes_held();
+  for (size_t start = 0; start < tokens.size(); start += ub) {
+    const auto chunk = tokens.subspan(start, std::min<size_t>(ub, tokens.size() - start));
+    if (o.NeedsAttention()) {
+      ObserveForPress(static_cast<int32_t>(n_tokens() + pending_.size() + chunk.size()), o.window,
+                      press::GatheringsFor(o));
+    }
+    CACHET_RETURN_IF_ERROR(Eval(chunk, logits));
+    peak = std::max(peak, seq_->bytes_held());
+    int longest = 0;
+    for (int l = 0; l < c.n_layers; ++l)
+      for (int h = 0; h < c.n_kv_heads; ++h) longest = std::max(longest, seq_->head_length(l, h));
+    if (longest > o.budget) {
+      auto r = Compress(o);
+      if (!r.ok()) return r.status();
+    } else {
+      seq_->set_observer(nullptr);
+      observing_ = false;
+      observer_.reset();
+    }
+  }
+  if (peak_bytes) *peak_bytes = peak;
+  return OkStatus();
+}
+
 Status Session::Eval(std::span<const int32_t> tokens, std::vector<float>* logits, bool all_logits) {
   const int vocab = engine_.config().vocab_size;
   if (n_tokens() + static_cast<int64_t>(tokens.size() + pending_.size()) > engine_.n_ctx()) {
@@ -254,12 +288,16 @@ Result<GenerateResult> Session::Generate(std::span<const int32_t> prompt,
   if (prompt.empty() && last_logits_.empty() && pending_.empty()) {
     return InvalidArgument("Generate: empty prompt and nothing evaluated yet");
   }
-  if (options.press) {
+  if (options.press && options.press->during_prefill) {
+    CACHET_RETURN_IF_ERROR(EvalCompressing(prompt, *options.press, nullptr));
+  } else if (options.press) {
     ObserveForPress(static_cast<int32_t>(n_tokens() + pending_.size() + prompt.size()),
                     options.press->window, press::GatheringsFor(*options.press));
+    CACHET_RETURN_IF_ERROR(Eval(prompt, nullptr));
+  } else {
+    CACHET_RETURN_IF_ERROR(Eval(prompt, nullptr));
   }
-  CACHET_RETURN_IF_ERROR(Eval(prompt, nullptr));
-  if (options.press) {
+  if (options.press && !options.press->during_prefill) {
     auto pr = Compress(*options.press);
     if (!pr.ok()) return pr.status();
   }

@@ -90,6 +90,7 @@ Status ParsePressSpec(std::string_view spec, PressOptions* o) {
   o->allocator = Allocator::kUniform;
   o->share = ShareLayers::kNone;
   o->quest = false;
+  o->during_prefill = false;
   std::string_view name = parts[0];
   if (name == "quest") {
     if (parts.size() > 1) {
@@ -124,10 +125,13 @@ Status ParsePressSpec(std::string_view spec, PressOptions* o) {
       o->share = ShareLayers::kMax;
     } else if (m == "mean") {
       o->share = ShareLayers::kMean;
+    } else if (m == "chunked") {
+      o->during_prefill = true;
     } else {
       return InvalidArgument("unknown press modifier '" + std::string(m) + "' in '" +
                              std::string(spec) +
-                             "' (allocators: uniform, pyramid, ada; cross-layer: max, mean)");
+                             "' (allocators: uniform, pyramid, ada; cross-layer: max, mean; "
+                             "chunked: during prefill)");
     }
   }
   if (o->share != ShareLayers::kNone && o->allocator != Allocator::kUniform) {
@@ -145,6 +149,7 @@ std::string PressSpec(const PressOptions& o) {
   if (o.allocator == Allocator::kAda) s += "+ada";
   if (o.share == ShareLayers::kMax) s += "+max";
   if (o.share == ShareLayers::kMean) s += "+mean";
+  if (o.during_prefill) s += "+chunked";
   return s;
 }
 

@@ -38,6 +38,10 @@ struct PressOptions {
   // 1 - ratio of the pages) whose key bounds score highest; nothing is freed.
   bool quest = false;
   int quest_pages = 0;
+  // Compress after every prefill chunk (spec modifier "+chunked"), so the KV never holds more
+  // than the budget plus one chunk: Session::EvalCompressing. Attention scorers then see each
+  // chunk's own queries (SnapKV's window is the chunk's last tokens).
+  bool during_prefill = false;
 
   bool NeedsAttention() const;  // whether a PressObserver must watch the prompt
 };
@@ -45,8 +49,9 @@ struct PressOptions {
 const std::vector<std::string>& ScorerNames();
 const char* ScorerName(Scorer s);
 // "snapkv", "snapkv+ada", "snapkv+max", "h2o+pyramid", "pyramidkv" (= snapkv+pyramid), "quest": a
-// scorer and optional modifiers (allocators uniform|pyramid|ada, cross-layer max|mean). Sets the
-// scorer, allocator and share fields of *options and leaves the others.
+// scorer and optional modifiers (+chunked: compress during prefill) (allocators
+// uniform|pyramid|ada, cross-layer max|mean). Sets the scorer, allocator and share fields of
+// *options and leaves the others.
 Status ParsePressSpec(std::string_view spec, PressOptions* options);
 std::string PressSpec(const PressOptions& options);  // the inverse
 
