@@ -360,6 +360,61 @@ TEST(PressSpec, ParsesModifiersAndRejectsNonsense) {
   EXPECT_FALSE(press::ParsePressSpec("nope", &o).ok());
 }
 
+// Demote, don't drop: evicted tokens move to a cold pool in a low-bit codec; attention reads the
+// hot pages plus (all, or at decode the best-bound fraction of) the cold ones.
+TEST(PressDemote, EvictedTokensMoveToTheColdPoolAndStillCount) {
+  const int n = 200, pt = 16;
+  TestCache c(Layout(pt), n);
+  KvLayout cold_lay = Layout(pt, "q8_0");
+  PagePool cold(cold_lay, 4096 * cold_lay.page_bytes());
+  std::vector<float> q(3 * 2 * kDim), full(q.size()), out(q.size());
+  std::mt19937 rng(5);
+  for (auto& x : q) x = std::normal_distribution<float>()(rng);
+  const int32_t qpos[3] = {n, n + 1, n + 2};
+  kernels::AttnBatch b{q.data(), 2 * kDim, full.data(), 2 * kDim, qpos, 3, 2, 0.25f};
+  c.seq.Attend(1, 0, b);
+  const size_t hot_before = c.pool.used_bytes();
+  c.seq.set_cold_pool(&cold, 1.0);
+  std::vector<std::vector<int32_t>> keep(4);
+  for (auto& k : keep) k = RandomKeep(n, 50, rng);
+  ASSERT_TRUE(c.seq.Retain(keep, /*demote=*/true).ok());
+  for (int ti = 0; ti < 4; ++ti) {
+    EXPECT_EQ(c.seq.head_length(ti / 2, ti % 2), 50);
+    EXPECT_EQ(c.seq.cold_length(ti / 2, ti % 2), 150);
+  }
+  // Hot memory falls by the ratio; the cold pool holds the rest at q8_0's size.
+  EXPECT_EQ(c.pool.used_bytes(), 4 * PagesFor(50, pt) * c.lay.page_bytes());
+  EXPECT_LT(c.pool.used_bytes(), hot_before / 3);
+  EXPECT_EQ(cold.used_bytes(), 4 * PagesFor(150, pt) * cold_lay.page_bytes());
+  EXPECT_EQ(c.seq.bytes_held(), c.pool.used_bytes() + cold.used_bytes());
+  // Prefill-style attention (three query tokens) reads every page: the full result, up to
+  // q8_0's error on the demoted rows.
+  b.out = out.data();
+  c.seq.Attend(1, 0, b);
+  for (size_t i = 0; i < out.size(); ++i) EXPECT_NEAR(out[i], full[i], 2e-2) << i;
+  // A decode step reading a fraction of the cold pages reads less.
+  c.seq.set_cold_pool(&cold, 0.1);
+  kernels::AttnBatch d = b;
+  d.n_tok = 1;
+  std::vector<float> one(2 * kDim), one_full(2 * kDim);
+  d.out = one.data();
+  c.seq.Attend(1, 0, d);
+  c.seq.set_cold_pool(&cold, 1.0);
+  d.out = one_full.data();
+  c.seq.Attend(1, 0, d);
+  float diff = 0;
+  for (int i = 0; i < 2 * kDim; ++i) diff = std::max(diff, std::abs(one[i] - one_full[i]));
+  EXPECT_GT(diff, 1e-4);
+  for (int i = 0; i < 2 * kDim; ++i) EXPECT_NEAR(one_full[i], full[i], 2e-2);
+  // Forks share cold pages; clearing returns them.
+  auto fork = c.seq.Fork();
+  EXPECT_EQ(fork->cold_length(0, 0), 150);
+  fork.reset();
+  c.seq.Clear();
+  EXPECT_EQ(cold.used_bytes(), 0u);
+  EXPECT_EQ(c.pool.used_bytes(), 0u);
+}
+
 // Quest: a decode step reads the top-k pages by key-bound score plus the last page, exactly as
 // attention over those pages' keys would; prefill chunks and small caches read everything.
 TEST(PressQuest, DecodeReadsTheTopBoundPagesPlusTheLast) {
@@ -563,7 +618,7 @@ TEST(PressEngine, EveryPressFreesMemoryOnKvtiny) {
   const size_t full_bytes = base->kv().bytes_held();
   for (const char* spec :
        {"streaming", "h2o", "snapkv", "snapkv+ada", "snapkv+max", "pyramidkv", "tova", "knorm",
-        "keydiff", "expected", "random", "expected+mean", "quest"}) {
+        "keydiff", "expected", "random", "expected+mean", "quest", "snapkv+max+demote:q4_0"}) {
     SCOPED_TRACE(spec);
     GenerateOptions g = full;
     g.press.emplace();
@@ -576,9 +631,16 @@ TEST(PressEngine, EveryPressFreesMemoryOnKvtiny) {
     int64_t kept = 0;
     for (int l = 0; l < cfg.n_layers; ++l)
       for (int h = 0; h < cfg.n_kv_heads; ++h) kept += s->kv().head_length(l, h);
-    if (std::string(spec) == "quest") {  // reads a quarter of the pages, frees nothing
-      EXPECT_EQ(kept, int64_t(cfg.n_layers) * cfg.n_kv_heads * (600 + 3));
-      EXPECT_EQ(s->kv().bytes_held(), full_bytes);
+    if (g.press->quest || !g.press->demote.empty()) {  // hot tokens stay / move: all still held
+      if (g.press->quest) {
+        EXPECT_EQ(kept, int64_t(cfg.n_layers) * cfg.n_kv_heads * (600 + 3));
+        EXPECT_EQ(s->kv().bytes_held(), full_bytes);
+      } else {  // a quarter hot in f32, the rest cold in q4_0 (~1/7 of f32)
+        EXPECT_EQ(kept, int64_t(cfg.n_layers) * cfg.n_kv_heads * (150 + 3));
+        EXPECT_EQ(s->kv().cold_length(0, 0), 450);
+        EXPECT_LT(s->kv().bytes_held(), full_bytes * 0.45);
+        EXPECT_GT((*engine)->kv_stats().cold_bytes_used, 0);
+      }
       continue;
     }
     // 150 of 600 per table after the prompt, plus the 3 decoded tokens evaluated since.

@@ -93,6 +93,14 @@ void AddPressFlags(CLI::App& app, GenerateOptions& o) {
   app.add_flag("--compress-during-prefill", opts->during_prefill,
                "Press: compress after every --ubatch chunk of the prompt, so the KV never holds "
                "more than the budget plus one chunk (same as the +chunked press modifier)");
+  app.add_option("--demote", opts->demote,
+                 "Press: keep the evicted tokens in this row-wise codec (int8, q4_0, rot3, ...) "
+                 "in a cold pool instead of freeing them; decode steps fetch back the cold pages "
+                 "the query needs (same as the +demote:CODEC press modifier)");
+  app.add_option("--demote-fetch", opts->demote_fetch,
+                 "Press: fraction of the cold pages each decode step reads (by key bounds)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->default_val(opts->demote_fetch);
   app.add_option("--sinks", opts->sinks, "Press: the first N tokens are always kept")
       ->check(CLI::NonNegativeNumber)
       ->default_val(opts->sinks);
@@ -103,6 +111,7 @@ void AddPressFlags(CLI::App& app, GenerateOptions& o) {
         throw CLI::ValidationError("--press", s.message());
       }
       p.during_prefill |= opts->during_prefill;
+      if (p.demote.empty()) p.demote = opts->demote;
       o.press = p;
     }
   });

@@ -34,6 +34,7 @@ struct EvalOpts {
   std::vector<std::string> compress_at{"prompt"};
   int press_window = 32;
   int press_sinks = 4;
+  double demote_fetch = 0.125;
   bool kl = false;
   int windows = 8;
   int window_len = 1024;
@@ -76,6 +77,7 @@ std::vector<Method> MethodGrid(const EvalOpts& o) {
     for (Method m : sized) {
       m.window = o.press_window;
       m.sinks = o.press_sinks;
+      m.demote_fetch = o.demote_fetch;
       for (const std::string& codec : o.codecs) {
         const size_t colon = codec.find(':');
         m.codec_k = codec.substr(0, colon);
@@ -271,6 +273,10 @@ void AddEval(CLI::App& app) {
                   "Presses: observation window (last prompt tokens whose attention SnapKV and "
                   "expected attention score by; always kept)")
       ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  cmd->add_option("--demote-fetch", o->demote_fetch,
+                  "Presses with +demote:CODEC: fraction of the cold pages each decode step reads")
+      ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
   cmd->add_option("--sinks", o->press_sinks, "Presses: the first N tokens are always kept")
       ->check(CLI::NonNegativeNumber)

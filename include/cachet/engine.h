@@ -48,6 +48,7 @@ struct KvStats {
   int64_t prefix_cached_blocks = 0;
   int64_t evicted_blocks = 0;
   int64_t evicted_pages = 0;
+  int64_t cold_bytes_used = 0;  // in the cold pools of demoting presses (not in bytes_used)
 
   std::string ToString() const;  // a few human-readable lines
 };
@@ -161,6 +162,9 @@ class Engine {
   PagePool& kv_pool() { return *kv_pool_; }
   const EngineOptions& options() const { return options_; }
   KvStats kv_stats() const;
+  // The pool demoted tokens go to in this codec (row-wise codecs only), created on first use with
+  // the hot pool's capacity.
+  Result<PagePool*> ColdPool(std::string_view codec);
   void ClearPrefixCache();  // drops every cached page no session uses
   int n_ctx() const { return n_ctx_; }
 
@@ -175,6 +179,7 @@ class Engine {
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<PagePool> kv_pool_;
   std::unique_ptr<PrefixTree> prefix_;  // null when the prefix cache is off
+  std::vector<std::pair<std::string, std::unique_ptr<PagePool>>> cold_pools_;
 };
 
 }  // namespace cachet

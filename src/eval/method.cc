@@ -107,6 +107,9 @@ Status ValidateMethod(const Method& m) {
   if (m.press != "full") {
     press::PressOptions o;
     CACHET_RETURN_IF_ERROR(press::ParsePressSpec(m.press, &o));
+    if (!o.demote.empty() && CodecBits(o.demote) == 0) {
+      return InvalidArgument("unknown demote codec '" + o.demote + "' in press '" + m.press + "'");
+    }
   }
   for (const std::string& c : {m.codec_k, m.codec_v}) {
     if (CodecBits(c) == 0) {
@@ -125,6 +128,12 @@ Status ValidateMethod(const Method& m) {
 
 Status MethodAvailable(const Method& m) {
   CACHET_RETURN_IF_ERROR(ValidateMethod(m));
+  press::PressOptions o;
+  if (m.press != "full" && press::ParsePressSpec(m.press, &o).ok() && IsStagedCodec(o.demote)) {
+    return Unimplemented("press '" + m.press +
+                         "': demoted tokens are appended one by one, so the cold codec must be "
+                         "row-wise, not " + o.demote);
+  }
   if (m.press != "full" && m.press != "quest" && IsStagedCodec(m.codec_k)) {
     return Unimplemented("press '" + m.press + "' with " + m.codec_k +
                          " keys: KIVI keys are encoded per group of tokens, so single tokens "
@@ -157,6 +166,7 @@ Result<press::PressOptions> PressOf(const Method& m) {
   o.budget = m.budget;
   o.window = m.window;
   o.sinks = m.sinks;
+  o.demote_fetch = m.demote_fetch;
   return o;
 }
 }  // namespace

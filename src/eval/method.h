@@ -30,8 +30,9 @@ struct Method {
   int budget = 0;              // tokens kept instead of a ratio (0: use ratio)
   std::string codec_k = "f32", codec_v = "f32";
   CompressAt compress_at = CompressAt::kPrompt;
-  int window = 32;  // press observation window (SnapKV, expected attention)
-  int sinks = 4;    // first tokens every press keeps
+  int window = 32;              // press observation window (SnapKV, expected attention)
+  int sinks = 4;                // first tokens every press keeps
+  double demote_fetch = 0.125;  // presses with +demote:CODEC: cold pages read per decode step
 
   // "full/f32", "snapkv@0.5/int8", "streaming#256/int8:kivi2" (compress_at not included).
   std::string Label() const;

@@ -25,6 +25,10 @@ void PagedSequence::Clear() {
     t.key_bounds.clear();
     t.n_tokens = 0;
   }
+  for (BlockTable& t : cold_tables_) {
+    for (int32_t p : t.pages) cold_pool_->Unref(p);
+  }
+  cold_tables_.clear();
   n_tokens_ = 0;
 }
 
@@ -36,6 +40,16 @@ std::unique_ptr<PagedSequence> PagedSequence::Fork() const {
     child->tables_[i].n_tokens = tables_[i].n_tokens;
     for (int32_t p : tables_[i].pages) pool_.Ref(p);
   }
+  child->cold_pool_ = cold_pool_;
+  child->cold_fetch_ = cold_fetch_;
+  child->cold_tables_.resize(cold_tables_.size());
+  for (size_t i = 0; i < cold_tables_.size(); ++i) {
+    child->cold_tables_[i].pages = cold_tables_[i].pages;
+    child->cold_tables_[i].n_tokens = cold_tables_[i].n_tokens;
+    for (int32_t p : cold_tables_[i].pages) cold_pool_->Ref(p);
+  }
+  child->quest_pages_ = quest_pages_;
+  child->quest_keep_ = quest_keep_;
   return child;
 }
 
@@ -50,6 +64,14 @@ size_t PagedSequence::bytes_held() const {
   for (const BlockTable& t : tables_) {
     for (int32_t p : t.pages) n += pool_.page_bytes(p);
     for (int32_t p : t.seal_pages) n += pool_.page_bytes(p);
+  }
+  return n + cold_bytes_held();
+}
+
+size_t PagedSequence::cold_bytes_held() const {
+  size_t n = 0;
+  for (const BlockTable& t : cold_tables_) {
+    for (int32_t p : t.pages) n += cold_pool_->page_bytes(p);
   }
   return n;
 }
@@ -174,12 +196,63 @@ void PagedSequence::Append(int layer, int kv_head, const float* k, const float* 
   }
 }
 
-Status PagedSequence::Retain(std::span<const std::vector<int32_t>> keep) {
+void PagedSequence::WriteRow(PagePool& pool, int32_t page, int off, const float* k, const float* v,
+                             int32_t pos) {
+  const KvLayout& lay = pool.layout();
+  const int hd = lay.head_dim;
+  if (IsCodecPage(page)) {
+    codecs::EncodePage(lay.codec_k, Role::kKey, k, 1, 1, hd,
+                       pool.codec_keys(page) + off * codecs::RowStride(lay.codec_k, hd));
+    codecs::EncodePage(lay.codec_v, Role::kValue, v, 1, 1, hd,
+                       pool.codec_values(page) + off * codecs::RowStride(lay.codec_v, hd));
+  } else {
+    std::memcpy(pool.keys(page) + size_t(off) * hd, k, hd * sizeof(float));
+    std::memcpy(pool.values(page) + size_t(off) * hd, v, hd * sizeof(float));
+  }
+  pool.positions(page)[off] = pos;
+}
+
+void PagedSequence::DemoteRow(BlockTable& c, const float* k, const float* v, int32_t pos,
+                              const std::vector<int32_t>& fresh, size_t* next) {
+  const KvLayout& cl = cold_pool_->layout();
+  const int pt = cl.page_tokens;
+  const int off = c.n_tokens % pt;
+  if (off == 0) {
+    c.pages.push_back(fresh[(*next)++]);
+  } else if (cold_pool_->refcount(c.pages.back()) > 1) {  // shared with a fork: copy first
+    const int32_t shared = c.pages.back(), copy = fresh[(*next)++];
+    if (IsCodecPage(copy)) {
+      std::memcpy(cold_pool_->codec_keys(copy), cold_pool_->codec_keys(shared),
+                  cl.codec_k_bytes() + cl.codec_v_bytes());
+    } else {
+      std::memcpy(cold_pool_->keys(copy), cold_pool_->keys(shared),
+                  cl.slot_floats() * sizeof(float));
+    }
+    std::memcpy(cold_pool_->positions(copy), cold_pool_->positions(shared), pt * sizeof(int32_t));
+    cold_pool_->Unref(shared);
+    c.pages.back() = copy;
+  }
+  WriteRow(*cold_pool_, c.pages.back(), off, k, v, pos);
+  ++c.n_tokens;
+  c.key_bounds.resize(std::min(c.key_bounds.size(), size_t(c.n_tokens / pt) * 2 * cl.head_dim));
+}
+
+Status PagedSequence::Retain(std::span<const std::vector<int32_t>> keep, bool demote) {
   const KvLayout& lay = pool_.layout();
   const int pt = lay.page_tokens, hd = lay.head_dim;
   if (keep.size() != tables_.size()) {
     return InvalidArgument("Retain: " + std::to_string(keep.size()) + " keep lists for " +
                            std::to_string(tables_.size()) + " (layer, KV head) tables");
+  }
+  if (demote) {
+    if (cold_pool_ == nullptr) return FailedPrecondition("Retain: demote without a cold pool");
+    const KvLayout& cl = cold_pool_->layout();
+    if (cl.staged() || cl.page_tokens != pt || cl.head_dim != hd) {
+      return InvalidArgument(
+          "Retain: the cold pool must use a row-wise codec and the same page "
+          "shape");
+    }
+    if (cold_tables_.empty()) cold_tables_.resize(tables_.size());
   }
   if (!lay.plain() && lay.staged()) {
     return Unimplemented("eviction from a cache whose keys are stored in " +
@@ -212,9 +285,31 @@ Status PagedSequence::Retain(std::span<const std::vector<int32_t>> keep) {
     }
   }
   copy_begin[tables_.size()] = copy_dest.size();
+  // Cold pages for the demoted tokens (a pool of one codec: all are codec pages, or all raw when
+  // its codec is f32).
+  std::vector<int32_t> cold_new;
+  if (demote) {
+    int need_cold = 0;
+    for (size_t ti = 0; ti < tables_.size(); ++ti) {
+      const BlockTable& c = cold_tables_[ti];
+      const int64_t dropped = tables_[ti].n_tokens - int64_t(keep[ti].size());
+      const int64_t n = c.n_tokens + dropped;
+      need_cold += static_cast<int>((n + pt - 1) / pt - int64_t(c.pages.size()));
+      // A shared, partly filled last cold page is copied before it is appended to.
+      need_cold += dropped > 0 && c.n_tokens % pt != 0 && cold_pool_->refcount(c.pages.back()) > 1;
+    }
+    const bool raw = cold_pool_->layout().plain();
+    CACHET_RETURN_IF_ERROR(cold_pool_->Alloc(raw ? need_cold : 0, raw ? 0 : need_cold,
+                                             raw ? &cold_new : &scratch_codec_,
+                                             raw ? nullptr : &cold_new));
+  }
   scratch_raw_.clear();
   scratch_codec_.clear();
-  CACHET_RETURN_IF_ERROR(pool_.Alloc(need_raw, need_codec, &scratch_raw_, &scratch_codec_));
+  if (Status s = pool_.Alloc(need_raw, need_codec, &scratch_raw_, &scratch_codec_); !s.ok()) {
+    for (int32_t p : cold_new) cold_pool_->Unref(p);
+    return s;
+  }
+  size_t next_cold = 0;
 
   // Apply. A kept token only moves to an earlier index, so walking source pages in order, each
   // decoded whole before any of its rows is overwritten, never reads a row that was written.
@@ -231,39 +326,53 @@ Status PagedSequence::Retain(std::span<const std::vector<int32_t>> keep) {
       released.push_back(dest[d]);
       dest[d] = IsCodecPage(dest[d]) ? scratch_codec_[next_codec++] : scratch_raw_[next_raw++];
     }
-    int src_page = -1;
-    for (size_t j = 0; j < k.size(); ++j) {
-      const int d = static_cast<int>(j / pt), off = static_cast<int>(j % pt);
-      if (k[j] == static_cast<int32_t>(j) && !copy_dest[copy_begin[ti] + d]) continue;
-      const int s = k[j] / pt, s_off = k[j] % pt;
+    // Source pages in order: decode each whole, demote its dropped tokens, then write its kept
+    // ones (to this page or earlier ones, all of whose tokens are already handled).
+    size_t kj = 0;
+    for (int s = 0; s * pt < t.n_tokens; ++s) {
+      const int cnt = std::min(pt, t.n_tokens - s * pt), first = s * pt;
+      size_t kend = kj;
+      while (kend < k.size() && k[kend] < first + cnt) ++kend;
+      const bool drops = demote && static_cast<int>(kend - kj) < cnt;
+      bool writes = false;
+      for (size_t x = kj; x < kend && !writes; ++x) {
+        writes = k[x] != static_cast<int32_t>(x) || copy_dest[copy_begin[ti] + x / pt];
+      }
+      if (!drops && !writes) {
+        kj = kend;
+        continue;
+      }
       const int32_t sp = t.pages[s];
-      if (s != src_page) {
-        src_page = s;
-        const int cnt = std::min(pt, t.n_tokens - s * pt);
-        if (IsCodecPage(sp)) {
-          codecs::DecodePage(lay.codec_k, Role::kKey, pool_.codec_keys(sp), cnt, pt, hd,
-                             kbuf.data());
-          codecs::DecodePage(lay.codec_v, Role::kValue, pool_.codec_values(sp), cnt, pt, hd,
-                             vbuf.data());
-        } else {
-          std::memcpy(kbuf.data(), pool_.keys(sp), size_t(cnt) * hd * sizeof(float));
-          std::memcpy(vbuf.data(), pool_.values(sp), size_t(cnt) * hd * sizeof(float));
-        }
-        std::memcpy(src_pos.data(), pool_.positions(sp), cnt * sizeof(int32_t));
-      }
-      const int32_t dp = dest[d];
-      const float* kr = kbuf.data() + size_t(s_off) * hd;
-      const float* vr = vbuf.data() + size_t(s_off) * hd;
-      if (IsCodecPage(dp)) {
-        codecs::EncodePage(lay.codec_k, Role::kKey, kr, 1, 1, hd,
-                           pool_.codec_keys(dp) + off * codecs::RowStride(lay.codec_k, hd));
-        codecs::EncodePage(lay.codec_v, Role::kValue, vr, 1, 1, hd,
-                           pool_.codec_values(dp) + off * codecs::RowStride(lay.codec_v, hd));
+      if (IsCodecPage(sp)) {
+        codecs::DecodePage(lay.codec_k, Role::kKey, pool_.codec_keys(sp), cnt, pt, hd, kbuf.data());
+        codecs::DecodePage(lay.codec_v, Role::kValue, pool_.codec_values(sp), cnt, pt, hd,
+                           vbuf.data());
       } else {
-        std::memcpy(pool_.keys(dp) + size_t(off) * hd, kr, hd * sizeof(float));
-        std::memcpy(pool_.values(dp) + size_t(off) * hd, vr, hd * sizeof(float));
+        std::memcpy(kbuf.data(), pool_.keys(sp), size_t(cnt) * hd * sizeof(float));
+        std::memcpy(vbuf.data(), pool_.values(sp), size_t(cnt) * hd * sizeof(float));
       }
-      pool_.positions(dp)[off] = src_pos[s_off];
+      std::memcpy(src_pos.data(), pool_.positions(sp), cnt * sizeof(int32_t));
+      if (drops) {
+        size_t x = kj;
+        for (int r = 0; r < cnt; ++r) {
+          if (x < kend && k[x] == first + r) {
+            ++x;
+            continue;
+          }
+          DemoteRow(cold_tables_[ti], kbuf.data() + size_t(r) * hd, vbuf.data() + size_t(r) * hd,
+                    src_pos[r], cold_new, &next_cold);
+        }
+      }
+      for (size_t x = kj; x < kend; ++x) {
+        const int d = static_cast<int>(x / pt), off = static_cast<int>(x % pt);
+        if (k[x] == static_cast<int32_t>(x) && !copy_dest[copy_begin[ti] + d]) continue;
+        const int s_off = k[x] - first;
+        const int32_t dp = dest[d];
+        const float* kr = kbuf.data() + size_t(s_off) * hd;
+        const float* vr = vbuf.data() + size_t(s_off) * hd;
+        WriteRow(pool_, dp, off, kr, vr, src_pos[s_off]);
+      }
+      kj = kend;
     }
     for (size_t p = dest_pages; p < t.pages.size(); ++p) pool_.Unref(t.pages[p]);
     t.pages.assign(dest.begin(), dest.end());
@@ -298,21 +407,17 @@ kernels::PagedKv PagedSequence::View(int layer, int kv_head) const {
   return v;
 }
 
-bool PagedSequence::QuestSelect(const BlockTable& t, const kernels::AttnBatch& b,
-                                std::vector<int32_t>* pages) const {
-  const KvLayout& lay = pool_.layout();
+bool PagedSequence::QuestSelect(PagePool& pool, const BlockTable& t, const kernels::AttnBatch& b,
+                                int pages, double keep, std::vector<int32_t>* selected) {
+  const KvLayout& lay = pool.layout();
   const int pt = lay.page_tokens, hd = lay.head_dim;
   const int n_pages = (t.n_tokens + pt - 1) / pt;
   const int candidates = n_pages - 1;  // the last page is always read
-  const int k = quest_pages_ > 0
-                    ? quest_pages_
-                    : std::max(1, static_cast<int>(std::ceil(quest_keep_ * candidates)));
+  const int k = pages > 0 ? pages : std::max(1, static_cast<int>(std::ceil(keep * candidates)));
   if (k >= candidates) return false;
-  // Bounds of full pages not yet seen.
-  const int full = t.n_tokens / pt;
-  PagePool& pool = pool_;
+  // Bounds of the candidates not yet seen (full pages, immutable until Retain).
   thread_local std::vector<float> kbuf;
-  for (int p = static_cast<int>(t.key_bounds.size() / (2 * hd)); p < full; ++p) {
+  for (int p = static_cast<int>(t.key_bounds.size() / (2 * hd)); p < candidates; ++p) {
     const int32_t page = t.pages[p];
     const float* keys = pool.keys(page);
     if (IsCodecPage(page)) {
@@ -354,41 +459,67 @@ bool PagedSequence::QuestSelect(const BlockTable& t, const kernels::AttnBatch& b
   });
   std::sort(ub.begin(), ub.begin() + k,
             [](const auto& a, const auto& c) { return a.second < c.second; });
-  pages->clear();
-  for (int i = 0; i < k; ++i) pages->push_back(t.pages[ub[i].second]);
-  pages->push_back(t.pages[n_pages - 1]);
+  selected->clear();
+  for (int i = 0; i < k; ++i) selected->push_back(ub[i].second);
+  selected->push_back(n_pages - 1);
   return true;
 }
 
-void PagedSequence::Attend(int layer, int kv_head, const kernels::AttnBatch& batch) const {
-  if (batch.n_tok == 1 && quest() && observer_ == nullptr) {
-    const BlockTable& t = table(layer, kv_head);
-    thread_local BlockTable selected;
-    if (QuestSelect(t, batch, &selected.pages)) {
-      const int pt = pool_.layout().page_tokens;
-      const int last = t.n_tokens - (t.n_tokens - 1) / pt * pt;  // tokens in the last page
-      selected.n_tokens = static_cast<int32_t>((selected.pages.size() - 1) * pt + last);
-      if (pool_.layout().plain()) {
-        kernels::PagedKv v = View(layer, kv_head);
-        v.page_ids = selected.pages.data();
-        v.n_tokens = selected.n_tokens;
-        kernels::PagedAttention(batch, v);
-      } else {
-        CodecAttend(selected, batch);
-      }
-      return;
-    }
+void PagedSequence::AddRefs(PagePool& pool, const BlockTable& t, const std::vector<int32_t>* subset,
+                            std::vector<PageRef>* refs) {
+  const int pt = pool.layout().page_tokens;
+  const int n_pages = (t.n_tokens + pt - 1) / pt;
+  int32_t first = refs->empty() ? 0 : refs->back().first_key + refs->back().cnt;
+  auto add = [&](int p) {
+    const int32_t cnt = std::min(pt, t.n_tokens - p * pt);
+    refs->push_back({&pool, t.pages[p], cnt, first});
+    first += cnt;
+  };
+  if (subset) {
+    for (int32_t p : *subset) add(p);
+  } else {
+    for (int p = 0; p < n_pages; ++p) add(p);
   }
+}
+
+void PagedSequence::Attend(int layer, int kv_head, const kernels::AttnBatch& batch) const {
+  const int ti = layer * pool_.layout().n_kv_heads + kv_head;
+  const BlockTable& t = tables_[ti];
+  const BlockTable* cold =
+      cold_tables_.empty() || cold_tables_[ti].n_tokens == 0 ? nullptr : &cold_tables_[ti];
+  // Decode steps may read a subset of pages: Quest over the hot pages, the fetch over cold ones.
+  const bool decode = batch.n_tok == 1 && observer_ == nullptr;
+  thread_local std::vector<int32_t> hot_sel, cold_sel;
+  const bool hot_subset =
+      decode && quest() && QuestSelect(pool_, t, batch, quest_pages_, quest_keep_, &hot_sel);
+  const bool cold_subset =
+      decode && cold && QuestSelect(*cold_pool_, *cold, batch, 0, cold_fetch_, &cold_sel);
   kernels::AttnBatch b = batch;
   if (observer_ != nullptr) {
-    const auto obs = observer_->Observe(layer, kv_head, head_length(layer, kv_head), batch);
+    // Keys in pass order: the hot table's, then the cold table's.
+    const int n_keys = t.n_tokens + (cold ? cold->n_tokens : 0);
+    const auto obs = observer_->Observe(layer, kv_head, n_keys, batch);
     b.observe = obs.data();
     b.n_observe = static_cast<int>(obs.size());
   }
-  if (pool_.layout().plain()) {
-    kernels::PagedAttention(b, View(layer, kv_head));
+  if (pool_.layout().plain() && cold == nullptr) {
+    kernels::PagedKv v = View(layer, kv_head);
+    if (hot_subset) {  // the selected pages form a page table of their own
+      thread_local std::vector<int32_t> ids;
+      ids.clear();
+      for (int32_t p : hot_sel) ids.push_back(t.pages[p]);
+      const int pt = pool_.layout().page_tokens;
+      v.page_ids = ids.data();
+      v.n_tokens =
+          static_cast<int>((ids.size() - 1) * pt + (t.n_tokens - (t.n_tokens - 1) / pt * pt));
+    }
+    kernels::PagedAttention(b, v);
   } else {
-    CodecAttend(table(layer, kv_head), b);
+    thread_local std::vector<PageRef> refs;
+    refs.clear();
+    AddRefs(pool_, t, hot_subset ? &hot_sel : nullptr, &refs);
+    if (cold) AddRefs(*cold_pool_, *cold, cold_subset ? &cold_sel : nullptr, &refs);
+    CodecAttend(refs, b);
   }
   if (observer_ != nullptr) observer_->Merge(layer, kv_head);
 }
@@ -425,11 +556,20 @@ void PagedSequence::Gather(int layer, int kv_head, std::vector<float>* k, std::v
 // accumulate in a second, rotated accumulator that is rotated back once at the end.
 // AttnObserve: observed rows keep each page's exp(s - m) terms and m, folded at the end of the
 // tile into the final weights p * exp(m - m_final) / sum_final.
-void PagedSequence::CodecAttend(const BlockTable& t, const kernels::AttnBatch& b) const {
+void PagedSequence::CodecAttend(std::span<const PageRef> refs, const kernels::AttnBatch& b) const {
   const KvLayout& lay = pool_.layout();
   const int pt = lay.page_tokens, hd = lay.head_dim;
-  const bool rot_k = codecs::IsRotated(lay.codec_k), rot_v = codecs::IsRotated(lay.codec_v);
-  PagePool& pool = pool_;
+  // Pages may come from pools of different codecs (the hot pool and a cold one): each page is
+  // decoded by its own pool's codec; rotated queries and the rotated accumulator serve every
+  // page whose codec rotates.
+  bool rot_k = false, rot_v = false;
+  for (const PagePool* p : {&pool_, cold_pool_}) {
+    if (p == nullptr) continue;
+    rot_k |= codecs::IsRotated(p->layout().codec_k);
+    rot_v |= codecs::IsRotated(p->layout().codec_v);
+  }
+  int n_keys = 0;
+  for (const PageRef& r : refs) n_keys += r.cnt;
   constexpr int kTileRows = 48;
   const int tile_tok = std::max(1, kTileRows / b.n_heads);
   const int max_rows = std::min(tile_tok, b.n_tok) * b.n_heads;
@@ -443,7 +583,7 @@ void PagedSequence::CodecAttend(const BlockTable& t, const kernels::AttnBatch& b
   float* kbuf = run_sum + max_rows;  // one decoded page
   float* vbuf = kbuf + size_t(pt) * hd;
   float* s = vbuf + size_t(pt) * hd;  // [rows][pt]
-  const int n_pages = (t.n_tokens + pt - 1) / pt;
+  const int n_pages = static_cast<int>(refs.size());
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
   // Observed rows (tokens with q_pos >= the smallest min_pos), by their token's slot among the
@@ -461,9 +601,9 @@ void PagedSequence::CodecAttend(const BlockTable& t, const kernels::AttnBatch& b
     for (int i = 0; i < b.n_tok; ++i) n_obs_tok += b.q_pos[i] >= obs_min_pos;
     if (n_obs_tok > 0) {
       const size_t obs_rows = size_t(std::min(tile_tok, n_obs_tok)) * b.n_heads;
-      obs_scratch.resize(obs_rows * (size_t(t.n_tokens) + n_pages));
+      obs_scratch.resize(obs_rows * (size_t(n_keys) + n_pages));
       obs_p = obs_scratch.data();
-      obs_m = obs_p + obs_rows * t.n_tokens;
+      obs_m = obs_p + obs_rows * n_keys;
     }
   }
 
@@ -488,19 +628,22 @@ void PagedSequence::CodecAttend(const BlockTable& t, const kernels::AttnBatch& b
     }
 
     for (int pg = 0; pg < n_pages; ++pg) {
-      const int32_t page = t.pages[pg];
-      const int cnt = std::min(pt, t.n_tokens - pg * pt);
+      PagePool& pool = *refs[pg].pool;
+      const KvLayout& pl = pool.layout();
+      const int32_t page = refs[pg].page;
+      const int cnt = refs[pg].cnt;
       const int32_t* pos = pool.positions(page);
       if (*std::min_element(pos, pos + cnt) > q_max) continue;
       const bool codec = IsCodecPage(page);
       const float* k = pool.keys(page);
       const float* v = codec ? vbuf : pool.values(page);
       if (codec) {
-        codecs::DecodeStored(lay.codec_k, Role::kKey, pool.codec_keys(page), cnt, pt, hd, kbuf);
-        codecs::DecodeStored(lay.codec_v, Role::kValue, pool.codec_values(page), cnt, pt, hd, vbuf);
+        codecs::DecodeStored(pl.codec_k, Role::kKey, pool.codec_keys(page), cnt, pt, hd, kbuf);
+        codecs::DecodeStored(pl.codec_v, Role::kValue, pool.codec_values(page), cnt, pt, hd, vbuf);
         k = kbuf;
       }
-      const bool k_rotated = codec && rot_k, v_rotated = codec && rot_v;
+      const bool k_rotated = codec && codecs::IsRotated(pl.codec_k);
+      const bool v_rotated = codec && codecs::IsRotated(pl.codec_v);
       for (int r = 0; r < rows; ++r) {
         const float* q = k_rotated ? q_rot + size_t(r) * hd : q_row(r);
         const int32_t qpos = b.q_pos[t0 + r / b.n_heads];
@@ -525,7 +668,7 @@ void PagedSequence::CodecAttend(const BlockTable& t, const kernels::AttnBatch& b
         float* keep = nullptr;  // this row's observed terms of the page
         if (obs_tok > 0 && obs_slot[r / b.n_heads] >= 0) {
           const size_t o = size_t(obs_slot[r / b.n_heads]) * b.n_heads + r % b.n_heads;
-          keep = obs_p + o * t.n_tokens + size_t(pg) * pt;
+          keep = obs_p + o * n_keys + refs[pg].first_key;
           obs_m[o * n_pages + pg] = new_m;
         }
         for (int j = 0; j < cnt; ++j) {
@@ -556,14 +699,14 @@ void PagedSequence::CodecAttend(const BlockTable& t, const kernels::AttnBatch& b
       const int32_t qpos = b.q_pos[t0 + r / b.n_heads];
       if (obs_slot[r / b.n_heads] < 0 || run_sum[r] == 0.0f) continue;
       const size_t o = size_t(obs_slot[r / b.n_heads]) * b.n_heads + r % b.n_heads;
-      const float* p_row = obs_p + o * t.n_tokens;
+      const float* p_row = obs_p + o * n_keys;
       const float* m_row = obs_m + o * n_pages;
       const float inv = 1.0f / run_sum[r];
       for (int pg = 0; pg < n_pages; ++pg) {
         if (m_row[pg] == neg_inf) continue;  // nothing of the page visible to the row
         const float c = std::exp(m_row[pg] - run_max[r]) * inv;
-        const size_t j0 = size_t(pg) * pt;
-        const int cnt = std::min(pt, t.n_tokens - pg * pt);
+        const size_t j0 = refs[pg].first_key;
+        const int cnt = refs[pg].cnt;
         for (int i = 0; i < b.n_observe; ++i) {
           if (qpos >= b.observe[i].min_pos) {
             codecs::simd::Axpy(c, p_row + j0, b.observe[i].key_weight + j0, cnt);

@@ -61,7 +61,23 @@ class PagedSequence final : public KvSequence {
   // sequence or the prefix cache are copied before they are written, and when the pool cannot
   // supply those copies nothing changes (ResourceExhausted). Staged (KIVI key) layouts are not
   // supported: their pages encode groups of tokens together.
-  Status Retain(std::span<const std::vector<int32_t>> keep);
+  // With demote, the tokens not kept move to the cold pool (set_cold_pool) instead of being
+  // dropped: encoded in its codec, appended to the table's cold pages.
+  Status Retain(std::span<const std::vector<int32_t>> keep, bool demote = false);
+
+  // Demote, don't drop: a second pool, in a low-bit row-wise codec, for tokens a press demotes.
+  // Decode steps read every hot page plus the fraction `fetch` of the cold pages whose key bounds
+  // score highest for the query (and the last cold page); prefill chunks read all of them.
+  void set_cold_pool(PagePool* cold, double fetch) {
+    cold_pool_ = cold;
+    cold_fetch_ = fetch;
+  }
+  int cold_length(int layer, int kv_head) const {
+    return cold_tables_.empty()
+               ? 0
+               : cold_tables_[layer * pool_.layout().n_kv_heads + kv_head].n_tokens;
+  }
+  size_t cold_bytes_held() const;
   // Token positions of one table, in table order.
   void Positions(int layer, int kv_head, std::vector<int32_t>* positions) const;
 
@@ -81,8 +97,8 @@ class PagedSequence final : public KvSequence {
   int n_tokens() const { return n_tokens_; }  // tokens committed to the sequence
   const KvLayout& layout() const { return pool_.layout(); }
   int head_length(int layer, int kv_head) const { return table(layer, kv_head).n_tokens; }
-  int pages_held() const;     // page references held, reserved ones included
-  size_t bytes_held() const;  // their bytes (raw and codec pages differ in size)
+  int pages_held() const;     // page references held, reserved ones included (hot pool)
+  size_t bytes_held() const;  // their bytes (raw and codec pages differ in size), cold ones too
   void Clear();               // back to empty, all references dropped
 
  private:
@@ -109,13 +125,31 @@ class PagedSequence final : public KvSequence {
     return l.plain() || l.staged() || IsSinkPage(p);
   }
   void Seal(BlockTable& t, int64_t page_index);
-  void CodecAttend(const BlockTable& t, const kernels::AttnBatch& b) const;
+  // One page of an attention pass: pages may come from the hot or the cold pool.
+  struct PageRef {
+    PagePool* pool;
+    int32_t page;
+    int32_t cnt;        // tokens in it
+    int32_t first_key;  // index of its first key among the pass's keys
+  };
+  void CodecAttend(std::span<const PageRef> refs, const kernels::AttnBatch& b) const;
+  static void WriteRow(PagePool& pool, int32_t page, int off, const float* k, const float* v,
+                       int32_t pos);
+  void DemoteRow(BlockTable& cold, const float* k, const float* v, int32_t pos,
+                 const std::vector<int32_t>& fresh, size_t* next);
+  static void AddRefs(PagePool& pool, const BlockTable& t, const std::vector<int32_t>* subset,
+                      std::vector<PageRef>* refs);
   // The pages a Quest decode step reads (ascending, the last page last); false when all are.
-  bool QuestSelect(const BlockTable& t, const kernels::AttnBatch& b,
-                   std::vector<int32_t>* pages) const;
+  // Logical indices of the pages read: the top `pages` (or the fraction keep) of all but the last
+  // page by key bound, then the last; false when that would be every page.
+  static bool QuestSelect(PagePool& pool, const BlockTable& t, const kernels::AttnBatch& b,
+                          int pages, double keep, std::vector<int32_t>* selected);
 
   PagePool& pool_;
   std::vector<BlockTable> tables_;
+  PagePool* cold_pool_ = nullptr;
+  double cold_fetch_ = 1.0;
+  std::vector<BlockTable> cold_tables_;  // per (layer, KV head), in cold_pool_; empty: none
   int n_tokens_ = 0;
   AttentionObserver* observer_ = nullptr;  // not owned, not inherited by forks
   int quest_pages_ = 0;

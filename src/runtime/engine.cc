@@ -106,6 +106,10 @@ KvStats Engine::kv_stats() const {
   s.bytes_high_water = static_cast<int64_t>(p.high_water_bytes());
   s.bytes_by_codec = {{"f32", static_cast<int64_t>(p.raw_bytes_used())}};
   if (!lay.plain()) s.bytes_by_codec.emplace_back(s.codec, p.codec_bytes_used());
+  for (const auto& [name, pool] : cold_pools_) {
+    s.cold_bytes_used += static_cast<int64_t>(pool->used_bytes());
+    s.bytes_by_codec.emplace_back("cold " + name, static_cast<int64_t>(pool->used_bytes()));
+  }
   if (prefix_) {
     const PrefixStats& ps = prefix_->stats();
     s.pages_cached = prefix_->cached_pages();
@@ -119,6 +123,25 @@ KvStats Engine::kv_stats() const {
     s.evicted_pages = ps.evicted_pages;
   }
   return s;
+}
+
+Result<PagePool*> Engine::ColdPool(std::string_view codec) {
+  for (auto& [name, pool] : cold_pools_) {
+    if (name == codec) return pool.get();
+  }
+  KvLayout layout = kv_pool_->layout();
+  CACHET_ASSIGN_OR_RETURN(layout.codec_k, codecs::ParseCodec(codec));
+  layout.codec_v = layout.codec_k;
+  layout.sinks = 0;
+  CACHET_RETURN_IF_ERROR(codecs::CheckDim(layout.codec_k, layout.head_dim));
+  if (layout.staged()) {
+    return InvalidArgument("--demote " + std::string(codec) +
+                           ": demoted tokens are appended one by one, so the cold codec must be "
+                           "row-wise (f16, bf16, int8, q8_0, q4_0, rot4, rot3, rot2)");
+  }
+  cold_pools_.emplace_back(std::string(codec),
+                           std::make_unique<PagePool>(layout, kv_pool_->capacity_bytes()));
+  return cold_pools_.back().second.get();
 }
 
 void Engine::ClearPrefixCache() {
@@ -172,6 +195,10 @@ void Session::ObserveForPress(int32_t end, int window, uint32_t gatherings) {
 
 Result<press::PressResult> Session::Compress(const press::PressOptions& options) {
   const ModelConfig& c = engine_.config();
+  if (!options.demote.empty()) {
+    CACHET_ASSIGN_OR_RETURN(PagePool * cold, engine_.ColdPool(options.demote));
+    seq_->set_cold_pool(cold, options.demote_fetch);
+  }
   seq_->set_observer(nullptr);
   observing_ = false;
   auto r = press::Compress(options, *seq_, c.n_layers, c.n_kv_heads, observer_.get());

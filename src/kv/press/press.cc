@@ -91,6 +91,7 @@ Status ParsePressSpec(std::string_view spec, PressOptions* o) {
   o->share = ShareLayers::kNone;
   o->quest = false;
   o->during_prefill = false;
+  o->demote.clear();
   std::string_view name = parts[0];
   if (name == "quest") {
     if (parts.size() > 1) {
@@ -127,11 +128,13 @@ Status ParsePressSpec(std::string_view spec, PressOptions* o) {
       o->share = ShareLayers::kMean;
     } else if (m == "chunked") {
       o->during_prefill = true;
+    } else if (m.substr(0, 7) == "demote:" && m.size() > 7) {
+      o->demote = std::string(m.substr(7));
     } else {
-      return InvalidArgument("unknown press modifier '" + std::string(m) + "' in '" +
-                             std::string(spec) +
-                             "' (allocators: uniform, pyramid, ada; cross-layer: max, mean; "
-                             "chunked: during prefill)");
+      return InvalidArgument(
+          "unknown press modifier '" + std::string(m) + "' in '" + std::string(spec) +
+          "' (allocators: uniform, pyramid, ada; cross-layer: max, mean; "
+          "chunked: during prefill; demote:CODEC: keep evicted tokens in CODEC)");
     }
   }
   if (o->share != ShareLayers::kNone && o->allocator != Allocator::kUniform) {
@@ -150,6 +153,7 @@ std::string PressSpec(const PressOptions& o) {
   if (o.share == ShareLayers::kMax) s += "+max";
   if (o.share == ShareLayers::kMean) s += "+mean";
   if (o.during_prefill) s += "+chunked";
+  if (!o.demote.empty()) s += "+demote:" + o.demote;
   return s;
 }
 
@@ -549,7 +553,7 @@ Result<PressResult> Compress(const PressOptions& o, PagedSequence& seq, int n_la
       keep[ti] = TopIndices(s, b);
     }
   }
-  CACHET_RETURN_IF_ERROR(seq.Retain(keep));
+  CACHET_RETURN_IF_ERROR(seq.Retain(keep, /*demote=*/!o.demote.empty()));
   for (const auto& k : keep) r.tokens_after += static_cast<int64_t>(k.size());
   r.bytes_after = seq.bytes_held();
   return r;

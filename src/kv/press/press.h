@@ -42,6 +42,11 @@ struct PressOptions {
   // than the budget plus one chunk: Session::EvalCompressing. Attention scorers then see each
   // chunk's own queries (SnapKV's window is the chunk's last tokens).
   bool during_prefill = false;
+  // Demote, don't drop: tokens the press would evict move to a cold pool in this row-wise codec
+  // (e.g. "int8", "q4_0"); decode steps fetch back the fraction demote_fetch of the cold pages
+  // whose key bounds score highest. Empty: evicted tokens are freed.
+  std::string demote;
+  double demote_fetch = 0.125;
 
   bool NeedsAttention() const;  // whether a PressObserver must watch the prompt
 };
