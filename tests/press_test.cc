@@ -520,6 +520,38 @@ TEST(PressQuest, PicksThePageTheQueryPointsAt) {
   EXPECT_GT(dot / std::sqrt(on * vn), 0.9f);
 }
 
+// Pressing again while decoding: every N tokens the cache goes back to the prompt's budget, and
+// H2O's scores keep accumulating (the observer is compacted with the cache, not dropped).
+TEST(PressEngine, DecodeEveryKeepsTheBudget) {
+  EngineOptions eo;
+  eo.model_dir = testing::ModelDir();
+  eo.threads = 2;
+  eo.prefix_cache = false;
+  auto engine = Engine::Create(eo);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  const ModelConfig& cfg = (*engine)->config();
+  std::vector<int32_t> prompt(600);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = 10 + int32_t(i * 7919 % 400);
+  for (const char* spec : {"h2o", "snapkv+max", "streaming+chunked"}) {
+    SCOPED_TRACE(spec);
+    GenerateOptions g;
+    g.max_tokens = 12;
+    g.sampling.temperature = 0;
+    g.stop_at_eos = false;
+    g.press.emplace();
+    ASSERT_TRUE(press::ParsePressSpec(spec, &*g.press).ok());
+    g.press->ratio = 0.75;
+    g.press->decode_every = 4;
+    auto s = (*engine)->NewSession();
+    auto r = s->Generate(prompt, g);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->tokens.size(), 12u);
+    // 11 tokens evaluated after the prompt (the 12th is pending); pressed after the 4th and
+    // 8th: 150 + 3.
+    for (int l = 0; l < cfg.n_layers; ++l) EXPECT_EQ(s->kv().head_length(l, 0), 153);
+  }
+}
+
 // Compression during prefill: the cache never holds more than the budget plus one chunk, and ends
 // at the budget.
 TEST(PressEngine, CompressDuringPrefillBoundsPeakMemory) {

@@ -101,6 +101,11 @@ void AddPressFlags(CLI::App& app, GenerateOptions& o) {
                  "Press: fraction of the cold pages each decode step reads (by key bounds)")
       ->check(CLI::Range(0.0, 1.0))
       ->default_val(opts->demote_fetch);
+  app.add_option("--decode-every", opts->decode_every,
+                 "Press: press again every N decoded tokens, back to the prompt's budget; "
+                 "attention scores keep accumulating while decoding (H2O's heavy hitters)")
+      ->check(CLI::NonNegativeNumber)
+      ->default_val(0);
   app.add_option("--sinks", opts->sinks, "Press: the first N tokens are always kept")
       ->check(CLI::NonNegativeNumber)
       ->default_val(opts->sinks);

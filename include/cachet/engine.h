@@ -115,7 +115,10 @@ class Session {
   // budget, frees the pages and stops observing. Forks share what was observed (read-only).
   // gatherings: PressObserver's mask (press::GatheringsFor the presses to be applied).
   void ObserveForPress(int32_t end, int window, uint32_t gatherings = 7);
-  Result<press::PressResult> Compress(const press::PressOptions& options);
+  // keep_observing: go on gathering attention after the press (for presses repeated while
+  // decoding); otherwise the observer is dropped.
+  Result<press::PressResult> Compress(const press::PressOptions& options,
+                                      bool keep_observing = false);
   // Eval of a prompt compressed as it is prefilled: after every ubatch chunk the cache is pressed
   // back to the budget ((1 - ratio) of the whole prompt, or budget tokens), so it never holds
   // more than the budget plus one chunk. *peak_bytes gets the most the sequence held.

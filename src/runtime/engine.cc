@@ -193,16 +193,24 @@ void Session::ObserveForPress(int32_t end, int window, uint32_t gatherings) {
   observing_ = true;
 }
 
-Result<press::PressResult> Session::Compress(const press::PressOptions& options) {
+Result<press::PressResult> Session::Compress(const press::PressOptions& options,
+                                             bool keep_observing) {
   const ModelConfig& c = engine_.config();
   if (!options.demote.empty()) {
     CACHET_ASSIGN_OR_RETURN(PagePool * cold, engine_.ColdPool(options.demote));
     seq_->set_cold_pool(cold, options.demote_fetch);
   }
+  if (keep_observing && !options.demote.empty()) {
+    return InvalidArgument("pressing again while decoding does not combine with --demote yet");
+  }
   seq_->set_observer(nullptr);
   observing_ = false;
   auto r = press::Compress(options, *seq_, c.n_layers, c.n_kv_heads, observer_.get());
-  observer_.reset();
+  if (keep_observing && r.ok()) {
+    if (observer_) seq_->set_observer(observer_.get());
+  } else {
+    observer_.reset();
+  }
   return r;
 }
 
@@ -324,9 +332,29 @@ Result<GenerateResult> Session::Generate(std::span<const int32_t> prompt,
   } else {
     CACHET_RETURN_IF_ERROR(Eval(prompt, nullptr));
   }
+  // Presses repeated while decoding go back to the budget the prompt's press left.
+  std::optional<press::PressOptions> again;
+  if (options.press && options.press->decode_every > 0) {
+    again = *options.press;
+    int longest = 0;
+    const ModelConfig& c = engine_.config();
+    if (!options.press->during_prefill) {
+      again->budget = again->budget > 0
+                          ? again->budget
+                          : static_cast<int>(std::lround((1.0 - again->ratio) * n_tokens()));
+    }
+    for (int l = 0; l < c.n_layers; ++l)
+      for (int h = 0; h < c.n_kv_heads; ++h) longest = std::max(longest, seq_->head_length(l, h));
+    if (options.press->during_prefill) again->budget = longest;
+    again->ratio = 0;
+    again->during_prefill = false;
+  }
   if (options.press && !options.press->during_prefill) {
-    auto pr = Compress(*options.press);
+    auto pr = Compress(*options.press, /*keep_observing=*/again.has_value());
     if (!pr.ok()) return pr.status();
+  }
+  if (again && !observer_ && again->NeedsAttention()) {  // a chunked prompt dropped its observer
+    ObserveForPress(n_tokens(), again->window, press::GatheringsFor(*again));
   }
   r.prefill_ms = MsSince(t0);
   auto t1 = std::chrono::steady_clock::now();
@@ -352,6 +380,15 @@ Result<GenerateResult> Session::Generate(std::span<const int32_t> prompt,
     }
     const int32_t one[1] = {next};
     CACHET_RETURN_IF_ERROR(Eval(one, &logits));
+    if (again && (i + 1) % again->decode_every == 0) {
+      auto pr = Compress(*again, /*keep_observing=*/true);
+      if (!pr.ok()) return pr.status();
+    }
+  }
+  if (again) {
+    seq_->set_observer(nullptr);
+    observing_ = false;
+    observer_.reset();
   }
   std::string rest = decoder.Flush();
   r.text += rest;

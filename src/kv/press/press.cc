@@ -214,6 +214,7 @@ std::span<const kernels::AttnObserve> PressObserver::Observe(int, int, int n_key
   }
   const int d = head_dim_;
   cb.q_rows = 0;
+  if (!(gatherings_ >> kWindow & 1)) return {cb.observe, size_t(n_observe)};
   cb.q_sum.assign(d, 0.0);
   cb.q_outer.assign(size_t(d) * d, 0.0);
   for (int t = 0; t < b.n_tok; ++t) {
@@ -432,8 +433,21 @@ Status ScoreTokens(const PressOptions& o, const PagedSequence& seq, int n_layers
   return OkStatus();
 }
 
+void PressObserver::Compact(std::span<const std::vector<int32_t>> keep) {
+  for (size_t ti = 0; ti < heads_.size() && ti < keep.size(); ++ti) {
+    Head& h = heads_[ti];
+    std::lock_guard<std::mutex> lock(h.mu);
+    for (auto& w : h.weights) {
+      if (w.empty()) continue;
+      size_t out = 0;
+      for (int32_t j : keep[ti]) w[out++] = j < static_cast<int32_t>(w.size()) ? w[j] : 0.0f;
+      w.resize(out);
+    }
+  }
+}
+
 Result<PressResult> Compress(const PressOptions& o, PagedSequence& seq, int n_layers,
-                             int n_kv_heads, const PressObserver* observer) {
+                             int n_kv_heads, PressObserver* observer) {
   if (!(o.ratio >= 0 && o.ratio < 1)) {
     return InvalidArgument("press ratio is the fraction of KV removed and must be in [0, 1)");
   }
@@ -554,6 +568,7 @@ Result<PressResult> Compress(const PressOptions& o, PagedSequence& seq, int n_la
     }
   }
   CACHET_RETURN_IF_ERROR(seq.Retain(keep, /*demote=*/!o.demote.empty()));
+  if (observer) observer->Compact(keep);
   for (const auto& k : keep) r.tokens_after += static_cast<int64_t>(k.size());
   r.bytes_after = seq.bytes_held();
   return r;

@@ -47,6 +47,9 @@ struct PressOptions {
   // whose key bounds score highest. Empty: evicted tokens are freed.
   std::string demote;
   double demote_fetch = 0.125;
+  // Press again every N decoded tokens, back to the budget set after the prompt; the observer
+  // stays attached, so attention scores (H2O's heavy hitters) keep accumulating while decoding.
+  int decode_every = 0;
 
   bool NeedsAttention() const;  // whether a PressObserver must watch the prompt
 };
@@ -76,6 +79,9 @@ class PressObserver final : public AttentionObserver {
   std::span<const kernels::AttnObserve> Observe(int layer, int kv_head, int n_keys,
                                                 const kernels::AttnBatch& batch) override;
   void Merge(int layer, int kv_head) override;
+  // Keeps what was gathered for the kept tokens only (the keep lists of PagedSequence::Retain),
+  // so the observer can go on watching a compressed sequence.
+  void Compact(std::span<const std::vector<int32_t>> keep);
 
   enum Gathering { kAll = 0, kWindow = 1, kLast = 2, kGatherings = 3 };
   // Read once the observed Evals are done.
@@ -126,6 +132,6 @@ struct PressResult {
 // Evicts to the budget and frees the pages. observer may be null for scorers that do not
 // need attention (NeedsAttention()). Nothing changes on error.
 Result<PressResult> Compress(const PressOptions& o, PagedSequence& seq, int n_layers,
-                             int n_kv_heads, const PressObserver* observer);
+                             int n_kv_heads, PressObserver* observer);
 
 }  // namespace cachet::press
