@@ -520,6 +520,34 @@ TEST(PressQuest, PicksThePageTheQueryPointsAt) {
   EXPECT_GT(dot / std::sqrt(on * vn), 0.9f);
 }
 
+// Forks of one observed prefill share its observer: pressing one fork must not disturb what the
+// next one reads (eval sweeps fork every configuration from one prefill).
+TEST(PressEngine, ForksOfAnObservedPrefillPressIndependently) {
+  EngineOptions eo;
+  eo.model_dir = testing::ModelDir();
+  eo.threads = 2;
+  auto engine = Engine::Create(eo);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  std::vector<int32_t> prompt(700);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = 10 + int32_t(i * 7919 % 400);
+  auto base = (*engine)->NewSession();
+  base->ObserveForPress(700, 32, 7);
+  ASSERT_TRUE(base->Eval(prompt, nullptr).ok());
+  std::vector<std::vector<int32_t>> kept;
+  for (const char* spec : {"h2o", "h2o", "snapkv+max", "tova"}) {
+    press::PressOptions o;
+    ASSERT_TRUE(press::ParsePressSpec(spec, &o).ok());
+    o.ratio = 0.75;
+    auto fork = base->Fork();
+    auto r = fork->Compress(o);
+    ASSERT_TRUE(r.ok()) << spec << ": " << r.status().ToString();
+    std::vector<int32_t> pos;
+    fork->kv().Positions(1, 0, &pos);
+    kept.push_back(pos);
+  }
+  EXPECT_EQ(kept[0], kept[1]);  // the same press on the same prefill keeps the same tokens
+}
+
 // Pressing again while decoding: every N tokens the cache goes back to the prompt's budget, and
 // H2O's scores keep accumulating (the observer is compacted with the cache, not dropped).
 TEST(PressEngine, DecodeEveryKeepsTheBudget) {

@@ -205,7 +205,9 @@ Result<press::PressResult> Session::Compress(const press::PressOptions& options,
   }
   seq_->set_observer(nullptr);
   observing_ = false;
-  auto r = press::Compress(options, *seq_, c.n_layers, c.n_kv_heads, observer_.get());
+  // Forks share the prompt's observer: only a session that goes on observing compacts it.
+  auto r = press::Compress(options, *seq_, c.n_layers, c.n_kv_heads, observer_.get(),
+                           keep_observing ? observer_.get() : nullptr);
   if (keep_observing && r.ok()) {
     if (observer_) seq_->set_observer(observer_.get());
   } else {

@@ -447,7 +447,8 @@ void PressObserver::Compact(std::span<const std::vector<int32_t>> keep) {
 }
 
 Result<PressResult> Compress(const PressOptions& o, PagedSequence& seq, int n_layers,
-                             int n_kv_heads, PressObserver* observer) {
+                             int n_kv_heads, const PressObserver* observer,
+                             PressObserver* compact_observer) {
   if (!(o.ratio >= 0 && o.ratio < 1)) {
     return InvalidArgument("press ratio is the fraction of KV removed and must be in [0, 1)");
   }
@@ -549,6 +550,10 @@ Result<PressResult> Compress(const PressOptions& o, PagedSequence& seq, int n_la
                                                    : combined[j] + norm[ti][j] / T;
       }
     }
+    if (o.scorer == Scorer::kH2O) {  // half heavy hitters, half the most recent tokens
+      const int n = static_cast<int>(combined.size());
+      for (int j = std::max(0, n - budgets[0] / 2); j < n; ++j) combined[j] = kInf;
+    }
     const std::vector<int32_t> shared = TopIndices(combined, budgets[0]);
     for (auto& k : keep) k = shared;
   } else {
@@ -568,7 +573,7 @@ Result<PressResult> Compress(const PressOptions& o, PagedSequence& seq, int n_la
     }
   }
   CACHET_RETURN_IF_ERROR(seq.Retain(keep, /*demote=*/!o.demote.empty()));
-  if (observer) observer->Compact(keep);
+  if (compact_observer) compact_observer->Compact(keep);
   for (const auto& k : keep) r.tokens_after += static_cast<int64_t>(k.size());
   r.bytes_after = seq.bytes_held();
   return r;

@@ -130,8 +130,11 @@ struct PressResult {
 };
 
 // Evicts to the budget and frees the pages. observer may be null for scorers that do not
-// need attention (NeedsAttention()). Nothing changes on error.
+// need attention (NeedsAttention()); it is only read (forks share it) unless compact_observer,
+// which then must own it, so that it goes on watching the compressed sequence. Nothing changes
+// on error.
 Result<PressResult> Compress(const PressOptions& o, PagedSequence& seq, int n_layers,
-                             int n_kv_heads, PressObserver* observer);
+                             int n_kv_heads, const PressObserver* observer,
+                             PressObserver* compact_observer = nullptr);
 
 }  // namespace cachet::press
