@@ -297,6 +297,23 @@ TEST(PressScorers, PositionAndKeyScorers) {
   }
 }
 
+TEST(PressScorers, BoundaryProtectionKeepsSegmentEdges) {
+  TestCache c(Layout(16), 300);
+  PressOptions o;
+  o.scorer = Scorer::kRandom;
+  o.sinks = 0;
+  o.budget = 40;
+  o.protect_boundaries = true;
+  o.boundary_share = 0.2;  // 8 tokens: 2 at each end of both segments
+  o.segment_starts = {0, 200};
+  ASSERT_TRUE(press::Compress(o, c.seq, 2, 2, nullptr).ok());
+  for (int ti = 0; ti < 4; ++ti) {
+    const auto kept = KeptPositions(c.seq, ti / 2, ti % 2);
+    EXPECT_EQ(kept.size(), 40u);
+    for (int p : {0, 1, 198, 199, 200, 201, 298, 299}) EXPECT_TRUE(Has(kept, p)) << p;
+  }
+}
+
 TEST(PressScorers, AttentionScorersNeedAnObserver) {
   TestCache c(Layout(16), 32);
   PressOptions o;
@@ -353,6 +370,9 @@ TEST(PressSpec, ParsesModifiersAndRejectsNonsense) {
   ASSERT_TRUE(press::ParsePressSpec("pyramidkv", &o).ok());
   EXPECT_EQ(o.allocator, Allocator::kPyramid);
   EXPECT_EQ(press::PressSpec(o), "snapkv+pyramid");
+  ASSERT_TRUE(press::ParsePressSpec("knorm+protect+chunked+demote:q4_0", &o).ok());
+  EXPECT_TRUE(o.protect_boundaries && o.during_prefill && o.demote == "q4_0");
+  EXPECT_EQ(press::PressSpec(o), "knorm+protect+chunked+demote:q4_0");
   ASSERT_TRUE(press::ParsePressSpec("h2o+max", &o).ok());
   EXPECT_EQ(o.share, press::ShareLayers::kMax);
   EXPECT_FALSE(press::ParsePressSpec("snapkv+ada+max", &o).ok());

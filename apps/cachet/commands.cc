@@ -106,6 +106,9 @@ void AddPressFlags(CLI::App& app, GenerateOptions& o) {
                  "attention scores keep accumulating while decoding (H2O's heavy hitters)")
       ->check(CLI::NonNegativeNumber)
       ->default_val(0);
+  app.add_flag("--protect-boundaries", opts->protect_boundaries,
+               "Press: reserve 10% of the budget for the first and last tokens of the prompt "
+               "(the +protect modifier)");
   app.add_option("--sinks", opts->sinks, "Press: the first N tokens are always kept")
       ->check(CLI::NonNegativeNumber)
       ->default_val(opts->sinks);
@@ -116,6 +119,7 @@ void AddPressFlags(CLI::App& app, GenerateOptions& o) {
         throw CLI::ValidationError("--press", s.message());
       }
       p.during_prefill |= opts->during_prefill;
+      p.protect_boundaries |= opts->protect_boundaries;
       if (p.demote.empty()) p.demote = opts->demote;
       o.press = p;
     }

@@ -247,7 +247,9 @@ Result<std::vector<ResultRow>> RunTaskSweep(Engine& engine, TaskGenerator& gen,
               CACHET_RETURN_IF_ERROR(PrefillCompressing(m, prefix, *session, &logits, &own_peak));
             } else {
               session = prefilled->Fork();
-              CACHET_RETURN_IF_ERROR(ApplyMethod(m, *session));
+              const int32_t segments[2] = {0, sample.context_tokens};
+              CACHET_RETURN_IF_ERROR(
+                  ApplyMethod(m, *session, std::span(segments, at == CompressAt::kPrompt ? 2 : 1)));
               logits = prefill_logits;
             }
             const double apply_s = SecondsSince(t1);

@@ -132,7 +132,8 @@ Status MethodAvailable(const Method& m) {
   if (m.press != "full" && press::ParsePressSpec(m.press, &o).ok() && IsStagedCodec(o.demote)) {
     return Unimplemented("press '" + m.press +
                          "': demoted tokens are appended one by one, so the cold codec must be "
-                         "row-wise, not " + o.demote);
+                         "row-wise, not " +
+                         o.demote);
   }
   if (m.press != "full" && m.press != "quest" && IsStagedCodec(m.codec_k)) {
     return Unimplemented("press '" + m.press + "' with " + m.codec_k +
@@ -178,12 +179,13 @@ Status PrefillCompressing(const Method& m, std::span<const int32_t> prompt, Sess
   return session.EvalCompressing(prompt, o, logits, peak_bytes);
 }
 
-Status ApplyMethod(const Method& m, Session& session) {
+Status ApplyMethod(const Method& m, Session& session, std::span<const int32_t> segment_starts) {
   CACHET_RETURN_IF_ERROR(MethodAvailable(m));
   // The codec is not applied here: it is a property of the engine's pool, so the session was
   // prefilled by an engine storing pages in m's codecs (EngineFor in harness.cc).
   if (m.press == "full") return OkStatus();
   CACHET_ASSIGN_OR_RETURN(press::PressOptions o, PressOf(m));
+  o.segment_starts.assign(segment_starts.begin(), segment_starts.end());
   auto r = session.Compress(o);
   return r.ok() ? OkStatus() : r.status();
 }

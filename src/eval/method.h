@@ -64,6 +64,8 @@ Status PrefillCompressing(const Method& m, std::span<const int32_t> prompt, Sess
 
 // Applies m to a session that holds a prefilled prompt or context. The session was forked from
 // the prefill, so one prefill per sample serves every configuration of a sweep.
-Status ApplyMethod(const Method& m, Session& session);
+// segment_starts: where the prompt's segments start (BOS + context, question), for presses
+// with boundary protection.
+Status ApplyMethod(const Method& m, Session& session, std::span<const int32_t> segment_starts = {});
 
 }  // namespace cachet::eval

@@ -92,6 +92,7 @@ Status ParsePressSpec(std::string_view spec, PressOptions* o) {
   o->quest = false;
   o->during_prefill = false;
   o->demote.clear();
+  o->protect_boundaries = false;
   std::string_view name = parts[0];
   if (name == "quest") {
     if (parts.size() > 1) {
@@ -126,6 +127,8 @@ Status ParsePressSpec(std::string_view spec, PressOptions* o) {
       o->share = ShareLayers::kMax;
     } else if (m == "mean") {
       o->share = ShareLayers::kMean;
+    } else if (m == "protect") {
+      o->protect_boundaries = true;
     } else if (m == "chunked") {
       o->during_prefill = true;
     } else if (m.substr(0, 7) == "demote:" && m.size() > 7) {
@@ -134,7 +137,8 @@ Status ParsePressSpec(std::string_view spec, PressOptions* o) {
       return InvalidArgument(
           "unknown press modifier '" + std::string(m) + "' in '" + std::string(spec) +
           "' (allocators: uniform, pyramid, ada; cross-layer: max, mean; "
-          "chunked: during prefill; demote:CODEC: keep evicted tokens in CODEC)");
+          "chunked: during prefill; demote:CODEC: keep evicted tokens in CODEC; protect: "
+          "segment boundaries)");
     }
   }
   if (o->share != ShareLayers::kNone && o->allocator != Allocator::kUniform) {
@@ -152,6 +156,7 @@ std::string PressSpec(const PressOptions& o) {
   if (o.allocator == Allocator::kAda) s += "+ada";
   if (o.share == ShareLayers::kMax) s += "+max";
   if (o.share == ShareLayers::kMean) s += "+mean";
+  if (o.protect_boundaries) s += "+protect";
   if (o.during_prefill) s += "+chunked";
   if (!o.demote.empty()) s += "+demote:" + o.demote;
   return s;
@@ -482,14 +487,32 @@ Result<PressResult> Compress(const PressOptions& o, PagedSequence& seq, int n_la
   int protected_max = 0;
   const bool keeps_window = o.scorer == Scorer::kSnapKV || o.scorer == Scorer::kExpected;
   const int32_t window_from = observer ? observer->end() - o.window : 0;
+  const int64_t mean_b =
+      o.budget > 0 ? o.budget : std::llround((1.0 - o.ratio) * static_cast<double>(n_max));
+  // Boundary protection: k tokens at each end of every segment.
+  std::vector<int32_t> starts = o.segment_starts;
+  if (starts.empty()) starts.push_back(0);
+  std::sort(starts.begin(), starts.end());
+  const int32_t edge = std::max<int32_t>(
+      1, static_cast<int32_t>(o.boundary_share * double(mean_b) / (2.0 * starts.size())));
   std::vector<std::vector<uint8_t>> prot(T);
   for (int ti = 0; ti < T; ++ti) {
     seq.Positions(ti / n_kv_heads, ti % n_kv_heads, &pos);
     prot[ti].assign(pos.size(), 0);
+    const int32_t end = pos.empty() ? 0 : *std::max_element(pos.begin(), pos.end()) + 1;
     int count = 0;
     for (size_t j = 0; j < pos.size(); ++j) {
-      prot[ti][j] = pos[j] < o.sinks || (keeps_window && observer && pos[j] >= window_from);
-      count += prot[ti][j];
+      bool keep = pos[j] < o.sinks || (keeps_window && observer && pos[j] >= window_from);
+      if (o.protect_boundaries) {
+        // The segment holding pos[j]: the last start <= pos[j].
+        const auto it = std::upper_bound(starts.begin(), starts.end(), pos[j]);
+        if (it != starts.begin()) {
+          const int32_t s0 = *(it - 1), s1 = it == starts.end() ? end : *it;
+          keep |= pos[j] < s0 + edge || pos[j] >= s1 - edge;
+        }
+      }
+      prot[ti][j] = keep;
+      count += keep;
     }
     protected_max = std::max(protected_max, count);
   }
@@ -522,8 +545,6 @@ Result<PressResult> Compress(const PressOptions& o, PagedSequence& seq, int n_la
   }
 
   // Budgets.
-  const int64_t mean_b =
-      o.budget > 0 ? o.budget : std::llround((1.0 - o.ratio) * static_cast<double>(n_max));
   std::vector<int> budgets;
   if (o.share != ShareLayers::kNone) {
     budgets.assign(T, static_cast<int>(std::clamp<int64_t>(mean_b, protected_max, n_max)));

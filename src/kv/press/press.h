@@ -50,6 +50,11 @@ struct PressOptions {
   // Press again every N decoded tokens, back to the budget set after the prompt; the observer
   // stays attached, so attention scores (H2O's heavy hitters) keep accumulating while decoding.
   int decode_every = 0;
+  // Boundary protection (modifier "+protect"): boundary_share of the budget goes to the first and
+  // last tokens of each prompt segment (segments start at these positions; none: one segment).
+  bool protect_boundaries = false;
+  double boundary_share = 0.1;
+  std::vector<int32_t> segment_starts;
 
   bool NeedsAttention() const;  // whether a PressObserver must watch the prompt
 };
