@@ -314,6 +314,36 @@ TEST(PressScorers, BoundaryProtectionKeepsSegmentEdges) {
   }
 }
 
+// Merge: evicted values fold into the more similar of their two kept neighbours.
+TEST(PressMerge, FoldsEvictedValuesIntoTheMostSimilarKeptNeighbour) {
+  const KvLayout lay = Layout(4);
+  PagePool pool(lay, 64 * lay.page_bytes());
+  PagedSequence seq(pool);
+  ASSERT_TRUE(seq.Reserve(6).ok());
+  const int axis[6] = {0, 0, 1, 1, 0, 1};  // token j's key points along axis[j]
+  for (int j = 0; j < 6; ++j) {
+    std::vector<float> k(kDim, 0.0f), v(kDim, float(j));
+    k[axis[j]] = 1.0f;
+    for (int ti = 0; ti < 4; ++ti) seq.Append(ti / 2, ti % 2, k.data(), v.data(), j);
+  }
+  seq.CommitTokens(6);
+  auto fork = seq.Fork();  // shared pages: the merged rows must be written to private copies
+  const std::vector<int32_t> keep = {0, 2, 5};
+  std::vector<std::vector<float>> merged(4);
+  for (int ti = 0; ti < 4; ++ti)
+    press::MergeValues(seq, ti / 2, ti % 2, keep, nullptr, &merged[ti]);
+  ASSERT_TRUE(seq.Retain(std::vector<std::vector<int32_t>>(4, keep), false, merged).ok());
+  // 1 -> 0 (same key), 3 and 4 -> 2 (3 ties between 2 and 5: the earlier one; 4 matches neither)
+  const float want[3] = {0.5f, 3.0f, 5.0f};
+  std::vector<float> k, v;
+  std::vector<int32_t> pos;
+  seq.Gather(1, 1, &k, &v, &pos);
+  EXPECT_EQ(pos, keep);
+  for (int x = 0; x < 3; ++x) EXPECT_FLOAT_EQ(v[x * kDim + 3], want[x]);
+  fork->Gather(1, 1, &k, &v, &pos);  // the fork still sees the original values
+  for (int j = 0; j < 6; ++j) EXPECT_EQ(v[j * kDim], float(j));
+}
+
 TEST(PressScorers, AttentionScorersNeedAnObserver) {
   TestCache c(Layout(16), 32);
   PressOptions o;
@@ -696,9 +726,9 @@ TEST(PressEngine, EveryPressFreesMemoryOnKvtiny) {
   full.sampling.temperature = 0;
   ASSERT_TRUE(base->Generate(prompt, full).ok());
   const size_t full_bytes = base->kv().bytes_held();
-  for (const char* spec :
-       {"streaming", "h2o", "snapkv", "snapkv+ada", "snapkv+max", "pyramidkv", "tova", "knorm",
-        "keydiff", "expected", "random", "expected+mean", "quest", "snapkv+max+demote:q4_0"}) {
+  for (const char* spec : {"streaming", "h2o", "snapkv", "snapkv+ada", "snapkv+max", "pyramidkv",
+                           "tova", "knorm", "keydiff", "expected", "random", "expected+mean",
+                           "quest", "snapkv+max+demote:q4_0", "h2o+merge", "streaming+protect"}) {
     SCOPED_TRACE(spec);
     GenerateOptions g = full;
     g.press.emplace();

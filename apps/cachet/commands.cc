@@ -106,6 +106,9 @@ void AddPressFlags(CLI::App& app, GenerateOptions& o) {
                  "attention scores keep accumulating while decoding (H2O's heavy hitters)")
       ->check(CLI::NonNegativeNumber)
       ->default_val(0);
+  app.add_flag("--merge", opts->merge,
+               "Press: fold each evicted token's value into its more similar kept neighbour "
+               "(the +merge modifier)");
   app.add_flag("--protect-boundaries", opts->protect_boundaries,
                "Press: reserve 10% of the budget for the first and last tokens of the prompt "
                "(the +protect modifier)");
@@ -120,6 +123,7 @@ void AddPressFlags(CLI::App& app, GenerateOptions& o) {
       }
       p.during_prefill |= opts->during_prefill;
       p.protect_boundaries |= opts->protect_boundaries;
+      p.merge |= opts->merge;
       if (p.demote.empty()) p.demote = opts->demote;
       o.press = p;
     }

@@ -237,7 +237,8 @@ void PagedSequence::DemoteRow(BlockTable& c, const float* k, const float* v, int
   c.key_bounds.resize(std::min(c.key_bounds.size(), size_t(c.n_tokens / pt) * 2 * cl.head_dim));
 }
 
-Status PagedSequence::Retain(std::span<const std::vector<int32_t>> keep, bool demote) {
+Status PagedSequence::Retain(std::span<const std::vector<int32_t>> keep, bool demote,
+                             std::span<const std::vector<float>> values) {
   const KvLayout& lay = pool_.layout();
   const int pt = lay.page_tokens, hd = lay.head_dim;
   if (keep.size() != tables_.size()) {
@@ -273,9 +274,14 @@ Status PagedSequence::Retain(std::span<const std::vector<int32_t>> keep, bool de
       }
     }
     const int dest_pages = static_cast<int>((k.size() + pt - 1) / pt);
+    const bool new_values = ti < values.size() && !values[ti].empty();
+    if (new_values && values[ti].size() != k.size() * size_t(hd)) {
+      return InvalidArgument("Retain: values of table " + std::to_string(ti) +
+                             " do not match its keep list");
+    }
     copy_begin[ti] = copy_dest.size();
     for (int d = 0; d < dest_pages; ++d) {
-      bool same = true;  // every row of the page keeps its own token
+      bool same = !new_values;  // every row of the page keeps its own token as it is
       for (size_t j = size_t(d) * pt; j < std::min(k.size(), size_t(d + 1) * pt); ++j) {
         same &= k[j] == static_cast<int32_t>(j);
       }
@@ -334,7 +340,8 @@ Status PagedSequence::Retain(std::span<const std::vector<int32_t>> keep, bool de
       size_t kend = kj;
       while (kend < k.size() && k[kend] < first + cnt) ++kend;
       const bool drops = demote && static_cast<int>(kend - kj) < cnt;
-      bool writes = false;
+      const float* new_v = ti < values.size() && !values[ti].empty() ? values[ti].data() : nullptr;
+      bool writes = new_v != nullptr && kend > kj;
       for (size_t x = kj; x < kend && !writes; ++x) {
         writes = k[x] != static_cast<int32_t>(x) || copy_dest[copy_begin[ti] + x / pt];
       }
@@ -365,11 +372,11 @@ Status PagedSequence::Retain(std::span<const std::vector<int32_t>> keep, bool de
       }
       for (size_t x = kj; x < kend; ++x) {
         const int d = static_cast<int>(x / pt), off = static_cast<int>(x % pt);
-        if (k[x] == static_cast<int32_t>(x) && !copy_dest[copy_begin[ti] + d]) continue;
+        if (k[x] == static_cast<int32_t>(x) && !copy_dest[copy_begin[ti] + d] && !new_v) continue;
         const int s_off = k[x] - first;
         const int32_t dp = dest[d];
         const float* kr = kbuf.data() + size_t(s_off) * hd;
-        const float* vr = vbuf.data() + size_t(s_off) * hd;
+        const float* vr = new_v ? new_v + x * hd : vbuf.data() + size_t(s_off) * hd;
         WriteRow(pool_, dp, off, kr, vr, src_pos[s_off]);
       }
       kj = kend;

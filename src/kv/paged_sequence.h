@@ -63,7 +63,10 @@ class PagedSequence final : public KvSequence {
   // supported: their pages encode groups of tokens together.
   // With demote, the tokens not kept move to the cold pool (set_cold_pool) instead of being
   // dropped: encoded in its codec, appended to the table's cold pages.
-  Status Retain(std::span<const std::vector<int32_t>> keep, bool demote = false);
+  // values, when given and non-empty for a table, replace the kept tokens' V rows
+  // ([keep.size()][head_dim], e.g. merged with the evicted ones).
+  Status Retain(std::span<const std::vector<int32_t>> keep, bool demote = false,
+                std::span<const std::vector<float>> values = {});
 
   // Demote, don't drop: a second pool, in a low-bit row-wise codec, for tokens a press demotes.
   // Decode steps read every hot page plus the fraction `fetch` of the cold pages whose key bounds

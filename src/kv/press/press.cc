@@ -93,6 +93,7 @@ Status ParsePressSpec(std::string_view spec, PressOptions* o) {
   o->during_prefill = false;
   o->demote.clear();
   o->protect_boundaries = false;
+  o->merge = false;
   std::string_view name = parts[0];
   if (name == "quest") {
     if (parts.size() > 1) {
@@ -127,6 +128,8 @@ Status ParsePressSpec(std::string_view spec, PressOptions* o) {
       o->share = ShareLayers::kMax;
     } else if (m == "mean") {
       o->share = ShareLayers::kMean;
+    } else if (m == "merge") {
+      o->merge = true;
     } else if (m == "protect") {
       o->protect_boundaries = true;
     } else if (m == "chunked") {
@@ -138,7 +141,7 @@ Status ParsePressSpec(std::string_view spec, PressOptions* o) {
           "unknown press modifier '" + std::string(m) + "' in '" + std::string(spec) +
           "' (allocators: uniform, pyramid, ada; cross-layer: max, mean; "
           "chunked: during prefill; demote:CODEC: keep evicted tokens in CODEC; protect: "
-          "segment boundaries)");
+          "segment boundaries; merge: fold evicted values into kept neighbours)");
     }
   }
   if (o->share != ShareLayers::kNone && o->allocator != Allocator::kUniform) {
@@ -156,6 +159,7 @@ std::string PressSpec(const PressOptions& o) {
   if (o.allocator == Allocator::kAda) s += "+ada";
   if (o.share == ShareLayers::kMax) s += "+max";
   if (o.share == ShareLayers::kMean) s += "+mean";
+  if (o.merge) s += "+merge";
   if (o.protect_boundaries) s += "+protect";
   if (o.during_prefill) s += "+chunked";
   if (!o.demote.empty()) s += "+demote:" + o.demote;
@@ -451,6 +455,51 @@ void PressObserver::Compact(std::span<const std::vector<int32_t>> keep) {
   }
 }
 
+void MergeValues(const PagedSequence& seq, int layer, int kv_head, const std::vector<int32_t>& keep,
+                 const std::vector<float>* weights, std::vector<float>* values) {
+  std::vector<float> k, v;
+  std::vector<int32_t> pos;
+  seq.Gather(layer, kv_head, &k, &v, &pos);
+  const int n = static_cast<int>(pos.size());
+  values->clear();
+  if (keep.empty() || n == 0) return;
+  const int d = static_cast<int>(k.size() / n);
+  auto w = [&](int j) { return weights ? std::max((*weights)[j], 1e-6f) : 1.0f; };
+  auto cos = [&](int a, int b) {
+    double dot = 0, na = 0, nb = 0;
+    for (int i = 0; i < d; ++i) {
+      dot += double(k[size_t(a) * d + i]) * k[size_t(b) * d + i];
+      na += double(k[size_t(a) * d + i]) * k[size_t(a) * d + i];
+      nb += double(k[size_t(b) * d + i]) * k[size_t(b) * d + i];
+    }
+    return dot / (std::sqrt(na * nb) + 1e-30);
+  };
+  std::vector<double> acc(keep.size() * size_t(d), 0.0), wsum(keep.size(), 0.0);
+  for (size_t x = 0; x < keep.size(); ++x) {
+    wsum[x] = w(keep[x]);
+    for (int i = 0; i < d; ++i) acc[x * d + i] = wsum[x] * v[size_t(keep[x]) * d + i];
+  }
+  size_t next = 0;  // first kept index > j
+  for (int j = 0; j < n; ++j) {
+    while (next < keep.size() && keep[next] <= j) ++next;
+    if (next > 0 && keep[next - 1] == j) continue;  // kept
+    size_t into;
+    if (next == 0) {
+      into = 0;
+    } else if (next == keep.size()) {
+      into = next - 1;
+    } else {
+      into = cos(j, keep[next - 1]) >= cos(j, keep[next]) ? next - 1 : next;
+    }
+    wsum[into] += w(j);
+    for (int i = 0; i < d; ++i) acc[into * d + i] += w(j) * v[size_t(j) * d + i];
+  }
+  values->resize(keep.size() * size_t(d));
+  for (size_t x = 0; x < keep.size(); ++x) {
+    for (int i = 0; i < d; ++i) (*values)[x * d + i] = float(acc[x * d + i] / wsum[x]);
+  }
+}
+
 Result<PressResult> Compress(const PressOptions& o, PagedSequence& seq, int n_layers,
                              int n_kv_heads, const PressObserver* observer,
                              PressObserver* compact_observer) {
@@ -480,6 +529,12 @@ Result<PressResult> Compress(const PressOptions& o, PagedSequence& seq, int n_la
   }
   std::vector<std::vector<float>> scores;
   CACHET_RETURN_IF_ERROR(ScoreTokens(o, seq, n_layers, n_kv_heads, observer, &scores));
+  if (o.merge && !o.demote.empty()) {
+    return InvalidArgument("a press either merges evicted tokens or demotes them, not both");
+  }
+  // Merge weights: attention scores as they came (protection overwrites scores below).
+  const std::vector<std::vector<float>> merge_w =
+      o.merge && AttentionLike(o.scorer) ? scores : std::vector<std::vector<float>>{};
 
   // Protection: sinks (by original position), the observation window for the scorers that use
   // one, then everything else by score.
@@ -593,7 +648,15 @@ Result<PressResult> Compress(const PressOptions& o, PagedSequence& seq, int n_la
       keep[ti] = TopIndices(s, b);
     }
   }
-  CACHET_RETURN_IF_ERROR(seq.Retain(keep, /*demote=*/!o.demote.empty()));
+  std::vector<std::vector<float>> merged;
+  if (o.merge) {
+    merged.resize(T);
+    for (int ti = 0; ti < T; ++ti) {
+      MergeValues(seq, ti / n_kv_heads, ti % n_kv_heads, keep[ti],
+                  merge_w.empty() ? nullptr : &merge_w[ti], &merged[ti]);
+    }
+  }
+  CACHET_RETURN_IF_ERROR(seq.Retain(keep, /*demote=*/!o.demote.empty(), merged));
   if (compact_observer) compact_observer->Compact(keep);
   for (const auto& k : keep) r.tokens_after += static_cast<int64_t>(k.size());
   r.bytes_after = seq.bytes_held();

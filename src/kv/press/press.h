@@ -52,6 +52,10 @@ struct PressOptions {
   int decode_every = 0;
   // Boundary protection (modifier "+protect"): boundary_share of the budget goes to the first and
   // last tokens of each prompt segment (segments start at these positions; none: one segment).
+  // Merge (modifier "+merge"): each evicted token's value is folded into the more similar (by
+  // key cosine) of its two nearest kept neighbours, weighted by attention scores where the scorer
+  // has them.
+  bool merge = false;
   bool protect_boundaries = false;
   double boundary_share = 0.1;
   std::vector<int32_t> segment_starts;
@@ -127,6 +131,11 @@ std::vector<int> AllocateBudgets(const PressOptions& o, int n_layers, int n_kv_h
 // Scores every token of every table (higher = keep), in table order.
 Status ScoreTokens(const PressOptions& o, const PagedSequence& seq, int n_layers, int n_kv_heads,
                    const PressObserver* observer, std::vector<std::vector<float>>* scores);
+
+// The kept tokens' V rows after folding each evicted token into the more similar (key cosine) of
+// its two nearest kept neighbours, weighted by weights (null: equal weights).
+void MergeValues(const PagedSequence& seq, int layer, int kv_head, const std::vector<int32_t>& keep,
+                 const std::vector<float>* weights, std::vector<float>* values);
 
 // What Compress decided, for reports and tests.
 struct PressResult {
