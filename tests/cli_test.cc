@@ -86,6 +86,27 @@ TEST(Cli, InspectAndKvStats) {
   EXPECT_NE(r.err.find("prefix cache:"), std::string::npos) << r.err;
 }
 
+TEST(Cli, PressesRunAndBadSpecsAreErrors) {
+  testing::TempDir dir;
+  const std::string prompt = dir.Write(
+      "p.txt", testing::ReadFile(std::string(CACHET_SOURCE_DIR) + "/data/haystack/bible.txt")
+                   .substr(0, 3000));
+  RunResult r = RunCachet(
+      "run -t 1 -n 4 --temp 0 --kv-stats --no-prefix-cache --press snapkv+max "
+      "--ratio 0.75 --demote q4_0 -f " +
+      prompt);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.err.find("cold q4_0"), std::string::npos) << r.err;
+  r = RunCachet("run -t 1 -n 2 --np 2 --press h2o --budget 64 --decode-every 1 -f " + prompt);
+  ASSERT_EQ(r.status, 0) << r.err;
+  r = RunCachet("run -t 1 -n 2 --press snapkv+sideways -p hi");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("unknown press modifier 'sideways'"), std::string::npos) << r.err;
+  r = RunCachet("run -t 1 -n 2 --press snapkv --demote kivi2 -f " + prompt);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("cold codec must be row-wise"), std::string::npos) << r.err;
+}
+
 TEST(Cli, ParallelSamplingPrintsEachCompletion) {
   RunResult r = RunCachet("run -t 1 -n 6 --np 3 --temp 1 -p \"The quick brown fox\"");
   ASSERT_EQ(r.status, 0) << r.err;

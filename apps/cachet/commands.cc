@@ -75,8 +75,9 @@ void AddPressFlags(CLI::App& app, GenerateOptions& o) {
   app.add_option("--press", *spec,
                  "Evict KV entries after the prompt: a scorer (streaming, h2o, snapkv, tova, "
                  "knorm, keydiff, expected, random; pyramidkv = snapkv+pyramid) with optional "
-                 "+uniform|+pyramid|+ada (per-head budgets) or +max|+mean (one token set for "
-                 "all layers)");
+                 "modifiers +uniform|+pyramid|+ada (per-head budgets), +max|+mean (one token set "
+                 "for all layers), +merge, +protect, +chunked, +demote:CODEC; or quest (read "
+                 "only the best pages at each decode step, evict nothing). docs/PRESSES.md");
   auto* ratio = app.add_option("--ratio", opts->ratio,
                                "Press: fraction of the KV removed (0.75 keeps a quarter)")
                     ->check(CLI::Range(0.0, 0.999999))
