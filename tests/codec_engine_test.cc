@@ -16,7 +16,7 @@ namespace cachet {
 namespace {
 
 std::unique_ptr<Engine> MakeEngine(const std::string& k, const std::string& v, int sinks = 0,
-                                   bool prefix = false) {
+                                   bool prefix = false, int window = 0) {
   EngineOptions o;
   o.model_dir = testing::ModelDir();
   o.threads = 2;
@@ -24,6 +24,7 @@ std::unique_ptr<Engine> MakeEngine(const std::string& k, const std::string& v, i
   o.kv_codec_v = v;
   o.kv_sinks = sinks;
   o.prefix_cache = prefix;
+  o.kv_window = window;
   auto e = Engine::Create(o);
   EXPECT_TRUE(e.ok()) << e.status().ToString();
   return std::move(e).value();
@@ -118,6 +119,56 @@ TEST(CodecEngine, CompressedCachesAreCloseAndSmaller) {
     const KvStats st = e->kv_stats();
     EXPECT_LT(st.bytes_used, f32_bytes * 0.6) << st.ToString();
   }
+}
+
+// --kv-window: a page stays f32 until `window` newer tokens follow it, then it is encoded. The
+// recent rows are exact, memory is the encoded pages plus the window's raw ones, the logits get
+// closer to the f32 cache's, and prefix reuse shares only final (encoded) pages.
+TEST(CodecEngine, RecentWindowStaysFullPrecision) {
+  std::vector<int32_t> prompt(300);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = 10 + int32_t(i * 7919 % 400);
+  std::vector<float> ref, plain, windowed, warm;
+  auto f32 = MakeEngine("f32", "f32");
+  auto f32_s = f32->NewSession();
+  ASSERT_TRUE(f32_s->Eval(prompt, &ref, true).ok());
+  ASSERT_TRUE(MakeEngine("q4_0", "q4_0")->NewSession()->Eval(prompt, &plain, true).ok());
+  auto e = MakeEngine("q4_0", "q4_0", 0, /*prefix=*/true, /*window=*/64);
+  auto s = e->NewSession();
+  ASSERT_TRUE(s->Eval(prompt, &windowed, true).ok());
+  const ModelConfig& c = e->config();
+  const KvLayout& lay = e->kv_pool().layout();
+  // (300 - 64) / 16 = 14 pages encoded, 5 raw, per (layer, KV head).
+  EXPECT_EQ(s->kv().bytes_held(), size_t(c.n_layers) * c.n_kv_heads *
+                                      (14 * lay.codec_page_bytes() + 5 * lay.raw_page_bytes()));
+  std::vector<float> k, v, fk, fv;
+  std::vector<int32_t> pos;
+  s->kv().Gather(0, 1, &k, &v, &pos);
+  f32_s->kv().Gather(0, 1, &fk, &fv, &pos);
+  const int hd = c.head_dim;
+  for (int j = 14 * 16; j < 300; ++j) {  // layer 0 rows do not depend on the cache: exact
+    for (int i = 0; i < hd; ++i) ASSERT_EQ(k[j * hd + i], fk[j * hd + i]) << j;
+  }
+  int differ = 0;
+  for (int i = 0; i < 14 * 16 * hd; ++i) differ += k[i] != fk[i];
+  EXPECT_GT(differ, 0);  // the older pages are q4_0
+  const double kl_plain = MeanKl(ref, plain, c.vocab_size);
+  const double kl_window = MeanKl(ref, windowed, c.vocab_size);
+  EXPECT_LT(kl_window, kl_plain);
+  // Sixteen more tokens age one more page into q4_0.
+  ASSERT_TRUE(s->Eval(std::vector<int32_t>(16, 42), nullptr).ok());
+  EXPECT_EQ(s->kv().bytes_held(), size_t(c.n_layers) * c.n_kv_heads *
+                                      (15 * lay.codec_page_bytes() + 5 * lay.raw_page_bytes()));
+  // Prefix reuse: only the 14 encoded blocks are cached, and a warm run equals a cold one.
+  auto publisher = e->NewSession();
+  ASSERT_TRUE(publisher->Eval(prompt, nullptr).ok());
+  publisher->Publish();
+  auto reuser = e->NewSession();
+  ASSERT_TRUE(reuser->Eval(prompt, &warm).ok());
+  EXPECT_EQ(e->kv_stats().prefix_hit_tokens, 14 * 16);
+  std::vector<float> cold;
+  auto cold_engine = MakeEngine("q4_0", "q4_0", 0, /*prefix=*/false, /*window=*/64);
+  ASSERT_TRUE(cold_engine->NewSession()->Eval(prompt, &cold).ok());
+  EXPECT_EQ(warm, cold);
 }
 
 TEST(CodecEngine, PrefixReuseForkAndSinksCompose) {

@@ -41,6 +41,10 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o) {
   app.add_option("--kv-sinks", o.kv_sinks,
                  "Keep the pages holding the first N tokens in full precision (attention sinks)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--kv-window", o.kv_window,
+                 "Keep each page in full precision (f32) until N newer tokens follow it, then "
+                 "store it in the --cache-type codec (the recent window of mixed precision)")
+      ->check(CLI::NonNegativeNumber);
   app.add_flag("!--no-prefix-cache", o.prefix_cache,
                "Do not share or reuse KV pages of common prompt prefixes");
 }

@@ -27,14 +27,21 @@ struct KvLayout {
   codecs::Codec codec_k = codecs::Codec::kF32;
   codecs::Codec codec_v = codecs::Codec::kF32;
   int sinks = 0;  // pages holding any of the first `sinks` tokens stay raw (full precision)
+  // Recent window: a page stays raw until `window` newer tokens follow it, then it is encoded.
+  int window = 0;
 
   // Plain layouts store every page raw; others encode pages (see PagedSequence).
   bool plain() const { return codec_k == codecs::Codec::kF32 && codec_v == codecs::Codec::kF32; }
-  // Codecs that need a whole page (KIVI keys) stage tokens in a raw page and encode it when full;
-  // row-wise codecs encode each token as it is written.
+  // Codecs that need a whole page (KIVI keys), and any codec with a recent window, stage tokens in
+  // raw pages and encode each page once it is full and `window` tokens old; otherwise row-wise
+  // codecs encode each token as it is written.
   bool staged() const {
-    return codecs::NeedsFullPage(codec_k, codecs::Role::kKey) ||
+    return window > 0 || codecs::NeedsFullPage(codec_k, codecs::Role::kKey) ||
            codecs::NeedsFullPage(codec_v, codecs::Role::kValue);
+  }
+  // The first staged page that n tokens leave unsealed: pages before it are full and old enough.
+  int64_t SealedPages(int64_t n) const {
+    return n - window < page_tokens ? 0 : (n - window) / page_tokens;
   }
   int64_t slot_floats() const { return int64_t{2} * page_tokens * head_dim; }
   size_t raw_page_bytes() const {

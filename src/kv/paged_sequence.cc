@@ -88,10 +88,15 @@ void PagedSequence::AttachBlock(std::span<const int32_t> pages) {
 }
 
 bool PagedSequence::BlockPages(int block, std::vector<int32_t>* pages) const {
-  const int pt = pool_.layout().page_tokens;
+  const KvLayout& lay = pool_.layout();
+  const int pt = lay.page_tokens;
   pages->clear();
   for (const BlockTable& t : tables_) {
-    if (t.n_tokens != n_tokens_ || (block + 1) * pt > t.n_tokens) return false;
+    // Only pages in their final form: full and, with a recent window, old enough to be encoded.
+    if (t.n_tokens != n_tokens_ || (block + 1) * pt > t.n_tokens ||
+        (!lay.plain() && block >= lay.SealedPages(t.n_tokens) && !IsSinkPage(block))) {
+      return false;
+    }
     pages->push_back(t.pages[block]);
   }
   return true;
@@ -114,8 +119,10 @@ Status PagedSequence::Reserve(int n) {
       (IsCodecPage(t.pages.back()) ? need_codec : need_raw) += 1;
     }
     if (!lay.plain() && lay.staged()) {
-      int64_t fills = 0;
-      for (int64_t p = len / pt; (p + 1) * pt <= len + n; ++p) fills += !IsSinkPage(p);
+      int64_t fills = 0;  // staged pages these n tokens seal (raw now, not sinks)
+      for (int64_t p = lay.SealedPages(len); p < lay.SealedPages(len + n); ++p) {
+        fills += !IsSinkPage(p) && (p >= int64_t(t.pages.size()) || !IsCodecPage(t.pages[p]));
+      }
       need_codec += std::max<int64_t>(0, fills - static_cast<int64_t>(t.seal_pages.size()));
     }
   }
@@ -149,8 +156,10 @@ Status PagedSequence::Reserve(int n) {
       t.pages.push_back(RawPage(p) ? scratch_raw_[next_raw++] : scratch_codec_[next_codec++]);
     }
     if (!lay.plain() && lay.staged()) {
-      int64_t fills = 0;
-      for (int64_t p = len / pt; (p + 1) * pt <= len + n; ++p) fills += !IsSinkPage(p);
+      int64_t fills = 0;  // staged pages these n tokens seal (raw now, not sinks)
+      for (int64_t p = lay.SealedPages(len); p < lay.SealedPages(len + n); ++p) {
+        fills += !IsSinkPage(p) && (p >= int64_t(t.pages.size()) || !IsCodecPage(t.pages[p]));
+      }
       while (static_cast<int64_t>(t.seal_pages.size()) < fills) {
         t.seal_pages.push_back(scratch_codec_[next_codec++]);
       }
@@ -191,8 +200,12 @@ void PagedSequence::Append(int layer, int kv_head, const float* k, const float* 
   }
   pool_.positions(page)[off] = pos;
   ++t.n_tokens;
-  if (off + 1 == lay.page_tokens && !lay.plain() && lay.staged() && !IsSinkPage(page_index)) {
-    Seal(t, page_index);
+  if (!lay.plain() && lay.staged()) {
+    const int64_t sealed = lay.SealedPages(t.n_tokens);
+    const int64_t q = sealed - 1;  // the page this token may have aged into its final form
+    if (sealed > lay.SealedPages(t.n_tokens - 1) && !IsSinkPage(q) && !IsCodecPage(t.pages[q])) {
+      Seal(t, q);
+    }
   }
 }
 
@@ -254,6 +267,9 @@ Status PagedSequence::Retain(std::span<const std::vector<int32_t>> keep, bool de
           "shape");
     }
     if (cold_tables_.empty()) cold_tables_.resize(tables_.size());
+  }
+  if (!lay.plain() && lay.window > 0) {
+    return Unimplemented("eviction from a cache with a recent full-precision window (--kv-window)");
   }
   if (!lay.plain() && lay.staged()) {
     return Unimplemented("eviction from a cache whose keys are stored in " +

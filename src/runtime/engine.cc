@@ -51,6 +51,8 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
   CACHET_RETURN_IF_ERROR(codecs::CheckDim(layout.codec_v, c.head_dim));
   if (o.kv_sinks < 0) return InvalidArgument("--kv-sinks must be >= 0");
   layout.sinks = o.kv_sinks;
+  if (o.kv_window < 0) return InvalidArgument("--kv-window must be >= 0");
+  layout.window = layout.plain() ? 0 : o.kv_window;
   size_t capacity = o.kv_mem_mib > 0 ? static_cast<size_t>(o.kv_mem_mib) << 20
                                      : static_cast<size_t>(layout.heads_total()) *
                                            ((e->n_ctx_ + o.page_tokens - 1) / o.page_tokens) *
@@ -133,6 +135,7 @@ Result<PagePool*> Engine::ColdPool(std::string_view codec) {
   CACHET_ASSIGN_OR_RETURN(layout.codec_k, codecs::ParseCodec(codec));
   layout.codec_v = layout.codec_k;
   layout.sinks = 0;
+  layout.window = 0;
   CACHET_RETURN_IF_ERROR(codecs::CheckDim(layout.codec_k, layout.head_dim));
   if (layout.staged()) {
     return InvalidArgument("--demote " + std::string(codec) +
