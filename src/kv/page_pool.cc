@@ -6,6 +6,7 @@
 #include <climits>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 
 namespace cachet {
@@ -77,6 +78,15 @@ Status PagePool::Alloc(int n_raw, int n_codec, std::vector<int32_t>* raw,
   take(codec_, n_codec, kCodecPageBit, codec);
   high_water_bytes_ = std::max(high_water_bytes_, used_bytes());
   return OkStatus();
+}
+
+void PagePool::CopyPage(int32_t from, int32_t to) {
+  if (IsCodecPage(from)) {
+    std::memcpy(codec_keys(to), codec_keys(from), codec_data_bytes());
+  } else {
+    std::memcpy(keys(to), keys(from), layout_.slot_floats() * sizeof(float));
+  }
+  std::memcpy(positions(to), positions(from), layout_.page_tokens * sizeof(int32_t));
 }
 
 void PagePool::Unref(int32_t page) {

@@ -112,6 +112,8 @@ class PagePool {
 
   void Ref(int32_t page) { ++refs(page); }
   void Unref(int32_t page);  // frees the page when its last reference goes
+  // Copies a page's contents and positions into another page of the same kind (copy-on-write).
+  void CopyPage(int32_t from, int32_t to);
   int32_t refcount(int32_t page) const {
     return IsCodecPage(page) ? codec_.refs[page & ~kCodecPageBit] : raw_.refs[page];
   }

@@ -102,6 +102,17 @@ bool PagedSequence::BlockPages(int block, std::vector<int32_t>* pages) const {
   return true;
 }
 
+int64_t PagedSequence::SealsNeeded(const BlockTable& t, int n) const {
+  const KvLayout& lay = pool_.layout();
+  if (lay.plain() || !lay.staged()) return 0;
+  const int64_t len = t.n_tokens;
+  int64_t fills = 0;  // staged pages the next n tokens seal (raw now, not sinks)
+  for (int64_t p = lay.SealedPages(len); p < lay.SealedPages(len + n); ++p) {
+    fills += !IsSinkPage(p) && (p >= int64_t(t.pages.size()) || !IsCodecPage(t.pages[p]));
+  }
+  return fills;
+}
+
 Status PagedSequence::Reserve(int n) {
   if (n <= 0) return OkStatus();
   const KvLayout& lay = pool_.layout();
@@ -118,13 +129,7 @@ Status PagedSequence::Reserve(int n) {
     if (len % pt != 0 && pool_.refcount(t.pages.back()) > 1) {
       (IsCodecPage(t.pages.back()) ? need_codec : need_raw) += 1;
     }
-    if (!lay.plain() && lay.staged()) {
-      int64_t fills = 0;  // staged pages these n tokens seal (raw now, not sinks)
-      for (int64_t p = lay.SealedPages(len); p < lay.SealedPages(len + n); ++p) {
-        fills += !IsSinkPage(p) && (p >= int64_t(t.pages.size()) || !IsCodecPage(t.pages[p]));
-      }
-      need_codec += std::max<int64_t>(0, fills - static_cast<int64_t>(t.seal_pages.size()));
-    }
+    need_codec += std::max<int64_t>(0, SealsNeeded(t, n) - int64_t(t.seal_pages.size()));
   }
   if (need_raw + need_codec == 0) return OkStatus();
   if (need_raw + need_codec > std::numeric_limits<int32_t>::max() / 2) {
@@ -140,29 +145,17 @@ Status PagedSequence::Reserve(int n) {
     const int64_t len = t.n_tokens, want = (len + n + pt - 1) / pt;
     if (len % pt != 0 && pool_.refcount(t.pages.back()) > 1) {
       const int32_t shared = t.pages.back();
-      const bool codec = IsCodecPage(shared);
-      const int32_t copy = codec ? scratch_codec_[next_codec++] : scratch_raw_[next_raw++];
-      if (codec) {
-        std::memcpy(pool_.codec_keys(copy), pool_.codec_keys(shared),
-                    lay.codec_k_bytes() + lay.codec_v_bytes());
-      } else {
-        std::memcpy(pool_.keys(copy), pool_.keys(shared), lay.slot_floats() * sizeof(float));
-      }
-      std::memcpy(pool_.positions(copy), pool_.positions(shared), pt * sizeof(int32_t));
+      const int32_t copy =
+          IsCodecPage(shared) ? scratch_codec_[next_codec++] : scratch_raw_[next_raw++];
+      pool_.CopyPage(shared, copy);
       pool_.Unref(shared);
       t.pages.back() = copy;
     }
     for (int64_t p = static_cast<int64_t>(t.pages.size()); p < want; ++p) {
       t.pages.push_back(RawPage(p) ? scratch_raw_[next_raw++] : scratch_codec_[next_codec++]);
     }
-    if (!lay.plain() && lay.staged()) {
-      int64_t fills = 0;  // staged pages these n tokens seal (raw now, not sinks)
-      for (int64_t p = lay.SealedPages(len); p < lay.SealedPages(len + n); ++p) {
-        fills += !IsSinkPage(p) && (p >= int64_t(t.pages.size()) || !IsCodecPage(t.pages[p]));
-      }
-      while (static_cast<int64_t>(t.seal_pages.size()) < fills) {
-        t.seal_pages.push_back(scratch_codec_[next_codec++]);
-      }
+    for (int64_t fills = SealsNeeded(t, n); int64_t(t.seal_pages.size()) < fills;) {
+      t.seal_pages.push_back(scratch_codec_[next_codec++]);
     }
   }
   return OkStatus();
@@ -187,18 +180,8 @@ void PagedSequence::Append(int layer, int kv_head, const float* k, const float* 
   const KvLayout& lay = pool_.layout();
   const int64_t page_index = t.n_tokens / lay.page_tokens;
   const int32_t page = t.pages[page_index];
-  const int off = t.n_tokens % lay.page_tokens;
-  if (IsCodecPage(page)) {  // row-wise codec: encode the token where it lands
-    codecs::EncodePage(lay.codec_k, Role::kKey, k, 1, 1, lay.head_dim,
-                       pool_.codec_keys(page) + off * codecs::RowStride(lay.codec_k, lay.head_dim));
-    codecs::EncodePage(
-        lay.codec_v, Role::kValue, v, 1, 1, lay.head_dim,
-        pool_.codec_values(page) + off * codecs::RowStride(lay.codec_v, lay.head_dim));
-  } else {
-    std::memcpy(pool_.keys(page) + off * lay.head_dim, k, lay.head_dim * sizeof(float));
-    std::memcpy(pool_.values(page) + off * lay.head_dim, v, lay.head_dim * sizeof(float));
-  }
-  pool_.positions(page)[off] = pos;
+  // A codec page is a row-wise codec's: the token is encoded where it lands.
+  WriteRow(pool_, page, t.n_tokens % lay.page_tokens, k, v, pos);
   ++t.n_tokens;
   if (!lay.plain() && lay.staged()) {
     const int64_t sealed = lay.SealedPages(t.n_tokens);
@@ -234,20 +217,12 @@ void PagedSequence::DemoteRow(BlockTable& c, const float* k, const float* v, int
     c.pages.push_back(fresh[(*next)++]);
   } else if (cold_pool_->refcount(c.pages.back()) > 1) {  // shared with a fork: copy first
     const int32_t shared = c.pages.back(), copy = fresh[(*next)++];
-    if (IsCodecPage(copy)) {
-      std::memcpy(cold_pool_->codec_keys(copy), cold_pool_->codec_keys(shared),
-                  cl.codec_k_bytes() + cl.codec_v_bytes());
-    } else {
-      std::memcpy(cold_pool_->keys(copy), cold_pool_->keys(shared),
-                  cl.slot_floats() * sizeof(float));
-    }
-    std::memcpy(cold_pool_->positions(copy), cold_pool_->positions(shared), pt * sizeof(int32_t));
+    cold_pool_->CopyPage(shared, copy);
     cold_pool_->Unref(shared);
     c.pages.back() = copy;
   }
   WriteRow(*cold_pool_, c.pages.back(), off, k, v, pos);
-  ++c.n_tokens;
-  c.key_bounds.resize(std::min(c.key_bounds.size(), size_t(c.n_tokens / pt) * 2 * cl.head_dim));
+  ++c.n_tokens;  // key bounds cover full pages before the last only: appending keeps them valid
 }
 
 Status PagedSequence::Retain(std::span<const std::vector<int32_t>> keep, bool demote,
@@ -266,7 +241,6 @@ Status PagedSequence::Retain(std::span<const std::vector<int32_t>> keep, bool de
           "Retain: the cold pool must use a row-wise codec and the same page "
           "shape");
     }
-    if (cold_tables_.empty()) cold_tables_.resize(tables_.size());
   }
   if (!lay.plain() && lay.window > 0) {
     return Unimplemented("eviction from a cache with a recent full-precision window (--kv-window)");
@@ -311,6 +285,7 @@ Status PagedSequence::Retain(std::span<const std::vector<int32_t>> keep, bool de
   // its codec is f32).
   std::vector<int32_t> cold_new;
   if (demote) {
+    if (cold_tables_.empty()) cold_tables_.resize(tables_.size());  // empty tables: no state
     int need_cold = 0;
     for (size_t ti = 0; ti < tables_.size(); ++ti) {
       const BlockTable& c = cold_tables_[ti];
@@ -320,10 +295,9 @@ Status PagedSequence::Retain(std::span<const std::vector<int32_t>> keep, bool de
       // A shared, partly filled last cold page is copied before it is appended to.
       need_cold += dropped > 0 && c.n_tokens % pt != 0 && cold_pool_->refcount(c.pages.back()) > 1;
     }
-    const bool raw = cold_pool_->layout().plain();
-    CACHET_RETURN_IF_ERROR(cold_pool_->Alloc(raw ? need_cold : 0, raw ? 0 : need_cold,
-                                             raw ? &cold_new : &scratch_codec_,
-                                             raw ? nullptr : &cold_new));
+    const bool raw = cold_pool_->layout().plain();  // only one of the two gets pages
+    CACHET_RETURN_IF_ERROR(
+        cold_pool_->Alloc(raw ? need_cold : 0, raw ? 0 : need_cold, &cold_new, &cold_new));
   }
   scratch_raw_.clear();
   scratch_codec_.clear();

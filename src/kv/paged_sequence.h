@@ -128,6 +128,8 @@ class PagedSequence final : public KvSequence {
     return l.plain() || l.staged() || IsSinkPage(p);
   }
   void Seal(BlockTable& t, int64_t page_index);
+  // Codec pages to reserve so that the next n tokens can seal the staged pages they age.
+  int64_t SealsNeeded(const BlockTable& t, int n) const;
   // One page of an attention pass: pages may come from the hot or the cold pool.
   struct PageRef {
     PagePool* pool;
