@@ -14,9 +14,35 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 constexpr const char* kScorerNames[] = {"streaming", "h2o",     "snapkv",   "tova",
                                         "knorm",     "keydiff", "expected", "random"};
 
+// The observer gathering a scorer reads (0: none). Expected attention reads the window's query
+// statistics, gathered alongside the window's weights.
+uint32_t ScorerGatherings(Scorer s) {
+  switch (s) {
+    case Scorer::kH2O:
+      return 1u << PressObserver::kAll;
+    case Scorer::kSnapKV:
+    case Scorer::kExpected:
+      return 1u << PressObserver::kWindow;
+    case Scorer::kTova:
+      return 1u << PressObserver::kLast;
+    default:
+      return 0;
+  }
+}
+
 // Scorers whose scores are attention weights (comparable across heads of a layer as they are).
-bool AttentionLike(Scorer s) {
-  return s == Scorer::kH2O || s == Scorer::kSnapKV || s == Scorer::kTova || s == Scorer::kExpected;
+bool AttentionLike(Scorer s) { return ScorerGatherings(s) != 0; }
+
+double Dot(const float* a, const float* b, int d) {
+  double s = 0;
+  for (int i = 0; i < d; ++i) s += double(a[i]) * b[i];
+  return s;
+}
+
+// H2O keeps half its budget b for the most recent tokens.
+void ProtectRecentHalf(std::vector<float>& s, int b) {
+  const int n = static_cast<int>(s.size());
+  for (int j = std::max(0, n - b / 2); j < n; ++j) s[j] = std::numeric_limits<float>::infinity();
 }
 
 // Budgets near want[i] * lambda, each clamped to [lo[i], hi[i]], summing to total when reachable
@@ -166,20 +192,7 @@ std::string PressSpec(const PressOptions& o) {
   return s;
 }
 
-uint32_t GatheringsFor(const PressOptions& o) {
-  if (o.quest) return 0;
-  switch (o.scorer) {
-    case Scorer::kH2O:
-      return 1u << PressObserver::kAll;
-    case Scorer::kSnapKV:
-    case Scorer::kExpected:  // reads the window's query statistics, gathered alongside
-      return 1u << PressObserver::kWindow;
-    case Scorer::kTova:
-      return 1u << PressObserver::kLast;
-    default:
-      return 0;
-  }
-}
+uint32_t GatheringsFor(const PressOptions& o) { return o.quest ? 0 : ScorerGatherings(o.scorer); }
 
 PressObserver::PressObserver(int n_layers, int n_kv_heads, int head_dim, int32_t end, int window,
                              uint32_t gatherings)
@@ -192,9 +205,11 @@ PressObserver::PressObserver(int n_layers, int n_kv_heads, int head_dim, int32_t
   min_pos_[kAll] = 0;
   min_pos_[kWindow] = end - std::max(window, 1);
   min_pos_[kLast] = end - 1;
-  for (Head& h : heads_) {
-    h.q_sum.assign(head_dim, 0.0);
-    h.q_outer.assign(size_t(head_dim) * head_dim, 0.0);
+  if (gatherings >> kWindow & 1) {
+    for (Head& h : heads_) {
+      h.q_sum.assign(head_dim, 0.0);
+      h.q_outer.assign(size_t(head_dim) * head_dim, 0.0);
+    }
   }
 }
 
@@ -314,7 +329,6 @@ std::vector<int> AllocateBudgets(const PressOptions& o, int n_layers, int n_kv_h
       for (int64_t i = 0; i < rest; ++i) ++out[l * n_kv_heads + pool[i].head];
     }
     for (int i = 0; i < T; ++i) want[i] = out[i];
-    return FitToTotal(want, lo, hi, total);
   }
   return FitToTotal(want, lo, hi, total);
 }
@@ -389,9 +403,8 @@ Status ScoreTokens(const PressOptions& o, const PagedSequence& seq, int n_layers
           const int d = n > 0 ? static_cast<int>(k.size() / n) : 0;
           if (o.scorer == Scorer::kKNorm) {  // low key norm ~ high attention
             for (int j = 0; j < n; ++j) {
-              double q = 0;
-              for (int i = 0; i < d; ++i) q += double(k[size_t(j) * d + i]) * k[size_t(j) * d + i];
-              s[j] = -float(std::sqrt(q));
+              const float* kj = k.data() + size_t(j) * d;
+              s[j] = -float(std::sqrt(Dot(kj, kj, d)));
             }
           } else if (o.scorer == Scorer::kKeyDiff) {  // distinctive keys: far from the mean key
             std::vector<double> mk(d, 0.0);
@@ -401,12 +414,10 @@ Status ScoreTokens(const PressOptions& o, const PagedSequence& seq, int n_layers
             for (double x : mk) mn += x * x;
             mn = std::sqrt(mn) + 1e-30;
             for (int j = 0; j < n; ++j) {
-              double dot = 0, kn = 0;
-              for (int i = 0; i < d; ++i) {
-                dot += mk[i] * k[size_t(j) * d + i];
-                kn += double(k[size_t(j) * d + i]) * k[size_t(j) * d + i];
-              }
-              s[j] = -float(dot / (mn * (std::sqrt(kn) + 1e-30)));
+              const float* kj = k.data() + size_t(j) * d;
+              double dot = 0;
+              for (int i = 0; i < d; ++i) dot += mk[i] * kj[i];
+              s[j] = -float(dot / (mn * (std::sqrt(Dot(kj, kj, d)) + 1e-30)));
             }
           } else {
             // Expected attention of future queries ~ N(mean, cov) of the window's queries:
@@ -466,13 +477,8 @@ void MergeValues(const PagedSequence& seq, int layer, int kv_head, const std::ve
   const int d = static_cast<int>(k.size() / n);
   auto w = [&](int j) { return weights ? std::max((*weights)[j], 1e-6f) : 1.0f; };
   auto cos = [&](int a, int b) {
-    double dot = 0, na = 0, nb = 0;
-    for (int i = 0; i < d; ++i) {
-      dot += double(k[size_t(a) * d + i]) * k[size_t(b) * d + i];
-      na += double(k[size_t(a) * d + i]) * k[size_t(a) * d + i];
-      nb += double(k[size_t(b) * d + i]) * k[size_t(b) * d + i];
-    }
-    return dot / (std::sqrt(na * nb) + 1e-30);
+    const float *ka = k.data() + size_t(a) * d, *kb = k.data() + size_t(b) * d;
+    return Dot(ka, kb, d) / (std::sqrt(Dot(ka, ka, d) * Dot(kb, kb, d)) + 1e-30);
   };
   std::vector<double> acc(keep.size() * size_t(d), 0.0), wsum(keep.size(), 0.0);
   for (size_t x = 0; x < keep.size(); ++x) {
@@ -507,6 +513,9 @@ Result<PressResult> Compress(const PressOptions& o, PagedSequence& seq, int n_la
     return InvalidArgument("press ratio is the fraction of KV removed and must be in [0, 1)");
   }
   if (o.budget < 0) return InvalidArgument("press budget must be a positive token count");
+  if (o.merge && !o.demote.empty()) {
+    return InvalidArgument("a press either merges evicted tokens or demotes them, not both");
+  }
   const int T = n_layers * n_kv_heads;
   PressResult r;
   r.bytes_before = r.bytes_after = seq.bytes_held();
@@ -529,9 +538,6 @@ Result<PressResult> Compress(const PressOptions& o, PagedSequence& seq, int n_la
   }
   std::vector<std::vector<float>> scores;
   CACHET_RETURN_IF_ERROR(ScoreTokens(o, seq, n_layers, n_kv_heads, observer, &scores));
-  if (o.merge && !o.demote.empty()) {
-    return InvalidArgument("a press either merges evicted tokens or demotes them, not both");
-  }
   // Merge weights: attention scores as they came (protection overwrites scores below).
   const std::vector<std::vector<float>> merge_w =
       o.merge && AttentionLike(o.scorer) ? scores : std::vector<std::vector<float>>{};
@@ -574,8 +580,9 @@ Result<PressResult> Compress(const PressOptions& o, PagedSequence& seq, int n_la
 
   // Normalized scores (what Ada-KV pools and cross-layer selection combines): attention weights
   // divided by their layer's sum; other scores min-max scaled per head.
-  std::vector<std::vector<float>> norm = scores;
-  for (int l = 0; l < n_layers; ++l) {
+  const bool pooled = o.share != ShareLayers::kNone || o.allocator == Allocator::kAda;
+  std::vector<std::vector<float>> norm = pooled ? scores : std::vector<std::vector<float>>{};
+  for (int l = 0; l < n_layers && pooled; ++l) {
     if (AttentionLike(o.scorer)) {
       double sum = 0;
       for (int h = 0; h < n_kv_heads; ++h)
@@ -593,7 +600,7 @@ Result<PressResult> Compress(const PressOptions& o, PagedSequence& seq, int n_la
       }
     }
   }
-  for (int ti = 0; ti < T; ++ti) {
+  for (int ti = 0; ti < T && pooled; ++ti) {
     for (size_t j = 0; j < norm[ti].size(); ++j) {
       if (prot[ti][j]) norm[ti][j] = kInf;
     }
@@ -626,10 +633,7 @@ Result<PressResult> Compress(const PressOptions& o, PagedSequence& seq, int n_la
                                                    : combined[j] + norm[ti][j] / T;
       }
     }
-    if (o.scorer == Scorer::kH2O) {  // half heavy hitters, half the most recent tokens
-      const int n = static_cast<int>(combined.size());
-      for (int j = std::max(0, n - budgets[0] / 2); j < n; ++j) combined[j] = kInf;
-    }
+    if (o.scorer == Scorer::kH2O) ProtectRecentHalf(combined, budgets[0]);
     const std::vector<int32_t> shared = TopIndices(combined, budgets[0]);
     for (auto& k : keep) k = shared;
   } else {
@@ -638,13 +642,8 @@ Result<PressResult> Compress(const PressOptions& o, PagedSequence& seq, int n_la
       for (size_t j = 0; j < s.size(); ++j) {
         if (prot[ti][j]) s[j] = kInf;
       }
-      int b = std::min<int>(budgets[ti], static_cast<int>(s.size()));
-      if (o.scorer == Scorer::kH2O) {
-        // Half heavy hitters, half the most recent tokens.
-        for (int j = std::max(0, static_cast<int>(s.size()) - b / 2); j < int(s.size()); ++j) {
-          s[j] = kInf;
-        }
-      }
+      const int b = std::min<int>(budgets[ti], static_cast<int>(s.size()));
+      if (o.scorer == Scorer::kH2O) ProtectRecentHalf(s, b);
       keep[ti] = TopIndices(s, b);
     }
   }
