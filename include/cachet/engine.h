@@ -142,8 +142,9 @@ class Session {
   std::vector<float> last_logits_;
   std::vector<int32_t> pending_;    // sampled but not yet evaluated (the last token of Generate)
   std::vector<int32_t> positions_;  // scratch
-  std::shared_ptr<press::PressObserver> observer_;
-  bool observing_ = false;  // observer_ is attached to seq_
+  void StopObserving();
+
+  std::shared_ptr<press::PressObserver> observer_;  // attached to seq_ while it observes
 };
 
 class Engine {

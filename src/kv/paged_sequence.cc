@@ -53,6 +53,12 @@ std::unique_ptr<PagedSequence> PagedSequence::Fork() const {
   return child;
 }
 
+int PagedSequence::longest_head() const {
+  int n = 0;
+  for (const BlockTable& t : tables_) n = std::max(n, int(t.n_tokens));
+  return n;
+}
+
 int PagedSequence::pages_held() const {
   int n = 0;
   for (const BlockTable& t : tables_) n += static_cast<int>(t.pages.size() + t.seal_pages.size());

@@ -85,6 +85,7 @@ class PagedSequence final : public KvSequence {
   void Positions(int layer, int kv_head, std::vector<int32_t>* positions) const;
 
   void set_observer(AttentionObserver* observer) { observer_ = observer; }  // null: none
+  AttentionObserver* observer() const { return observer_; }
 
   // Quest (decode-time page selection, nothing evicted): a decode step (one query token) reads,
   // per (layer, KV head), only the full pages whose key bounds promise its queries the highest
@@ -100,6 +101,7 @@ class PagedSequence final : public KvSequence {
   int n_tokens() const { return n_tokens_; }  // tokens committed to the sequence
   const KvLayout& layout() const { return pool_.layout(); }
   int head_length(int layer, int kv_head) const { return table(layer, kv_head).n_tokens; }
+  int longest_head() const;   // the most tokens any (layer, KV head) holds
   int pages_held() const;     // page references held, reserved ones included (hot pool)
   size_t bytes_held() const;  // their bytes (raw and codec pages differ in size), cold ones too
   void Clear();               // back to empty, all references dropped

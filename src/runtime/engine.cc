@@ -193,28 +193,31 @@ void Session::ObserveForPress(int32_t end, int window, uint32_t gatherings) {
   observer_ = std::make_shared<press::PressObserver>(c.n_layers, c.n_kv_heads, c.head_dim, end,
                                                      window, gatherings);
   seq_->set_observer(observer_.get());
-  observing_ = true;
+}
+
+void Session::StopObserving() {
+  seq_->set_observer(nullptr);
+  observer_.reset();
 }
 
 Result<press::PressResult> Session::Compress(const press::PressOptions& options,
                                              bool keep_observing) {
   const ModelConfig& c = engine_.config();
+  if (keep_observing && !options.demote.empty()) {
+    return InvalidArgument("pressing again while decoding does not combine with --demote yet");
+  }
   if (!options.demote.empty()) {
     CACHET_ASSIGN_OR_RETURN(PagePool * cold, engine_.ColdPool(options.demote));
     seq_->set_cold_pool(cold, options.demote_fetch);
   }
-  if (keep_observing && !options.demote.empty()) {
-    return InvalidArgument("pressing again while decoding does not combine with --demote yet");
-  }
-  seq_->set_observer(nullptr);
-  observing_ = false;
+  seq_->set_observer(nullptr);  // the press reads the observer; nothing is attending now
   // Forks share the prompt's observer: only a session that goes on observing compacts it.
   auto r = press::Compress(options, *seq_, c.n_layers, c.n_kv_heads, observer_.get(),
                            keep_observing ? observer_.get() : nullptr);
   if (keep_observing && r.ok()) {
-    if (observer_) seq_->set_observer(observer_.get());
+    seq_->set_observer(observer_.get());
   } else {
-    observer_.reset();
+    StopObserving();
   }
   return r;
 }
@@ -227,7 +230,6 @@ Status Session::EvalCompressing(std::span<const int32_t> tokens, const press::Pr
                           : static_cast<int>(std::lround((1.0 - o.ratio) * double(tokens.size())));
   o.ratio = 0;
   const int ub = engine_.options().ubatch;
-  const ModelConfig& c = engine_.config();
   size_t peak = seq_->bytes_held();
   for (size_t start = 0; start < tokens.size(); start += ub) {
     const auto chunk = tokens.subspan(start, std::min<size_t>(ub, tokens.size() - start));
@@ -237,16 +239,11 @@ Status Session::EvalCompressing(std::span<const int32_t> tokens, const press::Pr
     }
     CACHET_RETURN_IF_ERROR(Eval(chunk, logits));
     peak = std::max(peak, seq_->bytes_held());
-    int longest = 0;
-    for (int l = 0; l < c.n_layers; ++l)
-      for (int h = 0; h < c.n_kv_heads; ++h) longest = std::max(longest, seq_->head_length(l, h));
-    if (longest > o.budget) {
+    if (seq_->longest_head() > o.budget) {
       auto r = Compress(o);
       if (!r.ok()) return r.status();
     } else {
-      seq_->set_observer(nullptr);
-      observing_ = false;
-      observer_.reset();
+      StopObserving();
     }
   }
   if (peak_bytes) *peak_bytes = peak;
@@ -284,7 +281,7 @@ Status Session::Eval(std::span<const int32_t> tokens, std::vector<float>* logits
   // A fresh session first reuses the longest cached prefix (whole pages, leaving at least one
   // token to compute logits from). Not when every token's logits are wanted.
   int reused = 0;
-  if (tokens_.empty() && engine_.prefix_ && !all_logits && !observing_) {
+  if (tokens_.empty() && engine_.prefix_ && !all_logits && !seq_->observer()) {
     reused = engine_.prefix_->Lookup(tokens, salt_, static_cast<int>(tokens.size()) - 1, *seq_);
     tokens_.assign(tokens.begin(), tokens.begin() + reused);
     tokens = tokens.subspan(reused);
@@ -341,16 +338,11 @@ Result<GenerateResult> Session::Generate(std::span<const int32_t> prompt,
   std::optional<press::PressOptions> again;
   if (options.press && options.press->decode_every > 0) {
     again = *options.press;
-    int longest = 0;
-    const ModelConfig& c = engine_.config();
-    if (!options.press->during_prefill) {
-      again->budget = again->budget > 0
-                          ? again->budget
-                          : static_cast<int>(std::lround((1.0 - again->ratio) * n_tokens()));
+    if (again->during_prefill) {
+      again->budget = seq_->longest_head();  // what the chunked prefill left
+    } else if (again->budget <= 0) {
+      again->budget = static_cast<int>(std::lround((1.0 - again->ratio) * n_tokens()));
     }
-    for (int l = 0; l < c.n_layers; ++l)
-      for (int h = 0; h < c.n_kv_heads; ++h) longest = std::max(longest, seq_->head_length(l, h));
-    if (options.press->during_prefill) again->budget = longest;
     again->ratio = 0;
     again->during_prefill = false;
   }
@@ -390,11 +382,7 @@ Result<GenerateResult> Session::Generate(std::span<const int32_t> prompt,
       if (!pr.ok()) return pr.status();
     }
   }
-  if (again) {
-    seq_->set_observer(nullptr);
-    observing_ = false;
-    observer_.reset();
-  }
+  if (again) StopObserving();
   std::string rest = decoder.Flush();
   r.text += rest;
   if (on_text && !rest.empty()) on_text(rest);
