@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <charconv>
 #include <cstdio>
+#include <optional>
 
 #include "cachet/engine.h"
+#include "kv/codecs/codec.h"
 #include "kv/press/press.h"
 
 namespace cachet::eval {
@@ -94,7 +96,19 @@ Result<Method> ParseMethod(std::string_view label) {
 }
 
 namespace {
-bool IsStagedCodec(const std::string& c) { return c == "kivi4" || c == "kivi2"; }
+// Keys in this codec are encoded per group of tokens (KIVI), so single tokens cannot be evicted
+// from, or appended to, their pages one by one.
+bool GroupEncodesKeys(const std::string& name) {
+  const auto c = codecs::ParseCodec(name);
+  return c.ok() && codecs::NeedsFullPage(c.value(), codecs::Role::kKey);
+}
+
+// m's press as parsed (null for "full" and for specs ValidateMethod rejects).
+std::optional<press::PressOptions> ParsedPress(const Method& m) {
+  press::PressOptions o;
+  if (m.press == "full" || !press::ParsePressSpec(m.press, &o).ok()) return std::nullopt;
+  return o;
+}
 
 std::string Join(const std::vector<std::string>& v) {
   std::string s;
@@ -128,14 +142,14 @@ Status ValidateMethod(const Method& m) {
 
 Status MethodAvailable(const Method& m) {
   CACHET_RETURN_IF_ERROR(ValidateMethod(m));
-  press::PressOptions o;
-  if (m.press != "full" && press::ParsePressSpec(m.press, &o).ok() && IsStagedCodec(o.demote)) {
+  const auto o = ParsedPress(m);
+  if (o && GroupEncodesKeys(o->demote)) {
     return Unimplemented("press '" + m.press +
                          "': demoted tokens are appended one by one, so the cold codec must be "
                          "row-wise, not " +
-                         o.demote);
+                         o->demote);
   }
-  if (m.press != "full" && m.press != "quest" && IsStagedCodec(m.codec_k)) {
+  if (o && !o->quest && GroupEncodesKeys(m.codec_k)) {
     return Unimplemented("press '" + m.press + "' with " + m.codec_k +
                          " keys: KIVI keys are encoded per group of tokens, so single tokens "
                          "cannot be evicted from their pages yet");
@@ -143,20 +157,16 @@ Status MethodAvailable(const Method& m) {
   return OkStatus();
 }
 
-bool NeedsAttention(const Method& m) {
-  press::PressOptions o;
-  return m.press != "full" && press::ParsePressSpec(m.press, &o).ok() && o.NeedsAttention();
-}
+bool NeedsAttention(const Method& m) { return Gatherings(m) != 0; }
 
 uint32_t Gatherings(const Method& m) {
-  press::PressOptions o;
-  if (m.press == "full" || !press::ParsePressSpec(m.press, &o).ok()) return 0;
-  return press::GatheringsFor(o);
+  const auto o = ParsedPress(m);
+  return o ? press::GatheringsFor(*o) : 0;
 }
 
 bool CompressesDuringPrefill(const Method& m) {
-  press::PressOptions o;
-  return m.press != "full" && press::ParsePressSpec(m.press, &o).ok() && o.during_prefill;
+  const auto o = ParsedPress(m);
+  return o && o->during_prefill;
 }
 
 namespace {
