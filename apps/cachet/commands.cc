@@ -225,18 +225,9 @@ void AddRun(CLI::App& app) {
       auto prompt_session = engine->NewSession(*salt);
       const std::vector<int32_t> ids = engine->tokenizer().EncodePrompt(text);
       const auto& press = opts->gen.press;
-      if (press && press->during_prefill) {
-        if (Status s = prompt_session->EvalCompressing(ids, *press, nullptr); !s.ok()) fail(s);
-      } else {
-        if (press) {
-          prompt_session->ObserveForPress(static_cast<int32_t>(ids.size()), press->window,
-                                          press::GatheringsFor(*press));
-        }
-        if (Status s = prompt_session->Eval(ids, nullptr); !s.ok()) fail(s);
-        if (press) {
-          if (auto r = prompt_session->Compress(*press); !r.ok()) fail(r.status());
-        }
-      }
+      const Status s = press ? prompt_session->EvalPressed(ids, *press, nullptr)
+                             : prompt_session->Eval(ids, nullptr);
+      if (!s.ok()) fail(s);
       for (int i = 0; i < *n_parallel; ++i) {
         auto fork = prompt_session->Fork();
         GenerateOptions g = opts->gen;

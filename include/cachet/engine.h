@@ -125,6 +125,10 @@ class Session {
   // more than the budget plus one chunk. *peak_bytes gets the most the sequence held.
   Status EvalCompressing(std::span<const int32_t> tokens, const press::PressOptions& options,
                          std::vector<float>* logits, size_t* peak_bytes = nullptr);
+  // Eval of a prompt, then the press: observed and compressed after the prompt, or chunk by
+  // chunk for presses that compress during prefill.
+  Status EvalPressed(std::span<const int32_t> tokens, const press::PressOptions& options,
+                     std::vector<float>* logits, bool keep_observing = false);
 
   // Tokens whose K/V is in the cache.
   int n_tokens() const;

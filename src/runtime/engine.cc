@@ -250,6 +250,16 @@ Status Session::EvalCompressing(std::span<const int32_t> tokens, const press::Pr
   return OkStatus();
 }
 
+Status Session::EvalPressed(std::span<const int32_t> tokens, const press::PressOptions& options,
+                            std::vector<float>* logits, bool keep_observing) {
+  if (options.during_prefill) return EvalCompressing(tokens, options, logits);
+  ObserveForPress(static_cast<int32_t>(n_tokens() + pending_.size() + tokens.size()),
+                  options.window, press::GatheringsFor(options));
+  CACHET_RETURN_IF_ERROR(Eval(tokens, logits));
+  auto r = Compress(options, keep_observing);
+  return r.ok() ? OkStatus() : r.status();
+}
+
 Status Session::Eval(std::span<const int32_t> tokens, std::vector<float>* logits, bool all_logits) {
   const int vocab = engine_.config().vocab_size;
   if (n_tokens() + static_cast<int64_t>(tokens.size() + pending_.size()) > engine_.n_ctx()) {
@@ -325,18 +335,15 @@ Result<GenerateResult> Session::Generate(std::span<const int32_t> prompt,
   if (prompt.empty() && last_logits_.empty() && pending_.empty()) {
     return InvalidArgument("Generate: empty prompt and nothing evaluated yet");
   }
-  if (options.press && options.press->during_prefill) {
-    CACHET_RETURN_IF_ERROR(EvalCompressing(prompt, *options.press, nullptr));
-  } else if (options.press) {
-    ObserveForPress(static_cast<int32_t>(n_tokens() + pending_.size() + prompt.size()),
-                    options.press->window, press::GatheringsFor(*options.press));
-    CACHET_RETURN_IF_ERROR(Eval(prompt, nullptr));
+  const bool repress = options.press && options.press->decode_every > 0;
+  if (options.press) {
+    CACHET_RETURN_IF_ERROR(EvalPressed(prompt, *options.press, nullptr, repress));
   } else {
     CACHET_RETURN_IF_ERROR(Eval(prompt, nullptr));
   }
   // Presses repeated while decoding go back to the budget the prompt's press left.
   std::optional<press::PressOptions> again;
-  if (options.press && options.press->decode_every > 0) {
+  if (repress) {
     again = *options.press;
     if (again->during_prefill) {
       again->budget = seq_->longest_head();  // what the chunked prefill left
@@ -345,10 +352,6 @@ Result<GenerateResult> Session::Generate(std::span<const int32_t> prompt,
     }
     again->ratio = 0;
     again->during_prefill = false;
-  }
-  if (options.press && !options.press->during_prefill) {
-    auto pr = Compress(*options.press, /*keep_observing=*/again.has_value());
-    if (!pr.ok()) return pr.status();
   }
   if (again && !observer_ && again->NeedsAttention()) {  // a chunked prompt dropped its observer
     ObserveForPress(n_tokens(), again->window, press::GatheringsFor(*again));
