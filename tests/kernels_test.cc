@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "hwy/targets.h"
+#include "simd_targets.h"
 #include "util/dtype.h"
 #include "util/thread_pool.h"
 
@@ -76,30 +76,9 @@ TestMatrix MakeMatrix(int64_t rows, int64_t cols, DType dtype, std::mt19937& rng
   return t;
 }
 
-// The SIMD targets the cpu:: kernels are compiled for that this CPU supports, best first. Each
-// cpu:: check runs once per target.
-std::vector<int64_t> KernelTargets() {
-  std::vector<int64_t> targets;
-  const int64_t supported = hwy::SupportedTargets();
-  for (int64_t t : {int64_t{HWY_AVX3}, int64_t{HWY_AVX2}, int64_t{HWY_SSE4}}) {
-    if (supported & t) targets.push_back(t);
-  }
-  if (targets.empty()) targets.push_back(0);  // whatever dispatch picks
-  return targets;
-}
-
-// Makes the cpu:: kernels dispatch to one target while in scope.
-class ScopedTarget {
- public:
-  explicit ScopedTarget(int64_t target) { hwy::SetSupportedTargetsForTest(target); }
-  ~ScopedTarget() { hwy::SetSupportedTargetsForTest(0); }
-  ScopedTarget(const ScopedTarget&) = delete;
-  ScopedTarget& operator=(const ScopedTarget&) = delete;
-};
-
-std::string TargetString(int64_t target) {
-  return std::string(" target=") + (target == 0 ? "default" : hwy::TargetName(target));
-}
+using testing::KernelTargets;
+using testing::ScopedTarget;
+using testing::TargetString;
 
 std::string Describe(DType dtype, int64_t rows, int64_t cols, int64_t n) {
   return std::string(DTypeName(dtype)) + " rows=" + std::to_string(rows) +
@@ -577,19 +556,27 @@ TEST(KernelsAttention, LongPrefillMatchesContiguous) {
   }
 }
 
+// n key positions from 10 on with gaps of 1-5 (as after eviction), shuffled across and within
+// pages; *end is one past the gaps after the largest.
+std::vector<int32_t> GappedShuffledPositions(int n, std::mt19937& rng, int32_t* end) {
+  std::vector<int32_t> k_pos(n);
+  int32_t p = 10;
+  for (int32_t& x : k_pos) {
+    x = p;
+    p += 1 + static_cast<int32_t>(rng() % 5);
+  }
+  std::shuffle(k_pos.begin(), k_pos.end(), rng);
+  *end = p;
+  return k_pos;
+}
+
 // Positions with gaps (as after eviction), in no particular order across and within pages, and
 // queries before, between and after them.
 TEST(KernelsAttention, GappedUnsortedPositions) {
   std::mt19937 rng(11);
   for (int n_keys : {17, 97, 1000}) {
-    std::vector<int32_t> k_pos(n_keys);
-    int32_t p = 10;
-    for (int32_t& x : k_pos) {
-      x = p;
-      p += 1 + static_cast<int32_t>(rng() % 5);
-    }
-    std::shuffle(k_pos.begin(), k_pos.end(), rng);
-    const int32_t last = p;
+    int32_t last = 0;
+    const std::vector<int32_t> k_pos = GappedShuffledPositions(n_keys, rng, &last);
     for (int page_tokens : {1, 16, 64}) {
       for (int head_dim : {64, 80}) {
         TestKv kv = MakeKv(k_pos, page_tokens, head_dim, rng);
@@ -682,15 +669,8 @@ void CheckObserve(const TestKv& kv, const TestQueries& q, float scale, int32_t m
 TEST(KernelsAttention, ObserveMatchesReferenceWeights) {
   std::mt19937 rng(13);
   for (int n_keys : {1, 17, 97, 1000}) {
-    // Gapped, shuffled positions as in GappedUnsortedPositions.
-    std::vector<int32_t> k_pos(n_keys);
-    int32_t p = 10;
-    for (int32_t& x : k_pos) {
-      x = p;
-      p += 1 + static_cast<int32_t>(rng() % 5);
-    }
-    std::shuffle(k_pos.begin(), k_pos.end(), rng);
-    const int32_t last = p;
+    int32_t last = 0;
+    const std::vector<int32_t> k_pos = GappedShuffledPositions(n_keys, rng, &last);
     for (int page_tokens : {1, 16, 64}) {
       for (int head_dim : {64, 48}) {
         TestKv kv = MakeKv(k_pos, page_tokens, head_dim, rng);

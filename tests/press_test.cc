@@ -570,17 +570,32 @@ TEST(PressQuest, PicksThePageTheQueryPointsAt) {
   EXPECT_GT(dot / std::sqrt(on * vn), 0.9f);
 }
 
-// Forks of one observed prefill share its observer: pressing one fork must not disturb what the
-// next one reads (eval sweeps fork every configuration from one prefill).
-TEST(PressEngine, ForksOfAnObservedPrefillPressIndependently) {
+// kvtiny on 2 threads without a prefix cache (these tests look at one sequence's pages).
+std::unique_ptr<Engine> KvtinyEngine(int ubatch = 512) {
   EngineOptions eo;
   eo.model_dir = testing::ModelDir();
   eo.threads = 2;
+  eo.ubatch = ubatch;
+  eo.prefix_cache = false;
   auto engine = Engine::Create(eo);
-  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
-  std::vector<int32_t> prompt(700);
-  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = 10 + int32_t(i * 7919 % 400);
-  auto base = (*engine)->NewSession();
+  EXPECT_TRUE(engine.ok()) << engine.status().ToString();
+  return engine.ok() ? std::move(engine).value() : nullptr;
+}
+
+// A prompt of n in-vocabulary tokens with no structure.
+std::vector<int32_t> SyntheticPrompt(int n) {
+  std::vector<int32_t> prompt(n);
+  for (int i = 0; i < n; ++i) prompt[i] = 10 + int32_t(int64_t(i) * 7919 % 400);
+  return prompt;
+}
+
+// Forks of one observed prefill share its observer: pressing one fork must not disturb what the
+// next one reads (eval sweeps fork every configuration from one prefill).
+TEST(PressEngine, ForksOfAnObservedPrefillPressIndependently) {
+  auto engine = KvtinyEngine();
+  ASSERT_NE(engine, nullptr);
+  const std::vector<int32_t> prompt = SyntheticPrompt(700);
+  auto base = engine->NewSession();
   base->ObserveForPress(700, 32, 7);
   ASSERT_TRUE(base->Eval(prompt, nullptr).ok());
   std::vector<std::vector<int32_t>> kept;
@@ -601,15 +616,10 @@ TEST(PressEngine, ForksOfAnObservedPrefillPressIndependently) {
 // Pressing again while decoding: every N tokens the cache goes back to the prompt's budget, and
 // H2O's scores keep accumulating (the observer is compacted with the cache, not dropped).
 TEST(PressEngine, DecodeEveryKeepsTheBudget) {
-  EngineOptions eo;
-  eo.model_dir = testing::ModelDir();
-  eo.threads = 2;
-  eo.prefix_cache = false;
-  auto engine = Engine::Create(eo);
-  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
-  const ModelConfig& cfg = (*engine)->config();
-  std::vector<int32_t> prompt(600);
-  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = 10 + int32_t(i * 7919 % 400);
+  auto engine = KvtinyEngine();
+  ASSERT_NE(engine, nullptr);
+  const ModelConfig& cfg = engine->config();
+  const std::vector<int32_t> prompt = SyntheticPrompt(600);
   for (const char* spec : {"h2o", "snapkv+max", "streaming+chunked"}) {
     SCOPED_TRACE(spec);
     GenerateOptions g;
@@ -620,7 +630,7 @@ TEST(PressEngine, DecodeEveryKeepsTheBudget) {
     ASSERT_TRUE(press::ParsePressSpec(spec, &*g.press).ok());
     g.press->ratio = 0.75;
     g.press->decode_every = 4;
-    auto s = (*engine)->NewSession();
+    auto s = engine->NewSession();
     auto r = s->Generate(prompt, g);
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     EXPECT_EQ(r->tokens.size(), 12u);
@@ -633,23 +643,17 @@ TEST(PressEngine, DecodeEveryKeepsTheBudget) {
 // Compression during prefill: the cache never holds more than the budget plus one chunk, and ends
 // at the budget.
 TEST(PressEngine, CompressDuringPrefillBoundsPeakMemory) {
-  EngineOptions eo;
-  eo.model_dir = testing::ModelDir();
-  eo.threads = 2;
-  eo.ubatch = 256;
-  eo.prefix_cache = false;
-  auto engine = Engine::Create(eo);
-  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
-  const ModelConfig& cfg = (*engine)->config();
-  std::vector<int32_t> prompt(2000);
-  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = 10 + int32_t(i * 7919 % 400);
-  const double bytes_per_token = (*engine)->kv_stats().bytes_per_token;
+  auto engine = KvtinyEngine(256);
+  ASSERT_NE(engine, nullptr);
+  const ModelConfig& cfg = engine->config();
+  const std::vector<int32_t> prompt = SyntheticPrompt(2000);
+  const double bytes_per_token = engine->kv_stats().bytes_per_token;
   for (const char* spec : {"snapkv+chunked", "streaming+chunked", "h2o+ada+chunked"}) {
     SCOPED_TRACE(spec);
     press::PressOptions o;
     ASSERT_TRUE(press::ParsePressSpec(spec, &o).ok());
     o.ratio = 0.875;  // 250 of 2000 tokens
-    auto s = (*engine)->NewSession();
+    auto s = engine->NewSession();
     size_t peak = 0;
     std::vector<float> logits;
     ASSERT_TRUE(s->EvalCompressing(prompt, o, &logits, &peak).ok());
@@ -660,7 +664,7 @@ TEST(PressEngine, CompressDuringPrefillBoundsPeakMemory) {
       for (int h = 0; h < cfg.n_kv_heads; ++h) kept += s->kv().head_length(l, h);
     EXPECT_EQ(kept, int64_t(cfg.n_layers) * cfg.n_kv_heads * 250);
     // Budget + one chunk, each table rounded up to whole pages.
-    const double bound = (250 + 256 + 2.0 * eo.page_tokens) * bytes_per_token;
+    const double bound = (250 + 256 + 2.0 * engine->options().page_tokens) * bytes_per_token;
     EXPECT_LE(double(peak), bound);
     EXPECT_GT(double(peak), (250 + 200) * bytes_per_token);  // it did hold a chunk
   }
@@ -670,27 +674,22 @@ TEST(PressEngine, CompressDuringPrefillBoundsPeakMemory) {
 // forward pass splits a head's query tokens), so a lost update would show in the sums. Every
 // observed row's weights sum to 1.
 TEST(PressObserverModel, WeightsSumToTheObservedRows) {
-  EngineOptions eo;
-  eo.model_dir = testing::ModelDir();
-  eo.threads = 2;
-  eo.ubatch = 256;
-  auto engine = Engine::Create(eo);
-  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
-  const ModelConfig& cfg = (*engine)->config();
+  auto engine = KvtinyEngine(256);
+  ASSERT_NE(engine, nullptr);
+  const ModelConfig& cfg = engine->config();
   const int n = 700, window = 24, group = cfg.n_heads / cfg.n_kv_heads;
   std::vector<int32_t> tokens(n), positions(n);
   for (int i = 0; i < n; ++i) tokens[i] = 10 + i * 13 % 300, positions[i] = i;
-  PagedSequence seq((*engine)->kv_pool());
+  PagedSequence seq(engine->kv_pool());
   press::PressObserver obs(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n, window);
   seq.set_observer(&obs);
   ASSERT_TRUE(seq.Reserve(n).ok());
   std::vector<float> logits(cfg.vocab_size);
   for (int start = 0; start < n; start += 256) {
     const int m = std::min(256, n - start);
-    ASSERT_TRUE((*engine)
-                    ->transformer()
+    ASSERT_TRUE(engine->transformer()
                     .Forward(std::span(tokens).subspan(start, m),
-                             std::span(positions).subspan(start, m), seq, (*engine)->pool(),
+                             std::span(positions).subspan(start, m), seq, engine->pool(),
                              logits.data(), false)
                     .ok());
   }
@@ -711,16 +710,11 @@ TEST(PressObserverModel, WeightsSumToTheObservedRows) {
 // On kvtiny: every press runs after a real prompt, frees memory in proportion to the ratio, and
 // leaves a cache the model keeps decoding from.
 TEST(PressEngine, EveryPressFreesMemoryOnKvtiny) {
-  EngineOptions eo;
-  eo.model_dir = testing::ModelDir();
-  eo.threads = 2;
-  eo.prefix_cache = false;
-  auto engine = Engine::Create(eo);
-  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
-  const ModelConfig& cfg = (*engine)->config();
-  std::vector<int32_t> prompt(600);
-  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = 10 + int32_t(i * 7919 % 400);
-  auto base = (*engine)->NewSession();
+  auto engine = KvtinyEngine();
+  ASSERT_NE(engine, nullptr);
+  const ModelConfig& cfg = engine->config();
+  const std::vector<int32_t> prompt = SyntheticPrompt(600);
+  auto base = engine->NewSession();
   GenerateOptions full;
   full.max_tokens = 4;
   full.sampling.temperature = 0;
@@ -734,7 +728,7 @@ TEST(PressEngine, EveryPressFreesMemoryOnKvtiny) {
     g.press.emplace();
     ASSERT_TRUE(press::ParsePressSpec(spec, &*g.press).ok());
     g.press->ratio = 0.75;
-    auto s = (*engine)->NewSession();
+    auto s = engine->NewSession();
     auto r = s->Generate(prompt, g);
     ASSERT_TRUE(r.ok()) << r.status().ToString();
     EXPECT_EQ(r->tokens.size(), 4u);
@@ -749,7 +743,7 @@ TEST(PressEngine, EveryPressFreesMemoryOnKvtiny) {
         EXPECT_EQ(kept, int64_t(cfg.n_layers) * cfg.n_kv_heads * (150 + 3));
         EXPECT_EQ(s->kv().cold_length(0, 0), 450);
         EXPECT_LT(s->kv().bytes_held(), full_bytes * 0.45);
-        EXPECT_GT((*engine)->kv_stats().cold_bytes_used, 0);
+        EXPECT_GT(engine->kv_stats().cold_bytes_used, 0);
       }
       continue;
     }

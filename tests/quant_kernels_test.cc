@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "hwy/targets.h"
 #include "kernels/kernels.h"
+#include "simd_targets.h"
 #include "util/dtype.h"
 #include "util/thread_pool.h"
 
@@ -58,20 +58,7 @@ QuantMatrix MakeMatrix(DType t, int64_t rows, int64_t cols, std::mt19937& rng) {
   return q;
 }
 
-std::vector<int64_t> Targets() {
-  std::vector<int64_t> targets;
-  const int64_t supported = hwy::SupportedTargets();
-  for (int64_t t : {int64_t{HWY_AVX3}, int64_t{HWY_AVX2}, int64_t{HWY_SSE4}}) {
-    if (supported & t) targets.push_back(t);
-  }
-  if (targets.empty()) targets.push_back(0);
-  return targets;
-}
-
-struct ScopedTarget {
-  explicit ScopedTarget(int64_t t) { hwy::SetSupportedTargetsForTest(t); }
-  ~ScopedTarget() { hwy::SetSupportedTargetsForTest(0); }
-};
+using testing::ScopedTarget;
 
 TEST(QuantKernels, RowBytesAndBlockSizes) {
   EXPECT_EQ(DTypeRowBytes(DType::kQ8_0, 64), 68);
@@ -170,7 +157,7 @@ TEST(QuantKernels, ReferenceMatMulMatchesDequantizedMath) {
 
 TEST(QuantKernels, CpuDequantRowMatchesReference) {
   std::mt19937 rng(3);
-  for (int64_t target : Targets()) {
+  for (int64_t target : testing::KernelTargets()) {
     ScopedTarget st(target);
     for (DType t : kQuantTypes) {
       for (int64_t blocks : {1, 3}) {
@@ -190,7 +177,7 @@ TEST(QuantKernels, CpuDequantRowMatchesReference) {
 TEST(QuantKernels, CpuMatMulMatchesReference) {
   std::mt19937 rng(4);
   ThreadPool pool1(1), pool3(3);
-  for (int64_t target : Targets()) {
+  for (int64_t target : testing::KernelTargets()) {
     ScopedTarget st(target);
     for (DType t : kQuantTypes) {
       const int64_t be = DTypeBlockElems(t);
