@@ -1,6 +1,7 @@
 #include "kv/press/press.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -216,7 +217,7 @@ PressObserver::PressObserver(int n_layers, int n_kv_heads, int head_dim, int32_t
 namespace {
 // One attention call's gatherings, private to the thread making it (Observe, kernel, Merge).
 struct CallBuffers {
-  std::vector<float> weights;  // [kGatherings][n_keys]
+  std::vector<float> weights;  // [gatherings observed][n_keys]
   kernels::AttnObserve observe[PressObserver::kGatherings];
   int n_keys = 0;
   std::vector<double> q_sum, q_outer;
@@ -229,12 +230,13 @@ std::span<const kernels::AttnObserve> PressObserver::Observe(int, int, int n_key
                                                              const kernels::AttnBatch& b) {
   CallBuffers& cb = tls_call;
   cb.n_keys = n_keys;
-  cb.weights.assign(size_t(kGatherings) * n_keys, 0.0f);
-  int n_observe = 0;
-  for (int g = 0; g < kGatherings; ++g) {
+  const int n_observe = std::popcount(gatherings_);
+  cb.weights.assign(size_t(n_observe) * n_keys, 0.0f);
+  for (int g = 0, i = 0; g < kGatherings; ++g) {  // buffer i holds the i-th gathering observed
     if (!(gatherings_ >> g & 1)) continue;
-    cb.observe[n_observe].min_pos = min_pos_[g];
-    cb.observe[n_observe++].key_weight = cb.weights.data() + size_t(g) * n_keys;
+    cb.observe[i].min_pos = min_pos_[g];
+    cb.observe[i].key_weight = cb.weights.data() + size_t(i) * n_keys;
+    ++i;
   }
   const int d = head_dim_;
   cb.q_rows = 0;
@@ -260,11 +262,11 @@ void PressObserver::Merge(int layer, int kv_head) {
   const CallBuffers& cb = tls_call;
   Head& h = heads_[layer * n_kv_heads_ + kv_head];
   std::lock_guard<std::mutex> lock(h.mu);
-  for (int g = 0; g < kGatherings; ++g) {
+  for (int g = 0, i = 0; g < kGatherings; ++g) {
     if (!(gatherings_ >> g & 1)) continue;
     std::vector<float>& w = h.weights[g];
     if (static_cast<int>(w.size()) < cb.n_keys) w.resize(cb.n_keys, 0.0f);
-    const float* src = cb.weights.data() + size_t(g) * cb.n_keys;
+    const float* src = cb.weights.data() + size_t(i++) * cb.n_keys;
     for (int j = 0; j < cb.n_keys; ++j) w[j] += src[j];
   }
   if (cb.q_rows > 0) {
