@@ -697,6 +697,128 @@ TEST(KernelsAttention, ObserveMatchesReferenceWeights) {
   }
 }
 
+// A page source whose pages have different row types (f32, f16, bf16, K and V independently) and
+// key counts: what PagedSequence gives the kernel for codec pages, sinks and a cold pool.
+struct TypedPages final : PageRows {
+  int pt = 0, hd = 0;
+  std::vector<int> cnt;
+  std::vector<DType> k_type, v_type;
+  std::vector<std::vector<uint16_t>> k16, v16;  // f16 / bf16 pages
+  std::vector<std::vector<float>> k32, v32;     // f32 pages
+  std::vector<std::vector<int32_t>> pos;
+  std::vector<float> k, v;  // every key's rows as stored (rounded), contiguous
+  std::vector<int32_t> k_pos;
+
+  int n_pages() const override { return static_cast<int>(cnt.size()); }
+  int n_keys() const override { return static_cast<int>(k_pos.size()); }
+  int page_tokens() const override { return pt; }
+  int head_dim() const override { return hd; }
+  const int32_t* Positions(int page, int* n) const override {
+    *n = cnt[page];
+    return pos[page].data();
+  }
+  PageData Rows(int page, float*, float*) const override {
+    auto data = [&](DType t, const auto& p16, const auto& p32) -> const void* {
+      return t == DType::kF32 ? static_cast<const void*>(p32[page].data()) : p16[page].data();
+    };
+    return {data(k_type[page], k16, k32), data(v_type[page], v16, v32), k_type[page], v_type[page]};
+  }
+
+  // Stores x (n rows) as type t into a page, and the rounded values into out.
+  static void Store(DType t, const std::vector<float>& x, std::vector<uint16_t>* p16,
+                    std::vector<float>* p32, std::vector<float>* out) {
+    for (float f : x) {
+      float r = f;
+      if (t == DType::kF16) {
+        p16->push_back(F32ToF16(f));
+        r = F16ToF32(p16->back());
+      } else if (t == DType::kBF16) {
+        p16->push_back(F32ToBf16(f));
+        r = Bf16ToF32(p16->back());
+      } else {
+        p32->push_back(f);
+      }
+      out->push_back(r);
+    }
+  }
+};
+
+TypedPages MakeTypedPages(const std::vector<int32_t>& key_pos, int pt, int hd, std::mt19937& rng) {
+  TypedPages tp;
+  tp.pt = pt;
+  tp.hd = hd;
+  const DType types[] = {DType::kF16, DType::kF32, DType::kBF16};
+  std::uniform_int_distribution<int> count(1, pt);
+  for (size_t j = 0; j < key_pos.size();) {
+    const int n = std::min<int>(count(rng), int(key_pos.size() - j));
+    const int i = static_cast<int>(tp.cnt.size());
+    tp.cnt.push_back(n);
+    tp.k_type.push_back(types[i % 3]);
+    tp.v_type.push_back(types[(i / 3) % 3]);
+    tp.k16.emplace_back();
+    tp.v16.emplace_back();
+    tp.k32.emplace_back();
+    tp.v32.emplace_back();
+    TypedPages::Store(tp.k_type.back(), RandomVec(size_t(n) * hd, rng), &tp.k16.back(),
+                      &tp.k32.back(), &tp.k);
+    TypedPages::Store(tp.v_type.back(), RandomVec(size_t(n) * hd, rng), &tp.v16.back(),
+                      &tp.v32.back(), &tp.v);
+    tp.pos.emplace_back(key_pos.begin() + j, key_pos.begin() + j + n);
+    tp.k_pos.insert(tp.k_pos.end(), key_pos.begin() + j, key_pos.begin() + j + n);
+    j += n;
+  }
+  return tp;
+}
+
+TEST(KernelsAttention, TypedPageRowsMatchContiguous) {
+  std::mt19937 rng(14);
+  for (int n_keys : {1, 17, 300}) {
+    int32_t last = 0;
+    const std::vector<int32_t> k_pos = GappedShuffledPositions(n_keys, rng, &last);
+    for (int pt : {1, 16}) {
+      for (int hd : {64, 40}) {  // 40: a row tail past the last whole vector
+        const TypedPages tp = MakeTypedPages(k_pos, pt, hd, rng);
+        for (int n_heads : {1, 3}) {
+          const std::string what = "keys=" + std::to_string(n_keys) +
+                                   " page=" + std::to_string(pt) + " hd=" + std::to_string(hd) +
+                                   " heads=" + std::to_string(n_heads);
+          const float scale = 2.0f / std::sqrt(float(hd));
+          for (const std::vector<int32_t>& q_pos :
+               {std::vector<int32_t>{last}, std::vector<int32_t>{3, last / 2, last, last - 1}}) {
+            const TestQueries q = MakeQueries(q_pos, n_heads, hd, rng);
+            std::vector<float> out_contig, out_ref, out_cpu;
+            ref::ContiguousAttention(q.Batch(out_contig, scale), tp.k.data(), tp.v.data(),
+                                     tp.k_pos.data(), n_keys, hd);
+            const std::vector<float> expect = q.Compact(out_contig);
+            ref::PagedAttentionRows(q.Batch(out_ref, scale), tp);
+            EXPECT_LT(NormErr(q.Compact(out_ref), expect), 1e-6) << "ref " << what;
+            // Observed weights of the last query row, against the reference kernel's.
+            std::vector<float> w_ref(n_keys, 0.0f), w_cpu(n_keys, 0.0f);
+            AttnObserve obs{last, w_ref.data()};
+            AttnBatch b = q.Batch(out_ref, scale);
+            b.observe = &obs;
+            b.n_observe = 1;
+            ref::PagedAttentionRows(b, tp);
+            for (int64_t target : KernelTargets()) {
+              ScopedTarget scoped(target);
+              cpu::PagedAttentionRows(q.Batch(out_cpu, scale), tp);
+              EXPECT_LT(NormErr(q.Compact(out_cpu), expect), 1e-5)
+                  << "cpu " << what << TargetString(target);
+              std::fill(w_cpu.begin(), w_cpu.end(), 0.0f);
+              obs.key_weight = w_cpu.data();
+              AttnBatch bc = q.Batch(out_cpu, scale);
+              bc.observe = &obs;
+              bc.n_observe = 1;
+              cpu::PagedAttentionRows(bc, tp);
+              EXPECT_LT(NormErr(w_cpu, w_ref), 1e-5) << "observe " << what << TargetString(target);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(KernelsAttention, NoVisibleKeyGivesZeros) {
   std::mt19937 rng(12);
   std::vector<int32_t> k_pos(40);

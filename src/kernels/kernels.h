@@ -57,6 +57,30 @@ struct AttnBatch {
   int n_observe = 0;
 };
 
+// One page's K and V rows for the attention kernels: f32, f16 or bf16 (row i at i * head_dim).
+struct PageData {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  DType k_type = DType::kF32, v_type = DType::kF32;
+};
+
+// A page table whose pages are not all raw f32 (KV codecs, a cold pool): the kernel asks for each
+// logical page's positions, then, if any key of it is visible, for its rows. Page i's keys are
+// numbered from the sum of the earlier pages' counts (the AttnObserve key index).
+class PageRows {
+ public:
+  virtual int n_pages() const = 0;
+  virtual int n_keys() const = 0;
+  virtual int page_tokens() const = 0;  // the most rows a page holds
+  virtual int head_dim() const = 0;
+  virtual const int32_t* Positions(int page, int* cnt) const = 0;
+  // Rows of other codecs are decoded into k_buf / v_buf (page_tokens x head_dim floats each).
+  virtual PageData Rows(int page, float* k_buf, float* v_buf) const = 0;
+
+ protected:
+  ~PageRows() = default;
+};
+
 #define CACHET_KERNEL_DECLS                                                                       \
   /* y[t][r] = sum_c x[t][c] * w[r][c] + bias[r] (bias may be null), t < n. x rows have w.cols */ \
   /* floats; y rows are y_stride floats apart. Parallel over rows of w on pool. */                \
@@ -71,7 +95,9 @@ struct AttnBatch {
   /* out[i] = silu(gate[i]) * up[i]; out may alias gate. */                                       \
   void SiluMul(const float* gate, const float* up, float* out, int64_t n);                        \
   /* Causal attention of a GQA group over a paged KV view (softmax(q.k * scale) . v). */          \
-  void PagedAttention(const AttnBatch& b, const PagedKv& kv);
+  void PagedAttention(const AttnBatch& b, const PagedKv& kv);                                     \
+  /* The same over pages some other way stored. */                                                \
+  void PagedAttentionRows(const AttnBatch& b, const PageRows& kv);
 
 namespace ref {
 CACHET_KERNEL_DECLS
@@ -125,6 +151,9 @@ inline void SiluMul(const float* gate, const float* up, float* out, int64_t n) {
 }
 inline void PagedAttention(const AttnBatch& b, const PagedKv& kv) {
   UseReferenceKernels() ? ref::PagedAttention(b, kv) : cpu::PagedAttention(b, kv);
+}
+inline void PagedAttentionRows(const AttnBatch& b, const PageRows& kv) {
+  UseReferenceKernels() ? ref::PagedAttentionRows(b, kv) : cpu::PagedAttentionRows(b, kv);
 }
 
 }  // namespace cachet::kernels

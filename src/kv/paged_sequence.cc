@@ -485,6 +485,57 @@ void PagedSequence::AddRefs(PagePool& pool, const BlockTable& t, const std::vect
   }
 }
 
+// Pages of the hot and the cold pool, raw or encoded by a codec that is not rotated: encoded pages
+// are decoded into the kernel's page buffers (once per tile of query rows).
+struct PagedSequence::RefRows final : kernels::PageRows {
+  RefRows(std::span<const PageRef> refs, const KvLayout& layout) : refs_(refs), layout_(layout) {}
+  int n_pages() const override { return static_cast<int>(refs_.size()); }
+  int n_keys() const override {
+    return refs_.empty() ? 0 : refs_.back().first_key + refs_.back().cnt;
+  }
+  int page_tokens() const override { return layout_.page_tokens; }
+  int head_dim() const override { return layout_.head_dim; }
+  const int32_t* Positions(int page, int* cnt) const override {
+    *cnt = refs_[page].cnt;
+    return refs_[page].pool->positions(refs_[page].page);
+  }
+  kernels::PageData Rows(int page, float* k_buf, float* v_buf) const override {
+    PagePool& pool = *refs_[page].pool;
+    const int32_t id = refs_[page].page;
+    if (!IsCodecPage(id)) return {pool.keys(id), pool.values(id)};
+    const KvLayout& l = pool.layout();
+    kernels::PageData d;
+    d.k = Rows(l.codec_k, Role::kKey, pool.codec_keys(id), refs_[page].cnt, k_buf, &d.k_type);
+    d.v = Rows(l.codec_v, Role::kValue, pool.codec_values(id), refs_[page].cnt, v_buf, &d.v_type);
+    return d;
+  }
+
+ private:
+  // f32, f16 and bf16 rows are read in place (the kernel widens them as it loads); other codecs
+  // are decoded into buf.
+  const void* Rows(codecs::Codec c, Role role, const uint8_t* data, int cnt, float* buf,
+                   DType* type) const {
+    switch (c) {
+      case codecs::Codec::kF32:
+        *type = DType::kF32;
+        return data;
+      case codecs::Codec::kF16:
+        *type = DType::kF16;
+        return data;
+      case codecs::Codec::kBF16:
+        *type = DType::kBF16;
+        return data;
+      default:
+        codecs::simd::DecodeStored(c, role, data, cnt, layout_.page_tokens, layout_.head_dim, buf);
+        *type = DType::kF32;
+        return buf;
+    }
+  }
+
+  std::span<const PageRef> refs_;
+  const KvLayout& layout_;
+};
+
 void PagedSequence::Attend(int layer, int kv_head, const kernels::AttnBatch& batch) const {
   const int ti = layer * pool_.layout().n_kv_heads + kv_head;
   const BlockTable& t = tables_[ti];
@@ -522,7 +573,16 @@ void PagedSequence::Attend(int layer, int kv_head, const kernels::AttnBatch& bat
     refs.clear();
     AddRefs(pool_, t, hot_subset ? &hot_sel : nullptr, &refs);
     if (cold) AddRefs(*cold_pool_, *cold, cold_subset ? &cold_sel : nullptr, &refs);
-    CodecAttend(refs, b);
+    bool rotated = false;
+    for (const PagePool* p : {&pool_, cold ? cold_pool_ : nullptr}) {
+      rotated |=
+          p && (codecs::IsRotated(p->layout().codec_k) || codecs::IsRotated(p->layout().codec_v));
+    }
+    if (rotated) {
+      CodecAttend(refs, b);
+    } else {
+      kernels::PagedAttentionRows(b, RefRows(refs, pool_.layout()));
+    }
   }
   if (observer_ != nullptr) observer_->Merge(layer, kv_head);
 }

@@ -21,6 +21,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 #include "kernels/cpu/scratch.h"
 #include "kernels/kernels.h"
@@ -40,6 +41,9 @@ namespace cachet::kernels::cpu::HWY_NAMESPACE {
 #if HWY_TARGET == HWY_SCALAR
 // The fallback target for CPUs without SSE4 (HWY_SCALAR with GCC < 12.3): the reference kernel.
 void PagedAttentionImpl(const AttnBatch& b, const PagedKv& kv) { ref::PagedAttention(b, kv); }
+void PagedAttentionRowsImpl(const AttnBatch& b, const PageRows& kv) {
+  ref::PagedAttentionRows(b, kv);
+}
 #else
 namespace {
 
@@ -48,23 +52,44 @@ namespace {
 constexpr int kMaxTileRows = 32;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// K/V rows are f32, or f16 / bf16 (KV codecs) widened to f32 as they are loaded.
+template <class T>
+HWY_INLINE VF LoadRow(const T* HWY_RESTRICT p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return hn::LoadU(DF(), p);
+  } else {
+    return hn::PromoteTo(DF(), hn::LoadU(hn::Rebind<T, DF>(), p));
+  }
+}
+template <class T>
+HWY_INLINE float Elem(const T* p, int i) {
+  if constexpr (std::is_same_v<T, float>) {
+    return p[i];
+  } else if constexpr (std::is_same_v<T, hwy::float16_t>) {
+    return F16ToF32(reinterpret_cast<const uint16_t*>(p)[i]);
+  } else {
+    return Bf16ToF32(reinterpret_cast<const uint16_t*>(p)[i]);
+  }
+}
+
 // s0[i] = q0 . k_i and s1[i] = q1 . k_i for four keys.
+template <class T>
 HWY_INLINE void Dot2x4(const float* HWY_RESTRICT q0, const float* HWY_RESTRICT q1,
-                       const float* const* HWY_RESTRICT k, int hd, V4& s0, V4& s1) {
+                       const T* const* HWY_RESTRICT k, int hd, V4& s0, V4& s1) {
   const DF df;
   const int N = static_cast<int>(hn::Lanes(df));
-  const float* HWY_RESTRICT k0 = k[0];
-  const float* HWY_RESTRICT k1 = k[1];
-  const float* HWY_RESTRICT k2 = k[2];
-  const float* HWY_RESTRICT k3 = k[3];
+  const T* HWY_RESTRICT k0 = k[0];
+  const T* HWY_RESTRICT k1 = k[1];
+  const T* HWY_RESTRICT k2 = k[2];
+  const T* HWY_RESTRICT k3 = k[3];
   VF a00 = hn::Zero(df), a01 = hn::Zero(df), a02 = hn::Zero(df), a03 = hn::Zero(df);
   VF a10 = hn::Zero(df), a11 = hn::Zero(df), a12 = hn::Zero(df), a13 = hn::Zero(df);
   int d = 0;
   for (; d + N <= hd; d += N) {
-    const VF vk0 = hn::LoadU(df, k0 + d);
-    const VF vk1 = hn::LoadU(df, k1 + d);
-    const VF vk2 = hn::LoadU(df, k2 + d);
-    const VF vk3 = hn::LoadU(df, k3 + d);
+    const VF vk0 = LoadRow(k0 + d);
+    const VF vk1 = LoadRow(k1 + d);
+    const VF vk2 = LoadRow(k2 + d);
+    const VF vk3 = LoadRow(k3 + d);
     const VF vq0 = hn::LoadU(df, q0 + d);
     const VF vq1 = hn::LoadU(df, q1 + d);
     a00 = hn::MulAdd(vq0, vk0, a00);
@@ -83,8 +108,8 @@ HWY_INLINE void Dot2x4(const float* HWY_RESTRICT q0, const float* HWY_RESTRICT q
     float t1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     for (; d < hd; ++d) {
       for (int i = 0; i < 4; ++i) {
-        t0[i] += q0[d] * k[i][d];
-        t1[i] += q1[d] * k[i][d];
+        t0[i] += q0[d] * Elem(k[i], d);
+        t1[i] += q1[d] * Elem(k[i], d);
       }
     }
     const D4 d4;
@@ -94,25 +119,72 @@ HWY_INLINE void Dot2x4(const float* HWY_RESTRICT q0, const float* HWY_RESTRICT q
 }
 
 // acc += p[0] * v[0] + ... + p[3] * v[3].
-HWY_INLINE void Axpy4(const float* HWY_RESTRICT p, const float* const* HWY_RESTRICT v, int hd,
+template <class T>
+HWY_INLINE void Axpy4(const float* HWY_RESTRICT p, const T* const* HWY_RESTRICT v, int hd,
                       float* HWY_RESTRICT acc) {
   const DF df;
   const int N = static_cast<int>(hn::Lanes(df));
-  const float* HWY_RESTRICT v0 = v[0];
-  const float* HWY_RESTRICT v1 = v[1];
-  const float* HWY_RESTRICT v2 = v[2];
-  const float* HWY_RESTRICT v3 = v[3];
+  const T* HWY_RESTRICT v0 = v[0];
+  const T* HWY_RESTRICT v1 = v[1];
+  const T* HWY_RESTRICT v2 = v[2];
+  const T* HWY_RESTRICT v3 = v[3];
   const VF p0 = hn::Set(df, p[0]);
   const VF p1 = hn::Set(df, p[1]);
   const VF p2 = hn::Set(df, p[2]);
   const VF p3 = hn::Set(df, p[3]);
   int d = 0;
   for (; d + N <= hd; d += N) {
-    const VF t01 = hn::MulAdd(p1, hn::LoadU(df, v1 + d), hn::Mul(p0, hn::LoadU(df, v0 + d)));
-    const VF t23 = hn::MulAdd(p3, hn::LoadU(df, v3 + d), hn::Mul(p2, hn::LoadU(df, v2 + d)));
+    const VF t01 = hn::MulAdd(p1, LoadRow(v1 + d), hn::Mul(p0, LoadRow(v0 + d)));
+    const VF t23 = hn::MulAdd(p3, LoadRow(v3 + d), hn::Mul(p2, LoadRow(v2 + d)));
     hn::StoreU(hn::Add(hn::LoadU(df, acc + d), hn::Add(t01, t23)), df, acc + d);
   }
-  for (; d < hd; ++d) acc[d] += (p[0] * v0[d] + p[1] * v1[d]) + (p[2] * v2[d] + p[3] * v3[d]);
+  for (; d < hd; ++d) {
+    acc[d] += (p[0] * Elem(v0, d) + p[1] * Elem(v1, d)) + (p[2] * Elem(v2, d) + p[3] * Elem(v3, d));
+  }
+}
+
+// Scores (times scale) of a page's cnt keys for the rows of a tile, four keys at a time; a last
+// partial group repeats its last key.
+template <class T, class QRow>
+HWY_INLINE void ScorePage(const T* k_page, int cnt, int hd, int rows, const QRow& q_row,
+                          float scale, float* scores, int s_stride) {
+  const D4 d4;
+  const V4 vscale = hn::Set(d4, scale);
+  for (int j = 0; j < cnt; j += 4) {
+    const T* k[4];
+    for (int i = 0; i < 4; ++i) k[i] = k_page + static_cast<int64_t>(std::min(j + i, cnt - 1)) * hd;
+    for (int r = 0; r < rows; r += 2) {
+      const int r1 = std::min(r + 1, rows - 1);
+      V4 s0, s1;
+      Dot2x4(q_row(r), q_row(r1), k, hd, s0, s1);
+      hn::StoreU(hn::Mul(s0, vscale), d4, scores + static_cast<int64_t>(r) * s_stride + j);
+      if (r1 != r)
+        hn::StoreU(hn::Mul(s1, vscale), d4, scores + static_cast<int64_t>(r1) * s_stride + j);
+    }
+  }
+}
+
+// acc += sum_j p[j] * v_j over a page's cnt values (p is 0 in padding slots past cnt).
+template <class T>
+HWY_INLINE void AccumulatePage(const float* p, const T* v_page, int cnt, int hd, float* acc) {
+  for (int j = 0; j < cnt; j += 4) {
+    const T* v[4];
+    for (int i = 0; i < 4; ++i) v[i] = v_page + static_cast<int64_t>(std::min(j + i, cnt - 1)) * hd;
+    Axpy4(p + j, v, hd, acc);  // a repeated row sits in a padding slot, where p = 0
+  }
+}
+
+// Calls f with the page's rows as a typed pointer.
+template <class F>
+HWY_INLINE void WithRows(const void* rows, DType t, const F& f) {
+  switch (t) {
+    case DType::kF16:
+      return f(static_cast<const hwy::float16_t*>(rows));
+    case DType::kBF16:
+      return f(static_cast<const hwy::bfloat16_t*>(rows));
+    default:
+      return f(static_cast<const float*>(rows));
+  }
 }
 
 // y += c * x.
@@ -136,16 +208,15 @@ HWY_INLINE void ScaleRow(float* HWY_RESTRICT x, int n, float s) {
   for (; i < n; ++i) x[i] *= s;
 }
 
-}  // namespace
-
-void PagedAttentionImpl(const AttnBatch& b, const PagedKv& kv) {
+// The kernel over any page source: `pages` gives logical page i's positions and key count
+// (Positions) and its f32 K/V rows (Rows, which may decode into the two page-sized buffers it is
+// passed). Page i's keys are numbered from the sum of the earlier pages' counts.
+template <class Pages>
+void AttendPages(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys, int pt, int hd) {
   const DF df;
   const int N = static_cast<int>(hn::Lanes(df));
-  const int hd = kv.head_dim;
-  const int pt = kv.page_tokens;
   const int n_heads = b.n_heads;
   if (b.n_tok <= 0 || n_heads <= 0 || hd <= 0) return;
-  const int n_pages = kv.n_tokens > 0 ? (kv.n_tokens + pt - 1) / pt : 0;
 
   const int tile_tok = std::max(1, kMaxTileRows / n_heads);
   const int max_rows = std::min(tile_tok, b.n_tok) * n_heads;
@@ -155,11 +226,15 @@ void PagedAttentionImpl(const AttnBatch& b, const PagedKv& kv) {
 
   const size_t acc_floats = static_cast<size_t>(max_rows) * hd;
   const size_t score_floats = static_cast<size_t>(max_rows) * s_stride;
-  float* scratch = ThreadScratch(kScratchAttention, acc_floats + score_floats + 2 * max_rows);
+  const size_t page_floats = static_cast<size_t>(pt) * hd;
+  float* scratch =
+      ThreadScratch(kScratchAttention, acc_floats + score_floats + 2 * max_rows + 2 * page_floats);
   float* acc = scratch;
   float* scores = acc + acc_floats;
   float* run_max = scores + score_floats;
   float* run_sum = run_max + max_rows;
+  float* k_buf = run_sum + max_rows;  // one decoded page, for sources that store pages encoded
+  float* v_buf = k_buf + page_floats;
 
   // Observed rows: those of tokens with q_pos >= the smallest min_pos. For each, obs_p holds the
   // exp(s - m) of every key ([row][n_tokens], page-table order) and obs_m the m of each page
@@ -177,8 +252,8 @@ void PagedAttentionImpl(const AttnBatch& b, const PagedKv& kv) {
     if (n_obs_tok > 0) {
       const size_t obs_rows = static_cast<size_t>(std::min(tile_tok, n_obs_tok)) * n_heads;
       obs_p = ThreadScratch(kScratchAttentionObserve,
-                            obs_rows * (static_cast<size_t>(kv.n_tokens) + n_pages));
-      obs_m = obs_p + obs_rows * kv.n_tokens;
+                            obs_rows * (static_cast<size_t>(n_keys) + n_pages));
+      obs_m = obs_p + obs_rows * n_keys;
     }
   }
 
@@ -201,33 +276,20 @@ void PagedAttentionImpl(const AttnBatch& b, const PagedKv& kv) {
       std::fill(obs_m, obs_m + static_cast<size_t>(obs_tok) * n_heads * n_pages, kNegInf);
     }
 
+    int64_t first_key = 0;  // of the page, among all keys
     for (int page = 0; page < n_pages; ++page) {
-      const int64_t slot = kv.page_ids[page];
-      const int cnt = std::min(pt, kv.n_tokens - page * pt);
-      const float* k_page = kv.slots + slot * kv.slot_floats;
-      const float* v_page = k_page + static_cast<int64_t>(pt) * hd;
-      const int32_t* pos = kv.positions + slot * pt;
+      int cnt = 0;
+      const int32_t* pos = pages.Positions(page, &cnt);
+      const int64_t j0 = first_key;
+      first_key += cnt;
       const int32_t p_min = *std::min_element(pos, pos + cnt);
       const int32_t p_max = *std::max_element(pos, pos + cnt);
       if (p_min > q_max) continue;  // no key of the page is visible to the tile
       const bool all_visible = p_max <= q_min;
-
-      // Scores, four keys at a time; a last partial group repeats its last key.
-      for (int j = 0; j < cnt; j += 4) {
-        const float* k[4];
-        for (int i = 0; i < 4; ++i)
-          k[i] = k_page + static_cast<int64_t>(std::min(j + i, cnt - 1)) * hd;
-        for (int r = 0; r < rows; r += 2) {
-          const int r1 = std::min(r + 1, rows - 1);
-          V4 s0, s1;
-          Dot2x4(q_row(r), q_row(r1), k, hd, s0, s1);
-          const D4 d4;
-          const V4 scale = hn::Set(d4, b.scale);
-          hn::StoreU(hn::Mul(s0, scale), d4, scores + static_cast<int64_t>(r) * s_stride + j);
-          if (r1 != r)
-            hn::StoreU(hn::Mul(s1, scale), d4, scores + static_cast<int64_t>(r1) * s_stride + j);
-        }
-      }
+      const PageData rows_of = pages.Rows(page, k_buf, v_buf);
+      WithRows(rows_of.k, rows_of.k_type, [&](const auto* k_page) {
+        ScorePage(k_page, cnt, hd, rows, q_row, b.scale, scores, s_stride);
+      });
 
       for (int r = 0; r < rows; ++r) {
         float* s = scores + static_cast<int64_t>(r) * s_stride;
@@ -263,16 +325,12 @@ void PagedAttentionImpl(const AttnBatch& b, const PagedKv& kv) {
         run_sum[r] += ReduceSum(vsum);
         if (obs_tok > 0 && obs_slot[r / n_heads] >= 0) {
           const int64_t o = static_cast<int64_t>(obs_slot[r / n_heads]) * n_heads + r % n_heads;
-          std::copy_n(s, cnt, obs_p + o * kv.n_tokens + static_cast<int64_t>(page) * pt);
+          std::copy_n(s, cnt, obs_p + o * n_keys + j0);
           obs_m[o * n_pages + page] = m_new;
         }
 
-        for (int j = 0; j < cnt; j += 4) {
-          const float* v[4];
-          for (int i = 0; i < 4; ++i)
-            v[i] = v_page + static_cast<int64_t>(std::min(j + i, cnt - 1)) * hd;
-          Axpy4(s + j, v, hd, acc_r);  // a repeated key sits in a padding slot, where p = 0
-        }
+        WithRows(rows_of.v, rows_of.v_type,
+                 [&](const auto* v_page) { AccumulatePage(s, v_page, cnt, hd, acc_r); });
       }
     }
 
@@ -296,20 +354,56 @@ void PagedAttentionImpl(const AttnBatch& b, const PagedKv& kv) {
       const int32_t qp = q_pos[r / n_heads];
       if (obs_slot[r / n_heads] < 0 || run_sum[r] == 0.0f) continue;
       const int64_t o = static_cast<int64_t>(obs_slot[r / n_heads]) * n_heads + r % n_heads;
-      const float* p_row = obs_p + o * kv.n_tokens;
+      const float* p_row = obs_p + o * n_keys;
       const float* m_row = obs_m + o * n_pages;
       const float inv = 1.0f / run_sum[r];
+      int64_t first_key = 0;
       for (int page = 0; page < n_pages; ++page) {
+        int cnt = 0;
+        pages.Positions(page, &cnt);
+        const int64_t j0 = first_key;
+        first_key += cnt;
         if (m_row[page] == kNegInf) continue;  // nothing of the page visible to the row
         const float c = std::exp(m_row[page] - run_max[r]) * inv;
-        const int64_t j0 = static_cast<int64_t>(page) * pt;
-        const int cnt = std::min(pt, kv.n_tokens - page * pt);
         for (int i = 0; i < b.n_observe; ++i) {
           if (qp >= b.observe[i].min_pos) AxpyRow(c, p_row + j0, cnt, b.observe[i].key_weight + j0);
         }
       }
     }
   }
+}
+
+// A plain page table of raw f32 pages.
+struct RawPages {
+  const PagedKv& kv;
+  const int32_t* Positions(int page, int* cnt) const {
+    *cnt = std::min(kv.page_tokens, kv.n_tokens - page * kv.page_tokens);
+    return kv.positions + int64_t{kv.page_ids[page]} * kv.page_tokens;
+  }
+  PageData Rows(int page, float*, float*) const {
+    const float* k = kv.slots + int64_t{kv.page_ids[page]} * kv.slot_floats;
+    return {k, k + int64_t{kv.page_tokens} * kv.head_dim};
+  }
+};
+
+struct SourcePages {
+  const PageRows& rows;
+  const int32_t* Positions(int page, int* cnt) const { return rows.Positions(page, cnt); }
+  PageData Rows(int page, float* k_buf, float* v_buf) const {
+    return rows.Rows(page, k_buf, v_buf);
+  }
+};
+
+}  // namespace
+
+void PagedAttentionImpl(const AttnBatch& b, const PagedKv& kv) {
+  const int pt = kv.page_tokens;
+  const int n_pages = kv.n_tokens > 0 ? (kv.n_tokens + pt - 1) / pt : 0;
+  AttendPages(b, RawPages{kv}, n_pages, kv.n_tokens, pt, kv.head_dim);
+}
+
+void PagedAttentionRowsImpl(const AttnBatch& b, const PageRows& kv) {
+  AttendPages(b, SourcePages{kv}, kv.n_pages(), kv.n_keys(), kv.page_tokens(), kv.head_dim());
 }
 
 #endif  // HWY_TARGET == HWY_SCALAR
@@ -321,9 +415,13 @@ HWY_AFTER_NAMESPACE();
 namespace cachet::kernels::cpu {
 
 HWY_EXPORT(PagedAttentionImpl);
+HWY_EXPORT(PagedAttentionRowsImpl);
 
 void PagedAttention(const AttnBatch& b, const PagedKv& kv) {
   HWY_DYNAMIC_DISPATCH(PagedAttentionImpl)(b, kv);
+}
+void PagedAttentionRows(const AttnBatch& b, const PageRows& kv) {
+  HWY_DYNAMIC_DISPATCH(PagedAttentionRowsImpl)(b, kv);
 }
 
 }  // namespace cachet::kernels::cpu

@@ -80,4 +80,22 @@ void PagedAttention(const AttnBatch& b, const PagedKv& kv) {
   ContiguousAttention(b, k.data(), v.data(), pos.data(), n, hd);
 }
 
+void PagedAttentionRows(const AttnBatch& b, const PageRows& kv) {
+  const int hd = kv.head_dim(), n = kv.n_keys();
+  const size_t page_floats = size_t(kv.page_tokens()) * hd;
+  std::vector<float> k(size_t(n) * hd), v(size_t(n) * hd), k_buf(page_floats), v_buf(page_floats);
+  std::vector<int32_t> pos;
+  for (int page = 0; page < kv.n_pages(); ++page) {
+    int cnt = 0;
+    const int32_t* p = kv.Positions(page, &cnt);
+    const PageData rows = kv.Rows(page, k_buf.data(), v_buf.data());
+    for (int64_t i = 0; i < int64_t{cnt} * hd; ++i) {
+      k[pos.size() * hd + i] = LoadAsF32(rows.k, rows.k_type, i);
+      v[pos.size() * hd + i] = LoadAsF32(rows.v, rows.v_type, i);
+    }
+    pos.insert(pos.end(), p, p + cnt);
+  }
+  ContiguousAttention(b, k.data(), v.data(), pos.data(), n, hd);
+}
+
 }  // namespace cachet::kernels::ref
