@@ -1,26 +1,91 @@
 #!/usr/bin/env bash
-# Peer harness (work in progress, see docs/PEERS.md): installs node-llama-cpp 3.21.1 (llama.cpp's
-# prebuilt CPU binaries) into bench/peers/node_modules, converts kvtiny to GGUF with
-# `cachet convert`, and compares greedy continuations of both engines on the same token ids.
-# usage: bench/peers/run.sh [MODEL.gguf] [THREADS]
+# Cachet next to llama.cpp on one GGUF: same machine, thread counts, prompts and text windows, in
+# one run (docs/PEERS.md). llama.cpp is the prebuilt CPU build that the npm package
+# node-llama-cpp 3.21.1 ships, driven by a small native program (llama_peer.cc) compiled against
+# it with the headers of the llama.cpp source bundled in the same package.
+#
+# usage: bench/peers/run.sh [MODEL.gguf]      (default: kvtiny converted to f16 by cachet convert)
+# environment: THREADS ("1 2"), REPS (5), N_DECODE (64), WINDOWS (8), N_PREDICT (64),
+#   CODECS (Cachet's codecs for the KL table), OUT (build/peers)
+# Writes OUT/table.md (printed at the end) and the raw JSON of every measurement next to it.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
+out="${OUT:-$root/build/peers}"
+threads="${THREADS:-1 2}"
+reps="${REPS:-5}"
+n_decode="${N_DECODE:-64}"
+windows="${WINDOWS:-8}"
+n_predict="${N_PREDICT:-64}"
+codecs="${CODECS:-f32,f16,q8_0,int8,q4_0,kivi4,rot4,q8_0:q4_0}"
+mkdir -p "$out"
+
+need() {  # command, Debian package
+  command -v "$1" >/dev/null && return
+  if [ "$(id -u)" != 0 ]; then
+    echo "bench/peers: '$1' is missing; install the Debian package '$2'" >&2
+    exit 1
+  fi
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$2" >/dev/null
+}
+need node nodejs
+need npm npm
+need git git
+need g++ g++
+
 cachet="$root/build/bin/cachet"
 [ -x "$cachet" ] || "$root/scripts/build.sh"
 if [ ! -d "$here/node_modules/node-llama-cpp" ]; then
   (cd "$here" && npm i -E node-llama-cpp@3.21.1 --no-audit --no-fund)
 fi
-model="${1:-}"
-threads="${2:-2}"
-if [ -z "$model" ]; then
-  model="$root/build/kvtiny-f16.gguf"
-  [ -f "$model" ] || "$cachet" convert "$root/models/kvtiny" "$model" --type f16
+bins="$here/node_modules/@node-llama-cpp/linux-x64/bins/linux-x64"
+src="$out/llama.cpp"
+if [ ! -f "$src/include/llama.h" ]; then
+  rm -rf "$src"
+  git clone -q "$here/node_modules/node-llama-cpp/llama/gitRelease.bundle" "$src" 2>/dev/null
 fi
-ids='[0, 806, 268, 4160, 856, 1847, 268, 2497, 299, 268, 1968, 16]'
-echo "llama.cpp (node-llama-cpp 3.21.1), $threads threads, greedy 24 tokens after $ids:"
-node "$here/llama_peer.mjs" greedy "$model" "$threads" 24 "$ids"
-echo "cachet:"
-"$cachet" run -m "$model" --no-prefix-cache -t "$threads" -n 24 --temp 0 \
-  -p "In the beginning God created the heaven and the earth."
-echo
+peer="$out/llama_peer"
+if [ ! -x "$peer" ] || [ "$here/llama_peer.cc" -nt "$peer" ]; then
+  g++ -O2 -std=c++17 -Wall -Wextra "$here/llama_peer.cc" -I"$src/include" -I"$src/ggml/include" \
+    -L"$bins" -l:libllama.v0.4.0.so -l:libggml.v0.4.0.so -l:libggml-base.so \
+    -Wl,-rpath,"$bins" -o "$peer"
+fi
+export LLAMA_PEER_BACKENDS="$bins"
+
+model="${1:-}"
+if [ -z "$model" ]; then
+  model="$out/kvtiny-f16.gguf"
+  [ -f "$model" ] || "$cachet" convert "$root/models/kvtiny" "$model" --type f16 >/dev/null
+fi
+echo "bench/peers: $model; threads: $threads; $(nproc) cores: $(lscpu | sed -n 's/^Model name: *//p')" >&2
+
+# Speed, each engine in its own process, alternating so drift hits both alike.
+for t in $threads; do
+  echo "bench/peers: speed, $t thread(s)" >&2
+  "$peer" speed "$model" "$t" 512,4096 "$reps" "$n_decode" f16 >"$out/llama_speed_t$t.json"
+  "$cachet" bench -m "$model" -t "$t" --ctk f16 --ctv f16 --ctx 512,4096 --reps "$reps" \
+    --n-decode "$n_decode" --json --no-roofline 2>/dev/null >"$out/cachet_speed_t$t.json"
+done
+
+# Greedy continuations of the same prompts (f16 KV on both sides).
+echo "bench/peers: greedy, $n_predict tokens" >&2
+prompts=("In the beginning God created the heaven and the earth."
+  "The standard library contains built-in modules"
+  "def fibonacci(n):"
+  "And it came to pass, when men began to multiply on the face of the earth,")
+: >"$out/greedy.jsonl"
+for p in "${prompts[@]}"; do
+  c=$("$cachet" run -m "$model" -t 2 --ctk f16 --ctv f16 --no-prefix-cache --temp 0 \
+    -n "$n_predict" --ids -q -p "$p")
+  l=$("$peer" greedy "$model" 2 "$n_predict" f16 "$p")
+  echo "{\"cachet\":$c,\"llama\":$l}" >>"$out/greedy.jsonl"
+done
+
+# KV fidelity: Cachet writes its text windows, llama.cpp scores the same token ids.
+echo "bench/peers: KL on $windows text windows" >&2
+"$cachet" eval -m "$model" -t 2 --kl --windows "$windows" --codec "$codecs" --no-progress \
+  --dump-windows "$out/windows.jsonl" --json "$out/cachet_kl.jsonl" >/dev/null
+"$peer" kl "$model" 2 "$out/windows.jsonl" f16,q8_0,q4_0 >"$out/llama_kl.json"
+
+node "$here/table.mjs" "$out" "$model" "$threads" >"$out/table.md"
+cat "$out/table.md"

@@ -1,0 +1,61 @@
+// Prints the peer table (markdown) from the JSON bench/peers/run.sh wrote.
+// usage: node table.mjs OUT_DIR MODEL "THREADS"
+import {readFileSync} from "node:fs";
+import {basename} from "node:path";
+
+const [dir, model, threadsArg] = process.argv.slice(2);
+const read = (f) => JSON.parse(readFileSync(`${dir}/${f}`, "utf8"));
+const lines = (f) => readFileSync(`${dir}/${f}`, "utf8").split("\n").filter(Boolean).map(JSON.parse);
+const fmt = (x, d = 1) => (x === undefined || x === null ? "-" : x.toFixed(d));
+const sci = (x) => (x === 0 ? "0" : x < 1e-2 ? x.toExponential(1) : x.toPrecision(2));
+const out = [];
+
+out.push(`Model \`${basename(model)}\`, KV cache f16 on both sides for speed and greedy.`, "");
+out.push("| threads | measure | llama.cpp | Cachet | Cachet / llama.cpp |");
+out.push("| ---: | --- | ---: | ---: | ---: |");
+for (const t of threadsArg.trim().split(/\s+/)) {
+  const l = read(`llama_speed_t${t}.json`);
+  const c = read(`cachet_speed_t${t}.json`);
+  const row = (name, a, b, d = 1) =>
+    out.push(`| ${t} | ${name} | ${fmt(a, d)} | ${fmt(b, d)} | ${fmt(b / a, 2)} |`);
+  for (const n of ["512", "4096"]) row(`prefill ${n} tokens, tok/s`, l.prefill_tok_s[n], c.prefill_tok_s[n]);
+  for (const n of ["512", "4096"]) row(`decode at ${n} context, tok/s`, l.decode_tok_s[n], c.decode_tok_s[n]);
+  row("peak RSS, MiB", l.peak_rss_bytes / 2 ** 20, c.peak_rss_bytes / 2 ** 20);
+}
+const speed = read(`cachet_speed_t${threadsArg.trim().split(/\s+/)[0]}.json`);
+out.push("", `Speed: median of ${speed.reps} runs; decode = ${speed.n_decode} tokens after the prefill.`);
+
+out.push("", "| prompt tokens | same prompt ids | greedy tokens equal | first difference at |");
+out.push("| ---: | --- | ---: | ---: |");
+for (const g of lines("greedy.jsonl")) {
+  const a = g.cachet.completion, b = g.llama.completion;
+  const n = Math.max(a.length, b.length);
+  let same = 0, first = -1;
+  for (let i = 0; i < n; ++i) {
+    if (a[i] === b[i]) ++same;
+    else if (first < 0) first = i;
+  }
+  const ids = JSON.stringify(g.cachet.prompt) === JSON.stringify(g.llama.prompt);
+  out.push(`| ${g.cachet.prompt.length} | ${ids ? "yes" : "no"} | ${same} / ${n} | ${first < 0 ? "-" : first} |`);
+}
+
+const kl = lines("cachet_kl.jsonl").filter((r) => r.status === "ok");
+const llama = read("llama_kl.json");
+const f32 = kl.find((r) => r.codec_k === "f32" && r.codec_v === "f32");
+// Bits per value from the bytes Cachet's pool holds (positions included), relative to f32.
+const bits = (r) => (f32 ? (32.25 * r.kv_bytes_prefill) / f32.kv_bytes_prefill : null);
+const llamaBits = {f16: 16, q8_0: 8.5, q4_0: 4.5};
+out.push("", `KV fidelity on ${llama.windows} text windows (identical token ids): KL of next-token`,
+         "distributions against each engine's own f32-KV run of the same GGUF.", "");
+out.push("| engine | KV (K:V) | bits/value | mean KL | p99 KL | top-1 agree | PPL |");
+out.push("| --- | --- | ---: | ---: | ---: | ---: | ---: |");
+for (const [type, s] of Object.entries(llama.kl)) {
+  out.push(`| llama.cpp | ${type} | ${llamaBits[type] ?? "-"} | ${sci(s.mean_kl)} | ${sci(s.p99_kl)} | ${fmt(s.top1_agree, 4)} | ${fmt(s.ppl, 3)} |`);
+}
+for (const r of kl) {
+  if (r === f32) continue;
+  const name = r.codec_k === r.codec_v ? r.codec_k : `${r.codec_k}:${r.codec_v}`;
+  out.push(`| Cachet | ${name} | ${fmt(bits(r), 2)} | ${sci(r.mean_kl)} | ${sci(r.p99_kl)} | ${fmt(r.top1_agree, 4)} | ${fmt(r.ppl, 3)} |`);
+}
+out.push("", "Cachet's bits/value count every byte of its pages, the int32 token positions included (+0.25).");
+console.log(out.join("\n"));
