@@ -878,6 +878,17 @@ TEST(KernelsBench, DISABLED_MatMul) {
       std::printf("decode bf16 %5lldx%lld threads=%d: %8.2f us  %6.1f GB/s\n", (long long)rows,
                   (long long)cols, threads, s * 1e6, rows * cols * 2 / s / 1e9);
     }
+    // Weights streamed from DRAM (48 MiB of f16), as a decode step reads them.
+    for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
+      const int64_t rows = 65536, cols = 384;
+      TestMatrix w = MakeMatrix(rows, cols, dtype, rng);
+      std::vector<float> x = RandomVec(cols, rng), y(rows);
+      const double s =
+          SecondsPerCall([&] { cpu::MatMul(x.data(), 1, w.m, nullptr, y.data(), rows, pool); });
+      std::printf("decode %-4s %5lldx%lld threads=%d: %8.2f us  %6.1f GB/s (from DRAM)\n",
+                  DTypeName(dtype), (long long)rows, (long long)cols, threads, s * 1e6,
+                  rows * cols * DTypeSize(dtype) / s / 1e9);
+    }
     for (DType dtype : kAllTypes) {
       const int64_t rows = 1024, cols = 384, n = 512;
       TestMatrix w = MakeMatrix(rows, cols, dtype, rng);

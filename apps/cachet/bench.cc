@@ -7,6 +7,7 @@
 #include <random>
 
 #include "cachet/commands.h"
+#include "eval/harness.h"
 #include "kv/press/press.h"
 #include "model/config.h"
 #include "model/transformer.h"
@@ -261,6 +262,7 @@ void AddBench(CLI::App& app) {
         out["decode_roofline_tok_s"][std::to_string(ctx)] = bw / bytes;
       }
     }
+    out["peak_rss_bytes"] = eval::PeakRssBytes();
     if (o->json) {
       std::printf("%s\n", out.dump().c_str());
       return;

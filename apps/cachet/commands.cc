@@ -1,12 +1,13 @@
 #include "cachet/commands.h"
 
-#include <sys/resource.h>
-
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "eval/harness.h"
 #include "kv/codecs/codec.h"
 #include "model/config.h"
 #include "model/tokenizer.h"
@@ -146,11 +147,7 @@ std::unique_ptr<Engine> LoadEngine(const EngineOptions& o) {
 
 namespace {
 
-double PeakRssMib() {
-  struct rusage ru {};
-  getrusage(RUSAGE_SELF, &ru);
-  return ru.ru_maxrss / 1024.0;  // KiB on Linux
-}
+double PeakRssMib() { return double(eval::PeakRssBytes()) / (1 << 20); }
 
 void PrintStats(const GenerateResult& r) {
   const double pf = r.prefill_ms > 0 ? r.prompt_tokens / (r.prefill_ms / 1e3) : 0;
@@ -181,6 +178,7 @@ void AddRun(CLI::App& app) {
   auto kv_stats = std::make_shared<bool>(false);
   auto n_parallel = std::make_shared<int>(1);
   auto salt = std::make_shared<std::string>();
+  auto ids = std::make_shared<bool>(false);
   AddEngineFlags(*cmd, opts->engine);
   AddSamplingFlags(*cmd, opts->gen);
   AddPressFlags(*cmd, opts->gen);
@@ -198,6 +196,9 @@ void AddRun(CLI::App& app) {
                   "Parallel sampling: N completions of one prompt, sharing "
                   "its KV pages (fork + copy-on-write); seeds seed..seed+N-1")
       ->check(CLI::Range(1, 64));
+  cmd->add_flag("--ids", *ids,
+                "Print token ids instead of text: one JSON line {\"prompt\": [...], "
+                "\"completion\": [...]} per completion (to compare with another engine)");
   cmd->add_option("--cache-salt", *salt,
                   "Prefix-cache namespace: requests with different salts "
                   "never share cached pages");
@@ -215,18 +216,26 @@ void AddRun(CLI::App& app) {
       std::fprintf(stderr, "\ncachet: %s\n", s.ToString().c_str());
       throw CLI::RuntimeError(1);
     };
-    if (*n_parallel == 1) {
-      auto r = engine->Generate(text, opts->gen, PrintPiece, *salt);
-      if (!r.ok()) fail(r.status());
+    const std::vector<int32_t> prompt_ids = engine->tokenizer().EncodePrompt(text);
+    const std::function<bool(std::string_view)> on_piece = *ids ? nullptr : PrintPiece;
+    auto done = [&](const GenerateResult& r) {
+      if (*ids) {
+        std::printf(
+            "%s", nlohmann::json{{"prompt", prompt_ids}, {"completion", r.tokens}}.dump().c_str());
+      }
       std::fputc('\n', stdout);
-      if (!*quiet) PrintStats(*r);
+      if (!*quiet) PrintStats(r);
+    };
+    if (*n_parallel == 1) {
+      auto r = engine->Generate(text, opts->gen, on_piece, *salt);
+      if (!r.ok()) fail(r.status());
+      done(*r);
     } else {
       // Prefill once; each completion forks the prompt's pages and diverges copy-on-write.
       auto prompt_session = engine->NewSession(*salt);
-      const std::vector<int32_t> ids = engine->tokenizer().EncodePrompt(text);
       const auto& press = opts->gen.press;
-      const Status s = press ? prompt_session->EvalPressed(ids, *press, nullptr)
-                             : prompt_session->Eval(ids, nullptr);
+      const Status s = press ? prompt_session->EvalPressed(prompt_ids, *press, nullptr)
+                             : prompt_session->Eval(prompt_ids, nullptr);
       if (!s.ok()) fail(s);
       for (int i = 0; i < *n_parallel; ++i) {
         auto fork = prompt_session->Fork();
@@ -234,10 +243,9 @@ void AddRun(CLI::App& app) {
         g.press.reset();  // the shared prompt is already compressed
         g.sampling.seed += i;
         if (!*quiet) std::fprintf(stderr, "--- completion %d of %d\n", i + 1, *n_parallel);
-        auto r = fork->Generate({}, g, PrintPiece);
+        auto r = fork->Generate({}, g, on_piece);
         if (!r.ok()) fail(r.status());
-        std::fputc('\n', stdout);
-        if (!*quiet) PrintStats(*r);
+        done(*r);
       }
     }
     if (*kv_stats) std::fputs(engine->kv_stats().ToString().c_str(), stderr);

@@ -41,7 +41,7 @@ struct EvalOpts {
   std::string text_file;
   int64_t text_offset = -1;
   std::string kl_ref = "full/f32";
-  std::string json, csv, report, dump_prompts, predictions;
+  std::string json, csv, report, dump_prompts, dump_windows, predictions;
   bool prompts_only = false;
   std::string haystack;
   bool progress = true;
@@ -210,6 +210,7 @@ void Run(const EvalOpts& o) {
     ko.seed = o.seed;
     ko.model_name = model;
     ko.progress = o.progress;
+    ko.dump_windows = o.dump_windows;
     ko.test_perturb_logits = o.test_perturb_logits;
     std::vector<ResultRow> kl = OrFail(RunKlSweep(*engine, ko));
     rows.insert(rows.end(), kl.begin(), kl.end());
@@ -319,6 +320,9 @@ void AddEval(CLI::App& app) {
       "KL: byte offset in the text (next paragraph start; default: a quarter into the file)");
   cmd->add_option("--kl-ref", o->kl_ref, "KL: reference configuration, e.g. full/f32")
       ->capture_default_str();
+  cmd->add_option("--dump-windows", o->dump_windows,
+                  "KL: write each text window's token ids as a JSON line (window, score_from, "
+                  "ids) to score another engine on the same tokens");
   cmd->add_option("--json", o->json, "Write the result rows as JSON lines");
   cmd->add_option("--csv", o->csv, "Write the result rows as CSV");
   cmd->add_option("--report", o->report,

@@ -412,6 +412,11 @@ Result<std::vector<ResultRow>> RunKlSweep(Engine& engine, const KlOptions& o) {
   std::vector<KlRun> runs(methods.runnable.size());
   std::vector<int32_t> window(L);
   std::vector<float> ref_logits, logits;
+  std::ofstream dump;
+  if (!o.dump_windows.empty()) {
+    dump.open(o.dump_windows, std::ios::binary | std::ios::trunc);
+    if (!dump) return NotFound(o.dump_windows + ": cannot open for writing (--dump-windows)");
+  }
   std::unique_ptr<ProgressBar> bar;
   if (o.progress && !methods.runnable.empty()) bar = std::make_unique<ProgressBar>("kl", o.windows);
   const auto start = Clock::now();
@@ -422,6 +427,9 @@ Result<std::vector<ResultRow>> RunKlSweep(Engine& engine, const KlOptions& o) {
     window.insert(window.end(), text.begin() + size_t(w) * text_per_window,
                   text.begin() + size_t(w + 1) * text_per_window);
     const std::span<const int32_t> ids(window);
+    if (dump.is_open()) {
+      dump << nlohmann::json{{"window", w}, {"score_from", half}, {"ids", window}}.dump() << '\n';
+    }
     {
       CACHET_ASSIGN_OR_RETURN(Engine * re, EngineFor(engine, o.reference, engines));
       auto reference = re->NewSession();

@@ -77,6 +77,9 @@ struct KlOptions {
   uint64_t seed = 1234;
   std::string model_name;
   bool progress = true;
+  // If set, each window is written there as a JSON line {"window", "score_from", "ids"}, so
+  // another engine can be scored on the same tokens (bench/peers).
+  std::string dump_windows;
   // Test-only: Gaussian noise of this stddev added to the tested configurations' logits (never
   // the reference's), to show the metric can fail. 0 in real runs.
   double test_perturb_logits = 0;
