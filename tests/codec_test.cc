@@ -14,6 +14,7 @@
 #include "kernels/kernels.h"
 #include "kv/codecs/codec_simd.h"
 #include "kv/paged_sequence.h"
+#include "simd_targets.h"
 #include "test_util.h"
 
 namespace cachet::codecs {
@@ -177,8 +178,11 @@ TEST(Codec, SimdDecodeEqualsReference) {
         for (int n : {1, 7, 16}) {
           std::vector<float> want(size_t(n) * dim), got(size_t(n) * dim, -1.0f);
           DecodeStored(c, role, page.data(), n, tokens, dim, want.data());
-          simd::DecodeStored(c, role, page.data(), n, tokens, dim, got.data());
-          EXPECT_EQ(got, want) << "n " << n;
+          for (int64_t target : testing::KernelTargets()) {
+            testing::ScopedTarget scoped(target);
+            simd::DecodeStored(c, role, page.data(), n, tokens, dim, got.data());
+            EXPECT_EQ(got, want) << "n " << n << testing::TargetString(target);
+          }
         }
       }
     }

@@ -6,7 +6,8 @@
 #
 # usage: bench/peers/run.sh [MODEL.gguf]      (default: kvtiny converted to f16 by cachet convert)
 # environment: THREADS ("1 2"), REPS (5), N_DECODE (64), WINDOWS (8), N_PREDICT (64),
-#   CODECS (Cachet's codecs for the KL table), OUT (build/peers)
+#   CODECS, CODECS_P64 (Cachet's codecs for the KL table, with 16- and 64-token pages),
+#   OUT (build/peers)
 # Writes OUT/table.md (printed at the end) and the raw JSON of every measurement next to it.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -18,6 +19,9 @@ n_decode="${N_DECODE:-64}"
 windows="${WINDOWS:-8}"
 n_predict="${N_PREDICT:-64}"
 codecs="${CODECS:-f32,f16,q8_0,int8,q4_0,kivi4,rot4,q8_0:q4_0}"
+# Per-channel KIVI keys carry a min and scale per channel and page: 64-token pages bring their
+# cost to 0.5 bit/value, so kivi4 keys with q4_0 values store 4.5 bits like llama.cpp's q4_0.
+codecs_p64="${CODECS_P64:-f32,kivi4:q4_0,kivi4}"
 mkdir -p "$out"
 
 need() {  # command, Debian package
@@ -85,6 +89,8 @@ done
 echo "bench/peers: KL on $windows text windows" >&2
 "$cachet" eval -m "$model" -t 2 --kl --windows "$windows" --codec "$codecs" --no-progress \
   --dump-windows "$out/windows.jsonl" --json "$out/cachet_kl.jsonl" >/dev/null
+"$cachet" eval -m "$model" -t 2 --kl --windows "$windows" --codec "$codecs_p64" --page-tokens 64 \
+  --no-progress --json "$out/cachet_kl_pt64.jsonl" >/dev/null
 "$peer" kl "$model" 2 "$out/windows.jsonl" f16,q8_0,q4_0 >"$out/llama_kl.json"
 
 node "$here/table.mjs" "$out" "$model" "$threads" >"$out/table.md"

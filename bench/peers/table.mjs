@@ -39,11 +39,7 @@ for (const g of lines("greedy.jsonl")) {
   out.push(`| ${g.cachet.prompt.length} | ${ids ? "yes" : "no"} | ${same} / ${n} | ${first < 0 ? "-" : first} |`);
 }
 
-const kl = lines("cachet_kl.jsonl").filter((r) => r.status === "ok");
 const llama = read("llama_kl.json");
-const f32 = kl.find((r) => r.codec_k === "f32" && r.codec_v === "f32");
-// Bits per value from the bytes Cachet's pool holds (positions included), relative to f32.
-const bits = (r) => (f32 ? (32.25 * r.kv_bytes_prefill) / f32.kv_bytes_prefill : null);
 const llamaBits = {f16: 16, q8_0: 8.5, q4_0: 4.5};
 out.push("", `KV fidelity on ${llama.windows} text windows (identical token ids): KL of next-token`,
          "distributions against each engine's own f32-KV run of the same GGUF.", "");
@@ -52,10 +48,16 @@ out.push("| --- | --- | ---: | ---: | ---: | ---: | ---: |");
 for (const [type, s] of Object.entries(llama.kl)) {
   out.push(`| llama.cpp | ${type} | ${llamaBits[type] ?? "-"} | ${sci(s.mean_kl)} | ${sci(s.p99_kl)} | ${fmt(s.top1_agree, 4)} | ${fmt(s.ppl, 3)} |`);
 }
-for (const r of kl) {
-  if (r === f32) continue;
-  const name = r.codec_k === r.codec_v ? r.codec_k : `${r.codec_k}:${r.codec_v}`;
-  out.push(`| Cachet | ${name} | ${fmt(bits(r), 2)} | ${sci(r.mean_kl)} | ${sci(r.p99_kl)} | ${fmt(r.top1_agree, 4)} | ${fmt(r.ppl, 3)} |`);
+for (const [file, pages] of [["cachet_kl.jsonl", ""], ["cachet_kl_pt64.jsonl", ", 64-token pages"]]) {
+  const kl = lines(file).filter((r) => r.status === "ok");
+  const f32 = kl.find((r) => r.codec_k === "f32" && r.codec_v === "f32");
+  // Bits per value from the bytes Cachet's pool holds (positions included), relative to f32.
+  const bits = (r) => (f32 ? (32.25 * r.kv_bytes_prefill) / f32.kv_bytes_prefill : null);
+  for (const r of kl) {
+    if (r === f32) continue;
+    const name = (r.codec_k === r.codec_v ? r.codec_k : `${r.codec_k}:${r.codec_v}`) + pages;
+    out.push(`| Cachet | ${name} | ${fmt(bits(r), 2)} | ${sci(r.mean_kl)} | ${sci(r.p99_kl)} | ${fmt(r.top1_agree, 4)} | ${fmt(r.ppl, 3)} |`);
+  }
 }
 out.push("", "Cachet's bits/value count every byte of its pages, the int32 token positions included (+0.25).");
 console.log(out.join("\n"));

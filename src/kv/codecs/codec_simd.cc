@@ -89,6 +89,37 @@ HWY_INLINE void CodesToF32(const uint8_t* HWY_RESTRICT codes, int n, float min, 
   for (; i < n; ++i) out[i] = min + scale * codes[i];
 }
 
+// One llama.cpp q4_0 block's 16 bytes: value j is byte j's low nibble, value 16 + j its high one;
+// out[i] = min + scale * nibble.
+HWY_INLINE void Q4Block(const uint8_t* HWY_RESTRICT bytes, float min, float scale,
+                        float* HWY_RESTRICT out) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  if (N > 16) {  // wider vectors than a half block: the scalar unpack
+    uint8_t codes[32];
+    for (int j = 0; j < 16; ++j) codes[j] = bytes[j] & 15, codes[j + 16] = bytes[j] >> 4;
+    CodesToF32(codes, 32, min, scale, out);
+    return;
+  }
+  const hn::Rebind<uint32_t, DF> du;
+  const hn::Rebind<uint8_t, DF> d8;
+  const auto vs = hn::Set(df, scale), vm = hn::Set(df, min);
+  const auto mask = hn::Set(du, 15u);
+  for (int j = 0; j < 16; j += N) {
+    const auto b = hn::PromoteTo(du, hn::LoadU(d8, bytes + j));
+    hn::StoreU(hn::MulAdd(vs,
+                          hn::ConvertTo(df, hn::BitCast(hn::RebindToSigned<decltype(du)>(),
+                                                        hn::And(b, mask))),
+                          vm),
+               df, out + j);
+    hn::StoreU(hn::MulAdd(vs,
+                          hn::ConvertTo(df, hn::BitCast(hn::RebindToSigned<decltype(du)>(),
+                                                        hn::ShiftRight<4>(b))),
+                          vm),
+               df, out + 16 + j);
+  }
+}
+
 // Unpacks n little-endian codes of 2 or 4 bits.
 HWY_INLINE void Unpack(const uint8_t* in, int n, int bits, uint8_t* codes) {
   if (bits == 4) {
@@ -182,10 +213,8 @@ void DecodeStoredImpl(Codec c, Role role, const uint8_t* page, int n, int tokens
           const uint8_t* blk = in + b * (2 + kBlock / 2);
           uint16_t dh;
           std::memcpy(&dh, blk, 2);
-          for (int j = 0; j < kBlock / 2; ++j)
-            codes[j] = blk[2 + j] & 15, codes[j + 16] = blk[2 + j] >> 4;
           const float d = F16ToF32(dh);
-          CodesToF32(codes, kBlock, -8.0f * d, d, x + b * kBlock);
+          Q4Block(blk + 2, -8.0f * d, d, x + b * kBlock);
         }
         break;
       case Codec::kKivi4:
