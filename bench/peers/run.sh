@@ -5,7 +5,7 @@
 # it with the headers of the llama.cpp source bundled in the same package.
 #
 # usage: bench/peers/run.sh [MODEL.gguf]      (default: kvtiny converted to f16 by cachet convert)
-# environment: THREADS ("1 2"), REPS (5), N_DECODE (64), WINDOWS (8), N_PREDICT (64),
+# environment: THREADS ("1 2"), REPS (rounds, 7), N_DECODE (64), WINDOWS (8), N_PREDICT (64),
 #   CODECS, CODECS_P64 (Cachet's codecs for the KL table, with 16- and 64-token pages),
 #   OUT (build/peers)
 # Writes OUT/table.md (printed at the end) and the raw JSON of every measurement next to it.
@@ -14,7 +14,7 @@ here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
 out="${OUT:-$root/build/peers}"
 threads="${THREADS:-1 2}"
-reps="${REPS:-5}"
+reps="${REPS:-7}"
 n_decode="${N_DECODE:-64}"
 windows="${WINDOWS:-8}"
 n_predict="${N_PREDICT:-64}"
@@ -63,12 +63,17 @@ if [ -z "$model" ]; then
 fi
 echo "bench/peers: $model; threads: $threads; $(nproc) cores: $(lscpu | sed -n 's/^Model name: *//p')" >&2
 
-# Speed, each engine in its own process, alternating so drift hits both alike.
+# Speed: REPS rounds of one run of each engine (each in its own process), so that the load of a
+# shared machine hits both alike; the table gives medians over rounds and of per-round ratios.
 for t in $threads; do
-  echo "bench/peers: speed, $t thread(s)" >&2
-  "$peer" speed "$model" "$t" 512,4096 "$reps" "$n_decode" f16 >"$out/llama_speed_t$t.json"
-  "$cachet" bench -m "$model" -t "$t" --ctk f16 --ctv f16 --ctx 512,4096 --reps "$reps" \
-    --n-decode "$n_decode" --json --no-roofline 2>/dev/null >"$out/cachet_speed_t$t.json"
+  echo "bench/peers: speed, $t thread(s), $reps rounds" >&2
+  : >"$out/llama_speed_t$t.jsonl"
+  : >"$out/cachet_speed_t$t.jsonl"
+  for _ in $(seq "$reps"); do
+    "$peer" speed "$model" "$t" 512,4096 1 "$n_decode" f16 >>"$out/llama_speed_t$t.jsonl"
+    "$cachet" bench -m "$model" -t "$t" --ctk f16 --ctv f16 --ctx 512,4096 --reps 1 \
+      --n-decode "$n_decode" --json --no-roofline 2>/dev/null >>"$out/cachet_speed_t$t.jsonl"
+  done
 done
 
 # Greedy continuations of the same prompts (f16 KV on both sides).

@@ -13,17 +13,28 @@ const out = [];
 out.push(`Model \`${basename(model)}\`, KV cache f16 on both sides for speed and greedy.`, "");
 out.push("| threads | measure | llama.cpp | Cachet | Cachet / llama.cpp |");
 out.push("| ---: | --- | ---: | ---: | ---: |");
+const median = (v) => {
+  const s = [...v].sort((a, b) => a - b), n = s.length;
+  return n % 2 ? s[(n - 1) / 2] : 0.5 * (s[n / 2 - 1] + s[n / 2]);
+};
+let rounds = 0, nDecode = 0;
 for (const t of threadsArg.trim().split(/\s+/)) {
-  const l = read(`llama_speed_t${t}.json`);
-  const c = read(`cachet_speed_t${t}.json`);
-  const row = (name, a, b, d = 1) =>
-    out.push(`| ${t} | ${name} | ${fmt(a, d)} | ${fmt(b, d)} | ${fmt(b / a, 2)} |`);
-  for (const n of ["512", "4096"]) row(`prefill ${n} tokens, tok/s`, l.prefill_tok_s[n], c.prefill_tok_s[n]);
-  for (const n of ["512", "4096"]) row(`decode at ${n} context, tok/s`, l.decode_tok_s[n], c.decode_tok_s[n]);
-  row("peak RSS, MiB", l.peak_rss_bytes / 2 ** 20, c.peak_rss_bytes / 2 ** 20);
+  const l = lines(`llama_speed_t${t}.jsonl`);
+  const c = lines(`cachet_speed_t${t}.jsonl`);
+  rounds = l.length;
+  nDecode = c[0].n_decode;
+  // Medians over rounds; the ratio is the median of the rounds' ratios.
+  const row = (name, get, d = 1) => {
+    const a = l.map(get), b = c.map(get);
+    const ratio = median(a.map((x, i) => b[i] / x));
+    out.push(`| ${t} | ${name} | ${fmt(median(a), d)} | ${fmt(median(b), d)} | ${fmt(ratio, 2)} |`);
+  };
+  for (const n of ["512", "4096"]) row(`prefill ${n} tokens, tok/s`, (r) => r.prefill_tok_s[n]);
+  for (const n of ["512", "4096"]) row(`decode at ${n} context, tok/s`, (r) => r.decode_tok_s[n]);
+  row("peak RSS, MiB", (r) => r.peak_rss_bytes / 2 ** 20);
 }
-const speed = read(`cachet_speed_t${threadsArg.trim().split(/\s+/)[0]}.json`);
-out.push("", `Speed: median of ${speed.reps} runs; decode = ${speed.n_decode} tokens after the prefill.`);
+out.push("", `Speed: ${rounds} rounds alternating the engines; medians over rounds, ratio = median of`,
+         `the rounds' ratios; decode = ${nDecode} tokens after the prefill.`);
 
 out.push("", "| prompt tokens | same prompt ids | greedy tokens equal | first difference at |");
 out.push("| ---: | --- | ---: | ---: |");
