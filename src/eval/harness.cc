@@ -72,6 +72,15 @@ Result<MethodSet> SortMethods(const std::vector<Method>& methods) {
   return set;
 }
 
+double StoredBitsPerValue(const Method& m, const Engine& engine) {
+  auto k = codecs::ParseCodec(m.codec_k);
+  auto v = codecs::ParseCodec(m.codec_v);
+  if (!k.ok() || !v.ok()) return 0;
+  const int pt = engine.options().page_tokens, hd = engine.config().head_dim;
+  return 0.5 * (codecs::BitsPerValue(*k, codecs::Role::kKey, pt, hd) +
+                codecs::BitsPerValue(*v, codecs::Role::kValue, pt, hd));
+}
+
 ResultRow UnavailableRow(ResultRow base, const Method& m, const std::string& reason) {
   base.method = m;
   base.status = "unavailable";
@@ -314,6 +323,7 @@ Result<std::vector<ResultRow>> RunTaskSweep(Engine& engine, TaskGenerator& gen,
       const TaskAcc& a = acc[mi];
       ResultRow r = base;
       r.method = methods.runnable[mi];
+      r.bits_per_value = StoredBitsPerValue(r.method, engine);
       r.samples = a.n;
       r.correct = a.correct;
       r.accuracy = double(a.correct) / a.n;
@@ -496,6 +506,7 @@ Result<std::vector<ResultRow>> RunKlSweep(Engine& engine, const KlOptions& o) {
     const KlSummary s = run.kl.Summary();
     ResultRow r = base;
     r.method = methods.runnable[mi];
+    r.bits_per_value = StoredBitsPerValue(r.method, engine);
     r.scored_tokens = s.positions;
     r.mean_kl = s.mean_kl;
     r.p99_kl = s.p99_kl;

@@ -30,6 +30,9 @@ struct ResultRow {
   int needles = 0;
   std::string depth;  // "random" or the requested depth
   Method method;
+  // Stored bits per K/V value of the method's codecs on this model: codes and their scales,
+  // norms or zero points (the pages' token positions not counted). 0 for unavailable rows.
+  double bits_per_value = 0;
   uint64_t seed = 0;
   int samples = 0;  // task samples, or kl windows
   int correct = 0;

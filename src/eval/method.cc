@@ -61,8 +61,6 @@ std::string Method::Label() const {
   return s;
 }
 
-double Method::BitsPerValue() const { return 0.5 * (CodecBits(codec_k) + CodecBits(codec_v)); }
-
 Result<Method> ParseMethod(std::string_view label) {
   Method m;
   std::string_view press = label, codec;

@@ -208,7 +208,7 @@ std::vector<Plot> MakePlots(const std::vector<ResultRow>& rows) {
       std::string title = m.press;
       if (m.budget > 0) title += " #" + std::to_string(m.budget);
       if (m.press != "full" && m.budget == 0) title += " @" + Fmt("%g", m.ratio);
-      p.Get(title).Add(m.BitsPerValue(), *r->mean_kl);
+      p.Get(title).Add(r->bits_per_value, *r->mean_kl);
       max_kl = std::max(max_kl, *r->mean_kl);
     }
     p.yrange = Range(0, max_kl * 1.1);
@@ -321,7 +321,7 @@ nlohmann::ordered_json RowToJson(const ResultRow& r) {
   j["budget"] = m.budget;
   j["codec_k"] = m.codec_k;
   j["codec_v"] = m.codec_v;
-  j["bits_per_value"] = m.BitsPerValue();
+  j["bits_per_value"] = r.bits_per_value;
   j["compress_at"] = CompressAtName(m.compress_at);
   j["seed"] = r.seed;
   j["samples"] = r.samples;
