@@ -105,6 +105,19 @@ TEST(Cli, PressesRunAndBadSpecsAreErrors) {
   r = RunCachet("run -t 1 -n 2 --press snapkv --demote kivi2 -f " + prompt);
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.err.find("cold codec must be row-wise"), std::string::npos) << r.err;
+  // --share-layers is the +max modifier as a flag: the same greedy token ids.
+  const std::string greedy =
+      "run -t 1 -n 8 --temp 0 --ids --no-prefix-cache --ratio 0.9 -f " + prompt;
+  const RunResult by_flag = RunCachet(greedy + " --press snapkv --share-layers max");
+  const RunResult by_spec = RunCachet(greedy + " --press snapkv+max");
+  ASSERT_EQ(by_flag.status, 0) << by_flag.err;
+  ASSERT_EQ(by_spec.status, 0) << by_spec.err;
+  EXPECT_NE(by_flag.out.find("\"completion\":["), std::string::npos) << by_flag.out;
+  EXPECT_EQ(by_flag.out, by_spec.out);
+  r = RunCachet("run -t 1 -n 2 --press snapkv --share-layers sideways -p hi");
+  EXPECT_NE(r.status, 0);
+  r = RunCachet("run -t 1 -n 4 --temp 0 --press quest --quest-pages 2 -f " + prompt);
+  ASSERT_EQ(r.status, 0) << r.err;
 }
 
 TEST(Cli, ParallelSamplingPrintsEachCompletion) {

@@ -121,11 +121,25 @@ void AddPressFlags(CLI::App& app, GenerateOptions& o) {
   app.add_option("--sinks", opts->sinks, "Press: the first N tokens are always kept")
       ->check(CLI::NonNegativeNumber)
       ->default_val(opts->sinks);
-  app.parse_complete_callback([spec, opts, &o] {
+  auto share = std::make_shared<std::string>();
+  app.add_option("--share-layers", *share,
+                 "Press: keep one token set for every layer and head, from each layer's "
+                 "normalized scores combined by max or mean (same as the +max / +mean modifiers)")
+      ->check(CLI::IsMember({"none", "max", "mean"}));
+  app.add_option("--quest-pages", opts->quest_pages,
+                 "Press quest: pages each head reads per decode step (plus the current page), "
+                 "instead of the fraction 1 - --ratio of its pages")
+      ->check(CLI::PositiveNumber);
+  app.parse_complete_callback([spec, opts, share, &o] {
     if (!spec->empty()) {
       press::PressOptions p = *opts;
       if (Status s = press::ParsePressSpec(*spec, &p); !s.ok()) {
         throw CLI::ValidationError("--press", s.message());
+      }
+      if (!share->empty()) {
+        p.share = *share == "max"    ? press::ShareLayers::kMax
+                  : *share == "mean" ? press::ShareLayers::kMean
+                                     : press::ShareLayers::kNone;
       }
       p.during_prefill |= opts->during_prefill;
       p.protect_boundaries |= opts->protect_boundaries;
