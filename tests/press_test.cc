@@ -405,6 +405,12 @@ TEST(PressSpec, ParsesModifiersAndRejectsNonsense) {
   EXPECT_EQ(press::PressSpec(o), "knorm+protect+chunked+demote:q4_0");
   ASSERT_TRUE(press::ParsePressSpec("h2o+max", &o).ok());
   EXPECT_EQ(o.share, press::ShareLayers::kMax);
+  // A demote codec whose name holds a '+', then a modifier after it.
+  ASSERT_TRUE(press::ParsePressSpec("snapkv+demote:rot3+qjl+max", &o).ok());
+  EXPECT_EQ(o.demote, "rot3+qjl");
+  EXPECT_EQ(o.share, press::ShareLayers::kMax);
+  ASSERT_TRUE(press::ParsePressSpec("snapkv+demote:rot3+max", &o).ok());
+  EXPECT_EQ(o.demote, "rot3");
   EXPECT_FALSE(press::ParsePressSpec("snapkv+ada+max", &o).ok());
   EXPECT_FALSE(press::ParsePressSpec("snapkv+bogus", &o).ok());
   EXPECT_FALSE(press::ParsePressSpec("nope", &o).ok());

@@ -293,8 +293,9 @@ void AddEval(CLI::App& app) {
       ->check(CLI::PositiveNumber)
       ->excludes(ratio);
   cmd->add_option("--codec", o->codecs,
-                  "KV codecs: f32, f16, bf16, int8, q8_0, q4_0, kivi4, kivi2, rot4, rot3, rot2, or "
-                  "K:V for different K and V codecs (each codec pair runs on its own engine)")
+                  "KV codecs: " + codecs::CodecNames() +
+                      ", or K:V for different K and V codecs (each codec pair runs on its own "
+                      "engine)")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--compress-at", o->compress_at,

@@ -32,22 +32,6 @@ const std::vector<std::string>& KnownPresses() {
 }
 
 // The names of src/kv/codecs (ParseCodec), so rows keep their names when codecs are wired in.
-const std::vector<std::string>& KnownCodecs() {
-  static const std::vector<std::string> kCodecs = {"f32",   "f16",   "bf16", "int8", "q8_0", "q4_0",
-                                                   "kivi4", "kivi2", "rot4", "rot3", "rot2"};
-  return kCodecs;
-}
-
-int CodecBits(std::string_view codec) {
-  if (codec == "f32") return 32;
-  if (codec == "f16" || codec == "bf16") return 16;
-  if (codec == "int8" || codec == "q8_0") return 8;
-  if (codec == "q4_0" || codec == "kivi4" || codec == "rot4") return 4;
-  if (codec == "rot3") return 3;
-  if (codec == "kivi2" || codec == "rot2") return 2;
-  return 0;
-}
-
 std::string Method::Label() const {
   char size[32] = "";
   if (budget > 0) {
@@ -108,25 +92,18 @@ std::optional<press::PressOptions> ParsedPress(const Method& m) {
   return o;
 }
 
-std::string Join(const std::vector<std::string>& v) {
-  std::string s;
-  for (const auto& x : v) s += (s.empty() ? "" : ", ") + x;
-  return s;
-}
 }  // namespace
 
 Status ValidateMethod(const Method& m) {
   if (m.press != "full") {
     press::PressOptions o;
     CACHET_RETURN_IF_ERROR(press::ParsePressSpec(m.press, &o));
-    if (!o.demote.empty() && CodecBits(o.demote) == 0) {
+    if (!o.demote.empty() && !codecs::ParseCodec(o.demote).ok()) {
       return InvalidArgument("unknown demote codec '" + o.demote + "' in press '" + m.press + "'");
     }
   }
   for (const std::string& c : {m.codec_k, m.codec_v}) {
-    if (CodecBits(c) == 0) {
-      return InvalidArgument("unknown codec '" + c + "' (known: " + Join(KnownCodecs()) + ")");
-    }
+    if (auto codec = codecs::ParseCodec(c); !codec.ok()) return codec.status();
   }
   if (!(m.ratio >= 0 && m.ratio < 1)) {
     return InvalidArgument("--ratio is the fraction of KV removed and must be in [0, 1)");

@@ -41,8 +41,6 @@ struct Method {
 
 // Every press and codec name the harness accepts, runnable or not.
 const std::vector<std::string>& KnownPresses();
-const std::vector<std::string>& KnownCodecs();
-int CodecBits(std::string_view codec);  // 0 for unknown names
 
 // Parses a Label() back (e.g. for --kl-ref): press[@ratio|#budget][/codec[:codec_v]].
 Result<Method> ParseMethod(std::string_view label);

@@ -145,7 +145,7 @@ Result<PagePool*> Engine::ColdPool(std::string_view codec) {
   if (layout.staged()) {
     return InvalidArgument("--demote " + std::string(codec) +
                            ": demoted tokens are appended one by one, so the cold codec must be "
-                           "row-wise (f16, bf16, int8, q8_0, q4_0, rot4, rot3, rot2)");
+                           "row-wise (not kivi4 or kivi2, whose keys are encoded per page)");
   }
   cold_pools_.emplace_back(std::string(codec),
                            std::make_unique<PagePool>(layout, kv_pool_->capacity_bytes()));

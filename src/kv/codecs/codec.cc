@@ -18,14 +18,18 @@ struct Info {
   const char* name;
 };
 constexpr Info kCodecs[] = {
-    {Codec::kF32, "f32"},     {Codec::kF16, "f16"},     {Codec::kBF16, "bf16"},
-    {Codec::kInt8, "int8"},   {Codec::kQ8_0, "q8_0"},   {Codec::kQ4_0, "q4_0"},
-    {Codec::kKivi4, "kivi4"}, {Codec::kKivi2, "kivi2"}, {Codec::kRot4, "rot4"},
-    {Codec::kRot3, "rot3"},   {Codec::kRot2, "rot2"},
+    {Codec::kF32, "f32"},          {Codec::kF16, "f16"},     {Codec::kBF16, "bf16"},
+    {Codec::kInt8, "int8"},        {Codec::kQ8_0, "q8_0"},   {Codec::kQ4_0, "q4_0"},
+    {Codec::kKivi4, "kivi4"},      {Codec::kKivi2, "kivi2"}, {Codec::kRot4, "rot4"},
+    {Codec::kRot3, "rot3"},        {Codec::kRot2, "rot2"},   {Codec::kRot3Qjl, "rot3+qjl"},
+    {Codec::kRot2Qjl, "rot2+qjl"},
 };
 
 int KiviBits(Codec c) { return c == Codec::kKivi4 ? 4 : 2; }
-int RotBits(Codec c) { return c == Codec::kRot4 ? 4 : c == Codec::kRot3 ? 3 : 2; }
+int RotBits(Codec c) {
+  return c == Codec::kRot4 ? 4 : c == Codec::kRot3 || c == Codec::kRot3Qjl ? 3 : 2;
+}
+bool IsQjl(Codec c) { return c == Codec::kRot3Qjl || c == Codec::kRot2Qjl; }
 bool IsKivi(Codec c) { return c == Codec::kKivi4 || c == Codec::kKivi2; }
 
 uint16_t H(float f) { return F32ToF16(f); }
@@ -81,12 +85,25 @@ uint8_t NearestLevel(float x, const float* levels, int n) {
   return static_cast<uint8_t>(i);
 }
 
-// The random signs of the Hadamard rotation: fixed, so every process encodes alike.
-float Sign(int i) {
-  uint64_t z = static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull + 0x5eed;
+float HashSign(int i, uint64_t seed) {
+  uint64_t z = static_cast<uint64_t>(i) * 0x9e3779b97f4a7c15ull + seed;
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   return ((z ^ (z >> 31)) & 1) ? -1.0f : 1.0f;
+}
+
+// The random signs of the Hadamard rotation: fixed, so every process encodes alike.
+float Sign(int i) { return HashSign(i, 0x5eed); }
+
+// The signs of QJL's transform S = H D' / sqrt(dim): its own seed, so S is independent of the
+// rotation. Tabulated because every decoded row applies S^T.
+const float* QjlSigns() {
+  static const std::array<float, kMaxDim> signs = [] {
+    std::array<float, kMaxDim> s{};
+    for (int i = 0; i < kMaxDim; ++i) s[i] = HashSign(i, 0x51ed'0a1bull);
+    return s;
+  }();
+  return signs.data();
 }
 
 void Fwht(float* x, int n) {
@@ -143,6 +160,9 @@ size_t RowBytes(Codec c, int dim) {
     case Codec::kRot3:
     case Codec::kRot2:
       return 4 + PackedBytes(dim, RotBits(c));
+    case Codec::kRot3Qjl:
+    case Codec::kRot2Qjl:  // rotN's row, then the residual's sign bits and f16 norm
+      return 4 + PackedBytes(dim, RotBits(c)) + PackedBytes(dim, 1) + 2;
   }
   return 0;
 }
@@ -209,7 +229,9 @@ void EncodeRow(Codec c, const float* x, int dim, uint8_t* out) {
     }
     case Codec::kRot4:
     case Codec::kRot3:
-    case Codec::kRot2: {
+    case Codec::kRot2:
+    case Codec::kRot3Qjl:
+    case Codec::kRot2Qjl: {
       const int bits = RotBits(c), n_levels = 1 << bits;
       const float* levels = LloydMax(bits);
       float y[kMaxDim];
@@ -229,6 +251,22 @@ void EncodeRow(Codec c, const float* x, int dim, uint8_t* out) {
       const float scale = lev2 > 0 ? dot / lev2 : 0.0f;  // least-squares fit of the levels to y
       std::memcpy(out, &scale, 4);
       PackBits(codes, dim, bits, out + 4);
+      if (!IsQjl(c)) return;
+      // Residual r = y - scale * level, 1-bit quantized as sign(S r). Its norm is stored over
+      // scale (~ |y| / sqrt(dim)) so the f16 holds an O(1) ratio whatever the row's magnitude.
+      const float* qs = QjlSigns();
+      float r2 = 0;
+      for (int i = 0; i < dim; ++i) {
+        y[i] -= scale * levels[codes[i]];
+        r2 += y[i] * y[i];
+        y[i] *= qs[i];
+      }
+      Fwht(y, dim);
+      for (int i = 0; i < dim; ++i) codes[i] = y[i] < 0;
+      uint8_t* tail = out + 4 + PackedBytes(dim, bits);
+      PackBits(codes, dim, 1, tail);
+      const uint16_t gamma = H(scale > 0 ? std::sqrt(r2) / scale : 0.0f);
+      std::memcpy(tail + PackedBytes(dim, 1), &gamma, 2);
       return;
     }
   }
@@ -286,14 +324,32 @@ void DecodeRowStored(Codec c, const uint8_t* in, int dim, float* x) {
     }
     case Codec::kRot4:
     case Codec::kRot3:
-    case Codec::kRot2: {
+    case Codec::kRot2:
+    case Codec::kRot3Qjl:
+    case Codec::kRot2Qjl: {
       const int bits = RotBits(c);
       const float* levels = LloydMax(bits);
       float scale;
       std::memcpy(&scale, in, 4);
       uint8_t codes[kMaxDim];
       UnpackBits(in + 4, dim, bits, codes);
-      for (int i = 0; i < dim; ++i) x[i] = scale * levels[codes[i]];
+      if (!IsQjl(c)) {
+        for (int i = 0; i < dim; ++i) x[i] = scale * levels[codes[i]];
+        return;
+      }
+      // r ~ gamma sqrt(pi / (2 dim)) S^T sign(S r). The rows s_i of S have unit norm and s_i.r is
+      // ~N(0, |r|^2 / dim), so E[sign(s_i.r) s_i.r] = |r| sqrt(2 / (pi dim)): with this constant
+      // the estimate's projection on r is r on average, and q.k is unbiased.
+      const uint8_t* tail = in + 4 + PackedBytes(dim, bits);
+      uint16_t gamma;
+      std::memcpy(&gamma, tail + PackedBytes(dim, 1), 2);
+      const float coef = scale * F(gamma) * std::sqrt(1.5707963f / dim);
+      uint8_t signs[kMaxDim];
+      UnpackBits(tail, dim, 1, signs);
+      for (int i = 0; i < dim; ++i) x[i] = signs[i] ? -coef : coef;
+      Fwht(x, dim);  // H is symmetric: S^T z = D' H z / sqrt(dim)
+      const float* qs = QjlSigns();
+      for (int i = 0; i < dim; ++i) x[i] = x[i] * qs[i] + scale * levels[codes[i]];
       return;
     }
   }
@@ -343,7 +399,9 @@ Status CheckDim(Codec c, int dim) {
 
 size_t RowStride(Codec c, int dim) { return RowBytes(c, dim); }
 
-bool IsRotated(Codec c) { return c == Codec::kRot4 || c == Codec::kRot3 || c == Codec::kRot2; }
+bool IsRotated(Codec c) {
+  return c == Codec::kRot4 || c == Codec::kRot3 || c == Codec::kRot2 || IsQjl(c);
+}
 
 bool NeedsFullPage(Codec c, Role role) { return IsKivi(c) && role == Role::kKey; }
 

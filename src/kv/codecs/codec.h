@@ -24,6 +24,10 @@ enum class Codec : uint8_t {
   kRot4,  // randomized Hadamard rotation + Lloyd-Max levels of N(0,1), per-token norm
   kRot3,
   kRot2,
+  // rot3/rot2 plus QJL: the sign bits of a second randomized Hadamard transform of the
+  // quantization residual and its f16 norm, decoded so that q.k is unbiased (TurboQuant-prod).
+  kRot3Qjl,
+  kRot2Qjl,
 };
 
 enum class Role : uint8_t { kKey, kValue };

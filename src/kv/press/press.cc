@@ -162,7 +162,14 @@ Status ParsePressSpec(std::string_view spec, PressOptions* o) {
     } else if (m == "chunked") {
       o->during_prefill = true;
     } else if (m.substr(0, 7) == "demote:" && m.size() > 7) {
+      // Codec names may hold a '+' (rot3+qjl): the next parts belong to the codec while they do.
       o->demote = std::string(m.substr(7));
+      for (std::string longer; i + 1 < parts.size(); o->demote = longer) {
+        longer = o->demote;
+        longer.append("+").append(parts[i + 1]);
+        if (!codecs::ParseCodec(longer).ok()) break;
+        ++i;
+      }
     } else {
       return InvalidArgument(
           "unknown press modifier '" + std::string(m) + "' in '" + std::string(spec) +
