@@ -354,6 +354,56 @@ TEST(PressScorers, AttentionScorersNeedAnObserver) {
   EXPECT_EQ(c.seq.head_length(0, 0), 32);
 }
 
+// Expected attention's query statistics under RoPE: window queries that are one pre-RoPE vector
+// u rotated to their positions are un-rotated to u exactly (no spread), and the future statistics
+// rotate u to the future positions: to position end for one future position, to the averaged
+// rotation A u for many.
+TEST(PressObserverRope, QueryStatsRotateToTheFuturePositions) {
+  const int d = 8, half = d / 2, end = 40, window = 4;
+  std::vector<float> inv_freq(half);
+  for (int i = 0; i < half; ++i) inv_freq[i] = 1.0f / std::pow(10000.0f, 2.0f * i / d);
+  const std::vector<double> u = {0.3, -1.2, 0.7, 2.0, -0.4, 0.9, 1.5, -0.8};
+  auto rotate_to = [&](double pos) {  // RoPE (rotate-half) of u at pos
+    std::vector<double> x(u);
+    for (int i = 0; i < half; ++i) {
+      const double c = std::cos(pos * inv_freq[i]), s = std::sin(pos * inv_freq[i]);
+      x[i] = u[i] * c - u[i + half] * s;
+      x[i + half] = u[i + half] * c + u[i] * s;
+    }
+    return x;
+  };
+  press::PressObserver obs(1, 1, d, end, window, 1u << press::PressObserver::kWindow);
+  obs.set_rope(inv_freq);
+  std::vector<float> q;
+  std::vector<int32_t> pos;
+  for (int p = end - 6; p < end; ++p) {  // two rows before the window, four in it
+    for (double x : rotate_to(p)) q.push_back(float(x));
+    pos.push_back(p);
+  }
+  kernels::AttnBatch b;
+  b.q = q.data();
+  b.q_stride = d;
+  b.q_pos = pos.data();
+  b.n_tok = static_cast<int>(pos.size());
+  b.n_heads = 1;
+  obs.Observe(0, 0, end, b);
+  obs.Merge(0, 0);
+  std::vector<double> mean, cov;
+  obs.QueryStats(0, 0, 1, &mean, &cov);
+  const std::vector<double> at_end = rotate_to(end);
+  for (int i = 0; i < d; ++i) EXPECT_NEAR(mean[i], at_end[i], 1e-5) << i;
+  for (double c : cov) EXPECT_NEAR(c, 0.0, 1e-5);
+  obs.QueryStats(0, 0, 64, &mean, &cov);
+  std::vector<double> avg(d, 0.0);
+  for (int t = 0; t < 64; ++t) {
+    const std::vector<double> x = rotate_to(end + t);
+    for (int i = 0; i < d; ++i) avg[i] += x[i] / 64;
+  }
+  for (int i = 0; i < d; ++i) EXPECT_NEAR(mean[i], avg[i], 1e-5) << i;
+  // The highest-frequency pair turns ~64 radians over 64 positions: its average shrinks.
+  EXPECT_LT(std::hypot(mean[0], mean[half]), 0.2 * std::hypot(u[0], u[half]));
+}
+
 TEST(PressAllocators, SumToTheBudgetAndRespectFloors) {
   const int L = 6, H = 3, n = 1000;
   std::mt19937 rng(5);

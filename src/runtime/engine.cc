@@ -197,6 +197,7 @@ void Session::ObserveForPress(int32_t end, int window, uint32_t gatherings) {
   const ModelConfig& c = engine_.config();
   observer_ = std::make_shared<press::PressObserver>(c.n_layers, c.n_kv_heads, c.head_dim, end,
                                                      window, gatherings);
+  observer_->set_rope(c.RopeInvFreq());
   seq_->set_observer(observer_.get());
 }
 

@@ -227,7 +227,7 @@ struct CallBuffers {
   std::vector<float> weights;  // [gatherings observed][n_keys]
   kernels::AttnObserve observe[PressObserver::kGatherings];
   int n_keys = 0;
-  std::vector<double> q_sum, q_outer;
+  std::vector<double> q_sum, q_outer, q0;
   int64_t q_rows = 0;
 };
 thread_local CallBuffers tls_call;
@@ -250,14 +250,26 @@ std::span<const kernels::AttnObserve> PressObserver::Observe(int, int, int n_key
   if (!(gatherings_ >> kWindow & 1)) return {cb.observe, size_t(n_observe)};
   cb.q_sum.assign(d, 0.0);
   cb.q_outer.assign(size_t(d) * d, 0.0);
+  cb.q0.resize(d);
+  const int half = d / 2;
   for (int t = 0; t < b.n_tok; ++t) {
     if (b.q_pos[t] < min_pos_[kWindow]) continue;
     for (int head = 0; head < b.n_heads; ++head) {
       const float* q = b.q + t * b.q_stride + int64_t(head) * d;
+      double* q0 = cb.q0.data();
+      for (int i = 0; i < d; ++i) q0[i] = q[i];
+      if (!inv_freq_.empty()) {  // undo RoPE at the query's position (rotate-half pairs i, i+d/2)
+        for (int i = 0; i < half; ++i) {
+          const double a = double(b.q_pos[t]) * inv_freq_[i], c = std::cos(a), s = std::sin(a);
+          const double x = q0[i], y = q0[i + half];
+          q0[i] = x * c + y * s;
+          q0[i + half] = y * c - x * s;
+        }
+      }
       for (int i = 0; i < d; ++i) {
-        cb.q_sum[i] += q[i];
+        cb.q_sum[i] += q0[i];
         double* row = cb.q_outer.data() + size_t(i) * d;
-        for (int j = 0; j < d; ++j) row[j] += double(q[i]) * q[j];
+        for (int j = 0; j < d; ++j) row[j] += q0[i] * q0[j];
       }
       ++cb.q_rows;
     }
@@ -283,7 +295,7 @@ void PressObserver::Merge(int layer, int kv_head) {
   }
 }
 
-void PressObserver::QueryStats(int layer, int kv_head, std::vector<double>* mean,
+void PressObserver::QueryStats(int layer, int kv_head, int future, std::vector<double>* mean,
                                std::vector<double>* cov) const {
   const Head& h = heads_[layer * n_kv_heads_ + kv_head];
   const int d = head_dim_;
@@ -296,6 +308,30 @@ void PressObserver::QueryStats(int layer, int kv_head, std::vector<double>* mean
       (*cov)[size_t(i) * d + j] = h.q_outer[size_t(i) * d + j] / n - (*mean)[i] * (*mean)[j];
     }
   }
+  if (inv_freq_.empty() || future < 1) return;
+  // A: per rotate-half pair, the rotation by (end + delta) * theta averaged over delta < future.
+  const int half = d / 2;
+  std::vector<double> cs(half), sn(half);
+  for (int i = 0; i < half; ++i) {
+    for (int t = 0; t < future; ++t) {
+      const double a = double(end_ + t) * inv_freq_[i];
+      cs[i] += std::cos(a) / future;
+      sn[i] += std::sin(a) / future;
+    }
+  }
+  // x <- A x on the strided vector x[0], x[stride], ... (a row or a column of the covariance).
+  auto rotate = [&](double* x, size_t stride) {
+    for (int i = 0; i < half; ++i) {
+      double& lo = x[i * stride];
+      double& hi = x[(i + half) * stride];
+      const double a = lo, b = hi;
+      lo = cs[i] * a - sn[i] * b;
+      hi = sn[i] * a + cs[i] * b;
+    }
+  };
+  rotate(mean->data(), 1);
+  for (int r = 0; r < d; ++r) rotate(cov->data() + size_t(r) * d, 1);  // rows: Sigma A^T
+  for (int c = 0; c < d; ++c) rotate(cov->data() + c, size_t(d));      // columns: A Sigma A^T
 }
 
 std::vector<int> AllocateBudgets(const PressOptions& o, int n_layers, int n_kv_heads, int n_tokens,
@@ -432,7 +468,7 @@ Status ScoreTokens(const PressOptions& o, const PagedSequence& seq, int n_layers
             // Expected attention of future queries ~ N(mean, cov) of the window's queries:
             // E[exp(q.k / sqrt d)] = exp(mean.k / sqrt d + k' cov k / 2d), weighted by |v|;
             // normalized to sum 1 over the head's keys.
-            observer->QueryStats(l, h, &mean, &cov);
+            observer->QueryStats(l, h, o.expected_future, &mean, &cov);
             const double rd = 1.0 / std::sqrt(double(d));
             std::vector<double> ls(n);
             double mx = -1e300;

@@ -31,9 +31,10 @@ struct PressOptions {
   int sinks = 4;        // the first tokens, always kept
   int window = 32;      // SnapKV/expected: observation window of last prompt queries, always kept
   int pool_kernel = 7;  // SnapKV: 1-D max pooling of the window's attention
-  double ada_floor = 0.2;    // Ada-KV: each head keeps at least this fraction of the mean budget
-  double pyramid_beta = 20;  // PyramidKV: the top layer gets 1/beta of the mean budget
-  uint64_t seed = 0;         // random
+  double ada_floor = 0.2;     // Ada-KV: each head keeps at least this fraction of the mean budget
+  double pyramid_beta = 20;   // PyramidKV: the top layer gets 1/beta of the mean budget
+  int expected_future = 128;  // expected attention: future query positions RoPE is averaged over
+  uint64_t seed = 0;          // random
   // Quest instead of eviction: decode steps read the `quest_pages` pages (or the fraction
   // 1 - ratio of the pages) whose key bounds score highest; nothing is freed.
   bool quest = false;
@@ -97,8 +98,13 @@ class PressObserver final : public AttentionObserver {
   const std::vector<float>& weights(int layer, int kv_head, Gathering g) const {
     return heads_[layer * n_kv_heads_ + kv_head].weights[g];
   }
-  // Mean [head_dim] and covariance [head_dim][head_dim] of the window's query rows.
-  void QueryStats(int layer, int kv_head, std::vector<double>* mean,
+  // The model's RoPE (rotate-half, these inverse frequencies): the window's queries are then
+  // kept un-rotated, and QueryStats rotates their statistics to the future positions.
+  void set_rope(std::vector<float> inv_freq) { inv_freq_ = std::move(inv_freq); }
+  // Mean [head_dim] and covariance [head_dim][head_dim] of the window's query rows; with RoPE
+  // set, of the queries at positions end() .. end() + future - 1: the un-rotated statistics under
+  // the rotation averaged over those positions (mean A mu, covariance A Sigma A^T).
+  void QueryStats(int layer, int kv_head, int future, std::vector<double>* mean,
                   std::vector<double>* cov) const;
   int32_t end() const { return end_; }
   int window() const { return window_; }
@@ -116,6 +122,7 @@ class PressObserver final : public AttentionObserver {
   int32_t end_;
   int window_;
   std::vector<Head> heads_;
+  std::vector<float> inv_freq_;
 };
 
 // The gatherings (PressObserver mask) o's scorer reads.
