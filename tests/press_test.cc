@@ -726,6 +726,28 @@ TEST(PressEngine, CompressDuringPrefillBoundsPeakMemory) {
   }
 }
 
+// Chunked prefill with demotion: later chunks attend to the cold pages too, so the observer sees
+// hot + cold keys; only the hot ones are scored, and every evicted token ends in the cold pool.
+TEST(PressEngine, CompressDuringPrefillWithDemotion) {
+  auto engine = KvtinyEngine(256);
+  ASSERT_NE(engine, nullptr);
+  const ModelConfig& cfg = engine->config();
+  press::PressOptions o;
+  ASSERT_TRUE(press::ParsePressSpec("snapkv+max+chunked+demote:q4_0", &o).ok());
+  o.ratio = 0.875;
+  auto s = engine->NewSession();
+  size_t peak = 0;
+  std::vector<float> logits;
+  ASSERT_TRUE(s->EvalCompressing(SyntheticPrompt(2000), o, &logits, &peak).ok());
+  for (int l = 0; l < cfg.n_layers; ++l) {
+    for (int h = 0; h < cfg.n_kv_heads; ++h) {
+      EXPECT_EQ(s->kv().head_length(l, h), 250);
+      EXPECT_EQ(s->kv().cold_length(l, h), 1750);
+    }
+  }
+  EXPECT_GT(engine->kv_stats().cold_bytes_used, 0u);
+}
+
 // The gathering through the real forward pass: several threads attend to one head at once (the
 // forward pass splits a head's query tokens), so a lost update would show in the sums. Every
 // observed row's weights sum to 1.

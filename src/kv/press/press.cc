@@ -402,13 +402,16 @@ Status ScoreTokens(const PressOptions& o, const PagedSequence& seq, int n_layers
                                                 "weights press '") +
                                     ScorerName(o.scorer) + "' scores by");
         }
-        if (static_cast<int>(w.size()) != n) {
+        // Attention passes read the hot table's keys, then the cold table's (demoted tokens,
+        // during a chunked prefill): only the hot keys are candidates.
+        const int cold = seq.cold_length(l, h);
+        if (static_cast<int>(w.size()) != n && static_cast<int>(w.size()) != n + cold) {
           return FailedPrecondition("the press observer saw " + std::to_string(w.size()) +
                                     " keys in layer " + std::to_string(l) + " head " +
                                     std::to_string(h) + " but the cache holds " +
                                     std::to_string(n) + " (compress right after the prompt)");
         }
-        s = w;
+        s.assign(w.begin(), w.begin() + n);
         return OkStatus();
       };
       switch (o.scorer) {
