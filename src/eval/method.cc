@@ -31,7 +31,6 @@ const std::vector<std::string>& KnownPresses() {
   return kPresses;
 }
 
-// The names of src/kv/codecs (ParseCodec), so rows keep their names when codecs are wired in.
 std::string Method::Label() const {
   char size[32] = "";
   if (budget > 0) {

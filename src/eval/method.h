@@ -36,7 +36,6 @@ struct Method {
 
   // "full/f32", "snapkv@0.5/int8", "streaming#256/int8:kivi2" (compress_at not included).
   std::string Label() const;
-  // Nominal bits of one stored K or V value (mean of K and V; scales and positions excluded).
 };
 
 // Every press and codec name the harness accepts, runnable or not.

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "kernels/cpu/scratch.h"
 #include "kernels/kernels.h"
@@ -244,6 +245,8 @@ void AttendPages(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys
   float* obs_m = nullptr;
   int32_t obs_min_pos = 0;
   int obs_slot[kMaxTileRows];  // tile token -> its slot among observed tokens, or -1
+  // Observed passes: the first key of each page (and the total last), for folding the kept terms.
+  thread_local std::vector<int64_t> page_first;
   if (b.n_observe > 0 && n_pages > 0) {
     obs_min_pos = b.observe[0].min_pos;
     for (int i = 1; i < b.n_observe; ++i) obs_min_pos = std::min(obs_min_pos, b.observe[i].min_pos);
@@ -254,6 +257,12 @@ void AttendPages(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys
       obs_p = ThreadScratch(kScratchAttentionObserve,
                             obs_rows * (static_cast<size_t>(n_keys) + n_pages));
       obs_m = obs_p + obs_rows * n_keys;
+      page_first.assign(n_pages + 1, 0);
+      for (int page = 0; page < n_pages; ++page) {
+        int cnt = 0;
+        pages.Positions(page, &cnt);
+        page_first[page + 1] = page_first[page] + cnt;
+      }
     }
   }
 
@@ -357,12 +366,9 @@ void AttendPages(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys
       const float* p_row = obs_p + o * n_keys;
       const float* m_row = obs_m + o * n_pages;
       const float inv = 1.0f / run_sum[r];
-      int64_t first_key = 0;
       for (int page = 0; page < n_pages; ++page) {
-        int cnt = 0;
-        pages.Positions(page, &cnt);
-        const int64_t j0 = first_key;
-        first_key += cnt;
+        const int64_t j0 = page_first[page];
+        const int cnt = static_cast<int>(page_first[page + 1] - j0);
         if (m_row[page] == kNegInf) continue;  // nothing of the page visible to the row
         const float c = std::exp(m_row[page] - run_max[r]) * inv;
         for (int i = 0; i < b.n_observe; ++i) {
@@ -386,14 +392,6 @@ struct RawPages {
   }
 };
 
-struct SourcePages {
-  const PageRows& rows;
-  const int32_t* Positions(int page, int* cnt) const { return rows.Positions(page, cnt); }
-  PageData Rows(int page, float* k_buf, float* v_buf) const {
-    return rows.Rows(page, k_buf, v_buf);
-  }
-};
-
 }  // namespace
 
 void PagedAttentionImpl(const AttnBatch& b, const PagedKv& kv) {
@@ -403,7 +401,7 @@ void PagedAttentionImpl(const AttnBatch& b, const PagedKv& kv) {
 }
 
 void PagedAttentionRowsImpl(const AttnBatch& b, const PageRows& kv) {
-  AttendPages(b, SourcePages{kv}, kv.n_pages(), kv.n_keys(), kv.page_tokens(), kv.head_dim());
+  AttendPages(b, kv, kv.n_pages(), kv.n_keys(), kv.page_tokens(), kv.head_dim());
 }
 
 #endif  // HWY_TARGET == HWY_SCALAR

@@ -227,7 +227,7 @@ struct CallBuffers {
   std::vector<float> weights;  // [gatherings observed][n_keys]
   kernels::AttnObserve observe[PressObserver::kGatherings];
   int n_keys = 0;
-  std::vector<double> q_sum, q_outer, q0;
+  std::vector<double> q_sum, q_outer, q0, cs, sn;
   int64_t q_rows = 0;
 };
 thread_local CallBuffers tls_call;
@@ -252,19 +252,26 @@ std::span<const kernels::AttnObserve> PressObserver::Observe(int, int, int n_key
   cb.q_outer.assign(size_t(d) * d, 0.0);
   cb.q0.resize(d);
   const int half = d / 2;
+  const bool rope = !inv_freq_.empty();
   for (int t = 0; t < b.n_tok; ++t) {
     if (b.q_pos[t] < min_pos_[kWindow]) continue;
+    if (rope) {  // the RoPE angles of this position, shared by the group's heads
+      cb.cs.resize(half);
+      cb.sn.resize(half);
+      for (int i = 0; i < half; ++i) {
+        const double a = double(b.q_pos[t]) * inv_freq_[i];
+        cb.cs[i] = std::cos(a);
+        cb.sn[i] = std::sin(a);
+      }
+    }
     for (int head = 0; head < b.n_heads; ++head) {
       const float* q = b.q + t * b.q_stride + int64_t(head) * d;
       double* q0 = cb.q0.data();
       for (int i = 0; i < d; ++i) q0[i] = q[i];
-      if (!inv_freq_.empty()) {  // undo RoPE at the query's position (rotate-half pairs i, i+d/2)
-        for (int i = 0; i < half; ++i) {
-          const double a = double(b.q_pos[t]) * inv_freq_[i], c = std::cos(a), s = std::sin(a);
-          const double x = q0[i], y = q0[i + half];
-          q0[i] = x * c + y * s;
-          q0[i + half] = y * c - x * s;
-        }
+      for (int i = 0; rope && i < half; ++i) {  // undo RoPE (rotate-half pairs i, i + d/2)
+        const double x = q0[i], y = q0[i + half];
+        q0[i] = x * cb.cs[i] + y * cb.sn[i];
+        q0[i + half] = y * cb.cs[i] - x * cb.sn[i];
       }
       for (int i = 0; i < d; ++i) {
         cb.q_sum[i] += q0[i];
