@@ -400,6 +400,38 @@ TEST(EvalKl, CodecsAreMeasuredOnTheirOwnEngines) {
   EXPECT_EQ(r4.bits_per_value, 4.5);
 }
 
+TEST(EvalKl, DecodeScoringSeesWhatGenerationSees) {
+  auto engine = MakeEngine(256);
+  KlOptions o = SmallKl();
+  Method q4, kivi;
+  q4.codec_k = q4.codec_v = "q4_0";
+  kivi.codec_k = "kivi4";
+  o.methods = {Method{}, q4, kivi};
+  auto batch = RunKlSweep(*engine, o);
+  o.decode = true;
+  auto decode = RunKlSweep(*engine, o);
+  ASSERT_TRUE(batch.ok()) << batch.status().ToString();
+  ASSERT_TRUE(decode.ok()) << decode.status().ToString();
+  ASSERT_EQ(decode->size(), 3u);
+  const ResultRow &f32 = (*decode)[0], &r4 = (*decode)[1], &rk = (*decode)[2];
+  EXPECT_EQ(f32.task, "text-decode");
+  EXPECT_EQ(f32.scored_tokens, (*batch)[0].scored_tokens);
+  EXPECT_EQ(*f32.mean_kl, 0.0);
+  // q4_0 rows are encoded as they are written, so token-by-token scoring sees the same codes a
+  // batch sees: the KL moves only by rounding (a misplaced row of logits would move it a lot).
+  EXPECT_NEAR(*r4.mean_kl, *(*batch)[1].mean_kl, 0.05 * *r4.mean_kl);
+  // KIVI keys stay f32 until their page is full: a generated token sees its page unquantized, a
+  // token in a batch sees it sealed by the batch's later tokens.
+  EXPECT_GT(*rk.mean_kl, 0.0);
+  EXPECT_LT(*rk.mean_kl, 0.8 * *(*batch)[2].mean_kl);
+  // Bits held per value: f32 rows (32) plus positions (0.25) plus the partly filled last page;
+  // q4_0 4.5 + 0.25 plus its partial page.
+  EXPECT_GT(*f32.kv_bits_held, 32.25);
+  EXPECT_GT(*r4.kv_bits_held, 4.75);
+  EXPECT_LT(*r4.kv_bits_held, 0.2 * *f32.kv_bits_held);
+  EXPECT_NEAR(*(*batch)[1].kv_bits_held, 4.75, 1e-9);  // sampled at 96 and 192 tokens: whole pages
+}
+
 // ---------------------------------------------------------------- baseline
 
 TEST(EvalBaseline, PasskeyAt512FullCache) {

@@ -35,7 +35,7 @@ struct EvalOpts {
   int press_window = 32;
   int press_sinks = 4;
   double demote_fetch = 0.125;
-  bool kl = false;
+  bool kl = false, kl_decode = false;
   int windows = 8;
   int window_len = 1024;
   std::string text_file;
@@ -211,6 +211,7 @@ void Run(const EvalOpts& o) {
     ko.model_name = model;
     ko.progress = o.progress;
     ko.dump_windows = o.dump_windows;
+    ko.decode = o.kl_decode;
     ko.test_perturb_logits = o.test_perturb_logits;
     std::vector<ResultRow> kl = OrFail(RunKlSweep(*engine, ko));
     rows.insert(rows.end(), kl.begin(), kl.end());
@@ -321,6 +322,11 @@ void AddEval(CLI::App& app) {
       "KL: byte offset in the text (next paragraph start; default: a quarter into the file)");
   cmd->add_option("--kl-ref", o->kl_ref, "KL: reference configuration, e.g. full/f32")
       ->capture_default_str();
+  cmd->add_flag("--kl-decode", o->kl_decode,
+                "KL: score the second half one token at a time, as generation sees the cache "
+                "(KIVI's full-precision residual and --kv-window act as in decoding); by default "
+                "it runs in --ubatch chunks whose K/V are stored in the codec before the chunk "
+                "attends, as llama.cpp's perplexity tool does");
   cmd->add_option("--dump-windows", o->dump_windows,
                   "KL: write each text window's token ids as a JSON line (window, score_from, "
                   "ids) to score another engine on the same tokens");

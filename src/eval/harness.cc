@@ -393,6 +393,7 @@ struct KlRun {
   KlAccumulator kl;
   double prefill_s = 0, kv_prefill = 0, kv_peak = 0;
   int64_t tokens = 0;
+  double held_bytes = 0, held_values = 0;  // sums over the samples of kv_bits_held
 };
 
 }  // namespace
@@ -417,11 +418,13 @@ Result<std::vector<ResultRow>> RunKlSweep(Engine& engine, const KlOptions& o) {
                           TextTokens(tok, path, o.offset, size_t(o.windows) * text_per_window));
 
   const int vocab = engine.config().vocab_size;
+  const ModelConfig& cfg = engine.config();
+  const double values_per_token = 2.0 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim;
   EngineCache engines;
   std::mt19937_64 noise(MixSeed(o.seed, 0x6e6f697365));
   std::vector<KlRun> runs(methods.runnable.size());
   std::vector<int32_t> window(L);
-  std::vector<float> ref_logits, logits;
+  std::vector<float> ref_logits, logits, step_logits;
   std::ofstream dump;
   if (!o.dump_windows.empty()) {
     dump.open(o.dump_windows, std::ios::binary | std::ios::trunc);
@@ -437,6 +440,27 @@ Result<std::vector<ResultRow>> RunKlSweep(Engine& engine, const KlOptions& o) {
     window.insert(window.end(), text.begin() + size_t(w) * text_per_window,
                   text.begin() + size_t(w + 1) * text_per_window);
     const std::span<const int32_t> ids(window);
+    // Logits of every position of the second half.
+    auto score = [&](Session& session, std::vector<float>* out, KlRun* run) -> Status {
+      auto held = [&] {
+        if (!run) return;
+        run->held_bytes += double(session.kv().bytes_held());
+        run->held_values += double(session.n_tokens()) * values_per_token;
+      };
+      held();
+      if (!o.decode) {
+        CACHET_RETURN_IF_ERROR(session.Eval(ids.subspan(half), out, /*all_logits=*/true));
+        held();
+        return OkStatus();
+      }
+      out->resize((ids.size() - half) * size_t(vocab));
+      for (size_t i = half; i < ids.size(); ++i) {
+        CACHET_RETURN_IF_ERROR(session.Eval(ids.subspan(i, 1), &step_logits));
+        std::copy(step_logits.begin(), step_logits.end(), out->begin() + (i - half) * vocab);
+        held();
+      }
+      return OkStatus();
+    };
     if (dump.is_open()) {
       dump << nlohmann::json{{"window", w}, {"score_from", half}, {"ids", window}}.dump() << '\n';
     }
@@ -446,7 +470,7 @@ Result<std::vector<ResultRow>> RunKlSweep(Engine& engine, const KlOptions& o) {
       ObserveIfNeeded({o.reference}, o.reference, static_cast<int32_t>(half), *reference);
       CACHET_RETURN_IF_ERROR(reference->Eval(ids.first(half), nullptr));
       CACHET_RETURN_IF_ERROR(ApplyMethod(o.reference, *reference));
-      CACHET_RETURN_IF_ERROR(reference->Eval(ids.subspan(half), &ref_logits, /*all_logits=*/true));
+      CACHET_RETURN_IF_ERROR(score(*reference, &ref_logits, nullptr));
     }
     for (const Method& group : CodecGroups(methods.runnable)) {
       CACHET_ASSIGN_OR_RETURN(Engine * ge, EngineFor(engine, group, engines));
@@ -473,7 +497,7 @@ Result<std::vector<ResultRow>> RunKlSweep(Engine& engine, const KlOptions& o) {
           CACHET_RETURN_IF_ERROR(ApplyMethod(m, *session));
         }
         const size_t start_bytes = session->kv().bytes_held();
-        CACHET_RETURN_IF_ERROR(session->Eval(ids.subspan(half), &logits, /*all_logits=*/true));
+        CACHET_RETURN_IF_ERROR(score(*session, &logits, &run));
         run.prefill_s += prefill_s + SecondsSince(t1);
         run.tokens += L;
         run.kv_prefill += double(start_bytes);
@@ -493,7 +517,7 @@ Result<std::vector<ResultRow>> RunKlSweep(Engine& engine, const KlOptions& o) {
   ResultRow base;
   base.kind = "kl";
   base.model = o.model_name;
-  base.task = "text";
+  base.task = o.decode ? "text-decode" : "text";
   base.length = L;
   base.prompt_tokens = L;
   base.seed = o.seed;
@@ -515,6 +539,7 @@ Result<std::vector<ResultRow>> RunKlSweep(Engine& engine, const KlOptions& o) {
     r.ppl = s.ppl;
     r.kv_bytes_prefill = run.kv_prefill / o.windows;
     r.kv_bytes_peak = run.kv_peak;
+    r.kv_bits_held = 8 * run.held_bytes / run.held_values;
     r.kv_pool_high_water_bytes = PoolHighWater(engine, engines);
     r.peak_rss_bytes = PeakRssBytes();
     r.prefill_tok_s = run.tokens / run.prefill_s;

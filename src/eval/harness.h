@@ -43,6 +43,10 @@ struct ResultRow {
   // the uncompressed prefill for methods that compress after it. The pool's high water and the
   // peak RSS are process-wide and monotonic (their value when the row was finished).
   std::optional<double> kv_bytes_prefill, kv_bytes_peak;
+  // kl: bits per K/V value the cache held while the scored half ran, as the pool stores them
+  // (codes, raw staging and sink pages, token positions): the mean over decode steps with
+  // --kl-decode, else of the start and the end of the scored half.
+  std::optional<double> kv_bits_held;
   std::optional<int64_t> kv_pool_high_water_bytes, peak_rss_bytes;
   std::optional<double> prefill_tok_s, decode_tok_s, ttft_ms;
   int threads = 0;
@@ -83,6 +87,10 @@ struct KlOptions {
   // If set, each window is written there as a JSON line {"window", "score_from", "ids"}, so
   // another engine can be scored on the same tokens (bench/peers).
   std::string dump_windows;
+  // Score the second half one token at a time, as generation sees the cache (KIVI's full-precision
+  // residual and --kv-window act as they do while decoding). Otherwise it runs in ubatch chunks
+  // whose K/V are stored before the chunk attends, as llama.cpp's perplexity tool does.
+  bool decode = false;
   // Test-only: Gaussian noise of this stddev added to the tested configurations' logits (never
   // the reference's), to show the metric can fail. 0 in real runs.
   double test_perturb_logits = 0;

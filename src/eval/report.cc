@@ -282,24 +282,43 @@ std::string FirstLine(const std::string& path, const std::string& key) {
 }  // namespace
 
 const std::vector<std::string>& RowColumns() {
-  static const std::vector<std::string> kColumns = {"kind",           "status",
-                                                    "reason",         "model",
-                                                    "task",           "length",
-                                                    "prompt_tokens",  "needles",
-                                                    "depth",          "method",
-                                                    "press",          "ratio",
-                                                    "budget",         "codec_k",
-                                                    "codec_v",        "bits_per_value",
-                                                    "compress_at",    "seed",
-                                                    "samples",        "correct",
-                                                    "accuracy",       "mean_kl",
-                                                    "p99_kl",         "top1_agree",
-                                                    "ppl_ref",        "ppl",
-                                                    "scored_tokens",  "kv_bytes_prefill",
-                                                    "kv_bytes_peak",  "kv_pool_high_water_bytes",
-                                                    "peak_rss_bytes", "prefill_tok_s",
-                                                    "decode_tok_s",   "ttft_ms",
-                                                    "threads",        "cell_wall_s"};
+  static const std::vector<std::string> kColumns = {"kind",
+                                                    "status",
+                                                    "reason",
+                                                    "model",
+                                                    "task",
+                                                    "length",
+                                                    "prompt_tokens",
+                                                    "needles",
+                                                    "depth",
+                                                    "method",
+                                                    "press",
+                                                    "ratio",
+                                                    "budget",
+                                                    "codec_k",
+                                                    "codec_v",
+                                                    "bits_per_value",
+                                                    "compress_at",
+                                                    "seed",
+                                                    "samples",
+                                                    "correct",
+                                                    "accuracy",
+                                                    "mean_kl",
+                                                    "p99_kl",
+                                                    "top1_agree",
+                                                    "ppl_ref",
+                                                    "ppl",
+                                                    "scored_tokens",
+                                                    "kv_bytes_prefill",
+                                                    "kv_bytes_peak",
+                                                    "kv_bits_held",
+                                                    "kv_pool_high_water_bytes",
+                                                    "peak_rss_bytes",
+                                                    "prefill_tok_s",
+                                                    "decode_tok_s",
+                                                    "ttft_ms",
+                                                    "threads",
+                                                    "cell_wall_s"};
   return kColumns;
 }
 
@@ -335,6 +354,7 @@ nlohmann::ordered_json RowToJson(const ResultRow& r) {
   j["scored_tokens"] = r.scored_tokens;
   j["kv_bytes_prefill"] = Opt(r.kv_bytes_prefill);
   j["kv_bytes_peak"] = Opt(r.kv_bytes_peak);
+  j["kv_bits_held"] = Opt(r.kv_bits_held);
   j["kv_pool_high_water_bytes"] = Opt(r.kv_pool_high_water_bytes);
   j["peak_rss_bytes"] = Opt(r.peak_rss_bytes);
   j["prefill_tok_s"] = Opt(r.prefill_tok_s);
@@ -424,9 +444,9 @@ std::string MarkdownTable(const std::vector<ResultRow>& rows) {
     if (!kl_header) {
       if (task_header) md << "\n";
       md << "| method | window | windows | scored | mean KL | p99 KL | top-1 agree | PPL ref | "
-            "PPL | KV prefill MiB | KV peak MiB | peak RSS MiB | tok/s |\n"
+            "PPL | KV prefill MiB | KV peak MiB | bits held | peak RSS MiB | tok/s |\n"
          << "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | "
-            "---: |\n";
+            "---: | ---: |\n";
       kl_header = true;
     }
     md << "| " << r.method.Label() << " | " << r.length << " | " << r.samples << " | "
@@ -435,8 +455,8 @@ std::string MarkdownTable(const std::vector<ResultRow>& rows) {
        << Cell(r.p99_kl, "%.6f") << " | " << Cell(r.top1_agree, "%.4f") << " | "
        << Cell(r.ppl_ref, "%.3f") << " | " << Cell(r.ppl, "%.3f") << " | "
        << Cell(r.kv_bytes_prefill, "%.2f", kMiB) << " | " << Cell(r.kv_bytes_peak, "%.2f", kMiB)
-       << " | " << Cell(r.peak_rss_bytes, "%.0f", kMiB) << " | " << Cell(r.prefill_tok_s, "%.0f")
-       << " |\n";
+       << " | " << Cell(r.kv_bits_held, "%.2f") << " | " << Cell(r.peak_rss_bytes, "%.0f", kMiB)
+       << " | " << Cell(r.prefill_tok_s, "%.0f") << " |\n";
   }
   return md.str();
 }
