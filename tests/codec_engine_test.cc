@@ -123,9 +123,10 @@ TEST(CodecEngine, CompressedCachesAreCloseAndSmaller) {
   }
 }
 
-// --kv-window: a page stays f32 until `window` newer tokens follow it, then it is encoded. The
-// recent rows are exact, memory is the encoded pages plus the window's raw ones, the logits get
-// closer to the f32 cache's, and prefix reuse shares only final (encoded) pages.
+// --kv-window: a page stays f16 until `window` newer tokens follow it, then it is encoded. The
+// recent rows are the f32 rows rounded to f16, memory is the encoded pages plus the window's raw
+// ones, the logits get closer to the f32 cache's, and prefix reuse shares only final (encoded)
+// pages.
 TEST(CodecEngine, RecentWindowStaysFullPrecision) {
   std::vector<int32_t> prompt(300);
   for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = 10 + int32_t(i * 7919 % 400);
@@ -147,9 +148,21 @@ TEST(CodecEngine, RecentWindowStaysFullPrecision) {
   s->kv().Gather(0, 1, &k, &v, &pos);
   f32_s->kv().Gather(0, 1, &fk, &fv, &pos);
   const int hd = c.head_dim;
-  for (int j = 14 * 16; j < 300; ++j) {  // layer 0 rows do not depend on the cache: exact
-    for (int i = 0; i < hd; ++i) ASSERT_EQ(k[j * hd + i], fk[j * hd + i]) << j;
+  // Layer 0 rows do not depend on the cache: the window holds exactly the f32 rows in f16.
+  const int n_recent = 300 - 14 * 16;
+  std::vector<uint8_t> f16(
+      codecs::PageBytes(codecs::Codec::kF16, codecs::Role::kKey, n_recent, hd));
+  std::vector<float> rounded(size_t(n_recent) * hd);
+  codecs::EncodePage(codecs::Codec::kF16, codecs::Role::kKey, fk.data() + 14 * 16 * hd, n_recent,
+                     n_recent, hd, f16.data());
+  codecs::DecodePage(codecs::Codec::kF16, codecs::Role::kKey, f16.data(), n_recent, n_recent, hd,
+                     rounded.data());
+  int inexact = 0;
+  for (int i = 0; i < n_recent * hd; ++i) {
+    ASSERT_EQ(k[14 * 16 * hd + i], rounded[i]) << i;
+    inexact += rounded[i] != fk[14 * 16 * hd + i];
   }
+  EXPECT_GT(inexact, 0);  // f16, not f32
   int differ = 0;
   for (int i = 0; i < 14 * 16 * hd; ++i) differ += k[i] != fk[i];
   EXPECT_GT(differ, 0);  // the older pages are q4_0

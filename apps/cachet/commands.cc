@@ -40,10 +40,10 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o) {
                  "KV codec of values: " + codecs::CodecNames())
       ->default_val("f32");
   app.add_option("--kv-sinks", o.kv_sinks,
-                 "Keep the pages holding the first N tokens in full precision (attention sinks)")
+                 "Keep the pages holding the first N tokens in f16 (attention sinks)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--kv-window", o.kv_window,
-                 "Keep each page in full precision (f32) until N newer tokens follow it, then "
+                 "Keep each page in f16 until N newer tokens follow it, then "
                  "store it in the --cache-type codec (the recent window of mixed precision)")
       ->check(CLI::NonNegativeNumber);
   app.add_flag("!--no-prefix-cache", o.prefix_cache,

@@ -36,7 +36,7 @@ void PagePool::MapArena(Arena& a, size_t data_bytes_per_slot, size_t capacity_by
 
 PagePool::PagePool(const KvLayout& layout, size_t capacity_bytes)
     : layout_(layout), capacity_bytes_(capacity_bytes) {
-  MapArena(raw_, layout.slot_floats() * sizeof(float), capacity_bytes);
+  MapArena(raw_, layout.raw_data_bytes(), capacity_bytes);
   if (!layout.plain()) {
     MapArena(codec_, codec_data_bytes(), capacity_bytes);
   }
@@ -84,7 +84,8 @@ void PagePool::CopyPage(int32_t from, int32_t to) {
   if (IsCodecPage(from)) {
     std::memcpy(codec_keys(to), codec_keys(from), codec_data_bytes());
   } else {
-    std::memcpy(keys(to), keys(from), layout_.slot_floats() * sizeof(float));
+    std::memcpy(rows(to, codecs::Role::kKey), rows(from, codecs::Role::kKey),
+                layout_.raw_data_bytes());
   }
   std::memcpy(positions(to), positions(from), layout_.page_tokens * sizeof(int32_t));
 }

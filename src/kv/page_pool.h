@@ -44,9 +44,14 @@ struct KvLayout {
     return n - window < page_tokens ? 0 : (n - window) / page_tokens;
   }
   int64_t slot_floats() const { return int64_t{2} * page_tokens * head_dim; }
-  size_t raw_page_bytes() const {
-    return slot_floats() * sizeof(float) + page_tokens * sizeof(int32_t);
+  // Raw pages hold rows unquantized: f32 in a plain layout, f16 beside a codec (the sinks, the
+  // recent window and KIVI's residual are mixed precision's high tier, at half the bytes of f32).
+  codecs::Codec raw_codec() const { return plain() ? codecs::Codec::kF32 : codecs::Codec::kF16; }
+  size_t raw_k_bytes() const {
+    return codecs::PageBytes(raw_codec(), codecs::Role::kKey, page_tokens, head_dim);
   }
+  size_t raw_data_bytes() const { return 2 * raw_k_bytes(); }
+  size_t raw_page_bytes() const { return raw_data_bytes() + page_tokens * sizeof(int32_t); }
   size_t codec_k_bytes() const {
     return codecs::PageBytes(codec_k, codecs::Role::kKey, page_tokens, head_dim);
   }
@@ -121,11 +126,19 @@ class PagePool {
     return IsCodecPage(page) ? layout_.codec_page_bytes() : layout_.raw_page_bytes();
   }
 
-  // Raw pages: f32 K rows then V rows.
-  float* keys(int32_t page) {
-    return reinterpret_cast<float*>(raw_.base) + page * layout_.slot_floats();
+  // A page's K or V rows as stored: raw pages (layout().raw_codec()) or codec pages.
+  codecs::Codec codec_of(int32_t page, codecs::Role role) const {
+    return !IsCodecPage(page)           ? layout_.raw_codec()
+           : role == codecs::Role::kKey ? layout_.codec_k
+                                        : layout_.codec_v;
   }
-  float* values(int32_t page) { return keys(page) + layout_.page_tokens * layout_.head_dim; }
+  uint8_t* rows(int32_t page, codecs::Role role) {
+    if (!IsCodecPage(page)) {
+      uint8_t* k = raw_.base + static_cast<size_t>(page) * layout_.raw_data_bytes();
+      return role == codecs::Role::kKey ? k : k + layout_.raw_k_bytes();
+    }
+    return role == codecs::Role::kKey ? codec_keys(page) : codec_values(page);
+  }
   // Codec pages: encoded K, then encoded V.
   uint8_t* codec_keys(int32_t page) {
     return codec_.base + static_cast<size_t>(page & ~kCodecPageBit) * codec_data_bytes();
@@ -135,6 +148,7 @@ class PagePool {
     return (IsCodecPage(page) ? codec_.positions : raw_.positions) +
            static_cast<size_t>(page & ~kCodecPageBit) * layout_.page_tokens;
   }
+  // The f32 slots of a plain layout, as kernels::PagedKv takes them.
   const float* slots_base() const { return reinterpret_cast<const float*>(raw_.base); }
   const int32_t* positions_base() const { return raw_.positions; }
 

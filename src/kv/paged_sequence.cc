@@ -172,10 +172,14 @@ void PagedSequence::Seal(BlockTable& t, int64_t page_index) {
   const int32_t raw = t.pages[page_index];
   const int32_t sealed = t.seal_pages.front();
   t.seal_pages.erase(t.seal_pages.begin());
-  codecs::EncodePage(lay.codec_k, Role::kKey, pool_.keys(raw), lay.page_tokens, lay.page_tokens,
-                     lay.head_dim, pool_.codec_keys(sealed));
-  codecs::EncodePage(lay.codec_v, Role::kValue, pool_.values(raw), lay.page_tokens, lay.page_tokens,
-                     lay.head_dim, pool_.codec_values(sealed));
+  thread_local std::vector<float> rows;
+  rows.resize(size_t(lay.page_tokens) * lay.head_dim);
+  for (Role role : {Role::kKey, Role::kValue}) {
+    codecs::DecodePage(lay.raw_codec(), role, pool_.rows(raw, role), lay.page_tokens,
+                       lay.page_tokens, lay.head_dim, rows.data());
+    codecs::EncodePage(pool_.codec_of(sealed, role), role, rows.data(), lay.page_tokens,
+                       lay.page_tokens, lay.head_dim, pool_.rows(sealed, role));
+  }
   std::memcpy(pool_.positions(sealed), pool_.positions(raw), lay.page_tokens * sizeof(int32_t));
   pool_.Unref(raw);
   t.pages[page_index] = sealed;
@@ -198,18 +202,27 @@ void PagedSequence::Append(int layer, int kv_head, const float* k, const float* 
   }
 }
 
+namespace {
+
+// The first cnt K and V rows of a page in f32, whatever stores them.
+void DecodeRows(PagePool& pool, int32_t page, int cnt, float* k, float* v) {
+  const KvLayout& lay = pool.layout();
+  for (Role role : {Role::kKey, Role::kValue}) {
+    codecs::DecodePage(pool.codec_of(page, role), role, pool.rows(page, role), cnt, lay.page_tokens,
+                       lay.head_dim, role == Role::kKey ? k : v);
+  }
+}
+
+}  // namespace
+
 void PagedSequence::WriteRow(PagePool& pool, int32_t page, int off, const float* k, const float* v,
                              int32_t pos) {
   const KvLayout& lay = pool.layout();
   const int hd = lay.head_dim;
-  if (IsCodecPage(page)) {
-    codecs::EncodePage(lay.codec_k, Role::kKey, k, 1, 1, hd,
-                       pool.codec_keys(page) + off * codecs::RowStride(lay.codec_k, hd));
-    codecs::EncodePage(lay.codec_v, Role::kValue, v, 1, 1, hd,
-                       pool.codec_values(page) + off * codecs::RowStride(lay.codec_v, hd));
-  } else {
-    std::memcpy(pool.keys(page) + size_t(off) * hd, k, hd * sizeof(float));
-    std::memcpy(pool.values(page) + size_t(off) * hd, v, hd * sizeof(float));
+  for (Role role : {Role::kKey, Role::kValue}) {
+    const codecs::Codec c = pool.codec_of(page, role);
+    codecs::EncodePage(c, role, role == Role::kKey ? k : v, 1, 1, hd,
+                       pool.rows(page, role) + off * codecs::RowStride(c, hd));
   }
   pool.positions(page)[off] = pos;
 }
@@ -346,14 +359,7 @@ Status PagedSequence::Retain(std::span<const std::vector<int32_t>> keep, bool de
         continue;
       }
       const int32_t sp = t.pages[s];
-      if (IsCodecPage(sp)) {
-        codecs::DecodePage(lay.codec_k, Role::kKey, pool_.codec_keys(sp), cnt, pt, hd, kbuf.data());
-        codecs::DecodePage(lay.codec_v, Role::kValue, pool_.codec_values(sp), cnt, pt, hd,
-                           vbuf.data());
-      } else {
-        std::memcpy(kbuf.data(), pool_.keys(sp), size_t(cnt) * hd * sizeof(float));
-        std::memcpy(vbuf.data(), pool_.values(sp), size_t(cnt) * hd * sizeof(float));
-      }
+      DecodeRows(pool_, sp, cnt, kbuf.data(), vbuf.data());
       std::memcpy(src_pos.data(), pool_.positions(sp), cnt * sizeof(int32_t));
       if (drops) {
         size_t x = kj;
@@ -422,12 +428,10 @@ bool PagedSequence::QuestSelect(PagePool& pool, const BlockTable& t, const kerne
   thread_local std::vector<float> kbuf;
   for (int p = static_cast<int>(t.key_bounds.size() / (2 * hd)); p < candidates; ++p) {
     const int32_t page = t.pages[p];
-    const float* keys = pool.keys(page);
-    if (IsCodecPage(page)) {
-      kbuf.resize(size_t(pt) * hd);
-      codecs::DecodePage(lay.codec_k, Role::kKey, pool.codec_keys(page), pt, pt, hd, kbuf.data());
-      keys = kbuf.data();
-    }
+    kbuf.resize(size_t(pt) * hd);
+    codecs::DecodePage(pool.codec_of(page, Role::kKey), Role::kKey, pool.rows(page, Role::kKey), pt,
+                       pt, hd, kbuf.data());
+    const float* keys = kbuf.data();
     const size_t at = t.key_bounds.size();
     t.key_bounds.resize(at + 2 * hd);
     float* lo = t.key_bounds.data() + at;
@@ -502,11 +506,11 @@ struct PagedSequence::RefRows final : kernels::PageRows {
   kernels::PageData Rows(int page, float* k_buf, float* v_buf) const override {
     PagePool& pool = *refs_[page].pool;
     const int32_t id = refs_[page].page;
-    if (!IsCodecPage(id)) return {pool.keys(id), pool.values(id)};
-    const KvLayout& l = pool.layout();
     kernels::PageData d;
-    d.k = Rows(l.codec_k, Role::kKey, pool.codec_keys(id), refs_[page].cnt, k_buf, &d.k_type);
-    d.v = Rows(l.codec_v, Role::kValue, pool.codec_values(id), refs_[page].cnt, v_buf, &d.v_type);
+    d.k = Rows(pool.codec_of(id, Role::kKey), Role::kKey, pool.rows(id, Role::kKey),
+               refs_[page].cnt, k_buf, &d.k_type);
+    d.v = Rows(pool.codec_of(id, Role::kValue), Role::kValue, pool.rows(id, Role::kValue),
+               refs_[page].cnt, v_buf, &d.v_type);
     return d;
   }
 
@@ -601,18 +605,12 @@ void PagedSequence::Gather(int layer, int kv_head, std::vector<float>* k, std::v
     const int cnt = std::min(pt, t.n_tokens - p * pt);
     float* kd = k->data() + size_t(p) * pt * hd;
     float* vd = v->data() + size_t(p) * pt * hd;
-    if (IsCodecPage(page)) {
-      codecs::DecodePage(lay.codec_k, Role::kKey, pool.codec_keys(page), cnt, pt, hd, kd);
-      codecs::DecodePage(lay.codec_v, Role::kValue, pool.codec_values(page), cnt, pt, hd, vd);
-    } else {
-      std::memcpy(kd, pool.keys(page), size_t(cnt) * hd * sizeof(float));
-      std::memcpy(vd, pool.values(page), size_t(cnt) * hd * sizeof(float));
-    }
+    DecodeRows(pool, page, cnt, kd, vd);
     std::memcpy(positions->data() + size_t(p) * pt, pool.positions(page), cnt * sizeof(int32_t));
   }
 }
 
-// Online-softmax attention over pages of mixed kinds: raw f32 pages (sinks, staging) and pages
+// Online-softmax attention over pages of mixed kinds: raw pages (sinks, staging) and pages
 // stored by codec. A tile of query rows (token, head) walks the pages once; each codec page is
 // decoded into an L1-sized scratch once per tile, so the decode cost is shared by every row.
 // Rotation codecs keep K and V in the rotated basis: rotated queries score them and values
@@ -692,21 +690,16 @@ void PagedSequence::CodecAttend(std::span<const PageRef> refs, const kernels::At
 
     for (int pg = 0; pg < n_pages; ++pg) {
       PagePool& pool = *refs[pg].pool;
-      const KvLayout& pl = pool.layout();
       const int32_t page = refs[pg].page;
       const int cnt = refs[pg].cnt;
       const int32_t* pos = pool.positions(page);
       if (*std::min_element(pos, pos + cnt) > q_max) continue;
-      const bool codec = IsCodecPage(page);
-      const float* k = pool.keys(page);
-      const float* v = codec ? vbuf : pool.values(page);
-      if (codec) {
-        codecs::DecodeStored(pl.codec_k, Role::kKey, pool.codec_keys(page), cnt, pt, hd, kbuf);
-        codecs::DecodeStored(pl.codec_v, Role::kValue, pool.codec_values(page), cnt, pt, hd, vbuf);
-        k = kbuf;
-      }
-      const bool k_rotated = codec && codecs::IsRotated(pl.codec_k);
-      const bool v_rotated = codec && codecs::IsRotated(pl.codec_v);
+      const codecs::Codec ck = pool.codec_of(page, Role::kKey),
+                          cv = pool.codec_of(page, Role::kValue);
+      codecs::DecodeStored(ck, Role::kKey, pool.rows(page, Role::kKey), cnt, pt, hd, kbuf);
+      codecs::DecodeStored(cv, Role::kValue, pool.rows(page, Role::kValue), cnt, pt, hd, vbuf);
+      const float *k = kbuf, *v = vbuf;
+      const bool k_rotated = codecs::IsRotated(ck), v_rotated = codecs::IsRotated(cv);
       for (int r = 0; r < rows; ++r) {
         const float* q = k_rotated ? q_rot + size_t(r) * hd : q_row(r);
         const int32_t qpos = b.q_pos[t0 + r / b.n_heads];
