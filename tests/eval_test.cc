@@ -279,8 +279,11 @@ TEST(EvalMethod, NamesAvailabilityAndLabels) {
   EXPECT_TRUE(ValidateMethod(snap).ok());
   EXPECT_TRUE(MethodAvailable(snap).ok());
   Method snap_kivi = snap;
-  snap_kivi.codec_k = "kivi4";  // KIVI keys are encoded per token group: no eviction yet
-  EXPECT_EQ(MethodAvailable(snap_kivi).code(), StatusCode::kUnimplemented);
+  snap_kivi.codec_k = "kivi4";  // evicting re-encodes the changed pages
+  EXPECT_TRUE(MethodAvailable(snap_kivi).ok());
+  // Demoted tokens are appended one at a time: a cold codec that encodes pages whole cannot.
+  EXPECT_EQ(MethodAvailable(Method{.press = "snapkv+demote:kivi4", .ratio = 0.5}).code(),
+            StatusCode::kUnimplemented);
   EXPECT_TRUE(ValidateMethod(Method{.press = "snapkv+ada", .ratio = 0.5}).ok());
   EXPECT_EQ(ValidateMethod(Method{.press = "snapkv+ada+max", .ratio = 0.5}).code(),
             StatusCode::kInvalidArgument);
@@ -580,12 +583,13 @@ TEST(EvalCli, SmokeWritesReportJsonAndCsv) {
 TEST(EvalCli, UnavailablePressGivesRowsNotACrash) {
   TempDir dir;
   const CliRun r = Cachet(
-      "--task passkey --len 256 --samples 1 --press snapkv,streaming --ratio "
-      "0.5,0.875 --codec kivi4 --json " +
+      "--task passkey --len 256 --samples 1 --press snapkv+demote:kivi4,streaming+demote:kivi2 "
+      "--ratio 0.5,0.875 --json " +
           dir.path() + "/rows.jsonl",
       dir);
   ASSERT_EQ(r.code, 0) << r.err;
-  EXPECT_NE(r.err.find("snapkv@0.5/kivi4 unavailable: press 'snapkv' with kivi4 keys"),
+  EXPECT_NE(r.err.find("snapkv+demote:kivi4@0.5/f32 unavailable: press 'snapkv+demote:kivi4': "
+                       "demoted tokens are appended one by one"),
             std::string::npos)
       << r.err;
   const std::string jsonl = ReadFile(dir.path() + "/rows.jsonl");

@@ -172,18 +172,83 @@ TEST(PressRetain, SharedPagesAreCopiedAndFailureChangesNothing) {
   EXPECT_EQ(c.pool.used_pages(), 16);
 }
 
-TEST(PressRetain, RejectsBadKeepListsAndKiviKeys) {
+TEST(PressRetain, RejectsBadKeepLists) {
   TestCache c(Layout(4), 8);
   std::vector<std::vector<int32_t>> bad(4, {3, 1});
   EXPECT_EQ(c.seq.Retain(bad).code(), StatusCode::kInvalidArgument);
   std::vector<std::vector<int32_t>> out_of_range(4, {8});
   EXPECT_EQ(c.seq.Retain(out_of_range).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(c.seq.head_length(0, 0), 8);
-  TestCache kivi(Layout(32, "kivi4"), 40);
-  std::vector<std::vector<int32_t>> keep(4, {0, 1});
-  Status st = kivi.seq.Retain(keep);
-  EXPECT_EQ(st.code(), StatusCode::kUnimplemented);
-  EXPECT_NE(st.message().find("kivi4"), std::string::npos) << st.message();
+}
+
+// Staged layouts (KIVI keys; a recent window with sinks) evict too: each changed page is encoded
+// again from what the cache held, in the kind the new length gives it (sealed in the codec, or
+// f16 while in the window or a sink), and a forked parent keeps its pages.
+TEST(PressRetain, StagedLayoutsEncodeChangedPagesAgain) {
+  struct Case {
+    const char* codec;
+    int sinks, window;
+  };
+  for (const Case& cs : {Case{"kivi4", 0, 0}, Case{"q4_0", 4, 8}}) {
+    SCOPED_TRACE(cs.codec);
+    KvLayout lay = Layout(16, cs.codec);
+    lay.sinks = cs.sinks;
+    lay.window = cs.window;
+    ASSERT_TRUE(lay.staged());
+    TestCache c(lay, 40);
+    const int hd = lay.head_dim;
+    std::vector<int32_t> keep;
+    for (int32_t j = 0; j < 40; ++j) {
+      if (j != 1 && j != 5 && j != 17 && j != 30 && j != 31) keep.push_back(j);
+    }
+    const int n = int(keep.size());
+    std::vector<float> old_k, old_v, pk, pv;
+    std::vector<int32_t> old_pos, ppos;
+    c.seq.Gather(1, 0, &old_k, &old_v, &old_pos);
+    auto child = c.seq.Fork();
+    ASSERT_TRUE(child->Retain(std::vector<std::vector<int32_t>>(4, keep)).ok());
+    EXPECT_EQ(child->head_length(1, 0), n);
+    std::vector<float> k, v;
+    std::vector<int32_t> pos;
+    child->Gather(1, 0, &k, &v, &pos);
+    EXPECT_EQ(pos, keep);
+    size_t bytes = 0;
+    for (int d = 0; d * 16 < n; ++d) {
+      const int cnt = std::min(16, n - d * 16);
+      const bool sealed = d < lay.SealedPages(n) && d * 16 >= lay.sinks;
+      bytes += sealed ? lay.codec_page_bytes() : lay.raw_page_bytes();
+      for (codecs::Role role : {codecs::Role::kKey, codecs::Role::kValue}) {
+        const codecs::Codec cc = !sealed                      ? codecs::Codec::kF16
+                                 : role == codecs::Role::kKey ? lay.codec_k
+                                                              : lay.codec_v;
+        const std::vector<float>& old = role == codecs::Role::kKey ? old_k : old_v;
+        std::vector<float> rows(size_t(16) * hd), want(rows.size());
+        for (int r = 0; r < cnt; ++r) {
+          std::copy_n(&old[size_t(keep[d * 16 + r]) * hd], hd, &rows[size_t(r) * hd]);
+        }
+        std::vector<uint8_t> page(codecs::PageBytes(cc, role, 16, hd));
+        codecs::EncodePage(cc, role, rows.data(), cnt, 16, hd, page.data());
+        codecs::DecodePage(cc, role, page.data(), cnt, 16, hd, want.data());
+        const std::vector<float>& got = role == codecs::Role::kKey ? k : v;
+        for (int i = 0; i < cnt * hd; ++i) {
+          ASSERT_EQ(got[size_t(d) * 16 * hd + i], want[i]) << "page " << d << " value " << i;
+        }
+      }
+    }
+    EXPECT_EQ(child->bytes_held(), 4 * bytes);
+    c.seq.Gather(1, 0, &pk, &pv, &ppos);
+    EXPECT_EQ(pk, old_k);
+    EXPECT_EQ(pv, old_v);
+    EXPECT_EQ(ppos, old_pos);
+    // The child keeps decoding: new tokens land in its raw pages and age into the codec.
+    ASSERT_TRUE(child->Reserve(40).ok());
+    std::vector<float> row(hd, 0.5f);
+    for (int j = 0; j < 40; ++j) {
+      for (int ti = 0; ti < 4; ++ti) child->Append(ti / 2, ti % 2, row.data(), row.data(), 40 + j);
+    }
+    child->CommitTokens(40);
+    EXPECT_EQ(child->head_length(1, 0), n + 40);
+  }
 }
 
 // Feeds the observer one attention pass per table of queries that all look at `hot` key rows.
@@ -627,12 +692,17 @@ TEST(PressQuest, PicksThePageTheQueryPointsAt) {
 }
 
 // kvtiny on 2 threads without a prefix cache (these tests look at one sequence's pages).
-std::unique_ptr<Engine> KvtinyEngine(int ubatch = 512) {
+std::unique_ptr<Engine> KvtinyEngine(int ubatch = 512, const char* codec_k = "f32",
+                                     const char* codec_v = "f32", int sinks = 0, int window = 0) {
   EngineOptions eo;
   eo.model_dir = testing::ModelDir();
   eo.threads = 2;
   eo.ubatch = ubatch;
   eo.prefix_cache = false;
+  eo.kv_codec_k = codec_k;
+  eo.kv_codec_v = codec_v;
+  eo.kv_sinks = sinks;
+  eo.kv_window = window;
   auto engine = Engine::Create(eo);
   EXPECT_TRUE(engine.ok()) << engine.status().ToString();
   return engine.ok() ? std::move(engine).value() : nullptr;
@@ -828,6 +898,42 @@ TEST(PressEngine, EveryPressFreesMemoryOnKvtiny) {
     // 150 of 600 per table after the prompt, plus the 3 decoded tokens evaluated since.
     EXPECT_EQ(kept, int64_t(cfg.n_layers) * cfg.n_kv_heads * (150 + 3));
     EXPECT_LT(s->kv().bytes_held(), full_bytes * 0.3);
+  }
+}
+
+// Presses on staged codec layouts (KIVI keys; q4_0 with sinks and a recent window): the kept
+// tokens are re-encoded, the rest freed, and decoding goes on.
+TEST(PressEngine, PressesComposeWithStagedCodecs) {
+  struct Case {
+    const char *k, *v;
+    int sinks, window;
+  };
+  for (const Case& c : {Case{"kivi4", "q4_0", 0, 0}, Case{"q4_0", "q4_0", 4, 32}}) {
+    SCOPED_TRACE(std::string(c.k) + ":" + c.v);
+    auto engine = KvtinyEngine(512, c.k, c.v, c.sinks, c.window);
+    ASSERT_NE(engine, nullptr);
+    const std::vector<int32_t> prompt = SyntheticPrompt(600);
+    GenerateOptions g;
+    g.max_tokens = 4;
+    g.sampling.temperature = 0;
+    auto full = engine->NewSession();
+    auto rf = full->Generate(prompt, g);
+    ASSERT_TRUE(rf.ok()) << rf.status().ToString();
+    for (const char* spec : {"snapkv", "h2o+merge", "snapkv+max+demote:rot2"}) {
+      SCOPED_TRACE(spec);
+      GenerateOptions gp = g;
+      gp.press.emplace();
+      ASSERT_TRUE(press::ParsePressSpec(spec, &*gp.press).ok());
+      gp.press->ratio = 0.75;
+      auto s = engine->NewSession();
+      auto r = s->Generate(prompt, gp);
+      ASSERT_TRUE(r.ok()) << r.status().ToString();
+      EXPECT_EQ(r->tokens.size(), 4u);
+      EXPECT_EQ(s->kv().head_length(3, 1), 150 + 3);
+      // A quarter of the tokens kept; the sink and window pages stay f16 (their fixed cost).
+      EXPECT_LT(s->kv().bytes_held(),
+                full->kv().bytes_held() * (gp.press->demote.empty() ? 0.5 : 0.8));
+    }
   }
 }
 

@@ -65,8 +65,8 @@ struct EngineOptions {
   bool prefix_cache = true;        // share and reuse full pages of common prompt prefixes
   std::string kv_codec_k = "f32";  // how K pages are stored (see kv/codecs/codec.h)
   std::string kv_codec_v = "f32";
-  int kv_sinks = 0;   // pages holding the first kv_sinks tokens stay full precision
-  int kv_window = 0;  // pages stay full precision until kv_window newer tokens follow
+  int kv_sinks = 0;   // pages holding the first kv_sinks tokens stay f16
+  int kv_window = 0;  // pages stay f16 until kv_window newer tokens follow
   int n_ctx = 0;      // max tokens of a sequence; 0: the model's max_position_embeddings
 };
 

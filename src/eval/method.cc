@@ -123,11 +123,6 @@ Status MethodAvailable(const Method& m) {
                          "row-wise, not " +
                          o->demote);
   }
-  if (o && !o->quest && GroupEncodesKeys(m.codec_k)) {
-    return Unimplemented("press '" + m.press + "' with " + m.codec_k +
-                         " keys: KIVI keys are encoded per group of tokens, so single tokens "
-                         "cannot be evicted from their pages yet");
-  }
   return OkStatus();
 }
 

@@ -261,14 +261,7 @@ Status PagedSequence::Retain(std::span<const std::vector<int32_t>> keep, bool de
           "shape");
     }
   }
-  if (!lay.plain() && lay.window > 0) {
-    return Unimplemented("eviction from a cache with a recent full-precision window (--kv-window)");
-  }
-  if (!lay.plain() && lay.staged()) {
-    return Unimplemented("eviction from a cache whose keys are stored in " +
-                         std::string(codecs::CodecName(lay.codec_k)) +
-                         " (KIVI keys are encoded per group of tokens); use a row-wise codec");
-  }
+  const bool staged = !lay.plain() && lay.staged();
   // Plan: validate, and find the destination pages whose contents change but that others share.
   std::vector<uint8_t> copy_dest;  // per table, per destination page: needs a private copy
   std::vector<size_t> copy_begin(tables_.size() + 1, 0);
@@ -289,6 +282,17 @@ Status PagedSequence::Retain(std::span<const std::vector<int32_t>> keep, bool de
                              " do not match its keep list");
     }
     copy_begin[ti] = copy_dest.size();
+    if (staged) {  // a page whose rows change, or whose kind changes, is rewritten
+      for (int d = 0; d < dest_pages; ++d) {
+        const bool codec = WantsCodecPage(d, int64_t(k.size()));
+        const bool fresh =
+            codec != IsCodecPage(t.pages[d]) ||
+            (!StagedPageUnchanged(k, d, new_values) && pool_.refcount(t.pages[d]) > 1);
+        copy_dest.push_back(fresh);
+        if (fresh) (codec ? need_codec : need_raw) += 1;
+      }
+      continue;
+    }
     for (int d = 0; d < dest_pages; ++d) {
       bool same = !new_values;  // every row of the page keeps its own token as it is
       for (size_t j = size_t(d) * pt; j < std::min(k.size(), size_t(d + 1) * pt); ++j) {
@@ -326,6 +330,10 @@ Status PagedSequence::Retain(std::span<const std::vector<int32_t>> keep, bool de
   }
   size_t next_cold = 0;
 
+  if (staged) {
+    RetainStaged(keep, demote, values, copy_dest, copy_begin, cold_new);
+    return OkStatus();
+  }
   // Apply. A kept token only moves to an earlier index, so walking source pages in order, each
   // decoded whole before any of its rows is overwritten, never reads a row that was written.
   size_t next_raw = 0, next_codec = 0;
@@ -390,6 +398,82 @@ Status PagedSequence::Retain(std::span<const std::vector<int32_t>> keep, bool de
   }
   for (int32_t p : released) pool_.Unref(p);
   return OkStatus();
+}
+
+bool PagedSequence::WantsCodecPage(int64_t page_index, int64_t n_tokens) const {
+  return page_index < pool_.layout().SealedPages(n_tokens) && !IsSinkPage(page_index);
+}
+
+bool PagedSequence::StagedPageUnchanged(const std::vector<int32_t>& keep, int page_index,
+                                        bool new_values) const {
+  const size_t pt = size_t(pool_.layout().page_tokens);
+  for (size_t j = page_index * pt; j < std::min(keep.size(), (page_index + 1) * pt); ++j) {
+    if (new_values || keep[j] != static_cast<int32_t>(j)) return false;
+  }
+  return true;
+}
+
+// Staged pages are encoded whole (KIVI keys per channel over the page) and their kind follows the
+// token count (sealed once full and `window` tokens old), so each table is decoded, compacted and
+// its changed pages encoded again in the kind its new length asks for.
+void PagedSequence::RetainStaged(std::span<const std::vector<int32_t>> keep, bool demote,
+                                 std::span<const std::vector<float>> values,
+                                 const std::vector<uint8_t>& fresh,
+                                 const std::vector<size_t>& fresh_begin,
+                                 const std::vector<int32_t>& cold_new) {
+  const KvLayout& lay = pool_.layout();
+  const int pt = lay.page_tokens, hd = lay.head_dim;
+  size_t next_raw = 0, next_codec = 0, next_cold = 0;
+  std::vector<float> k_all, v_all;
+  std::vector<int32_t> pos_all, released;
+  for (size_t ti = 0; ti < tables_.size(); ++ti) {
+    BlockTable& t = tables_[ti];
+    const std::vector<int32_t>& k = keep[ti];
+    const bool new_values = ti < values.size() && !values[ti].empty();
+    Gather(t, &k_all, &v_all, &pos_all);
+    if (demote) {
+      size_t x = 0;
+      for (int32_t r = 0; r < t.n_tokens; ++r) {
+        if (x < k.size() && k[x] == r) {
+          ++x;
+          continue;
+        }
+        DemoteRow(cold_tables_[ti], &k_all[size_t(r) * hd], &v_all[size_t(r) * hd], pos_all[r],
+                  cold_new, &next_cold);
+      }
+    }
+    const int64_t n = int64_t(k.size());
+    const int dest_pages = static_cast<int>((n + pt - 1) / pt);
+    for (int d = 0; d < dest_pages; ++d) {
+      if (!fresh[fresh_begin[ti] + d] && StagedPageUnchanged(k, d, new_values)) continue;
+      int32_t& page = t.pages[d];
+      const bool codec = WantsCodecPage(d, n);
+      if (fresh[fresh_begin[ti] + d]) {
+        released.push_back(page);
+        page = codec ? scratch_codec_[next_codec++] : scratch_raw_[next_raw++];
+      }
+      const int cnt = static_cast<int>(std::min<int64_t>(pt, n - int64_t(d) * pt));
+      thread_local std::vector<float> kr, vr;
+      kr.resize(size_t(pt) * hd);
+      vr.resize(size_t(pt) * hd);
+      for (int r = 0; r < cnt; ++r) {
+        const size_t x = size_t(d) * pt + r, src = size_t(k[x]) * hd;
+        std::copy_n(&k_all[src], hd, &kr[size_t(r) * hd]);
+        std::copy_n(new_values ? &values[ti][x * hd] : &v_all[src], hd, &vr[size_t(r) * hd]);
+        pool_.positions(page)[r] = pos_all[k[x]];
+      }
+      for (Role role : {Role::kKey, Role::kValue}) {
+        codecs::EncodePage(pool_.codec_of(page, role), role,
+                           role == Role::kKey ? kr.data() : vr.data(), cnt, pt, hd,
+                           pool_.rows(page, role));
+      }
+    }
+    for (size_t p = dest_pages; p < t.pages.size(); ++p) pool_.Unref(t.pages[p]);
+    t.pages.resize(dest_pages);
+    t.key_bounds.clear();
+    t.n_tokens = static_cast<int32_t>(n);
+  }
+  for (int32_t p : released) pool_.Unref(p);
 }
 
 void PagedSequence::Positions(int layer, int kv_head, std::vector<int32_t>* positions) const {
@@ -593,7 +677,11 @@ void PagedSequence::Attend(int layer, int kv_head, const kernels::AttnBatch& bat
 
 void PagedSequence::Gather(int layer, int kv_head, std::vector<float>* k, std::vector<float>* v,
                            std::vector<int32_t>* positions) const {
-  const BlockTable& t = table(layer, kv_head);
+  Gather(table(layer, kv_head), k, v, positions);
+}
+
+void PagedSequence::Gather(const BlockTable& t, std::vector<float>* k, std::vector<float>* v,
+                           std::vector<int32_t>* positions) const {
   const KvLayout& lay = pool_.layout();
   const int pt = lay.page_tokens, hd = lay.head_dim;
   k->resize(size_t(t.n_tokens) * hd);

@@ -59,8 +59,8 @@ class PagedSequence final : public KvSequence {
   // the table's current order) are listed in keep[layer * n_kv_heads + kv_head], compacted to the
   // front, and frees the pages no longer needed. Plan, then apply: pages shared with another
   // sequence or the prefix cache are copied before they are written, and when the pool cannot
-  // supply those copies nothing changes (ResourceExhausted). Staged (KIVI key) layouts are not
-  // supported: their pages encode groups of tokens together.
+  // supply those copies nothing changes (ResourceExhausted). Staged layouts (KIVI keys,
+  // --kv-window) re-encode each changed page whole, in the kind the new length gives it.
   // With demote, the tokens not kept move to the cold pool (set_cold_pool) instead of being
   // dropped: encoded in its codec, appended to the table's cold pages.
   // values, when given and non-empty for a table, replace the kept tokens' V rows
@@ -130,6 +130,15 @@ class PagedSequence final : public KvSequence {
     return l.plain() || l.staged() || IsSinkPage(p);
   }
   void Seal(BlockTable& t, int64_t page_index);
+  void Gather(const BlockTable& t, std::vector<float>* k, std::vector<float>* v,
+              std::vector<int32_t>* positions) const;
+  // Staged layouts: whether page p of a table of n tokens is sealed into the codec, and whether
+  // Retain leaves page p's rows as they are.
+  bool WantsCodecPage(int64_t p, int64_t n_tokens) const;
+  bool StagedPageUnchanged(const std::vector<int32_t>& keep, int p, bool new_values) const;
+  void RetainStaged(std::span<const std::vector<int32_t>> keep, bool demote,
+                    std::span<const std::vector<float>> values, const std::vector<uint8_t>& fresh,
+                    const std::vector<size_t>& fresh_begin, const std::vector<int32_t>& cold_new);
   // Codec pages to reserve so that the next n tokens can seal the staged pages they age.
   int64_t SealsNeeded(const BlockTable& t, int n) const;
   // One page of an attention pass: pages may come from the hot or the cold pool.
