@@ -140,12 +140,14 @@ TEST(Codec, BytesPerValue) {
   EXPECT_DOUBLE_EQ(BitsPerValue(Codec::kQ4_0, Role::kKey, 16, 64), 4.5);
   // KIVI-4 keys: per channel f16 min+scale over the page, 4-bit codes.
   EXPECT_EQ(PageBytes(Codec::kKivi4, Role::kKey, 32, 64), 64u * 4 + 32 * 32);
-  EXPECT_EQ(PageBytes(Codec::kRot3, Role::kKey, 16, 64), 16u * (4 + 24));
+  // rot3: an f16 scale and 3-bit codes per token (3.25 bits at 64 channels).
+  EXPECT_EQ(PageBytes(Codec::kRot3, Role::kKey, 16, 64), 16u * (2 + 24));
+  EXPECT_DOUBLE_EQ(BitsPerValue(Codec::kRot3, Role::kKey, 16, 64), 3.25);
   // rot3+qjl: rot3's row, 64 sign bits and the f16 residual norm.
-  EXPECT_EQ(PageBytes(Codec::kRot3Qjl, Role::kValue, 16, 64), 16u * (4 + 24 + 8 + 2));
-  EXPECT_EQ(PageBytes(Codec::kRot2Qjl, Role::kKey, 16, 128), 16u * (4 + 32 + 16 + 2));
-  EXPECT_DOUBLE_EQ(BitsPerValue(Codec::kRot3Qjl, Role::kKey, 16, 64), 4.75);
-  EXPECT_DOUBLE_EQ(BitsPerValue(Codec::kRot2Qjl, Role::kKey, 16, 64), 3.75);
+  EXPECT_EQ(PageBytes(Codec::kRot3Qjl, Role::kValue, 16, 64), 16u * (2 + 24 + 8 + 2));
+  EXPECT_EQ(PageBytes(Codec::kRot2Qjl, Role::kKey, 16, 128), 16u * (2 + 32 + 16 + 2));
+  EXPECT_DOUBLE_EQ(BitsPerValue(Codec::kRot3Qjl, Role::kKey, 16, 64), 4.5);
+  EXPECT_DOUBLE_EQ(BitsPerValue(Codec::kRot2Qjl, Role::kKey, 16, 64), 3.5);
 }
 
 // QJL exists to remove the inner-product bias of Lloyd-Max levels (their reconstruction is

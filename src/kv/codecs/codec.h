@@ -21,7 +21,7 @@ enum class Codec : uint8_t {
   kQ4_0,   // llama.cpp block_q4_0: per 32 values an f16 scale and 16 bytes of nibbles
   kKivi4,  // KIVI: keys per channel over the page, values per token in groups of 32 channels
   kKivi2,
-  kRot4,  // randomized Hadamard rotation + Lloyd-Max levels of N(0,1), per-token norm
+  kRot4,  // randomized Hadamard rotation + Lloyd-Max levels of N(0,1), per-token f16 scale
   kRot3,
   kRot2,
   // rot3/rot2 plus QJL: the sign bits of a second randomized Hadamard transform of the
