@@ -282,25 +282,15 @@ Status PagedSequence::Retain(std::span<const std::vector<int32_t>> keep, bool de
                              " do not match its keep list");
     }
     copy_begin[ti] = copy_dest.size();
-    if (staged) {  // a page whose rows change, or whose kind changes, is rewritten
-      for (int d = 0; d < dest_pages; ++d) {
-        const bool codec = WantsCodecPage(d, int64_t(k.size()));
-        const bool fresh =
-            codec != IsCodecPage(t.pages[d]) ||
-            (!StagedPageUnchanged(k, d, new_values) && pool_.refcount(t.pages[d]) > 1);
-        copy_dest.push_back(fresh);
-        if (fresh) (codec ? need_codec : need_raw) += 1;
-      }
-      continue;
-    }
+    // A destination page gets a fresh page when it changes kind (staged pages follow the new
+    // length) or when its rows change while others share it.
     for (int d = 0; d < dest_pages; ++d) {
-      bool same = !new_values;  // every row of the page keeps its own token as it is
-      for (size_t j = size_t(d) * pt; j < std::min(k.size(), size_t(d + 1) * pt); ++j) {
-        same &= k[j] == static_cast<int32_t>(j);
-      }
-      const bool copy = !same && pool_.refcount(t.pages[d]) > 1;
-      copy_dest.push_back(copy);
-      if (copy) (IsCodecPage(t.pages[d]) ? need_codec : need_raw) += 1;
+      const bool was_codec = IsCodecPage(t.pages[d]);
+      const bool codec = staged ? WantsCodecPage(d, int64_t(k.size())) : was_codec;
+      const bool fresh = codec != was_codec ||
+                         (!PageRowsUnchanged(k, d, new_values) && pool_.refcount(t.pages[d]) > 1);
+      copy_dest.push_back(fresh);
+      if (fresh) (codec ? need_codec : need_raw) += 1;
     }
   }
   copy_begin[tables_.size()] = copy_dest.size();
@@ -404,8 +394,8 @@ bool PagedSequence::WantsCodecPage(int64_t page_index, int64_t n_tokens) const {
   return page_index < pool_.layout().SealedPages(n_tokens) && !IsSinkPage(page_index);
 }
 
-bool PagedSequence::StagedPageUnchanged(const std::vector<int32_t>& keep, int page_index,
-                                        bool new_values) const {
+bool PagedSequence::PageRowsUnchanged(const std::vector<int32_t>& keep, int page_index,
+                                      bool new_values) const {
   const size_t pt = size_t(pool_.layout().page_tokens);
   for (size_t j = page_index * pt; j < std::min(keep.size(), (page_index + 1) * pt); ++j) {
     if (new_values || keep[j] != static_cast<int32_t>(j)) return false;
@@ -424,7 +414,7 @@ void PagedSequence::RetainStaged(std::span<const std::vector<int32_t>> keep, boo
   const KvLayout& lay = pool_.layout();
   const int pt = lay.page_tokens, hd = lay.head_dim;
   size_t next_raw = 0, next_codec = 0, next_cold = 0;
-  std::vector<float> k_all, v_all;
+  std::vector<float> k_all, v_all, kr(size_t(pt) * hd), vr(size_t(pt) * hd);
   std::vector<int32_t> pos_all, released;
   for (size_t ti = 0; ti < tables_.size(); ++ti) {
     BlockTable& t = tables_[ti];
@@ -445,7 +435,7 @@ void PagedSequence::RetainStaged(std::span<const std::vector<int32_t>> keep, boo
     const int64_t n = int64_t(k.size());
     const int dest_pages = static_cast<int>((n + pt - 1) / pt);
     for (int d = 0; d < dest_pages; ++d) {
-      if (!fresh[fresh_begin[ti] + d] && StagedPageUnchanged(k, d, new_values)) continue;
+      if (!fresh[fresh_begin[ti] + d] && PageRowsUnchanged(k, d, new_values)) continue;
       int32_t& page = t.pages[d];
       const bool codec = WantsCodecPage(d, n);
       if (fresh[fresh_begin[ti] + d]) {
@@ -453,9 +443,6 @@ void PagedSequence::RetainStaged(std::span<const std::vector<int32_t>> keep, boo
         page = codec ? scratch_codec_[next_codec++] : scratch_raw_[next_raw++];
       }
       const int cnt = static_cast<int>(std::min<int64_t>(pt, n - int64_t(d) * pt));
-      thread_local std::vector<float> kr, vr;
-      kr.resize(size_t(pt) * hd);
-      vr.resize(size_t(pt) * hd);
       for (int r = 0; r < cnt; ++r) {
         const size_t x = size_t(d) * pt + r, src = size_t(k[x]) * hd;
         std::copy_n(&k_all[src], hd, &kr[size_t(r) * hd]);

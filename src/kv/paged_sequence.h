@@ -132,10 +132,10 @@ class PagedSequence final : public KvSequence {
   void Seal(BlockTable& t, int64_t page_index);
   void Gather(const BlockTable& t, std::vector<float>* k, std::vector<float>* v,
               std::vector<int32_t>* positions) const;
-  // Staged layouts: whether page p of a table of n tokens is sealed into the codec, and whether
-  // Retain leaves page p's rows as they are.
+  // Staged layouts: whether page p of a table of n tokens is sealed into the codec.
   bool WantsCodecPage(int64_t p, int64_t n_tokens) const;
-  bool StagedPageUnchanged(const std::vector<int32_t>& keep, int p, bool new_values) const;
+  // Whether Retain(keep) leaves every row of destination page p holding its own token as it is.
+  bool PageRowsUnchanged(const std::vector<int32_t>& keep, int p, bool new_values) const;
   void RetainStaged(std::span<const std::vector<int32_t>> keep, bool demote,
                     std::span<const std::vector<float>> values, const std::vector<uint8_t>& fresh,
                     const std::vector<size_t>& fresh_begin, const std::vector<int32_t>& cold_new);

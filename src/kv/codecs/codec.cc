@@ -140,6 +140,9 @@ void QuantizeMinMax(const float* x, int n, int stride, int bits, uint16_t* min_h
 }
 
 // Per-token row layout of the row-wise codecs (everything but KIVI keys).
+// Rotation codecs: each row starts with its f16 scale (the least-squares fit of the levels).
+constexpr size_t kRotScaleBytes = 2;
+
 size_t RowBytes(Codec c, int dim) {
   switch (c) {
     case Codec::kF32:
@@ -159,10 +162,10 @@ size_t RowBytes(Codec c, int dim) {
     case Codec::kRot4:
     case Codec::kRot3:
     case Codec::kRot2:
-      return 2 + PackedBytes(dim, RotBits(c));
+      return kRotScaleBytes + PackedBytes(dim, RotBits(c));
     case Codec::kRot3Qjl:
     case Codec::kRot2Qjl:  // rotN's row, then the residual's sign bits and f16 norm
-      return 2 + PackedBytes(dim, RotBits(c)) + PackedBytes(dim, 1) + 2;
+      return kRotScaleBytes + PackedBytes(dim, RotBits(c)) + PackedBytes(dim, 1) + 2;
   }
   return 0;
 }
@@ -251,8 +254,8 @@ void EncodeRow(Codec c, const float* x, int dim, uint8_t* out) {
       // Least-squares fit of the levels to y, stored in f16 (what decoding multiplies by).
       const uint16_t scale_h = H(lev2 > 0 ? dot / lev2 : 0.0f);
       const float scale = F(scale_h);
-      std::memcpy(out, &scale_h, 2);
-      PackBits(codes, dim, bits, out + 2);
+      std::memcpy(out, &scale_h, kRotScaleBytes);
+      PackBits(codes, dim, bits, out + kRotScaleBytes);
       if (!IsQjl(c)) return;
       // Residual r = y - scale * level, 1-bit quantized as sign(S r). Its norm is stored over
       // scale (~ |y| / sqrt(dim)) so the f16 holds an O(1) ratio whatever the row's magnitude.
@@ -265,7 +268,7 @@ void EncodeRow(Codec c, const float* x, int dim, uint8_t* out) {
       }
       Fwht(y, dim);
       for (int i = 0; i < dim; ++i) codes[i] = y[i] < 0;
-      uint8_t* tail = out + 2 + PackedBytes(dim, bits);
+      uint8_t* tail = out + kRotScaleBytes + PackedBytes(dim, bits);
       PackBits(codes, dim, 1, tail);
       const uint16_t gamma = H(scale > 0 ? std::sqrt(r2) / scale : 0.0f);
       std::memcpy(tail + PackedBytes(dim, 1), &gamma, 2);
@@ -332,10 +335,10 @@ void DecodeRowStored(Codec c, const uint8_t* in, int dim, float* x) {
       const int bits = RotBits(c);
       const float* levels = LloydMax(bits);
       uint16_t scale_h;
-      std::memcpy(&scale_h, in, 2);
+      std::memcpy(&scale_h, in, kRotScaleBytes);
       const float scale = F(scale_h);
       uint8_t codes[kMaxDim];
-      UnpackBits(in + 2, dim, bits, codes);
+      UnpackBits(in + kRotScaleBytes, dim, bits, codes);
       if (!IsQjl(c)) {
         for (int i = 0; i < dim; ++i) x[i] = scale * levels[codes[i]];
         return;
@@ -343,7 +346,7 @@ void DecodeRowStored(Codec c, const uint8_t* in, int dim, float* x) {
       // r ~ gamma sqrt(pi / (2 dim)) S^T sign(S r). The rows s_i of S have unit norm and s_i.r is
       // ~N(0, |r|^2 / dim), so E[sign(s_i.r) s_i.r] = |r| sqrt(2 / (pi dim)): with this constant
       // the estimate's projection on r is r on average, and q.k is unbiased.
-      const uint8_t* tail = in + 2 + PackedBytes(dim, bits);
+      const uint8_t* tail = in + kRotScaleBytes + PackedBytes(dim, bits);
       uint16_t gamma;
       std::memcpy(&gamma, tail + PackedBytes(dim, 1), 2);
       const float coef = scale * F(gamma) * std::sqrt(1.5707963f / dim);

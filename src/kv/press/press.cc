@@ -253,11 +253,11 @@ std::span<const kernels::AttnObserve> PressObserver::Observe(int, int, int n_key
   cb.q0.resize(d);
   const int half = d / 2;
   const bool rope = !inv_freq_.empty();
+  cb.cs.resize(half);
+  cb.sn.resize(half);
   for (int t = 0; t < b.n_tok; ++t) {
     if (b.q_pos[t] < min_pos_[kWindow]) continue;
     if (rope) {  // the RoPE angles of this position, shared by the group's heads
-      cb.cs.resize(half);
-      cb.sn.resize(half);
       for (int i = 0; i < half; ++i) {
         const double a = double(b.q_pos[t]) * inv_freq_[i];
         cb.cs[i] = std::cos(a);
