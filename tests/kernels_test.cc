@@ -697,14 +697,16 @@ TEST(KernelsAttention, ObserveMatchesReferenceWeights) {
   }
 }
 
-// A page source whose pages have different row types (f32, f16, bf16, K and V independently) and
-// key counts: what PagedSequence gives the kernel for codec pages, sinks and a cold pool.
+// A page source whose pages have different row types (f32, f16, bf16, q8_0 and q4_0 blocks, K
+// and V independently) and key counts: what PagedSequence gives the kernel for codec pages, sinks
+// and a cold pool.
 struct TypedPages final : PageRows {
   int pt = 0, hd = 0;
   std::vector<int> cnt;
   std::vector<DType> k_type, v_type;
   std::vector<std::vector<uint16_t>> k16, v16;  // f16 / bf16 pages
   std::vector<std::vector<float>> k32, v32;     // f32 pages
+  std::vector<std::vector<uint8_t>> kq, vq;     // q8_0 / q4_0 pages
   std::vector<std::vector<int32_t>> pos;
   std::vector<float> k, v;  // every key's rows as stored (rounded), contiguous
   std::vector<int32_t> k_pos;
@@ -718,15 +720,29 @@ struct TypedPages final : PageRows {
     return pos[page].data();
   }
   PageData Rows(int page, float*, float*) const override {
-    auto data = [&](DType t, const auto& p16, const auto& p32) -> const void* {
+    auto data = [&](DType t, const auto& p16, const auto& p32, const auto& pq) -> const void* {
+      if (DTypeIsQuantized(t)) return pq[page].data();
       return t == DType::kF32 ? static_cast<const void*>(p32[page].data()) : p16[page].data();
     };
-    return {data(k_type[page], k16, k32), data(v_type[page], v16, v32), k_type[page], v_type[page]};
+    return {data(k_type[page], k16, k32, kq), data(v_type[page], v16, v32, vq), k_type[page],
+            v_type[page]};
   }
 
-  // Stores x (n rows) as type t into a page, and the rounded values into out.
-  static void Store(DType t, const std::vector<float>& x, std::vector<uint16_t>* p16,
-                    std::vector<float>* p32, std::vector<float>* out) {
+  // Stores x (rows of hd values) as type t into a page, and the rounded values into out.
+  static void Store(DType t, const std::vector<float>& x, int hd, std::vector<uint16_t>* p16,
+                    std::vector<float>* p32, std::vector<uint8_t>* pq, std::vector<float>* out) {
+    if (DTypeIsQuantized(t)) {
+      const int64_t rows = int64_t(x.size()) / hd;
+      const size_t row_bytes = DTypeRowBytes(t, hd);
+      pq->resize(rows * row_bytes);
+      std::vector<float> back(hd);
+      for (int64_t r = 0; r < rows; ++r) {
+        ref::QuantizeRow(t, x.data() + r * hd, hd, pq->data() + r * row_bytes);
+        ref::QuantDequantRow({pq->data(), t, rows, hd}, r, back.data());
+        out->insert(out->end(), back.begin(), back.end());
+      }
+      return;
+    }
     for (float f : x) {
       float r = f;
       if (t == DType::kF16) {
@@ -747,22 +763,29 @@ TypedPages MakeTypedPages(const std::vector<int32_t>& key_pos, int pt, int hd, s
   TypedPages tp;
   tp.pt = pt;
   tp.hd = hd;
-  const DType types[] = {DType::kF16, DType::kF32, DType::kBF16};
+  // Block types need whole blocks of 32 per row.
+  const std::vector<DType> types =
+      hd % 32 == 0
+          ? std::vector<DType>{DType::kF16, DType::kQ4_0, DType::kF32, DType::kQ8_0, DType::kBF16}
+          : std::vector<DType>{DType::kF16, DType::kF32, DType::kBF16};
+  const int n_types = static_cast<int>(types.size());
   std::uniform_int_distribution<int> count(1, pt);
   for (size_t j = 0; j < key_pos.size();) {
     const int n = std::min<int>(count(rng), int(key_pos.size() - j));
     const int i = static_cast<int>(tp.cnt.size());
     tp.cnt.push_back(n);
-    tp.k_type.push_back(types[i % 3]);
-    tp.v_type.push_back(types[(i / 3) % 3]);
+    tp.k_type.push_back(types[i % n_types]);
+    tp.v_type.push_back(types[(i / n_types + i) % n_types]);
     tp.k16.emplace_back();
     tp.v16.emplace_back();
     tp.k32.emplace_back();
     tp.v32.emplace_back();
-    TypedPages::Store(tp.k_type.back(), RandomVec(size_t(n) * hd, rng), &tp.k16.back(),
-                      &tp.k32.back(), &tp.k);
-    TypedPages::Store(tp.v_type.back(), RandomVec(size_t(n) * hd, rng), &tp.v16.back(),
-                      &tp.v32.back(), &tp.v);
+    tp.kq.emplace_back();
+    tp.vq.emplace_back();
+    TypedPages::Store(tp.k_type.back(), RandomVec(size_t(n) * hd, rng), hd, &tp.k16.back(),
+                      &tp.k32.back(), &tp.kq.back(), &tp.k);
+    TypedPages::Store(tp.v_type.back(), RandomVec(size_t(n) * hd, rng), hd, &tp.v16.back(),
+                      &tp.v32.back(), &tp.vq.back(), &tp.v);
     tp.pos.emplace_back(key_pos.begin() + j, key_pos.begin() + j + n);
     tp.k_pos.insert(tp.k_pos.end(), key_pos.begin() + j, key_pos.begin() + j + n);
     j += n;
@@ -776,9 +799,10 @@ TEST(KernelsAttention, TypedPageRowsMatchContiguous) {
     int32_t last = 0;
     const std::vector<int32_t> k_pos = GappedShuffledPositions(n_keys, rng, &last);
     for (int pt : {1, 16}) {
-      for (int hd : {64, 40}) {  // 40: a row tail past the last whole vector
+      for (int hd : {64, 40, 96}) {  // 40: a row tail past the last whole vector
         const TypedPages tp = MakeTypedPages(k_pos, pt, hd, rng);
-        for (int n_heads : {1, 3}) {
+        // Decode rows up to 4 read block pages fused, more unpack them into a buffer first.
+        for (int n_heads : {1, 3, 4, 6}) {
           const std::string what = "keys=" + std::to_string(n_keys) +
                                    " page=" + std::to_string(pt) + " hd=" + std::to_string(hd) +
                                    " heads=" + std::to_string(n_heads);

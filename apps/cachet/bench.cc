@@ -257,8 +257,13 @@ void AddBench(CLI::App& app) {
       const int64_t wbytes = WeightBytesPerToken(engine->transformer());
       out["read_bandwidth_gb_s"] = bw / 1e9;
       out["weight_bytes_per_token"] = wbytes;
+      // KV bytes a decode step reads per context token, as the cache stores them (codes, scales
+      // and positions of a full page).
+      const KvLayout& lay = engine->kv_pool().layout();
+      const double kv_token = double(lay.page_bytes()) * lay.heads_total() / lay.page_tokens;
+      out["kv_bytes_per_context_token"] = kv_token;
       for (int ctx : o->ctx) {
-        const double bytes = double(wbytes) + double(c.KvBytesPerToken(4)) * ctx;
+        const double bytes = double(wbytes) + kv_token * ctx;
         out["decode_roofline_tok_s"][std::to_string(ctx)] = bw / bytes;
       }
     }
@@ -286,11 +291,11 @@ void AddBench(CLI::App& app) {
     }
     if (o->roofline) {
       std::printf(
-          "read bandwidth %.1f GB/s; decode reads %.1f MB of weights + %lld B of KV per "
+          "read bandwidth %.1f GB/s; decode reads %.1f MB of weights + %.0f B of KV per "
           "context token per token\n",
           out["read_bandwidth_gb_s"].get<double>(),
           out["weight_bytes_per_token"].get<double>() / 1e6,
-          static_cast<long long>(c.KvBytesPerToken(4)));
+          out["kv_bytes_per_context_token"].get<double>());
     }
     if (press) {
       std::printf("press %s: KV MiB before -> after, press ms (fraction of the prefill)\n",

@@ -57,7 +57,8 @@ struct AttnBatch {
   int n_observe = 0;
 };
 
-// One page's K and V rows for the attention kernels: f32, f16 or bf16 (row i at i * head_dim).
+// One page's K and V rows for the attention kernels: f32, f16 or bf16 (row i at i * head_dim
+// values), or q8_0 / q4_0 blocks (head_dim a multiple of 32, row i at i * DTypeRowBytes).
 struct PageData {
   const void* k = nullptr;
   const void* v = nullptr;

@@ -586,8 +586,8 @@ struct PagedSequence::RefRows final : kernels::PageRows {
   }
 
  private:
-  // f32, f16 and bf16 rows are read in place (the kernel widens them as it loads); other codecs
-  // are decoded into buf.
+  // f32, f16, bf16, q8_0 and q4_0 rows are read in place (the kernel widens or unpacks them as it
+  // loads); other codecs are decoded into buf.
   const void* Rows(codecs::Codec c, Role role, const uint8_t* data, int cnt, float* buf,
                    DType* type) const {
     switch (c) {
@@ -599,6 +599,12 @@ struct PagedSequence::RefRows final : kernels::PageRows {
         return data;
       case codecs::Codec::kBF16:
         *type = DType::kBF16;
+        return data;
+      case codecs::Codec::kQ8_0:  // llama.cpp's block layouts: the kernel unpacks them fused
+        *type = DType::kQ8_0;
+        return data;
+      case codecs::Codec::kQ4_0:
+        *type = DType::kQ4_0;
         return data;
       default:
         codecs::simd::DecodeStored(c, role, data, cnt, layout_.page_tokens, layout_.head_dim, buf);

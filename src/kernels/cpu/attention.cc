@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -73,118 +74,297 @@ HWY_INLINE float Elem(const T* p, int i) {
   }
 }
 
-// s0[i] = q0 . k_i and s1[i] = q1 . k_i for four keys.
+// A page's K or V rows as the kernel reads them: Load(t, d) is lanes [d, d + N) of row t widened
+// to f32 (d a multiple of N), Elem(t, d) one value (the tail of a row that is not whole vectors).
 template <class T>
-HWY_INLINE void Dot2x4(const float* HWY_RESTRICT q0, const float* HWY_RESTRICT q1,
-                       const T* const* HWY_RESTRICT k, int hd, V4& s0, V4& s1) {
-  const DF df;
-  const int N = static_cast<int>(hn::Lanes(df));
-  const T* HWY_RESTRICT k0 = k[0];
-  const T* HWY_RESTRICT k1 = k[1];
-  const T* HWY_RESTRICT k2 = k[2];
-  const T* HWY_RESTRICT k3 = k[3];
-  VF a00 = hn::Zero(df), a01 = hn::Zero(df), a02 = hn::Zero(df), a03 = hn::Zero(df);
-  VF a10 = hn::Zero(df), a11 = hn::Zero(df), a12 = hn::Zero(df), a13 = hn::Zero(df);
-  int d = 0;
-  for (; d + N <= hd; d += N) {
-    const VF vk0 = LoadRow(k0 + d);
-    const VF vk1 = LoadRow(k1 + d);
-    const VF vk2 = LoadRow(k2 + d);
-    const VF vk3 = LoadRow(k3 + d);
-    const VF vq0 = hn::LoadU(df, q0 + d);
-    const VF vq1 = hn::LoadU(df, q1 + d);
-    a00 = hn::MulAdd(vq0, vk0, a00);
-    a01 = hn::MulAdd(vq0, vk1, a01);
-    a02 = hn::MulAdd(vq0, vk2, a02);
-    a03 = hn::MulAdd(vq0, vk3, a03);
-    a10 = hn::MulAdd(vq1, vk0, a10);
-    a11 = hn::MulAdd(vq1, vk1, a11);
-    a12 = hn::MulAdd(vq1, vk2, a12);
-    a13 = hn::MulAdd(vq1, vk3, a13);
+struct PlainRows {  // f32, f16 or bf16, row t at p + t * hd
+  static constexpr bool kBlocks = false;
+  const T* HWY_RESTRICT p;
+  int hd;
+  HWY_INLINE VF Load(int t, int d) const { return LoadRow(p + static_cast<int64_t>(t) * hd + d); }
+  HWY_INLINE float Elem(int t, int d) const {
+    return cpu::HWY_NAMESPACE::Elem(p, static_cast<int>(static_cast<int64_t>(t) * hd + d));
   }
-  s0 = Reduce4(a00, a01, a02, a03);
-  s1 = Reduce4(a10, a11, a12, a13);
-  if (d < hd) {
-    float t0[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    float t1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (; d < hd; ++d) {
-      for (int i = 0; i < 4; ++i) {
-        t0[i] += q0[d] * Elem(k[i], d);
-        t1[i] += q1[d] * Elem(k[i], d);
+};
+
+// llama.cpp's q4_0 / q8_0 blocks (kernels::PageData): row t is hd / 32 blocks, each an f16 scale
+// s and 32 codes c, value s * (c + kOffset): q4_0 has unsigned nibbles (byte i holds c_i in its
+// low nibble and c_{16+i} in its high one) and offset -8, q8_0 signed bytes. The kernels walk a
+// row block by block and apply the scale once per block, not per value.
+template <DType kType>
+struct BlockRows {
+  static constexpr bool kBlocks = true;
+  static constexpr bool kNibbles = kType == DType::kQ4_0;
+  static constexpr int kBlockBytes = kNibbles ? 18 : 34;
+  static constexpr float kOffset = kNibbles ? -8.0f : 0.0f;
+  const uint8_t* HWY_RESTRICT p;
+  int64_t row_bytes;
+  HWY_INLINE const uint8_t* Block(int t, int blk) const {
+    return p + t * row_bytes + blk * kBlockBytes;
+  }
+  // The block's scale, broadcast.
+  HWY_INLINE VF Scale(int t, int blk) const {
+    uint16_t h;
+    std::memcpy(&h, Block(t, blk), 2);
+    const hn::Rebind<uint16_t, DF> d16;
+    return hn::PromoteTo(DF(), hn::BitCast(hn::Rebind<hwy::float16_t, DF>(), hn::Set(d16, h)));
+  }
+  // Values [o, o + N) of a block; q4_0 also gives [16 + o, 16 + o + N) from the same load
+  // (o < 16). With 16 lanes a q4_0 block is decoded by a lookup in its 16 possible values.
+  HWY_INLINE void Values(int t, int blk, int o, VF* lo, VF* hi) const {
+    const DF df;
+    const hn::Rebind<int32_t, DF> di;
+    const VF s = Scale(t, blk);
+    const uint8_t* codes = Block(t, blk) + 2;
+    if constexpr (kNibbles) {
+      const auto b =
+          hn::BitCast(di, hn::PromoteTo(hn::Rebind<uint32_t, DF>(),
+                                        hn::LoadU(hn::Rebind<uint8_t, DF>(), codes + o)));
+      const auto c_lo = hn::And(b, hn::Set(di, 15));
+      const auto c_hi = hn::ShiftRight<4>(b);
+      if constexpr (hn::MaxLanes(DF()) == 16) {
+        const VF table = hn::Mul(hn::Iota(df, kOffset), s);  // (c - 8) * s for c = 0..15
+        *lo = hn::TableLookupLanes(table, hn::IndicesFromVec(df, c_lo));
+        *hi = hn::TableLookupLanes(table, hn::IndicesFromVec(df, c_hi));
+      } else {
+        const VF bias = hn::Mul(s, hn::Set(df, kOffset));
+        *lo = hn::MulAdd(hn::ConvertTo(df, c_lo), s, bias);
+        *hi = hn::MulAdd(hn::ConvertTo(df, c_hi), s, bias);
       }
+    } else {
+      const hn::Rebind<int8_t, DF> d8;
+      const auto c = hn::PromoteTo(di, hn::LoadU(d8, reinterpret_cast<const int8_t*>(codes + o)));
+      *lo = hn::Mul(hn::ConvertTo(df, c), s);
+      (void)hi;
     }
-    const D4 d4;
-    s0 = hn::Add(s0, hn::LoadU(d4, t0));
-    s1 = hn::Add(s1, hn::LoadU(d4, t1));
   }
-}
+  // Values [d, d + N) of row t.
+  HWY_INLINE VF Load(int t, int d) const {
+    const int blk = d / 32, o = d % 32;
+    VF lo, hi;
+    Values(t, blk, kNibbles ? o % 16 : o, &lo, &hi);
+    return kNibbles && o >= 16 ? hi : lo;
+  }
+  HWY_INLINE float Elem(int, int) const { return 0.0f; }  // rows are whole vectors (hd % 32 == 0)
+};
 
-// acc += p[0] * v[0] + ... + p[3] * v[3].
-template <class T>
-HWY_INLINE void Axpy4(const float* HWY_RESTRICT p, const T* const* HWY_RESTRICT v, int hd,
-                      float* HWY_RESTRICT acc) {
+// Vectors of one load of block codes: a q4_0 load serves both nibbles.
+template <class Rows>
+constexpr int kCodeVecs = Rows::kNibbles ? 2 : 1;
+// Offsets o of the loads within a block: [0, 16) for q4_0, [0, 32) for q8_0.
+template <class Rows>
+constexpr int kCodeSpan = Rows::kNibbles ? 16 : 32;
+
+constexpr int kMaxLanes = static_cast<int>(hn::MaxLanes(DF()));
+static_assert(kMaxLanes <= 16, "BlockRows: a vector must fit in a half block");
+
+// Scores (times scale) of a page's cnt keys for R query rows, four keys at a time; a last partial
+// group repeats its last key. R * 4 accumulators stay in registers while each key vector is
+// loaded (and unpacked) once for all R rows.
+template <int R, class Rows>
+HWY_INLINE void ScoreBlock(const Rows& k, int cnt, int hd, const float* const* q, float scale,
+                           float* scores, int s_stride) {
   const DF df;
-  const int N = static_cast<int>(hn::Lanes(df));
-  const T* HWY_RESTRICT v0 = v[0];
-  const T* HWY_RESTRICT v1 = v[1];
-  const T* HWY_RESTRICT v2 = v[2];
-  const T* HWY_RESTRICT v3 = v[3];
-  const VF p0 = hn::Set(df, p[0]);
-  const VF p1 = hn::Set(df, p[1]);
-  const VF p2 = hn::Set(df, p[2]);
-  const VF p3 = hn::Set(df, p[3]);
-  int d = 0;
-  for (; d + N <= hd; d += N) {
-    const VF t01 = hn::MulAdd(p1, LoadRow(v1 + d), hn::Mul(p0, LoadRow(v0 + d)));
-    const VF t23 = hn::MulAdd(p3, LoadRow(v3 + d), hn::Mul(p2, LoadRow(v2 + d)));
-    hn::StoreU(hn::Add(hn::LoadU(df, acc + d), hn::Add(t01, t23)), df, acc + d);
-  }
-  for (; d < hd; ++d) {
-    acc[d] += (p[0] * Elem(v0, d) + p[1] * Elem(v1, d)) + (p[2] * Elem(v2, d) + p[3] * Elem(v3, d));
-  }
-}
-
-// Scores (times scale) of a page's cnt keys for the rows of a tile, four keys at a time; a last
-// partial group repeats its last key.
-template <class T, class QRow>
-HWY_INLINE void ScorePage(const T* k_page, int cnt, int hd, int rows, const QRow& q_row,
-                          float scale, float* scores, int s_stride) {
   const D4 d4;
+  constexpr int N = kMaxLanes;
   const V4 vscale = hn::Set(d4, scale);
   for (int j = 0; j < cnt; j += 4) {
-    const T* k[4];
-    for (int i = 0; i < 4; ++i) k[i] = k_page + static_cast<int64_t>(std::min(j + i, cnt - 1)) * hd;
-    for (int r = 0; r < rows; r += 2) {
-      const int r1 = std::min(r + 1, rows - 1);
-      V4 s0, s1;
-      Dot2x4(q_row(r), q_row(r1), k, hd, s0, s1);
-      hn::StoreU(hn::Mul(s0, vscale), d4, scores + static_cast<int64_t>(r) * s_stride + j);
-      if (r1 != r)
-        hn::StoreU(hn::Mul(s1, vscale), d4, scores + static_cast<int64_t>(r1) * s_stride + j);
+    int t[4];
+    for (int i = 0; i < 4; ++i) t[i] = std::min(j + i, cnt - 1);
+    VF a[R][4];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+      for (int i = 0; i < 4; ++i) a[r][i] = hn::Zero(df);
+    }
+    auto fma_rows = [&](int d, const VF* kv) HWY_ATTR {
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const VF qv = hn::LoadU(df, q[r] + d);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) a[r][i] = hn::MulAdd(qv, kv[i], a[r][i]);
+      }
+    };
+    int d = 0;
+    if constexpr (Rows::kBlocks) {
+      for (int blk = 0; blk < hd / 32; ++blk, d += 32) {
+#pragma GCC unroll 4
+        for (int o = 0; o < kCodeSpan<Rows>; o += N) {
+          VF lo[4], hi[4];
+#pragma GCC unroll 4
+          for (int i = 0; i < 4; ++i) k.Values(t[i], blk, o, &lo[i], &hi[i]);
+          fma_rows(d + o, lo);
+          if constexpr (Rows::kNibbles) fma_rows(d + 16 + o, hi);
+        }
+      }
+    } else {
+      for (; d + N <= hd; d += N) {
+        VF kv[4];
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; ++i) kv[i] = k.Load(t[i], d);
+        fma_rows(d, kv);
+      }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      V4 s = Reduce4(a[r][0], a[r][1], a[r][2], a[r][3]);
+      if (d < hd) {
+        float tail[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        for (int e = d; e < hd; ++e) {
+          for (int i = 0; i < 4; ++i) tail[i] += q[r][e] * k.Elem(t[i], e);
+        }
+        s = hn::Add(s, hn::LoadU(d4, tail));
+      }
+      hn::StoreU(hn::Mul(s, vscale), d4, scores + static_cast<int64_t>(r) * s_stride + j);
     }
   }
 }
 
-// acc += sum_j p[j] * v_j over a page's cnt values (p is 0 in padding slots past cnt).
-template <class T>
-HWY_INLINE void AccumulatePage(const float* p, const T* v_page, int cnt, int hd, float* acc) {
-  for (int j = 0; j < cnt; j += 4) {
-    const T* v[4];
-    for (int i = 0; i < 4; ++i) v[i] = v_page + static_cast<int64_t>(std::min(j + i, cnt - 1)) * hd;
-    Axpy4(p + j, v, hd, acc);  // a repeated row sits in a padding slot, where p = 0
+// acc_r += sum_j p_r[j] * v_j over a page's cnt values for R rows (p_r at p + r * s_stride, acc_r
+// at acc + r * hd): each value vector is loaded (and unpacked) once for all R rows; block rows go
+// block by block, a q4_0 load serving both nibbles.
+template <int R, class Rows>
+HWY_INLINE void AccumulateBlock(const Rows& v, int cnt, int hd, const float* p, int s_stride,
+                                float* acc) {
+  const DF df;
+  constexpr int N = kMaxLanes;
+  if constexpr (Rows::kBlocks) {
+    for (int blk = 0; blk < hd / 32; ++blk) {
+      for (int o = 0; o < kCodeSpan<Rows>; o += N) {
+        VF lo[R], hi[R];
+        auto acc_at = [&](int r, int oo) {
+          return acc + static_cast<int64_t>(r) * hd + blk * 32 + oo;
+        };
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          lo[r] = hn::LoadU(df, acc_at(r, o));
+          if constexpr (Rows::kNibbles) hi[r] = hn::LoadU(df, acc_at(r, 16 + o));
+        }
+        for (int j = 0; j < cnt; ++j) {
+          VF xl, xh;
+          v.Values(j, blk, o, &xl, &xh);
+#pragma GCC unroll 16
+          for (int r = 0; r < R; ++r) {
+            const VF w = hn::Set(df, p[static_cast<int64_t>(r) * s_stride + j]);
+            lo[r] = hn::MulAdd(w, xl, lo[r]);
+            if constexpr (Rows::kNibbles) hi[r] = hn::MulAdd(w, xh, hi[r]);
+          }
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) {
+          hn::StoreU(lo[r], df, acc_at(r, o));
+          if constexpr (Rows::kNibbles) hn::StoreU(hi[r], df, acc_at(r, 16 + o));
+        }
+      }
+    }
+    return;
+  }
+  int d = 0;
+  for (; d + N <= hd; d += N) {
+    VF a[R];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) a[r] = hn::LoadU(df, acc + static_cast<int64_t>(r) * hd + d);
+    for (int j = 0; j < cnt; ++j) {
+      const VF x = v.Load(j, d);
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        a[r] = hn::MulAdd(hn::Set(df, p[static_cast<int64_t>(r) * s_stride + j]), x, a[r]);
+      }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) hn::StoreU(a[r], df, acc + static_cast<int64_t>(r) * hd + d);
+  }
+  for (; d < hd; ++d) {
+    for (int j = 0; j < cnt; ++j) {
+      const float x = v.Elem(j, d);
+      for (int r = 0; r < R; ++r) {
+        acc[static_cast<int64_t>(r) * hd + d] += p[static_cast<int64_t>(r) * s_stride + j] * x;
+      }
+    }
   }
 }
 
-// Calls f with the page's rows as a typed pointer.
+// Rows in blocks of at most kRowBlock share each loaded key and value vector.
+constexpr int kRowBlock = 4;
+
+template <class Rows, class QRow>
+HWY_INLINE void ScorePage(const Rows& k, int cnt, int hd, int rows, const QRow& q_row, float scale,
+                          float* scores, int s_stride) {
+  for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
+    const float* q[kRowBlock];
+    const int n = std::min(kRowBlock, rows - r0);
+    for (int r = 0; r < n; ++r) q[r] = q_row(r0 + r);
+    float* s = scores + static_cast<int64_t>(r0) * s_stride;
+    switch (n) {
+      case 1:
+        ScoreBlock<1>(k, cnt, hd, q, scale, s, s_stride);
+        break;
+      case 2:
+        ScoreBlock<2>(k, cnt, hd, q, scale, s, s_stride);
+        break;
+      case 3:
+        ScoreBlock<3>(k, cnt, hd, q, scale, s, s_stride);
+        break;
+      default:
+        ScoreBlock<4>(k, cnt, hd, q, scale, s, s_stride);
+        break;
+    }
+  }
+}
+
+template <class Rows>
+HWY_INLINE void AccumulatePage(const Rows& v, int cnt, int hd, int rows, const float* p,
+                               int s_stride, float* acc) {
+  for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
+    const float* pr = p + static_cast<int64_t>(r0) * s_stride;
+    float* ar = acc + static_cast<int64_t>(r0) * hd;
+    switch (std::min(kRowBlock, rows - r0)) {
+      case 1:
+        AccumulateBlock<1>(v, cnt, hd, pr, s_stride, ar);
+        break;
+      case 2:
+        AccumulateBlock<2>(v, cnt, hd, pr, s_stride, ar);
+        break;
+      case 3:
+        AccumulateBlock<3>(v, cnt, hd, pr, s_stride, ar);
+        break;
+      default:
+        AccumulateBlock<4>(v, cnt, hd, pr, s_stride, ar);
+        break;
+    }
+  }
+}
+
+// Calls f with a row reader for a page's K or V rows. Block-quantized rows are read fused (unpacked
+// in registers as they are loaded) when one row block shares them; a larger tile unpacks them
+// once into buf instead.
 template <class F>
-HWY_INLINE void WithRows(const void* rows, DType t, const F& f) {
+HWY_INLINE void WithRows(const void* rows, DType t, int cnt, int hd, int n_rows, float* buf,
+                         const F& f) {
+  auto blocks = [&](const auto& b) {
+    if (n_rows <= kRowBlock) return f(b);
+    const DF df;
+    const int N = static_cast<int>(hn::Lanes(df));
+    for (int j = 0; j < cnt; ++j) {
+      for (int d = 0; d < hd; d += N) {
+        hn::StoreU(b.Load(j, d), df, buf + int64_t{j} * hd + d);
+      }
+    }
+    return f(PlainRows<float>{buf, hd});
+  };
   switch (t) {
     case DType::kF16:
-      return f(static_cast<const hwy::float16_t*>(rows));
+      return f(PlainRows<hwy::float16_t>{static_cast<const hwy::float16_t*>(rows), hd});
     case DType::kBF16:
-      return f(static_cast<const hwy::bfloat16_t*>(rows));
+      return f(PlainRows<hwy::bfloat16_t>{static_cast<const hwy::bfloat16_t*>(rows), hd});
+    case DType::kQ4_0:
+      return blocks(BlockRows<DType::kQ4_0>{static_cast<const uint8_t*>(rows),
+                                            static_cast<int64_t>(DTypeRowBytes(t, hd))});
+    case DType::kQ8_0:
+      return blocks(BlockRows<DType::kQ8_0>{static_cast<const uint8_t*>(rows),
+                                            static_cast<int64_t>(DTypeRowBytes(t, hd))});
     default:
-      return f(static_cast<const float*>(rows));
+      return f(PlainRows<float>{static_cast<const float*>(rows), hd});
   }
 }
 
@@ -296,8 +476,8 @@ void AttendPages(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys
       if (p_min > q_max) continue;  // no key of the page is visible to the tile
       const bool all_visible = p_max <= q_min;
       const PageData rows_of = pages.Rows(page, k_buf, v_buf);
-      WithRows(rows_of.k, rows_of.k_type, [&](const auto* k_page) {
-        ScorePage(k_page, cnt, hd, rows, q_row, b.scale, scores, s_stride);
+      WithRows(rows_of.k, rows_of.k_type, cnt, hd, rows, k_buf, [&](const auto& k_rows) {
+        ScorePage(k_rows, cnt, hd, rows, q_row, b.scale, scores, s_stride);
       });
 
       for (int r = 0; r < rows; ++r) {
@@ -313,7 +493,10 @@ void AttendPages(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys
         VF vmax = hn::Set(df, kNegInf);
         for (int j = 0; j < s_stride; j += N) vmax = hn::Max(vmax, hn::LoadU(df, s + j));
         const float page_max = hn::GetLane(hn::MaxOfLanes(df, vmax));
-        if (page_max == kNegInf) continue;  // nothing visible to this row in this page
+        if (page_max == kNegInf) {  // nothing visible to this row in this page
+          std::fill(s, s + s_stride, 0.0f);
+          continue;
+        }
 
         float* acc_r = acc + static_cast<int64_t>(r) * hd;
         const float m_new = std::max(run_max[r], page_max);
@@ -337,10 +520,10 @@ void AttendPages(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys
           std::copy_n(s, cnt, obs_p + o * n_keys + j0);
           obs_m[o * n_pages + page] = m_new;
         }
-
-        WithRows(rows_of.v, rows_of.v_type,
-                 [&](const auto* v_page) { AccumulatePage(s, v_page, cnt, hd, acc_r); });
       }
+      WithRows(rows_of.v, rows_of.v_type, cnt, hd, rows, v_buf, [&](const auto& v_rows) {
+        AccumulatePage(v_rows, cnt, hd, rows, scores, s_stride, acc);
+      });
     }
 
     for (int r = 0; r < rows; ++r) {

@@ -89,10 +89,15 @@ void PagedAttentionRows(const AttnBatch& b, const PageRows& kv) {
     int cnt = 0;
     const int32_t* p = kv.Positions(page, &cnt);
     const PageData rows = kv.Rows(page, k_buf.data(), v_buf.data());
-    for (int64_t i = 0; i < int64_t{cnt} * hd; ++i) {
-      k[pos.size() * hd + i] = LoadAsF32(rows.k, rows.k_type, i);
-      v[pos.size() * hd + i] = LoadAsF32(rows.v, rows.v_type, i);
-    }
+    auto widen = [&](const void* data, DType t, float* out) {
+      if (DTypeIsQuantized(t)) {
+        for (int r = 0; r < cnt; ++r) QuantDequantRow({data, t, cnt, hd}, r, out + int64_t{r} * hd);
+      } else {
+        for (int64_t i = 0; i < int64_t{cnt} * hd; ++i) out[i] = LoadAsF32(data, t, i);
+      }
+    };
+    widen(rows.k, rows.k_type, &k[pos.size() * hd]);
+    widen(rows.v, rows.v_type, &v[pos.size() * hd]);
     pos.insert(pos.end(), p, p + cnt);
   }
   ContiguousAttention(b, k.data(), v.data(), pos.data(), n, hd);
