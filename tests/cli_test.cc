@@ -86,6 +86,19 @@ TEST(Cli, InspectAndKvStats) {
   EXPECT_NE(r.err.find("prefix cache:"), std::string::npos) << r.err;
 }
 
+TEST(Cli, BenchComparesCacheTypesRepByRep) {
+  RunResult r = RunCachet(
+      "bench -t 1 --ctx 40 --reps 2 --n-decode 2 --no-roofline --json --ctk f16 --ctv f16 "
+      "--vs q4_0,q8_0:q4_0");
+  ASSERT_EQ(r.status, 0) << r.err;
+  for (const char* key : {"\"q4_0\":{\"40\":{", "\"q8_0:q4_0\":{\"40\":{", "\"decode_ratio\":"}) {
+    EXPECT_NE(r.out.find(key), std::string::npos) << key << " in " << r.out;
+  }
+  r = RunCachet("bench -t 1 --ctx 40 --reps 1 --n-decode 2 --no-roofline --vs q5_9");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("q5_9"), std::string::npos) << r.err;
+}
+
 TEST(Cli, PressesRunAndBadSpecsAreErrors) {
   testing::TempDir dir;
   const std::string prompt = dir.Write(

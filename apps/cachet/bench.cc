@@ -145,7 +145,8 @@ void AddBench(CLI::App& app) {
     bool json = false;
     bool roofline = true;
     std::vector<double> prefix_hit;
-    GenerateOptions gen;  // its press, if any
+    std::vector<std::string> vs;  // other cache types, K[:V]
+    GenerateOptions gen;          // its press, if any
   };
   auto o = std::make_shared<Opts>();
   AddEngineFlags(*cmd, o->engine);
@@ -157,6 +158,12 @@ void AddBench(CLI::App& app) {
       ->check(CLI::PositiveNumber);
   cmd->add_option("--n-decode", o->n_decode, "Tokens decoded after each prefill")
       ->check(CLI::PositiveNumber);
+  cmd->add_option("--vs", o->vs,
+                  "Also measure these KV cache types (K[:V], e.g. q4_0 or q8_0:q4_0), one engine "
+                  "each, running every rep on each engine in turn so that machine noise hits them "
+                  "alike; reports each one's tok/s and the median over reps of its ratio to the "
+                  "--ctk/--ctv cache's rep just before (JSON key vs)")
+      ->delimiter(',');
   cmd->add_flag("--json", o->json, "Print one JSON object instead of a table");
   cmd->add_flag("!--no-roofline", o->roofline, "Skip the memory-bandwidth roofline measurement");
   cmd->add_option("--prefix-hit", o->prefix_hit,
@@ -197,46 +204,88 @@ void AddBench(CLI::App& app) {
       }
       return;
     }
+    // --vs: one more engine per cache type, each rep run on every engine in turn.
+    std::vector<std::unique_ptr<Engine>> others;
+    for (const std::string& kv : o->vs) {
+      EngineOptions vo = eo;
+      const size_t colon = kv.find(':');
+      vo.kv_codec_k = kv.substr(0, colon);
+      vo.kv_codec_v = colon == std::string::npos ? vo.kv_codec_k : kv.substr(colon + 1);
+      others.push_back(LoadEngine(vo));
+      if (!others.back()) throw CLI::RuntimeError(1);
+    }
     out["model"] = engine->options().model_dir;
     out["threads"] = engine->pool().size();
     out["reps"] = o->reps;
     out["n_decode"] = o->n_decode;
-    ProgressBar progress("bench", int64_t(o->ctx.size()) * o->reps);
+    ProgressBar progress("bench", int64_t(o->ctx.size()) * o->reps * (1 + others.size()));
     const auto& press = o->gen.press;
     if (press) out["press"] = press::PressSpec(*press);
-    for (int ctx : o->ctx) {
-      std::vector<double> prefill, decode, press_ms, kv_before, kv_after;
-      for (int rep = 0; rep < o->reps; ++rep) {
-        auto session = engine->NewSession();
-        if (press) session->ObserveForPress(ctx, press->window, press::GatheringsFor(*press));
-        auto t0 = Clock::now();
-        Status s = session->Eval(std::span<const int32_t>(tokens.data(), ctx), nullptr);
-        const double pf = std::chrono::duration<double>(Clock::now() - t0).count();
-        if (!s.ok()) {
-          std::fprintf(stderr, "cachet: %s\n", s.ToString().c_str());
+    struct Rep {
+      double prefill = 0, decode = 0;  // tok/s
+      double press_ms = 0, kv_before = 0, kv_after = 0;
+    };
+    auto run_rep = [&](Engine& e, int ctx) {
+      Rep r;
+      auto session = e.NewSession();
+      if (press) session->ObserveForPress(ctx, press->window, press::GatheringsFor(*press));
+      auto t0 = Clock::now();
+      Status s = session->Eval(std::span<const int32_t>(tokens.data(), ctx), nullptr);
+      const double pf = std::chrono::duration<double>(Clock::now() - t0).count();
+      if (!s.ok()) {
+        std::fprintf(stderr, "cachet: %s\n", s.ToString().c_str());
+        throw CLI::RuntimeError(1);
+      }
+      if (press) {  // scoring, planning and compaction, timed apart from the prefill
+        r.kv_before = double(session->kv().bytes_held());
+        auto tp = Clock::now();
+        auto pr = session->Compress(*press);
+        r.press_ms = std::chrono::duration<double, std::milli>(Clock::now() - tp).count();
+        if (!pr.ok()) {
+          std::fprintf(stderr, "cachet: %s\n", pr.status().ToString().c_str());
           throw CLI::RuntimeError(1);
         }
-        if (press) {  // scoring, planning and compaction, timed apart from the prefill
-          kv_before.push_back(double(session->kv().bytes_held()));
-          auto tp = Clock::now();
-          auto r = session->Compress(*press);
-          press_ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - tp).count());
-          if (!r.ok()) {
-            std::fprintf(stderr, "cachet: %s\n", r.status().ToString().c_str());
-            throw CLI::RuntimeError(1);
-          }
-          kv_after.push_back(double(session->kv().bytes_held()));
+        r.kv_after = double(session->kv().bytes_held());
+      }
+      auto t1 = Clock::now();
+      for (int i = 0; i < o->n_decode; ++i) {
+        const int32_t one[1] = {tokens[i % ctx]};
+        s = session->Eval(one, nullptr);
+        if (!s.ok()) throw CLI::RuntimeError(1);
+      }
+      const double dc = std::chrono::duration<double>(Clock::now() - t1).count();
+      r.prefill = ctx / pf;
+      r.decode = o->n_decode / dc;
+      progress.Add();
+      return r;
+    };
+    for (int ctx : o->ctx) {
+      std::vector<double> prefill, decode, press_ms, kv_before, kv_after;
+      // Per other engine: its tok/s and its ratio to the main engine's rep run just before.
+      std::vector<std::vector<double>> vs_pf(others.size()), vs_dc(others.size()),
+          vs_pf_x(others.size()), vs_dc_x(others.size());
+      for (int rep = 0; rep < o->reps; ++rep) {
+        const Rep r = run_rep(*engine, ctx);
+        prefill.push_back(r.prefill);
+        decode.push_back(r.decode);
+        press_ms.push_back(r.press_ms);
+        kv_before.push_back(r.kv_before);
+        kv_after.push_back(r.kv_after);
+        for (size_t i = 0; i < others.size(); ++i) {
+          const Rep v = run_rep(*others[i], ctx);
+          vs_pf[i].push_back(v.prefill);
+          vs_dc[i].push_back(v.decode);
+          vs_pf_x[i].push_back(v.prefill / r.prefill);
+          vs_dc_x[i].push_back(v.decode / r.decode);
         }
-        auto t1 = Clock::now();
-        for (int i = 0; i < o->n_decode; ++i) {
-          const int32_t one[1] = {tokens[i % ctx]};
-          s = session->Eval(one, nullptr);
-          if (!s.ok()) throw CLI::RuntimeError(1);
-        }
-        const double dc = std::chrono::duration<double>(Clock::now() - t1).count();
-        prefill.push_back(ctx / pf);
-        decode.push_back(o->n_decode / dc);
-        progress.Add();
+      }
+      for (size_t i = 0; i < others.size(); ++i) {
+        nlohmann::json& j = out["vs"][o->vs[i]][std::to_string(ctx)];
+        j["prefill_tok_s"] = Summarize(vs_pf[i]).median;
+        j["decode_tok_s"] = Summarize(vs_dc[i]).median;
+        j["prefill_ratio"] = Summarize(vs_pf_x[i]).median;
+        j["decode_ratio"] = Summarize(vs_dc_x[i]).median;
+        j["decode_ratio_min_max"] = {Summarize(vs_dc_x[i]).min, Summarize(vs_dc_x[i]).max};
       }
       const Summary p = Summarize(prefill), d = Summarize(decode);
       const std::string key = std::to_string(ctx);
@@ -307,6 +356,27 @@ void AddBench(CLI::App& app) {
                     out["kv_bytes_after_press"][k].get<double>() / 1048576.0,
                     out["press_ms"][k].get<double>(),
                     100 * out["press_fraction_of_prefill"][k].get<double>());
+      }
+    }
+    if (!others.empty()) {
+      std::printf(
+          "vs %s (reps interleaved; x = median of per-rep ratios, decode min-max)\n",
+          engine->options().kv_codec_k == engine->options().kv_codec_v
+              ? engine->options().kv_codec_k.c_str()
+              : (engine->options().kv_codec_k + ":" + engine->options().kv_codec_v).c_str());
+      std::printf("%8s  %-12s  %14s  %6s  %14s  %18s\n", "ctx", "cache", "prefill tok/s", "x",
+                  "decode tok/s", "x");
+      for (const std::string& name : o->vs) {
+        for (int ctx : o->ctx) {
+          const nlohmann::json& j = out["vs"][name][std::to_string(ctx)];
+          char x[48];
+          std::snprintf(x, sizeof x, "%.2f (%.2f-%.2f)", j["decode_ratio"].get<double>(),
+                        j["decode_ratio_min_max"][0].get<double>(),
+                        j["decode_ratio_min_max"][1].get<double>());
+          std::printf("%8d  %-12s  %14.1f  %6.2f  %14.1f  %18s\n", ctx, name.c_str(),
+                      j["prefill_tok_s"].get<double>(), j["prefill_ratio"].get<double>(),
+                      j["decode_tok_s"].get<double>(), x);
+        }
       }
     }
   });
