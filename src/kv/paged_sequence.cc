@@ -560,10 +560,14 @@ void PagedSequence::AddRefs(PagePool& pool, const BlockTable& t, const std::vect
   }
 }
 
-// Pages of the hot and the cold pool, raw or encoded by a codec that is not rotated: encoded pages
-// are decoded into the kernel's page buffers (once per tile of query rows).
+// Pages of the hot and the cold pool as the attention kernels read them. Each role (K, V) is read
+// in one basis: rotated when a pool's codec rotates that role (rotated queries score rotated keys,
+// values accumulate rotated and the output is rotated back once per row), else the original one.
+// Rows stored in the other basis (raw sink and window pages beside a rotation codec, a cold pool
+// of another codec) are decoded and rotated into it.
 struct PagedSequence::RefRows final : kernels::PageRows {
-  RefRows(std::span<const PageRef> refs, const KvLayout& layout) : refs_(refs), layout_(layout) {}
+  RefRows(std::span<const PageRef> refs, const KvLayout& layout, bool rot_k, bool rot_v)
+      : refs_(refs), layout_(layout), rot_k_(rot_k), rot_v_(rot_v) {}
   int n_pages() const override { return static_cast<int>(refs_.size()); }
   int n_keys() const override {
     return refs_.empty() ? 0 : refs_.back().first_key + refs_.back().cnt;
@@ -578,18 +582,28 @@ struct PagedSequence::RefRows final : kernels::PageRows {
     PagePool& pool = *refs_[page].pool;
     const int32_t id = refs_[page].page;
     kernels::PageData d;
-    d.k = Rows(pool.codec_of(id, Role::kKey), Role::kKey, pool.rows(id, Role::kKey),
+    d.k = Rows(pool.codec_of(id, Role::kKey), Role::kKey, rot_k_, pool.rows(id, Role::kKey),
                refs_[page].cnt, k_buf, &d.k_type);
-    d.v = Rows(pool.codec_of(id, Role::kValue), Role::kValue, pool.rows(id, Role::kValue),
+    d.v = Rows(pool.codec_of(id, Role::kValue), Role::kValue, rot_v_, pool.rows(id, Role::kValue),
                refs_[page].cnt, v_buf, &d.v_type);
     return d;
   }
 
  private:
-  // f32, f16, bf16, q8_0 and q4_0 rows are read in place (the kernel widens or unpacks them as it
-  // loads); other codecs are decoded into buf.
-  const void* Rows(codecs::Codec c, Role role, const uint8_t* data, int cnt, float* buf,
-                   DType* type) const {
+  // f32, f16, bf16, q8_0 and q4_0 rows in the basis they are stored in are read in place (the
+  // kernel widens or unpacks them as it loads); other rows are decoded into buf.
+  const void* Rows(codecs::Codec c, Role role, bool rotated, const uint8_t* data, int cnt,
+                   float* buf, DType* type) const {
+    if (rotated != codecs::IsRotated(c)) {
+      const int hd = layout_.head_dim;
+      codecs::simd::DecodeStored(c, role, data, cnt, layout_.page_tokens, hd, buf);
+      for (int t = 0; t < cnt; ++t) {
+        rotated ? codecs::Rotate(buf + size_t(t) * hd, hd)
+                : codecs::Unrotate(buf + size_t(t) * hd, hd);
+      }
+      *type = DType::kF32;
+      return buf;
+    }
     switch (c) {
       case codecs::Codec::kF32:
         *type = DType::kF32;
@@ -615,6 +629,7 @@ struct PagedSequence::RefRows final : kernels::PageRows {
 
   std::span<const PageRef> refs_;
   const KvLayout& layout_;
+  bool rot_k_, rot_v_;
 };
 
 void PagedSequence::Attend(int layer, int kv_head, const kernels::AttnBatch& batch) const {
@@ -654,15 +669,37 @@ void PagedSequence::Attend(int layer, int kv_head, const kernels::AttnBatch& bat
     refs.clear();
     AddRefs(pool_, t, hot_subset ? &hot_sel : nullptr, &refs);
     if (cold) AddRefs(*cold_pool_, *cold, cold_subset ? &cold_sel : nullptr, &refs);
-    bool rotated = false;
-    for (const PagePool* p : {&pool_, cold ? cold_pool_ : nullptr}) {
-      rotated |=
-          p && (codecs::IsRotated(p->layout().codec_k) || codecs::IsRotated(p->layout().codec_v));
+    // The basis of each role: the hot pool's (a cold pool of another basis is converted).
+    const bool rot_k = codecs::IsRotated(pool_.layout().codec_k),
+               rot_v = codecs::IsRotated(pool_.layout().codec_v);
+    const int hd = pool_.layout().head_dim, q_dim = b.n_heads * hd;
+    thread_local std::vector<float> q_rot, out_rot;
+    if (rot_k) {  // rotated queries, compact
+      q_rot.resize(size_t(b.n_tok) * q_dim);
+      for (int i = 0; i < b.n_tok; ++i) {
+        for (int h = 0; h < b.n_heads; ++h) {
+          float* q = q_rot.data() + size_t(i) * q_dim + size_t(h) * hd;
+          std::copy_n(batch.q + i * batch.q_stride + h * hd, hd, q);
+          codecs::Rotate(q, hd);
+        }
+      }
+      b.q = q_rot.data();
+      b.q_stride = q_dim;
     }
-    if (rotated) {
-      CodecAttend(refs, b);
-    } else {
-      kernels::PagedAttentionRows(b, RefRows(refs, pool_.layout()));
+    if (rot_v) {
+      out_rot.resize(size_t(b.n_tok) * q_dim);
+      b.out = out_rot.data();
+      b.out_stride = q_dim;
+    }
+    kernels::PagedAttentionRows(b, RefRows(refs, pool_.layout(), rot_k, rot_v));
+    if (rot_v) {
+      for (int i = 0; i < b.n_tok; ++i) {
+        for (int h = 0; h < b.n_heads; ++h) {
+          float* out = batch.out + i * batch.out_stride + h * hd;
+          std::copy_n(out_rot.data() + size_t(i) * q_dim + size_t(h) * hd, hd, out);
+          codecs::Unrotate(out, hd);
+        }
+      }
     }
   }
   if (observer_ != nullptr) observer_->Merge(layer, kv_head);
@@ -688,169 +725,6 @@ void PagedSequence::Gather(const BlockTable& t, std::vector<float>* k, std::vect
     float* vd = v->data() + size_t(p) * pt * hd;
     DecodeRows(pool, page, cnt, kd, vd);
     std::memcpy(positions->data() + size_t(p) * pt, pool.positions(page), cnt * sizeof(int32_t));
-  }
-}
-
-// Online-softmax attention over pages of mixed kinds: raw pages (sinks, staging) and pages
-// stored by codec. A tile of query rows (token, head) walks the pages once; each codec page is
-// decoded into an L1-sized scratch once per tile, so the decode cost is shared by every row.
-// Rotation codecs keep K and V in the rotated basis: rotated queries score them and values
-// accumulate in a second, rotated accumulator that is rotated back once at the end.
-// AttnObserve: observed rows keep each page's exp(s - m) terms and m, folded at the end of the
-// tile into the final weights p * exp(m - m_final) / sum_final.
-void PagedSequence::CodecAttend(std::span<const PageRef> refs, const kernels::AttnBatch& b) const {
-  const KvLayout& lay = pool_.layout();
-  const int pt = lay.page_tokens, hd = lay.head_dim;
-  // Pages may come from pools of different codecs (the hot pool and a cold one): each page is
-  // decoded by its own pool's codec; rotated queries and the rotated accumulator serve every
-  // page whose codec rotates.
-  bool rot_k = false, rot_v = false;
-  for (const PagePool* p : {&pool_, cold_pool_}) {
-    if (p == nullptr) continue;
-    rot_k |= codecs::IsRotated(p->layout().codec_k);
-    rot_v |= codecs::IsRotated(p->layout().codec_v);
-  }
-  int n_keys = 0;
-  for (const PageRef& r : refs) n_keys += r.cnt;
-  constexpr int kTileRows = 48;
-  const int tile_tok = std::max(1, kTileRows / b.n_heads);
-  const int max_rows = std::min(tile_tok, b.n_tok) * b.n_heads;
-  thread_local std::vector<float> scratch;
-  scratch.resize(size_t(max_rows) * (3 * hd + 2) + size_t(2 * pt) * hd + size_t(max_rows) * pt);
-  float* q_rot = scratch.data();                 // [rows][hd]
-  float* acc = q_rot + size_t(max_rows) * hd;    // [rows][hd], plain basis
-  float* acc_rot = acc + size_t(max_rows) * hd;  // [rows][hd], rotated basis
-  float* run_max = acc_rot + size_t(max_rows) * hd;
-  float* run_sum = run_max + max_rows;
-  float* kbuf = run_sum + max_rows;  // one decoded page
-  float* vbuf = kbuf + size_t(pt) * hd;
-  float* s = vbuf + size_t(pt) * hd;  // [rows][pt]
-  const int n_pages = static_cast<int>(refs.size());
-  const float neg_inf = -std::numeric_limits<float>::infinity();
-
-  // Observed rows (tokens with q_pos >= the smallest min_pos), by their token's slot among the
-  // observed tokens of the tile: obs_p [row][n_tokens] the exp(s - m) of each key, obs_m
-  // [row][n_pages] the m of each page (-inf where the row saw nothing of it).
-  thread_local std::vector<float> obs_scratch;
-  float* obs_p = nullptr;
-  float* obs_m = nullptr;
-  int32_t obs_min_pos = 0;
-  int obs_slot[kTileRows];  // tile token -> slot among observed tokens, or -1
-  if (b.n_observe > 0 && n_pages > 0) {
-    obs_min_pos = b.observe[0].min_pos;
-    for (int i = 1; i < b.n_observe; ++i) obs_min_pos = std::min(obs_min_pos, b.observe[i].min_pos);
-    int n_obs_tok = 0;
-    for (int i = 0; i < b.n_tok; ++i) n_obs_tok += b.q_pos[i] >= obs_min_pos;
-    if (n_obs_tok > 0) {
-      const size_t obs_rows = size_t(std::min(tile_tok, n_obs_tok)) * b.n_heads;
-      obs_scratch.resize(obs_rows * (size_t(n_keys) + n_pages));
-      obs_p = obs_scratch.data();
-      obs_m = obs_p + obs_rows * n_keys;
-    }
-  }
-
-  for (int t0 = 0; t0 < b.n_tok; t0 += tile_tok) {
-    const int nt = std::min(tile_tok, b.n_tok - t0), rows = nt * b.n_heads;
-    auto q_row = [&](int r) {
-      return b.q + int64_t(t0 + r / b.n_heads) * b.q_stride + int64_t(r % b.n_heads) * hd;
-    };
-    for (int r = 0; r < rows; ++r) {
-      std::copy(q_row(r), q_row(r) + hd, q_rot + size_t(r) * hd);
-      if (rot_k) codecs::Rotate(q_rot + size_t(r) * hd, hd);
-    }
-    std::fill(acc, acc + size_t(rows) * hd, 0.0f);
-    std::fill(acc_rot, acc_rot + size_t(rows) * hd, 0.0f);
-    std::fill(run_max, run_max + rows, neg_inf);
-    std::fill(run_sum, run_sum + rows, 0.0f);
-    const int32_t q_max = *std::max_element(b.q_pos + t0, b.q_pos + t0 + nt);
-    int obs_tok = 0;  // observed tokens in this tile
-    if (obs_p != nullptr) {
-      for (int i = 0; i < nt; ++i) obs_slot[i] = b.q_pos[t0 + i] >= obs_min_pos ? obs_tok++ : -1;
-      std::fill(obs_m, obs_m + size_t(obs_tok) * b.n_heads * n_pages, neg_inf);
-    }
-
-    for (int pg = 0; pg < n_pages; ++pg) {
-      PagePool& pool = *refs[pg].pool;
-      const int32_t page = refs[pg].page;
-      const int cnt = refs[pg].cnt;
-      const int32_t* pos = pool.positions(page);
-      if (*std::min_element(pos, pos + cnt) > q_max) continue;
-      const codecs::Codec ck = pool.codec_of(page, Role::kKey),
-                          cv = pool.codec_of(page, Role::kValue);
-      codecs::DecodeStored(ck, Role::kKey, pool.rows(page, Role::kKey), cnt, pt, hd, kbuf);
-      codecs::DecodeStored(cv, Role::kValue, pool.rows(page, Role::kValue), cnt, pt, hd, vbuf);
-      const float *k = kbuf, *v = vbuf;
-      const bool k_rotated = codecs::IsRotated(ck), v_rotated = codecs::IsRotated(cv);
-      for (int r = 0; r < rows; ++r) {
-        const float* q = k_rotated ? q_rot + size_t(r) * hd : q_row(r);
-        const int32_t qpos = b.q_pos[t0 + r / b.n_heads];
-        float* sr = s + size_t(r) * pt;
-        float page_max = neg_inf;
-        for (int j = 0; j < cnt; ++j) {
-          sr[j] = pos[j] <= qpos ? codecs::simd::Dot(q, k + size_t(j) * hd, hd) * b.scale : neg_inf;
-          page_max = std::max(page_max, sr[j]);
-        }
-        if (page_max == neg_inf) continue;
-        const float new_m = std::max(run_max[r], page_max);
-        const float corr = std::exp(run_max[r] - new_m);
-        run_max[r] = new_m;
-        float* ar = acc + size_t(r) * hd;
-        float* arr = acc_rot + size_t(r) * hd;
-        if (corr != 1.0f) {
-          run_sum[r] *= corr;
-          codecs::simd::Scale(corr, ar, hd);
-          if (rot_v) codecs::simd::Scale(corr, arr, hd);
-        }
-        float* dst = v_rotated ? arr : ar;
-        float* keep = nullptr;  // this row's observed terms of the page
-        if (obs_tok > 0 && obs_slot[r / b.n_heads] >= 0) {
-          const size_t o = size_t(obs_slot[r / b.n_heads]) * b.n_heads + r % b.n_heads;
-          keep = obs_p + o * n_keys + refs[pg].first_key;
-          obs_m[o * n_pages + pg] = new_m;
-        }
-        for (int j = 0; j < cnt; ++j) {
-          if (sr[j] == neg_inf) {
-            if (keep) keep[j] = 0.0f;
-            continue;
-          }
-          const float p = std::exp(sr[j] - new_m);
-          if (keep) keep[j] = p;
-          run_sum[r] += p;
-          codecs::simd::Axpy(p, v + size_t(j) * hd, dst, hd);
-        }
-      }
-    }
-    for (int r = 0; r < rows; ++r) {
-      float* ar = acc + size_t(r) * hd;
-      if (rot_v) {
-        float* arr = acc_rot + size_t(r) * hd;
-        codecs::Unrotate(arr, hd);
-        for (int i = 0; i < hd; ++i) ar[i] += arr[i];
-      }
-      const float inv = run_sum[r] > 0 ? 1.0f / run_sum[r] : 0.0f;
-      float* out = b.out + int64_t(t0 + r / b.n_heads) * b.out_stride + int64_t(r % b.n_heads) * hd;
-      for (int i = 0; i < hd; ++i) out[i] = ar[i] * inv;
-    }
-    // Fold the kept terms of the observed rows into their final weights.
-    for (int r = 0; r < rows && obs_tok > 0; ++r) {
-      const int32_t qpos = b.q_pos[t0 + r / b.n_heads];
-      if (obs_slot[r / b.n_heads] < 0 || run_sum[r] == 0.0f) continue;
-      const size_t o = size_t(obs_slot[r / b.n_heads]) * b.n_heads + r % b.n_heads;
-      const float* p_row = obs_p + o * n_keys;
-      const float* m_row = obs_m + o * n_pages;
-      const float inv = 1.0f / run_sum[r];
-      for (int pg = 0; pg < n_pages; ++pg) {
-        if (m_row[pg] == neg_inf) continue;  // nothing of the page visible to the row
-        const float c = std::exp(m_row[pg] - run_max[r]) * inv;
-        const size_t j0 = refs[pg].first_key;
-        const int cnt = refs[pg].cnt;
-        for (int i = 0; i < b.n_observe; ++i) {
-          if (qpos >= b.observe[i].min_pos) {
-            codecs::simd::Axpy(c, p_row + j0, b.observe[i].key_weight + j0, cnt);
-          }
-        }
-      }
-    }
   }
 }
 

@@ -149,7 +149,6 @@ class PagedSequence final : public KvSequence {
     int32_t first_key;  // index of its first key among the pass's keys
   };
   struct RefRows;  // PageRefs as the attention kernels' PageRows
-  void CodecAttend(std::span<const PageRef> refs, const kernels::AttnBatch& b) const;
   static void WriteRow(PagePool& pool, int32_t page, int off, const float* k, const float* v,
                        int32_t pos);
   void DemoteRow(BlockTable& cold, const float* k, const float* v, int32_t pos,

@@ -26,10 +26,6 @@ constexpr Info kCodecs[] = {
 };
 
 int KiviBits(Codec c) { return c == Codec::kKivi4 ? 4 : 2; }
-int RotBits(Codec c) {
-  return c == Codec::kRot4 ? 4 : c == Codec::kRot3 || c == Codec::kRot3Qjl ? 3 : 2;
-}
-bool IsQjl(Codec c) { return c == Codec::kRot3Qjl || c == Codec::kRot2Qjl; }
 bool IsKivi(Codec c) { return c == Codec::kKivi4 || c == Codec::kKivi2; }
 
 uint16_t H(float f) { return F32ToF16(f); }
@@ -404,6 +400,12 @@ Status CheckDim(Codec c, int dim) {
 }
 
 size_t RowStride(Codec c, int dim) { return RowBytes(c, dim); }
+
+int RotBits(Codec c) {
+  return c == Codec::kRot4 ? 4 : c == Codec::kRot3 || c == Codec::kRot3Qjl ? 3 : 2;
+}
+const float* RotLevels(Codec c) { return LloydMax(RotBits(c)); }
+bool IsQjl(Codec c) { return c == Codec::kRot3Qjl || c == Codec::kRot2Qjl; }
 
 bool IsRotated(Codec c) {
   return c == Codec::kRot4 || c == Codec::kRot3 || c == Codec::kRot2 || IsQjl(c);

@@ -45,6 +45,12 @@ size_t PageBytes(Codec c, Role role, int tokens, int dim);
 // Nominal bits per stored value, metadata included, for a full page.
 double BitsPerValue(Codec c, Role role, int tokens, int dim);
 bool IsRotated(Codec c);
+// A rotation codec's bits per coordinate and its 1 << bits Lloyd-Max levels of N(0, 1); a row
+// stores an f16 scale, then the coordinates' level indices packed little-endian (then, for +qjl,
+// the residual's sign bits and f16 norm).
+int RotBits(Codec c);
+const float* RotLevels(Codec c);
+bool IsQjl(Codec c);
 // KIVI keys are quantized per channel over the whole page: encoding must wait until it is full.
 bool NeedsFullPage(Codec c, Role role);
 

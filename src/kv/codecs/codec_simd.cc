@@ -120,16 +120,29 @@ HWY_INLINE void Q4Block(const uint8_t* HWY_RESTRICT bytes, float min, float scal
   }
 }
 
-// Unpacks n little-endian codes of 2 or 4 bits.
+// Unpacks n little-endian codes of 2, 3 or 4 bits (n even; 4 bits: two per byte).
 HWY_INLINE void Unpack(const uint8_t* in, int n, int bits, uint8_t* codes) {
-  if (bits == 4) {
+  if (bits == 4) {  // the compiler vectorizes this one
     for (int i = 0; i < n / 2; ++i) codes[2 * i] = in[i] & 15, codes[2 * i + 1] = in[i] >> 4;
-  } else {
-    for (int i = 0; i < n / 4; ++i) {
-      const uint8_t b = in[i];
-      codes[4 * i] = b & 3, codes[4 * i + 1] = (b >> 2) & 3, codes[4 * i + 2] = (b >> 4) & 3,
-                codes[4 * i + 3] = b >> 6;
-    }
+    return;
+  }
+  int i = 0;
+#if HWY_TARGET <= HWY_AVX2
+  // BMI2: eight codes (bits bytes) deposited into the low bits of eight bytes.
+  const uint64_t mask = 0x0101010101010101ull * ((1u << bits) - 1);
+  for (; i + 8 <= n; i += 8, in += bits) {
+    const uint32_t w =
+        uint32_t{in[0]} | uint32_t{in[1]} << 8 | (bits == 3 ? uint32_t{in[2]} << 16 : 0);
+    const uint64_t c = _pdep_u64(w, mask);
+    std::memcpy(codes + i, &c, 8);
+  }
+#endif
+  uint32_t acc = 0;  // the rest bit by bit (groups of eight codes end on a byte boundary)
+  for (int have = 0; i < n; ++i) {
+    while (have < bits) acc |= uint32_t{*in++} << have, have += 8;
+    codes[i] = acc & ((1u << bits) - 1);
+    acc >>= bits;
+    have -= bits;
   }
 }
 
@@ -228,7 +241,35 @@ void DecodeStoredImpl(Codec c, Role role, const uint8_t* page, int n, int tokens
         }
         break;
       }
-      default:  // rotation codecs: table lookups, the scalar path
+      case Codec::kRot4:
+      case Codec::kRot3:
+      case Codec::kRot2: {  // scale * level[code], the levels looked up in a vector
+        uint16_t h;
+        std::memcpy(&h, in, 2);
+        const auto vs = hn::Set(df, F16ToF32(h));
+        const int n_levels = 1 << RotBits(c);
+        Unpack(in + 2, dim, RotBits(c), codes);
+        const hn::Rebind<int32_t, DF> di;
+        const hn::Rebind<uint8_t, DF> d8;
+        int i = 0;
+        if (n_levels <= N) {
+          HWY_ALIGN float table[hn::MaxLanes(DF())] = {};
+          std::memcpy(table, RotLevels(c), n_levels * sizeof(float));
+          const auto levels = hn::Load(df, table);
+          for (; i + N <= dim; i += N) {
+            const auto idx = hn::IndicesFromVec(df, hn::PromoteTo(di, hn::LoadU(d8, codes + i)));
+            hn::StoreU(hn::Mul(hn::TableLookupLanes(levels, idx), vs), df, x + i);
+          }
+        } else {
+          for (; i + N <= dim; i += N) {
+            const auto idx = hn::PromoteTo(di, hn::LoadU(d8, codes + i));
+            hn::StoreU(hn::Mul(hn::GatherIndex(df, RotLevels(c), idx), vs), df, x + i);
+          }
+        }
+        for (; i < dim; ++i) x[i] = F16ToF32(h) * RotLevels(c)[codes[i]];
+        break;
+      }
+      default:  // rotation codecs with QJL (a Hadamard transform per row): the scalar path
         codecs::DecodeStored(c, role, in, 1, 1, dim, x);
         break;
     }
