@@ -14,6 +14,7 @@
 #include <memory>
 #include <numeric>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kernels/kernels.h"
@@ -145,17 +146,22 @@ void BenchCodecAttention(std::mt19937& rng) {
   using cachet::PagedSequence;
   using cachet::PagePool;
   const int n = 4096, hd = 64, heads = 3;
-  const char* names[] = {"f32", "f16", "q8_0", "q4_0", "int8", "kivi4", "rot4", "rot3"};
+  const std::string names[] = {"f32",   "f16",  "q8_0", "q4_0",       "int8",
+                               "kivi4", "rot4", "rot3", "kivi4:q4_0", "q4_0:rot3"};
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::vector<std::unique_ptr<PagePool>> pools;
   std::vector<std::unique_ptr<PagedSequence>> seqs;
   std::vector<float> k(hd), v(hd);
-  for (const char* name : names) {
+  for (const std::string& name : names) {  // K[:V]
     KvLayout lay;
     lay.n_layers = lay.n_kv_heads = 1;
     lay.head_dim = hd;
-    auto codec = cachet::codecs::ParseCodec(name);
-    lay.codec_k = lay.codec_v = *codec;
+    const size_t colon = name.find(':');
+    auto codec_k = cachet::codecs::ParseCodec(name.substr(0, colon));
+    auto codec_v =
+        cachet::codecs::ParseCodec(colon == std::string::npos ? name : name.substr(colon + 1));
+    lay.codec_k = *codec_k;
+    lay.codec_v = *codec_v;
     pools.push_back(std::make_unique<PagePool>(lay, size_t{64} << 20));
     seqs.push_back(std::make_unique<PagedSequence>(*pools.back()));
     if (!seqs.back()->Reserve(n).ok()) std::abort();
@@ -179,8 +185,8 @@ void BenchCodecAttention(std::mt19937& rng) {
     }
   }
   for (size_t i = 0; i < seqs.size(); ++i) {
-    std::printf("  decode attention %-5s keys=%d heads=%d head_dim=%d %8.1f us  x f16 %.2f\n",
-                names[i], n, heads, hd, best[i] * 1e6, best[i] / best[1]);
+    std::printf("  decode attention %-10s keys=%d heads=%d head_dim=%d %8.1f us  x f16 %.2f\n",
+                names[i].c_str(), n, heads, hd, best[i] * 1e6, best[i] / best[1]);
   }
 }
 

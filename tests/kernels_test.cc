@@ -706,7 +706,9 @@ struct TypedPages final : PageRows {
   std::vector<DType> k_type, v_type;
   std::vector<std::vector<uint16_t>> k16, v16;  // f16 / bf16 pages
   std::vector<std::vector<float>> k32, v32;     // f32 pages
-  std::vector<std::vector<uint8_t>> kq, vq;     // q8_0 / q4_0 pages
+  std::vector<std::vector<uint8_t>> kq, vq;     // q8_0 / q4_0 pages; KIVI key codes
+  std::vector<int> k_bits;                      // KIVI keys: bits per code, else 0
+  std::vector<std::vector<uint16_t>> k_chan;    // KIVI keys: (minimum, scale) per channel
   std::vector<std::vector<int32_t>> pos;
   std::vector<float> k, v;  // every key's rows as stored (rounded), contiguous
   std::vector<int32_t> k_pos;
@@ -724,8 +726,30 @@ struct TypedPages final : PageRows {
       if (DTypeIsQuantized(t)) return pq[page].data();
       return t == DType::kF32 ? static_cast<const void*>(p32[page].data()) : p16[page].data();
     };
-    return {data(k_type[page], k16, k32, kq), data(v_type[page], v16, v32, vq), k_type[page],
-            v_type[page]};
+    PageData d{data(k_type[page], k16, k32, kq), data(v_type[page], v16, v32, vq), k_type[page],
+               v_type[page]};
+    if (k_bits[page] > 0) {
+      d.k = kq[page].data();
+      d.k_channels = k_chan[page].data();
+      d.k_bits = k_bits[page];
+    }
+    return d;
+  }
+
+  // KIVI keys for n rows: random codes of `bits`, random per-channel minimum and scale; the values
+  // they stand for go into out.
+  static void StoreChannels(int n, int hd, int bits, std::mt19937& rng, std::vector<uint8_t>* codes,
+                            std::vector<uint16_t>* chan, std::vector<float>* out) {
+    std::uniform_int_distribution<int> code(0, (1 << bits) - 1);
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    for (int c = 0; c < hd; ++c)
+      chan->push_back(F32ToF16(u(rng))), chan->push_back(F32ToF16(0.3f * u(rng)));
+    codes->assign(size_t(n) * hd * bits / 8 + 64, 0);  // + the over-read of a vector load
+    for (int64_t i = 0; i < int64_t{n} * hd; ++i) {
+      const int c = code(rng), ch = static_cast<int>(i % hd);
+      (*codes)[i * bits / 8] |= static_cast<uint8_t>(c << (i * bits % 8));
+      out->push_back(F16ToF32((*chan)[2 * ch]) + F16ToF32((*chan)[2 * ch + 1]) * c);
+    }
   }
 
   // Stores x (rows of hd values) as type t into a page, and the rounded values into out.
@@ -782,8 +806,16 @@ TypedPages MakeTypedPages(const std::vector<int32_t>& key_pos, int pt, int hd, s
     tp.v32.emplace_back();
     tp.kq.emplace_back();
     tp.vq.emplace_back();
-    TypedPages::Store(tp.k_type.back(), RandomVec(size_t(n) * hd, rng), hd, &tp.k16.back(),
-                      &tp.k32.back(), &tp.kq.back(), &tp.k);
+    tp.k_chan.emplace_back();
+    // Every fourth page holds KIVI keys, 4 and 2 bits in turn (whole blocks of 32 channels).
+    tp.k_bits.push_back(hd % 32 == 0 && i % 4 == 3 ? (i % 8 == 3 ? 4 : 2) : 0);
+    if (tp.k_bits.back() > 0) {
+      TypedPages::StoreChannels(n, hd, tp.k_bits.back(), rng, &tp.kq.back(), &tp.k_chan.back(),
+                                &tp.k);
+    } else {
+      TypedPages::Store(tp.k_type.back(), RandomVec(size_t(n) * hd, rng), hd, &tp.k16.back(),
+                        &tp.k32.back(), &tp.kq.back(), &tp.k);
+    }
     TypedPages::Store(tp.v_type.back(), RandomVec(size_t(n) * hd, rng), hd, &tp.v16.back(),
                       &tp.v32.back(), &tp.vq.back(), &tp.v);
     tp.pos.emplace_back(key_pos.begin() + j, key_pos.begin() + j + n);
@@ -838,6 +870,33 @@ TEST(KernelsAttention, TypedPageRowsMatchContiguous) {
             }
           }
         }
+      }
+    }
+  }
+}
+
+// A decode step reads block and KIVI key pages fused, a tile of more rows unpacks them first: the
+// same query gets the same bits either way (a prefix-cached prompt must equal a cold one).
+TEST(KernelsAttention, FusedAndUnpackedPagesGiveTheSameBits) {
+  std::mt19937 rng(15);
+  int32_t last = 0;
+  const std::vector<int32_t> k_pos = GappedShuffledPositions(200, rng, &last);
+  for (int hd : {64, 128}) {
+    const TypedPages tp = MakeTypedPages(k_pos, 16, hd, rng);
+    for (int n_heads : {1, 3, 4}) {
+      // Four tokens; the last one alone is a decode step.
+      const TestQueries four = MakeQueries({last - 3, last / 2, 7, last}, n_heads, hd, rng);
+      TestQueries one = four;
+      one.q_pos = {last};
+      one.q.assign(four.q.begin() + 3 * four.q_stride, four.q.end());
+      for (int64_t target : KernelTargets()) {
+        ScopedTarget scoped(target);
+        std::vector<float> out_four, out_one;
+        cpu::PagedAttentionRows(four.Batch(out_four, 0.125f), tp);
+        cpu::PagedAttentionRows(one.Batch(out_one, 0.125f), tp);
+        const std::vector<float> a = four.Compact(out_four), b = one.Compact(out_one);
+        ASSERT_EQ(std::vector<float>(a.end() - b.size(), a.end()), b)
+            << "hd=" << hd << " heads=" << n_heads << TargetString(target);
       }
     }
   }

@@ -63,6 +63,11 @@ struct PageData {
   const void* k = nullptr;
   const void* v = nullptr;
   DType k_type = DType::kF32, v_type = DType::kF32;
+  // KIVI keys instead of k_type rows: k holds codes of k_bits (4 or 2) packed little-endian, row
+  // i at i * head_dim * k_bits / 8 bytes (head_dim a multiple of 32), and k_channels each
+  // channel's f16 (minimum, scale): key i, channel c is minimum + scale * code.
+  const uint16_t* k_channels = nullptr;
+  int k_bits = 0;
 };
 
 // A page table whose pages are not all raw f32 (KV codecs, a cold pool): the kernel asks for each

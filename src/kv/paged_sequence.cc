@@ -582,8 +582,16 @@ struct PagedSequence::RefRows final : kernels::PageRows {
     PagePool& pool = *refs_[page].pool;
     const int32_t id = refs_[page].page;
     kernels::PageData d;
-    d.k = Rows(pool.codec_of(id, Role::kKey), Role::kKey, rot_k_, pool.rows(id, Role::kKey),
-               refs_[page].cnt, k_buf, &d.k_type);
+    const codecs::Codec ck = pool.codec_of(id, Role::kKey);
+    if (ck == codecs::Codec::kKivi4 || ck == codecs::Codec::kKivi2) {  // read fused
+      const uint8_t* k = pool.rows(id, Role::kKey);
+      d.k_channels = reinterpret_cast<const uint16_t*>(k);
+      d.k = k + codecs::KiviKeyMetaBytes(layout_.head_dim);
+      d.k_bits = ck == codecs::Codec::kKivi4 ? 4 : 2;
+    } else {
+      d.k = Rows(ck, Role::kKey, rot_k_, pool.rows(id, Role::kKey), refs_[page].cnt, k_buf,
+                 &d.k_type);
+    }
     d.v = Rows(pool.codec_of(id, Role::kValue), Role::kValue, rot_v_, pool.rows(id, Role::kValue),
                refs_[page].cnt, v_buf, &d.v_type);
     return d;

@@ -158,12 +158,63 @@ constexpr int kCodeSpan = Rows::kNibbles ? 16 : 32;
 constexpr int kMaxLanes = static_cast<int>(hn::MaxLanes(DF()));
 static_assert(kMaxLanes <= 16, "BlockRows: a vector must fit in a half block");
 
+// KIVI keys (PageData::k_channels): codes of kBits (4 or 2) packed little-endian, row t at
+// t * hd * kBits / 8 bytes. Load gives lanes [d, d + N) of row t's codes as f32, in channel order;
+// the per-channel minimum and scale are applied by the caller (folded into the query, or
+// DecodeChannels).
+template <int kBits>
+struct ChannelRows {
+  static constexpr bool kBlocks = false;
+  const uint8_t* HWY_RESTRICT codes;
+  int hd;
+  HWY_INLINE VF Load(int t, int d) const {
+    const DF df;
+    const hn::Rebind<uint8_t, DF> d8;
+    const uint8_t* in = codes + static_cast<int64_t>(t) * hd * kBits / 8 + d * kBits / 8;
+    // N / (8 / kBits) bytes hold the N codes; the load reads N (past the row only into the
+    // page's next row or its V codes).
+    const auto b = hn::LoadU(d8, in);
+    hn::Vec<decltype(d8)> c;
+    if constexpr (kBits == 4) {
+      c = hn::InterleaveLower(d8, hn::And(b, hn::Set(d8, 15)), hn::ShiftRight<4>(b));
+    } else {
+      const auto mask = hn::Set(d8, 3);
+      const auto c01 =
+          hn::InterleaveLower(d8, hn::And(b, mask), hn::And(hn::ShiftRight<2>(b), mask));
+      const auto c23 =
+          hn::InterleaveLower(d8, hn::And(hn::ShiftRight<4>(b), mask), hn::ShiftRight<6>(b));
+      const hn::RepartitionToWide<decltype(d8)> d16;
+      c = hn::BitCast(d8, hn::InterleaveLower(d16, hn::BitCast(d16, c01), hn::BitCast(d16, c23)));
+    }
+    return hn::ConvertTo(
+        df, hn::BitCast(hn::Rebind<int32_t, DF>(), hn::PromoteTo(hn::Rebind<uint32_t, DF>(), c)));
+  }
+  HWY_INLINE float Elem(int, int) const { return 0.0f; }  // rows are whole vectors (hd % 32 == 0)
+};
+
+// A KIVI key page's per-channel minimum and scale (f16 pairs) as f32.
+HWY_INLINE void ChannelMeta(const uint16_t* meta, int hd, float* mins, float* scales) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  const hn::Rebind<uint32_t, DF> du;
+  const hn::Rebind<uint16_t, DF> d16;
+  const hn::Rebind<hwy::float16_t, DF> dh;
+  for (int ch = 0; ch < hd; ch += N) {
+    const auto pairs = hn::LoadU(du, reinterpret_cast<const uint32_t*>(meta + 2 * ch));
+    const hn::Rebind<int32_t, DF> di;
+    const auto lo = hn::DemoteTo(d16, hn::BitCast(di, hn::And(pairs, hn::Set(du, 0xffffu))));
+    const auto hi = hn::DemoteTo(d16, hn::BitCast(di, hn::ShiftRight<16>(pairs)));
+    hn::StoreU(hn::PromoteTo(df, hn::BitCast(dh, lo)), df, mins + ch);
+    hn::StoreU(hn::PromoteTo(df, hn::BitCast(dh, hi)), df, scales + ch);
+  }
+}
+
 // Scores (times scale) of a page's cnt keys for R query rows, four keys at a time; a last partial
 // group repeats its last key. R * 4 accumulators stay in registers while each key vector is
 // loaded (and unpacked) once for all R rows.
 template <int R, class Rows>
 HWY_INLINE void ScoreBlock(const Rows& k, int cnt, int hd, const float* const* q, float scale,
-                           float* scores, int s_stride) {
+                           float* scores, int s_stride, const float* bias) {
   const DF df;
   const D4 d4;
   constexpr int N = kMaxLanes;
@@ -188,13 +239,23 @@ HWY_INLINE void ScoreBlock(const Rows& k, int cnt, int hd, const float* const* q
     int d = 0;
     if constexpr (Rows::kBlocks) {
       for (int blk = 0; blk < hd / 32; ++blk, d += 32) {
+        if constexpr (N == 16 || !Rows::kNibbles) {
 #pragma GCC unroll 4
-        for (int o = 0; o < kCodeSpan<Rows>; o += N) {
-          VF lo[4], hi[4];
+          for (int o = 0; o < kCodeSpan<Rows>; o += N) {
+            VF lo[4], hi[4];
 #pragma GCC unroll 4
-          for (int i = 0; i < 4; ++i) k.Values(t[i], blk, o, &lo[i], &hi[i]);
-          fma_rows(d + o, lo);
-          if constexpr (Rows::kNibbles) fma_rows(d + 16 + o, hi);
+            for (int i = 0; i < 4; ++i) k.Values(t[i], blk, o, &lo[i], &hi[i]);
+            fma_rows(d + o, lo);
+            if constexpr (Rows::kNibbles) fma_rows(d + 16 + o, hi);
+          }
+        } else {  // chunks in row order, as a decoded page is scored: the same sums, bit for bit
+#pragma GCC unroll 4
+          for (int c = 0; c < 32; c += N) {
+            VF lo[4], hi[4];
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; ++i) k.Values(t[i], blk, c % 16, &lo[i], &hi[i]);
+            fma_rows(d + c, c < 16 ? lo : hi);
+          }
         }
       }
     } else {
@@ -215,6 +276,7 @@ HWY_INLINE void ScoreBlock(const Rows& k, int cnt, int hd, const float* const* q
         }
         s = hn::Add(s, hn::LoadU(d4, tail));
       }
+      if (bias != nullptr) s = hn::Add(s, hn::Set(d4, bias[r]));
       hn::StoreU(hn::Mul(s, vscale), d4, scores + static_cast<int64_t>(r) * s_stride + j);
     }
   }
@@ -287,26 +349,29 @@ HWY_INLINE void AccumulateBlock(const Rows& v, int cnt, int hd, const float* p, 
 // Rows in blocks of at most kRowBlock share each loaded key and value vector.
 constexpr int kRowBlock = 4;
 
-template <class Rows, class QRow>
+// q_row(r) is row r's query; a bias, when given, is added to row r's dot products (bias(r0, n,
+// q, b) may also replace the block's queries, as KIVI keys' folded scales do).
+template <class Rows, class QRow, class Bias>
 HWY_INLINE void ScorePage(const Rows& k, int cnt, int hd, int rows, const QRow& q_row, float scale,
-                          float* scores, int s_stride) {
+                          float* scores, int s_stride, const Bias& bias_of) {
   for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
     const float* q[kRowBlock];
     const int n = std::min(kRowBlock, rows - r0);
     for (int r = 0; r < n; ++r) q[r] = q_row(r0 + r);
+    const float* bias = bias_of(r0, n, q);
     float* s = scores + static_cast<int64_t>(r0) * s_stride;
     switch (n) {
       case 1:
-        ScoreBlock<1>(k, cnt, hd, q, scale, s, s_stride);
+        ScoreBlock<1>(k, cnt, hd, q, scale, s, s_stride, bias);
         break;
       case 2:
-        ScoreBlock<2>(k, cnt, hd, q, scale, s, s_stride);
+        ScoreBlock<2>(k, cnt, hd, q, scale, s, s_stride, bias);
         break;
       case 3:
-        ScoreBlock<3>(k, cnt, hd, q, scale, s, s_stride);
+        ScoreBlock<3>(k, cnt, hd, q, scale, s, s_stride, bias);
         break;
       default:
-        ScoreBlock<4>(k, cnt, hd, q, scale, s, s_stride);
+        ScoreBlock<4>(k, cnt, hd, q, scale, s, s_stride, bias);
         break;
     }
   }
@@ -332,6 +397,58 @@ HWY_INLINE void AccumulatePage(const Rows& v, int cnt, int hd, int rows, const f
         AccumulateBlock<4>(v, cnt, hd, pr, s_stride, ar);
         break;
     }
+  }
+}
+
+// Row blocks' scores without a bias.
+inline const float* NoBias(int, int, const float**) { return nullptr; }
+
+// KIVI keys: q . (min + scale * c) = q . min + (q * scale) . c, so each row block's queries are
+// scaled once per page and scored against the codes as they are: read fused, or for a larger
+// tile unpacked once into buf (as f32 codes, so that both give the same bits).
+// chan: 2 + kRowBlock rows of hd floats.
+template <class QRow>
+HWY_INLINE void ScoreChannelPage(const PageData& pd, int cnt, int hd, int rows, const QRow& q_row,
+                                 float scale, float* scores, int s_stride, float* buf,
+                                 float* chan) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  float* mins = chan;
+  float* scales = chan + hd;
+  float* qs = chan + 2 * hd;
+  ChannelMeta(pd.k_channels, hd, mins, scales);
+  float bias[kRowBlock];
+  auto fold = [&](int, int n, const float** q) -> const float* {
+    for (int r = 0; r < n; ++r) {
+      float* out = qs + static_cast<int64_t>(r) * hd;
+      VF acc = hn::Zero(df);
+      for (int d = 0; d < hd; d += N) {
+        const VF qv = hn::LoadU(df, q[r] + d);
+        hn::StoreU(hn::Mul(qv, hn::LoadU(df, scales + d)), df, out + d);
+        acc = hn::MulAdd(qv, hn::LoadU(df, mins + d), acc);
+      }
+      bias[r] = ReduceSum(acc);
+      q[r] = out;
+    }
+    return bias;
+  };
+  auto with_codes = [&](const auto& codes) {
+    if (rows <= kRowBlock) {
+      ScorePage(codes, cnt, hd, rows, q_row, scale, scores, s_stride, fold);
+      return;
+    }
+    for (int t = 0; t < cnt; ++t) {
+      for (int d = 0; d < hd; d += N) {
+        hn::StoreU(codes.Load(t, d), df, buf + static_cast<int64_t>(t) * hd + d);
+      }
+    }
+    ScorePage(PlainRows<float>{buf, hd}, cnt, hd, rows, q_row, scale, scores, s_stride, fold);
+  };
+  const uint8_t* codes = static_cast<const uint8_t*>(pd.k);
+  if (pd.k_bits == 4) {
+    with_codes(ChannelRows<4>{codes, hd});
+  } else {
+    with_codes(ChannelRows<2>{codes, hd});
   }
 }
 
@@ -408,14 +525,16 @@ void AttendPages(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys
   const size_t acc_floats = static_cast<size_t>(max_rows) * hd;
   const size_t score_floats = static_cast<size_t>(max_rows) * s_stride;
   const size_t page_floats = static_cast<size_t>(pt) * hd;
-  float* scratch =
-      ThreadScratch(kScratchAttention, acc_floats + score_floats + 2 * max_rows + 2 * page_floats);
+  const size_t chan_floats = static_cast<size_t>(2 + kRowBlock) * hd;  // ScoreChannelPage
+  float* scratch = ThreadScratch(
+      kScratchAttention, acc_floats + score_floats + 2 * max_rows + 2 * page_floats + chan_floats);
   float* acc = scratch;
   float* scores = acc + acc_floats;
   float* run_max = scores + score_floats;
   float* run_sum = run_max + max_rows;
   float* k_buf = run_sum + max_rows;  // one decoded page, for sources that store pages encoded
   float* v_buf = k_buf + page_floats;
+  float* chan = v_buf + page_floats;
 
   // Observed rows: those of tokens with q_pos >= the smallest min_pos. For each, obs_p holds the
   // exp(s - m) of every key ([row][n_tokens], page-table order) and obs_m the m of each page
@@ -476,9 +595,13 @@ void AttendPages(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys
       if (p_min > q_max) continue;  // no key of the page is visible to the tile
       const bool all_visible = p_max <= q_min;
       const PageData rows_of = pages.Rows(page, k_buf, v_buf);
-      WithRows(rows_of.k, rows_of.k_type, cnt, hd, rows, k_buf, [&](const auto& k_rows) {
-        ScorePage(k_rows, cnt, hd, rows, q_row, b.scale, scores, s_stride);
-      });
+      if (rows_of.k_channels != nullptr) {
+        ScoreChannelPage(rows_of, cnt, hd, rows, q_row, b.scale, scores, s_stride, k_buf, chan);
+      } else {
+        WithRows(rows_of.k, rows_of.k_type, cnt, hd, rows, k_buf, [&](const auto& k_rows) {
+          ScorePage(k_rows, cnt, hd, rows, q_row, b.scale, scores, s_stride, NoBias);
+        });
+      }
 
       for (int r = 0; r < rows; ++r) {
         float* s = scores + static_cast<int64_t>(r) * s_stride;

@@ -96,7 +96,17 @@ void PagedAttentionRows(const AttnBatch& b, const PageRows& kv) {
         for (int64_t i = 0; i < int64_t{cnt} * hd; ++i) out[i] = LoadAsF32(data, t, i);
       }
     };
-    widen(rows.k, rows.k_type, &k[pos.size() * hd]);
+    if (rows.k_channels != nullptr) {
+      const uint8_t* codes = static_cast<const uint8_t*>(rows.k);
+      for (int64_t i = 0; i < int64_t{cnt} * hd; ++i) {
+        const int c = i % hd, bit = static_cast<int>(i * rows.k_bits % 8);
+        const int code = (codes[i * rows.k_bits / 8] >> bit) & ((1 << rows.k_bits) - 1);
+        k[pos.size() * hd + i] =
+            F16ToF32(rows.k_channels[2 * c]) + F16ToF32(rows.k_channels[2 * c + 1]) * code;
+      }
+    } else {
+      widen(rows.k, rows.k_type, &k[pos.size() * hd]);
+    }
     widen(rows.v, rows.v_type, &v[pos.size() * hd]);
     pos.insert(pos.end(), p, p + cnt);
   }

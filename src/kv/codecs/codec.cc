@@ -357,9 +357,6 @@ void DecodeRowStored(Codec c, const uint8_t* in, int dim, float* x) {
   }
 }
 
-// KIVI keys: per channel (f16 min, f16 scale) for the page, then token-major packed codes.
-size_t KiviKeyMetaBytes(int dim) { return 4 * size_t(dim); }
-
 }  // namespace
 
 const char* CodecName(Codec c) {
@@ -400,6 +397,8 @@ Status CheckDim(Codec c, int dim) {
 }
 
 size_t RowStride(Codec c, int dim) { return RowBytes(c, dim); }
+
+size_t KiviKeyMetaBytes(int dim) { return 4 * size_t(dim); }
 
 int RotBits(Codec c) {
   return c == Codec::kRot4 ? 4 : c == Codec::kRot3 || c == Codec::kRot3Qjl ? 3 : 2;

@@ -45,6 +45,9 @@ size_t PageBytes(Codec c, Role role, int tokens, int dim);
 // Nominal bits per stored value, metadata included, for a full page.
 double BitsPerValue(Codec c, Role role, int tokens, int dim);
 bool IsRotated(Codec c);
+// A KIVI key page starts with each channel's f16 (minimum, scale), this many bytes, then the
+// token-major packed codes (little-endian, 4 or 2 bits).
+size_t KiviKeyMetaBytes(int dim);
 // A rotation codec's bits per coordinate and its 1 << bits Lloyd-Max levels of N(0, 1); a row
 // stores an f16 scale, then the coordinates' level indices packed little-endian (then, for +qjl,
 // the residual's sign bits and f16 norm).
