@@ -273,10 +273,10 @@ TEST(Codec, SimdDecodeEqualsReference) {
 namespace cachet {
 namespace {
 
-// AttnObserve through PagedSequence::Attend on codec layouts (CodecAttend): the gathered key
-// weights equal those of ref::ContiguousAttention over the decoded K/V (PagedSequence::Gather),
-// two observes with different min_pos at once, and observing leaves the outputs unchanged.
-TEST(CodecAttend, ObserveMatchesContiguousOverDecodedKv) {
+// AttnObserve through PagedSequence::Attend on codec layouts: the gathered key weights equal those
+// of ref::ContiguousAttention over the decoded K/V (PagedSequence::Gather), two observes with
+// different min_pos at once, and observing leaves the outputs unchanged.
+TEST(CodecLayoutAttend, ObserveMatchesContiguousOverDecodedKv) {
   using codecs::Codec;
   struct Case {
     Codec k, v;
