@@ -744,7 +744,7 @@ struct TypedPages final : PageRows {
     std::uniform_real_distribution<float> u(-1.0f, 1.0f);
     for (int c = 0; c < hd; ++c)
       chan->push_back(F32ToF16(u(rng))), chan->push_back(F32ToF16(0.3f * u(rng)));
-    codes->assign(size_t(n) * hd * bits / 8 + 64, 0);  // + the over-read of a vector load
+    codes->assign(size_t(n) * hd * bits / 8, 0);
     for (int64_t i = 0; i < int64_t{n} * hd; ++i) {
       const int c = code(rng), ch = static_cast<int>(i % hd);
       (*codes)[i * bits / 8] |= static_cast<uint8_t>(c << (i * bits % 8));

@@ -171,9 +171,16 @@ struct ChannelRows {
     const DF df;
     const hn::Rebind<uint8_t, DF> d8;
     const uint8_t* in = codes + static_cast<int64_t>(t) * hd * kBits / 8 + d * kBits / 8;
-    // N / (8 / kBits) bytes hold the N codes; the load reads N (past the row only into the
-    // page's next row or its V codes).
-    const auto b = hn::LoadU(d8, in);
+    // N * kBits / 8 bytes hold the N codes: a half (4 bits) or quarter (2 bits) vector load, so
+    // that nothing past them is read.
+    const hn::Half<decltype(d8)> d8h;
+    hn::Vec<decltype(d8)> b;
+    if constexpr (kBits == 4) {
+      b = hn::ZeroExtendVector(d8, hn::LoadU(d8h, in));
+    } else {
+      b = hn::ZeroExtendVector(d8,
+                               hn::ZeroExtendVector(d8h, hn::LoadU(hn::Half<decltype(d8h)>(), in)));
+    }
     hn::Vec<decltype(d8)> c;
     if constexpr (kBits == 4) {
       c = hn::InterleaveLower(d8, hn::And(b, hn::Set(d8, 15)), hn::ShiftRight<4>(b));
