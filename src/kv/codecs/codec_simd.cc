@@ -1,4 +1,4 @@
-// Highway codec decoding and the dot/axpy of the codec attention loop.
+// Highway codec decoding: pages the attention kernel does not read in place.
 
 // clang-format off
 #include "kernels/cpu/hwy_targets.h"  // must precede every Highway header
@@ -21,40 +21,6 @@ HWY_BEFORE_NAMESPACE();
 namespace cachet::codecs::simd::HWY_NAMESPACE {
 namespace hn = hwy::HWY_NAMESPACE;
 using DF = hn::ScalableTag<float>;
-
-float DotImpl(const float* HWY_RESTRICT a, const float* HWY_RESTRICT b, int n) {
-  const DF df;
-  const int N = static_cast<int>(hn::Lanes(df));
-  auto acc0 = hn::Zero(df), acc1 = hn::Zero(df);
-  int i = 0;
-  for (; i + 2 * N <= n; i += 2 * N) {
-    acc0 = hn::MulAdd(hn::LoadU(df, a + i), hn::LoadU(df, b + i), acc0);
-    acc1 = hn::MulAdd(hn::LoadU(df, a + i + N), hn::LoadU(df, b + i + N), acc1);
-  }
-  for (; i + N <= n; i += N) acc0 = hn::MulAdd(hn::LoadU(df, a + i), hn::LoadU(df, b + i), acc0);
-  float s = hn::GetLane(hn::SumOfLanes(df, hn::Add(acc0, acc1)));
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-void AxpyImpl(float a, const float* HWY_RESTRICT x, float* HWY_RESTRICT y, int n) {
-  const DF df;
-  const int N = static_cast<int>(hn::Lanes(df));
-  const auto va = hn::Set(df, a);
-  int i = 0;
-  for (; i + N <= n; i += N)
-    hn::StoreU(hn::MulAdd(va, hn::LoadU(df, x + i), hn::LoadU(df, y + i)), df, y + i);
-  for (; i < n; ++i) y[i] += a * x[i];
-}
-
-void ScaleImpl(float s, float* HWY_RESTRICT x, int n) {
-  const DF df;
-  const int N = static_cast<int>(hn::Lanes(df));
-  const auto vs = hn::Set(df, s);
-  int i = 0;
-  for (; i + N <= n; i += N) hn::StoreU(hn::Mul(vs, hn::LoadU(df, x + i)), df, x + i);
-  for (; i < n; ++i) x[i] *= s;
-}
 
 // out[i] = scale * q[i] (+ offset) for n signed bytes.
 HWY_INLINE void Int8ToF32(const int8_t* HWY_RESTRICT q, int n, float scale,
@@ -246,7 +212,8 @@ void DecodeStoredImpl(Codec c, Role role, const uint8_t* page, int n, int tokens
       case Codec::kRot2: {  // scale * level[code], the levels looked up in a vector
         uint16_t h;
         std::memcpy(&h, in, 2);
-        const auto vs = hn::Set(df, F16ToF32(h));
+        const float scale = F16ToF32(h);
+        const auto vs = hn::Set(df, scale);
         const int n_levels = 1 << RotBits(c);
         Unpack(in + 2, dim, RotBits(c), codes);
         const hn::Rebind<int32_t, DF> di;
@@ -266,7 +233,7 @@ void DecodeStoredImpl(Codec c, Role role, const uint8_t* page, int n, int tokens
             hn::StoreU(hn::Mul(hn::GatherIndex(df, RotLevels(c), idx), vs), df, x + i);
           }
         }
-        for (; i < dim; ++i) x[i] = F16ToF32(h) * RotLevels(c)[codes[i]];
+        for (; i < dim; ++i) x[i] = scale * RotLevels(c)[codes[i]];
         break;
       }
       default:  // rotation codecs with QJL (a Hadamard transform per row): the scalar path
@@ -282,14 +249,8 @@ HWY_AFTER_NAMESPACE();
 
 #if HWY_ONCE
 namespace cachet::codecs::simd {
-HWY_EXPORT(DotImpl);
-HWY_EXPORT(AxpyImpl);
-HWY_EXPORT(ScaleImpl);
 HWY_EXPORT(DecodeStoredImpl);
 
-float Dot(const float* a, const float* b, int n) { return HWY_DYNAMIC_DISPATCH(DotImpl)(a, b, n); }
-void Axpy(float a, const float* x, float* y, int n) { HWY_DYNAMIC_DISPATCH(AxpyImpl)(a, x, y, n); }
-void Scale(float s, float* x, int n) { HWY_DYNAMIC_DISPATCH(ScaleImpl)(s, x, n); }
 void DecodeStored(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim,
                   float* rows) {
   HWY_DYNAMIC_DISPATCH(DecodeStoredImpl)(c, role, page, n, tokens, dim, rows);
