@@ -156,10 +156,9 @@ void BenchCodecAttention(std::mt19937& rng) {
     KvLayout lay;
     lay.n_layers = lay.n_kv_heads = 1;
     lay.head_dim = hd;
-    const size_t colon = name.find(':');
-    auto codec_k = cachet::codecs::ParseCodec(name.substr(0, colon));
-    auto codec_v =
-        cachet::codecs::ParseCodec(colon == std::string::npos ? name : name.substr(colon + 1));
+    const auto [k_name, v_name] = cachet::codecs::SplitKv(name);
+    auto codec_k = cachet::codecs::ParseCodec(k_name);
+    auto codec_v = cachet::codecs::ParseCodec(v_name);
     lay.codec_k = *codec_k;
     lay.codec_v = *codec_v;
     pools.push_back(std::make_unique<PagePool>(lay, size_t{64} << 20));

@@ -5,9 +5,11 @@
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
+#include <tuple>
 
 #include "cachet/commands.h"
 #include "eval/harness.h"
+#include "kv/codecs/codec.h"
 #include "kv/press/press.h"
 #include "model/config.h"
 #include "model/transformer.h"
@@ -208,9 +210,7 @@ void AddBench(CLI::App& app) {
     std::vector<std::unique_ptr<Engine>> others;
     for (const std::string& kv : o->vs) {
       EngineOptions vo = eo;
-      const size_t colon = kv.find(':');
-      vo.kv_codec_k = kv.substr(0, colon);
-      vo.kv_codec_v = colon == std::string::npos ? vo.kv_codec_k : kv.substr(colon + 1);
+      std::tie(vo.kv_codec_k, vo.kv_codec_v) = codecs::SplitKv(kv);
       others.push_back(LoadEngine(vo));
       if (!others.back()) throw CLI::RuntimeError(1);
     }
@@ -284,8 +284,9 @@ void AddBench(CLI::App& app) {
         j["prefill_tok_s"] = Summarize(vs_pf[i]).median;
         j["decode_tok_s"] = Summarize(vs_dc[i]).median;
         j["prefill_ratio"] = Summarize(vs_pf_x[i]).median;
-        j["decode_ratio"] = Summarize(vs_dc_x[i]).median;
-        j["decode_ratio_min_max"] = {Summarize(vs_dc_x[i]).min, Summarize(vs_dc_x[i]).max};
+        const Summary x = Summarize(vs_dc_x[i]);
+        j["decode_ratio"] = x.median;
+        j["decode_ratio_min_max"] = {x.min, x.max};
       }
       const Summary p = Summarize(prefill), d = Summarize(decode);
       const std::string key = std::to_string(ctx);

@@ -5,10 +5,12 @@
 #include <filesystem>
 #include <fstream>
 #include <set>
+#include <tuple>
 
 #include "cachet/commands.h"
 #include "eval/harness.h"
 #include "eval/report.h"
+#include "kv/codecs/codec.h"
 #include "kv/page_pool.h"
 #include "model/config.h"
 #include "model/tokenizer.h"
@@ -79,9 +81,7 @@ std::vector<Method> MethodGrid(const EvalOpts& o) {
       m.sinks = o.press_sinks;
       m.demote_fetch = o.demote_fetch;
       for (const std::string& codec : o.codecs) {
-        const size_t colon = codec.find(':');
-        m.codec_k = codec.substr(0, colon);
-        m.codec_v = colon == std::string::npos ? m.codec_k : codec.substr(colon + 1);
+        std::tie(m.codec_k, m.codec_v) = codecs::SplitKv(codec);
         for (const std::string& at : o.compress_at) {
           m.compress_at = OrFail(ParseCompressAt(at));
           Check(ValidateMethod(m));

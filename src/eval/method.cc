@@ -4,6 +4,7 @@
 #include <charconv>
 #include <cstdio>
 #include <optional>
+#include <tuple>
 
 #include "cachet/engine.h"
 #include "kv/codecs/codec.h"
@@ -67,11 +68,7 @@ Result<Method> ParseMethod(std::string_view label) {
     press = press.substr(0, hash);
   }
   m.press = std::string(press);
-  if (!codec.empty()) {
-    size_t colon = codec.find(':');
-    m.codec_k = std::string(codec.substr(0, colon));
-    m.codec_v = colon == std::string_view::npos ? m.codec_k : std::string(codec.substr(colon + 1));
-  }
+  if (!codec.empty()) std::tie(m.codec_k, m.codec_v) = codecs::SplitKv(codec);
   CACHET_RETURN_IF_ERROR(ValidateMethod(m));
   return m;
 }

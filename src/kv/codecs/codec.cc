@@ -398,6 +398,12 @@ Status CheckDim(Codec c, int dim) {
 
 size_t RowStride(Codec c, int dim) { return RowBytes(c, dim); }
 
+std::pair<std::string, std::string> SplitKv(std::string_view kv) {
+  const size_t colon = kv.find(':');
+  const std::string k(kv.substr(0, colon));
+  return {k, colon == std::string_view::npos ? k : std::string(kv.substr(colon + 1))};
+}
+
 size_t KiviKeyMetaBytes(int dim) { return 4 * size_t(dim); }
 
 int RotBits(Codec c) {
