@@ -58,15 +58,15 @@ TEST(CodecEngine, AttentionOnCodesEqualsAttentionOnDecodedRows) {
   const std::pair<std::string, std::string> pairs[] = {
       {"int8", "int8"}, {"q4_0", "q4_0"}, {"q8_0", "q4_0"}, {"kivi2", "kivi2"},
       {"rot3", "rot3"}, {"q4_0", "rot3"}, {"rot4", "q8_0"}, {"rot3+qjl", "rot3+qjl"}};
+  const auto prompt = Prompt();
   for (const auto& [codec_k, codec_v] : pairs) {
+    auto e = MakeEngine(codec_k, codec_v, /*sinks=*/4);
+    auto s = e->NewSession();
+    ASSERT_TRUE(s->Eval(std::span(prompt).first(203), nullptr).ok());
+    const PagedSequence& kv = s->kv();
+    const int hd = e->config().head_dim, group = e->config().n_heads / e->config().n_kv_heads;
     for (const std::vector<int32_t>& qpos : {std::vector<int32_t>{150, 201, 202}, {202}}) {
       SCOPED_TRACE(codec_k + ":" + codec_v + " tokens " + std::to_string(qpos.size()));
-      auto e = MakeEngine(codec_k, codec_v, /*sinks=*/4);
-      auto s = e->NewSession();
-      const auto prompt = Prompt();
-      ASSERT_TRUE(s->Eval(std::span(prompt).first(203), nullptr).ok());
-      const PagedSequence& kv = s->kv();
-      const int hd = e->config().head_dim, group = e->config().n_heads / e->config().n_kv_heads;
       const int n_tok = static_cast<int>(qpos.size());
       std::vector<float> q(n_tok * group * hd);
       for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.37f * i);
