@@ -3,6 +3,7 @@
 
 #include <array>
 #include <cstdio>
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "test_util.h"
@@ -140,6 +141,41 @@ TEST(Cli, ParallelSamplingPrintsEachCompletion) {
   int lines = 0;
   for (char ch : r.out) lines += ch == '\n';
   EXPECT_GE(lines, 3);
+}
+
+TEST(Cli, ConvertSyntheticAndLogitsOf) {
+  testing::TempDir dir;
+  const std::string shape = dir.Write("tiny.json", R"({"model_type": "llama",
+      "num_hidden_layers": 1, "hidden_size": 64, "num_attention_heads": 2,
+      "intermediate_size": 128, "vocab_size": 400})");
+  const std::string model = dir.path() + "/tiny.gguf";
+  RunResult r = RunCachet("convert --synthetic " + shape + " " + model + " --type q8_0 -t 1");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.err.find("wrote " + model), std::string::npos) << r.err;
+  EXPECT_TRUE(r.out.empty()) << r.out;
+
+  const std::string ids = dir.Write("ids.json", "[5, 77, 300, 9, 120]");
+  r = RunCachet("run -t 1 -m " + model + " --logits-of " + ids);
+  ASSERT_EQ(r.status, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["n"], 5);
+  ASSERT_EQ(j["argmax"].size(), 5u);
+  ASSERT_EQ(j["margin"].size(), 5u);
+  for (const auto& m : j["margin"]) EXPECT_GE(m.get<double>(), 0.0);
+  r = RunCachet("run -t 1 -m " + model + " --logits-of " + dir.Write("bad.json", "{}"));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("bad.json: not a non-empty JSON array of token ids"), std::string::npos)
+      << r.err;
+
+  r = RunCachet("convert --synthetic no-such-shape " + model);
+  EXPECT_EQ(r.status >> 8, 1);
+  EXPECT_NE(r.err.find("unknown shape 'no-such-shape'"), std::string::npos) << r.err;
+  r = RunCachet("convert --synthetic " + shape + " somedir " + model);
+  EXPECT_EQ(r.status >> 8, 2);
+  EXPECT_NE(r.err.find("--synthetic takes OUT.gguf only"), std::string::npos) << r.err;
+  r = RunCachet("convert " + model);
+  EXPECT_EQ(r.status >> 8, 2);
+  EXPECT_NE(r.err.find("needs DIR OUT.gguf"), std::string::npos) << r.err;
 }
 
 }  // namespace

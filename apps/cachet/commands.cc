@@ -1,9 +1,11 @@
 #include "cachet/commands.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -179,6 +181,48 @@ bool PrintPiece(std::string_view piece) {
   return true;
 }
 
+// `cachet run --logits-of IDS.json`: per-position argmax and top-2 margin of a token sequence.
+void PrintLogitsOf(const EngineOptions& eo, const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  const nlohmann::json j = nlohmann::json::parse(ss.str(), nullptr, /*allow_exceptions=*/false);
+  std::vector<int32_t> ids;
+  bool ok = j.is_array() && !j.empty();
+  for (size_t i = 0; ok && i < j.size(); ++i) {
+    ok = j[i].is_number_integer();
+    if (ok) ids.push_back(j[i].get<int32_t>());
+  }
+  if (!ok) {
+    std::fprintf(stderr, "cachet: %s: not a non-empty JSON array of token ids\n", path.c_str());
+    throw CLI::RuntimeError(1);
+  }
+  EngineOptions o = eo;
+  o.n_ctx = std::max<int>(o.n_ctx, static_cast<int>(ids.size()));
+  auto engine = LoadEngine(o);
+  if (!engine) throw CLI::RuntimeError(1);
+  std::vector<float> logits;
+  const Status s = engine->NewSession()->Eval(ids, &logits, /*all_logits=*/true);
+  if (!s.ok()) {
+    std::fprintf(stderr, "cachet: %s: %s\n", path.c_str(), s.ToString().c_str());
+    throw CLI::RuntimeError(1);
+  }
+  const size_t vocab = logits.size() / ids.size();
+  nlohmann::json argmax = nlohmann::json::array(), margin = nlohmann::json::array();
+  for (size_t p = 0; p < ids.size(); ++p) {
+    const float* row = logits.data() + p * vocab;
+    size_t best = 0;
+    for (size_t i = 1; i < vocab; ++i) best = row[i] > row[best] ? i : best;
+    float second = -std::numeric_limits<float>::infinity();
+    for (size_t i = 0; i < vocab; ++i) second = i != best ? std::max(second, row[i]) : second;
+    argmax.push_back(best);
+    margin.push_back(row[best] - second);
+  }
+  std::printf(
+      "%s\n",
+      nlohmann::json{{"n", ids.size()}, {"argmax", argmax}, {"margin", margin}}.dump().c_str());
+}
+
 }  // namespace
 
 void AddRun(CLI::App& app) {
@@ -193,6 +237,7 @@ void AddRun(CLI::App& app) {
   auto n_parallel = std::make_shared<int>(1);
   auto salt = std::make_shared<std::string>();
   auto ids = std::make_shared<bool>(false);
+  auto logits_of = std::make_shared<std::string>();
   AddEngineFlags(*cmd, opts->engine);
   AddSamplingFlags(*cmd, opts->gen);
   AddPressFlags(*cmd, opts->gen);
@@ -216,7 +261,15 @@ void AddRun(CLI::App& app) {
   cmd->add_option("--cache-salt", *salt,
                   "Prefix-cache namespace: requests with different salts "
                   "never share cached pages");
+  cmd->add_option("--logits-of", *logits_of,
+                  "Instead of generating: evaluate the token ids in this file (a JSON array, no "
+                  "BOS added) as one sequence and print one JSON line {\"n\": N, \"argmax\": "
+                  "[...], \"margin\": [...]}: each position's argmax and top-2 logit margin (to "
+                  "compare with another engine: bench/peers/llama_peer logits)")
+      ->check(CLI::ExistingFile)
+      ->excludes(p);
   cmd->callback([=] {
+    if (!logits_of->empty()) return PrintLogitsOf(opts->engine, *logits_of);
     std::string text = *prompt;
     if (!prompt_file->empty()) {
       std::ifstream in(*prompt_file, std::ios::binary);

@@ -12,6 +12,11 @@
 //       the windows `cachet eval --kl --dump-windows` wrote; KL(f32 KV without flash attention ||
 //       KV_TYPE) per scored position, with the same scoring rule and statistics as Cachet's
 //       KlAccumulator.
+//   llama_peer logits MODEL THREADS IDS.json KV_TYPE
+//       the token ids of IDS.json (one JSON array) evaluated as one sequence from position 0 (no
+//       BOS added); for each position the argmax of its logits and the top-2 margin (largest
+//       logit minus the second largest), as `cachet run --logits-of IDS.json` prints them:
+//       {"n":N,"argmax":[...],"margin":[...]}.
 #include <sys/resource.h>
 
 #include <algorithm>
@@ -244,9 +249,61 @@ std::vector<float> WindowLogits(const Peer& peer, llama_context* ctx, llama_batc
   llama_memory_clear(llama_get_memory(ctx), true);
   Decode(ctx, batch, w.ids.data(), w.score_from, 0, w.score_from, nullptr, peer.n_vocab);
   std::vector<float> logits;
-  Decode(ctx, batch, w.ids.data() + w.score_from, int(w.ids.size()) - w.score_from, w.score_from,
-         0, &logits, peer.n_vocab);
+  Decode(ctx, batch, w.ids.data() + w.score_from, int(w.ids.size()) - w.score_from, w.score_from, 0,
+         &logits, peer.n_vocab);
   return logits;
+}
+
+// Reads a JSON array of token ids: "[1, 2, 3]".
+std::vector<int32_t> ReadIds(const char* path) {
+  std::ifstream in(path);
+  if (!in) Die(std::string(path) + ": cannot open");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string text = ss.str();
+  const size_t open = text.find('[');
+  if (open == std::string::npos) Die(std::string(path) + ": not a JSON array of token ids");
+  std::vector<int32_t> ids;
+  const char* p = text.c_str() + open + 1;
+  while (*p == ' ' || *p == '\n') ++p;
+  while (*p && *p != ']') {
+    char* end = nullptr;
+    ids.push_back(int32_t(std::strtol(p, &end, 10)));
+    if (end == p) Die(std::string(path) + ": bad id list");
+    p = end;
+    while (*p == ',' || *p == ' ' || *p == '\n') ++p;
+  }
+  if (ids.empty()) Die(std::string(path) + ": no token ids");
+  return ids;
+}
+
+void Logits(const Peer& peer, int threads, const char* path, ggml_type kv) {
+  const std::vector<int32_t> ids = ReadIds(path);
+  for (int32_t id : ids) {
+    if (id < 0 || id >= peer.n_vocab)
+      Die(std::string(path) + ": token id " + std::to_string(id) + " is out of range");
+  }
+  const int n = int(ids.size());
+  llama_context* ctx = peer.Context(threads, n + 16, kv);
+  llama_batch batch = llama_batch_init(512, 0, 1);
+  std::vector<float> logits;
+  Decode(ctx, batch, ids.data(), n, 0, 0, &logits, peer.n_vocab);
+  llama_batch_free(batch);
+  llama_free(ctx);
+  std::string argmax, margin;
+  for (int p = 0; p < n; ++p) {
+    const float* row = logits.data() + size_t(p) * peer.n_vocab;
+    const int best = Argmax(row, peer.n_vocab);
+    float second = -INFINITY;
+    for (int i = 0; i < peer.n_vocab; ++i) {
+      if (i != best) second = std::max(second, row[i]);
+    }
+    char m[32];
+    std::snprintf(m, sizeof m, "%.6g", double(row[best] - second));
+    argmax += (p ? "," : "") + std::to_string(best);
+    margin += std::string(p ? "," : "") + m;
+  }
+  std::printf("{\"n\":%d,\"argmax\":[%s],\"margin\":[%s]}\n", n, argmax.c_str(), margin.c_str());
 }
 
 void Kl(const Peer& peer, int threads, const char* path, const std::vector<std::string>& types) {
@@ -262,7 +319,8 @@ void Kl(const Peer& peer, int threads, const char* path, const std::vector<std::
   std::vector<Stats> stats(types.size());
   llama_context* ref_ctx = peer.Context(threads, int(max_len) + 16, GGML_TYPE_F32, /*flash=*/false);
   std::vector<llama_context*> ctxs;
-  for (const std::string& t : types) ctxs.push_back(peer.Context(threads, int(max_len) + 16, KvType(t)));
+  for (const std::string& t : types)
+    ctxs.push_back(peer.Context(threads, int(max_len) + 16, KvType(t)));
   llama_batch batch = llama_batch_init(512, 0, 1);
   std::vector<double> ref_lp, lp;
   for (const Window& w : windows) {
@@ -295,11 +353,11 @@ void Kl(const Peer& peer, int threads, const char* path, const std::vector<std::
     double sum = 0;
     for (double x : v) sum += x;
     const double n = double(v.size());
-    std::printf("%s\"%s\":{\"positions\":%zu,\"mean_kl\":%.6g,\"p99_kl\":%.6g,\"top1_agree\":%.6f,"
-                "\"ppl_ref\":%.6f,\"ppl\":%.6f}",
-                t ? "," : "", types[t].c_str(), v.size(), sum / n,
-                v[size_t(std::ceil(0.99 * n)) - 1], double(stats[t].top1) / n,
-                std::exp(stats[t].nll_ref / n), std::exp(stats[t].nll / n));
+    std::printf(
+        "%s\"%s\":{\"positions\":%zu,\"mean_kl\":%.6g,\"p99_kl\":%.6g,\"top1_agree\":%.6f,"
+        "\"ppl_ref\":%.6f,\"ppl\":%.6f}",
+        t ? "," : "", types[t].c_str(), v.size(), sum / n, v[size_t(std::ceil(0.99 * n)) - 1],
+        double(stats[t].top1) / n, std::exp(stats[t].nll_ref / n), std::exp(stats[t].nll / n));
   }
   std::printf("}}\n");
 }
@@ -311,15 +369,21 @@ int main(int argc, char** argv) {
     std::fprintf(stderr,
                  "usage: llama_peer speed MODEL THREADS CTX[,CTX..] REPS N_DECODE KV_TYPE\n"
                  "       llama_peer greedy MODEL THREADS N_PREDICT KV_TYPE PROMPT_TEXT\n"
-                 "       llama_peer kl MODEL THREADS WINDOWS.jsonl KV_TYPE[,KV_TYPE..]\n");
+                 "       llama_peer kl MODEL THREADS WINDOWS.jsonl KV_TYPE[,KV_TYPE..]\n"
+                 "       llama_peer logits MODEL THREADS IDS.json KV_TYPE\n");
     return 2;
   }
   llama_log_set(Quiet, nullptr);
   // The package's CPU backends are separate libraries (one per x86 level); load the best one.
+  // bench/peers/setup.sh compiles their directory in; LLAMA_PEER_BACKENDS overrides it.
   if (const char* dir = std::getenv("LLAMA_PEER_BACKENDS")) {
     ggml_backend_load_all_from_path(dir);
   } else {
+#ifdef LLAMA_PEER_BACKENDS_DIR
+    ggml_backend_load_all_from_path(LLAMA_PEER_BACKENDS_DIR);
+#else
     ggml_backend_load_all();
+#endif
   }
   llama_backend_init();
   const std::string mode = argv[1];
@@ -334,6 +398,8 @@ int main(int argc, char** argv) {
       Greedy(peer, threads, std::atoi(argv[4]), KvType(argv[5]), argv[6]);
     } else if (mode == "kl" && argc == 6) {
       Kl(peer, threads, argv[4], Split(argv[5]));
+    } else if (mode == "logits" && argc == 6) {
+      Logits(peer, threads, argv[4], KvType(argv[5]));
     } else {
       Die("bad arguments for mode '" + mode + "' (run without arguments for usage)");
     }

@@ -2,16 +2,21 @@
 # Cachet next to llama.cpp on one GGUF: same machine, thread counts, prompts and text windows, in
 # one run (docs/PEERS.md). llama.cpp is the prebuilt CPU build that the npm package
 # node-llama-cpp 3.21.1 ships, driven by a small native program (llama_peer.cc) compiled against
-# it with the headers of the llama.cpp source bundled in the same package.
+# it with the headers of the llama.cpp source bundled in the same package (bench/peers/setup.sh).
 #
 # usage: bench/peers/run.sh [MODEL.gguf]      (default: kvtiny converted to f16 by cachet convert)
+#        bench/peers/run.sh --synthetic SHAPE[,SHAPE..]   speed only, on synthetic models of real
+#                                                         shapes (bench/peers/synthetic.sh)
 # environment: THREADS ("1 2"), REPS (rounds, 7), N_DECODE (64), WINDOWS (8), N_PREDICT (64),
 #   CODECS, CODECS_P64 (Cachet's codecs for the KL table, with 16- and 64-token pages),
-#   OUT (build/peers)
+#   OUT (build/peers), CACHET (the cachet binary, build/bin/cachet: built when missing)
 # Writes OUT/table.md (printed at the end) and the raw JSON of every measurement next to it.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
+if [ "${1:-}" = "--synthetic" ]; then
+  exec "$here/synthetic.sh" "${2:?usage: bench/peers/run.sh --synthetic SHAPE[,SHAPE..]}"
+fi
 out="${OUT:-$root/build/peers}"
 threads="${THREADS:-1 2}"
 reps="${REPS:-7}"
@@ -24,37 +29,9 @@ codecs="${CODECS:-f32,f16,q8_0,int8,q4_0,kivi4,rot4,q8_0:q4_0}"
 codecs_p64="${CODECS_P64:-f32,kivi4:q4_0,kivi4}"
 mkdir -p "$out"
 
-need() {  # command, Debian package
-  command -v "$1" >/dev/null && return
-  if [ "$(id -u)" != 0 ]; then
-    echo "bench/peers: '$1' is missing; install the Debian package '$2'" >&2
-    exit 1
-  fi
-  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$2" >/dev/null
-}
-need node nodejs
-need npm npm
-need git git
-need g++ g++
-
-cachet="$root/build/bin/cachet"
+cachet="${CACHET:-$root/build/bin/cachet}"
 [ -x "$cachet" ] || "$root/scripts/build.sh"
-if [ ! -d "$here/node_modules/node-llama-cpp" ]; then
-  (cd "$here" && npm i -E node-llama-cpp@3.21.1 --no-audit --no-fund)
-fi
-bins="$here/node_modules/@node-llama-cpp/linux-x64/bins/linux-x64"
-src="$out/llama.cpp"
-if [ ! -f "$src/include/llama.h" ]; then
-  rm -rf "$src"
-  git clone -q "$here/node_modules/node-llama-cpp/llama/gitRelease.bundle" "$src" 2>/dev/null
-fi
-peer="$out/llama_peer"
-if [ ! -x "$peer" ] || [ "$here/llama_peer.cc" -nt "$peer" ]; then
-  g++ -O2 -std=c++17 -Wall -Wextra "$here/llama_peer.cc" -I"$src/include" -I"$src/ggml/include" \
-    -L"$bins" -l:libllama.v0.4.0.so -l:libggml.v0.4.0.so -l:libggml-base.so \
-    -Wl,-rpath,"$bins" -o "$peer"
-fi
-export LLAMA_PEER_BACKENDS="$bins"
+peer="$("$here/setup.sh" "$out")"
 
 model="${1:-}"
 if [ -z "$model" ]; then

@@ -2,6 +2,8 @@
 
 #include <sentencepiece_processor.h>
 
+#include <algorithm>
+#include <atomic>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <vector>
@@ -9,10 +11,13 @@
 #include "kernels/kernels.h"
 #include "model/config.h"
 #include "model/gguf.h"
+#include "model/gguf_convert_internal.h"
 #include "model/gguf_model.h"
 #include "model/safetensors.h"
 #include "model/tokenizer.h"
 #include "util/mmap_file.h"
+#include "util/progress.h"
+#include "util/thread_pool.h"
 
 namespace cachet {
 namespace {
@@ -156,21 +161,44 @@ Status AddSpmVocab(const std::string& path, int vocab_size, GgufWriter& w) {
 
 }  // namespace
 
-Status ConvertHfToGguf(const std::string& dir, const std::string& out_path, DType type) {
-  CACHET_ASSIGN_OR_RETURN(ModelConfig c, ModelConfig::Load(dir));
-  CACHET_ASSIGN_OR_RETURN(TensorStore store, TensorStore::OpenDir(dir));
-  CACHET_ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> tok, Tokenizer::Load(dir));
-  if (c.rope_scaling.type != RopeScaling::Type::kNone &&
-      c.rope_scaling.type != RopeScaling::Type::kLinear &&
-      c.rope_scaling.type != RopeScaling::Type::kLlama3) {
-    return Unimplemented(dir + ": rope scaling cannot be converted");
+namespace gguf_convert_internal {
+
+std::vector<ModelTensor> ModelTensors(const ModelConfig& c) {
+  const int64_t d = c.hidden_size, f = c.intermediate_size, hd = c.head_dim;
+  const int64_t q = int64_t{c.n_heads} * hd, kv = int64_t{c.n_kv_heads} * hd;
+  std::vector<ModelTensor> t;
+  t.push_back({"model.embed_tokens.weight", {c.vocab_size, d}});
+  t.push_back({"model.norm.weight", {d}, false, true});
+  if (!c.tie_word_embeddings) t.push_back({"lm_head.weight", {c.vocab_size, d}});
+  for (int l = 0; l < c.n_layers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    t.push_back({p + "input_layernorm.weight", {d}, false, true});
+    t.push_back({p + "post_attention_layernorm.weight", {d}, false, true});
+    t.push_back({p + "self_attn.q_proj.weight", {q, d}, true});
+    t.push_back({p + "self_attn.k_proj.weight", {kv, d}, true});
+    t.push_back({p + "self_attn.v_proj.weight", {kv, d}});
+    t.push_back({p + "self_attn.o_proj.weight", {d, q}});
+    t.push_back({p + "mlp.gate_proj.weight", {f, d}});
+    t.push_back({p + "mlp.up_proj.weight", {f, d}});
+    t.push_back({p + "mlp.down_proj.weight", {d, f}});
+    if (c.attention_bias) {
+      t.push_back({p + "self_attn.q_proj.bias", {q}, true});
+      t.push_back({p + "self_attn.k_proj.bias", {kv}, true});
+      t.push_back({p + "self_attn.v_proj.bias", {kv}});
+    }
+    if (c.qk_norm) {
+      t.push_back({p + "self_attn.q_norm.weight", {hd}, false, true});
+      t.push_back({p + "self_attn.k_norm.weight", {hd}, false, true});
+    }
   }
-  const bool permute = GgufPermutesQK(c.arch);
+  return t;
+}
+
+void SetModelMetadata(const ModelConfig& c, const std::string& name, DType type, GgufWriter& w) {
   // llama.cpp runs Mistral checkpoints as "llama".
   const std::string arch = c.arch == Arch::kMistral ? "llama" : ArchName(c.arch);
-  GgufWriter w;
   w.SetString("general.architecture", arch);
-  w.SetString("general.name", std::filesystem::path(dir).filename().string());
+  w.SetString("general.name", name);
   w.SetU32("general.file_type", FileType(type));
   w.SetU32("general.quantization_version", 2);
   const std::string a = arch + ".";
@@ -190,6 +218,112 @@ Status ConvertHfToGguf(const std::string& dir, const std::string& out_path, DTyp
     w.SetString(a + "rope.scaling.type", "linear");
     w.SetF32(a + "rope.scaling.factor", c.rope_scaling.factor);
   }
+}
+
+// Shared by the fill callbacks of one writer: they run one at a time, in order, when it writes.
+struct TensorAdder::State {
+  ThreadPool pool;
+  bool progress;
+  int64_t total_values = 0, done_values = 0;
+  size_t tensors = 0, filled = 0;
+  std::unique_ptr<ProgressBar> bar;
+  State(int threads, bool progress)
+      : pool(threads > 0 ? threads : ThreadPool::DefaultThreads()), progress(progress) {}
+
+  // Runs rows [0, rows) of one tensor on the pool, cols values each, then counts the tensor done.
+  void Rows(int64_t rows, int64_t cols, const std::function<void(int64_t, float*)>& row_fn) {
+    if (progress && !bar) {
+      bar = std::make_unique<ProgressBar>("convert, M values", Mega(total_values));
+    }
+    constexpr int64_t kRowsPerTask = 16;
+    std::vector<std::vector<float>> scratch(pool.size(), std::vector<float>(cols));
+    std::atomic<int64_t> done{0};
+    pool.Run((rows + kRowsPerTask - 1) / kRowsPerTask, [&](int64_t task, int thread) {
+      const int64_t end = std::min(rows, (task + 1) * kRowsPerTask);
+      for (int64_t r = task * kRowsPerTask; r < end; ++r) row_fn(r, scratch[thread].data());
+      done += (end - task * kRowsPerTask) * cols;
+      // Only the calling thread draws: ProgressBar is not thread-safe.
+      if (thread == 0 && bar) bar->Update(Mega(done_values + done.load()));
+    });
+    done_values += rows * cols;
+    if (++filled == tensors) {
+      if (bar) bar->Update(Mega(total_values));  // the one "100%" line
+      bar.reset();
+    } else if (bar) {
+      bar->Update(Mega(done_values));
+    }
+  }
+  // Millions of values, rounded down below the total so that only the end draws as finished.
+  int64_t Mega(int64_t n) const {
+    return n >= total_values
+               ? std::max<int64_t>(1, total_values / 1000000)
+               : std::min(n / 1000000, std::max<int64_t>(1, total_values / 1000000) - 1);
+  }
+};
+
+TensorAdder::TensorAdder(GgufWriter& w, const ModelConfig& c, DType type, int threads,
+                         bool progress)
+    : w_(w),
+      type_(type),
+      head_dim_(c.head_dim),
+      permute_(GgufPermutesQK(c.arch)),
+      state_(std::make_shared<State>(threads, progress)) {}
+
+void TensorAdder::Add(const ModelTensor& t, RowSource rows) {
+  const bool rope = t.rope_rows && permute_;
+  const int64_t hd = head_dim_;
+  if (t.shape.size() == 1) {
+    const int64_t n = t.shape[0];
+    if (!rope) return AddVector(GgufTensorName(t.hf_name), n, std::move(rows));
+    ++state_->tensors;
+    state_->total_values += n;
+    w_.AddTensor(GgufTensorName(t.hf_name), DType::kF32, {n},
+                 [st = state_, n, hd, rows = std::move(rows)](uint8_t* dst) {
+                   std::vector<float> v(n);
+                   st->Rows(1, n, [&](int64_t, float*) { rows(0, v.data()); });
+                   float* o = reinterpret_cast<float*>(dst);
+                   for (int64_t i = 0; i < n; ++i) o[GgufRopeRow(i, hd)] = v[i];
+                 });
+    return;
+  }
+  const int64_t n_rows = t.shape[0], cols = t.shape[1];
+  const DType out = DTypeRowBytes(type_, cols) < 0 ? DType::kF16 : type_;
+  const int64_t row_bytes = DTypeRowBytes(out, cols);
+  ++state_->tensors;
+  state_->total_values += n_rows * cols;
+  w_.AddTensor(GgufTensorName(t.hf_name), out, {n_rows, cols},
+               [=, st = state_, rows = std::move(rows)](uint8_t* dst) {
+                 st->Rows(n_rows, cols, [&](int64_t r, float* row) {
+                   rows(r, row);
+                   const int64_t g = rope ? GgufRopeRow(r, hd) : r;
+                   kernels::ref::QuantizeRow(out, row, cols, dst + g * row_bytes);
+                 });
+               });
+}
+
+void TensorAdder::AddVector(const std::string& gguf_name, int64_t n, RowSource rows) {
+  ++state_->tensors;
+  state_->total_values += n;
+  w_.AddTensor(gguf_name, DType::kF32, {n}, [st = state_, n, rows = std::move(rows)](uint8_t* dst) {
+    st->Rows(1, n, [&](int64_t, float*) { rows(0, reinterpret_cast<float*>(dst)); });
+  });
+}
+
+}  // namespace gguf_convert_internal
+
+Status ConvertHfToGguf(const std::string& dir, const std::string& out_path, DType type, int threads,
+                       bool progress) {
+  using namespace gguf_convert_internal;
+  CACHET_ASSIGN_OR_RETURN(ModelConfig c, ModelConfig::Load(dir));
+  CACHET_ASSIGN_OR_RETURN(TensorStore store, TensorStore::OpenDir(dir));
+  CACHET_ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> tok, Tokenizer::Load(dir));
+  if (c.rope_scaling.type != RopeScaling::Type::kNone &&
+      c.rope_scaling.type != RopeScaling::Type::kLinear &&
+      c.rope_scaling.type != RopeScaling::Type::kLlama3) {
+    return Unimplemented(dir + ": rope scaling cannot be converted");
+  }
+  GgufWriter w;
+  SetModelMetadata(c, std::filesystem::path(dir).filename().string(), type, w);
 
   const std::filesystem::path d(dir);
   std::error_code ec;
@@ -203,77 +337,37 @@ Status ConvertHfToGguf(const std::string& dir, const std::string& out_path, DTyp
   w.SetBool("tokenizer.ggml.add_bos_token", tok->add_bos());
   w.SetBool("tokenizer.ggml.add_eos_token", false);
 
-  const TensorStore* st = &store;
-  const int hd = c.head_dim;
-  // A matrix: rows converted to f32 and re-encoded; `heads_dim` > 0 permutes rows for RoPE.
-  auto add_matrix = [&](const std::string& hf, bool rope_rows) -> Status {
-    auto it = st->tensors().find(hf);
-    if (it == st->tensors().end()) return NotFound(dir + ": tensor '" + hf + "' is missing");
+  TensorAdder adder(w, c, type, threads, progress);
+  for (const ModelTensor& mt : ModelTensors(c)) {
+    auto it = store.tensors().find(mt.hf_name);
+    if (it == store.tensors().end()) {
+      // An untied model whose checkpoint has no LM head: the loader ties it to the embedding.
+      if (mt.hf_name == "lm_head.weight") continue;
+      return NotFound(dir + ": tensor '" + mt.hf_name + "' is missing");
+    }
     const TensorInfo* t = &it->second;
-    if (t->shape.size() != 2) return InvalidArgument(dir + ": tensor '" + hf + "' is not 2-D");
-    const int64_t rows = t->shape[0], cols = t->shape[1];
-    const DType out = DTypeRowBytes(type, cols) < 0 ? DType::kF16 : type;
-    const int64_t row_bytes = DTypeRowBytes(out, cols);
-    w.AddTensor(GgufTensorName(hf), out, {rows, cols}, [=](uint8_t* dst) {
-      std::vector<float> row(cols);
-      const size_t in_row = cols * DTypeSize(t->dtype);
-      for (int64_t r = 0; r < rows; ++r) {
-        const char* src = static_cast<const char*>(t->data) + r * in_row;
-        for (int64_t k = 0; k < cols; ++k) row[k] = LoadAsF32(src, t->dtype, k);
-        const int64_t g = rope_rows ? GgufRopeRow(r, hd) : r;
-        kernels::ref::QuantizeRow(out, row.data(), cols, dst + g * row_bytes);
-      }
+    if (t->shape != mt.shape) {
+      auto str = [](const std::vector<int64_t>& s) {
+        std::string o = "[";
+        for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
+        return o + "]";
+      };
+      return InvalidArgument(dir + ": tensor '" + mt.hf_name + "' has shape " + str(t->shape) +
+                             ", config.json implies " + str(mt.shape));
+    }
+    const int64_t cols = mt.shape.back();
+    adder.Add(mt, [t, cols](int64_t r, float* out) {
+      const char* src = static_cast<const char*>(t->data) + r * cols * DTypeSize(t->dtype);
+      for (int64_t k = 0; k < cols; ++k) out[k] = LoadAsF32(src, t->dtype, k);
     });
-    return OkStatus();
-  };
-  auto add_vector = [&](const std::string& hf, bool rope_rows) -> Status {
-    auto it = st->tensors().find(hf);
-    if (it == st->tensors().end()) return NotFound(dir + ": tensor '" + hf + "' is missing");
-    const TensorInfo* t = &it->second;
-    const int64_t n = t->numel();
-    w.AddTensor(GgufTensorName(hf), DType::kF32, {n}, [=](uint8_t* dst) {
-      float* o = reinterpret_cast<float*>(dst);
-      for (int64_t i = 0; i < n; ++i) {
-        o[rope_rows ? GgufRopeRow(i, hd) : i] = LoadAsF32(t->data, t->dtype, i);
-      }
-    });
-    return OkStatus();
-  };
-
-  CACHET_RETURN_IF_ERROR(add_matrix("model.embed_tokens.weight", false));
-  CACHET_RETURN_IF_ERROR(add_vector("model.norm.weight", false));
-  if (!c.tie_word_embeddings && store.Has("lm_head.weight")) {
-    CACHET_RETURN_IF_ERROR(add_matrix("lm_head.weight", false));
   }
   if (c.rope_scaling.type == RopeScaling::Type::kLlama3) {
     ModelConfig plain = c;
     plain.rope_scaling = RopeScaling();
     const std::vector<float> base = plain.RopeInvFreq(), scaled = c.RopeInvFreq();
-    w.AddTensor("rope_freqs.weight", DType::kF32, {hd / 2}, [=](uint8_t* dst) {
-      float* o = reinterpret_cast<float*>(dst);
-      for (int i = 0; i < hd / 2; ++i) o[i] = base[i] / scaled[i];
+    adder.AddVector("rope_freqs.weight", c.head_dim / 2, [base, scaled](int64_t, float* o) {
+      for (size_t i = 0; i < base.size(); ++i) o[i] = base[i] / scaled[i];
     });
-  }
-  for (int l = 0; l < c.n_layers; ++l) {
-    const std::string p = "model.layers." + std::to_string(l) + ".";
-    CACHET_RETURN_IF_ERROR(add_vector(p + "input_layernorm.weight", false));
-    CACHET_RETURN_IF_ERROR(add_vector(p + "post_attention_layernorm.weight", false));
-    CACHET_RETURN_IF_ERROR(add_matrix(p + "self_attn.q_proj.weight", permute));
-    CACHET_RETURN_IF_ERROR(add_matrix(p + "self_attn.k_proj.weight", permute));
-    CACHET_RETURN_IF_ERROR(add_matrix(p + "self_attn.v_proj.weight", false));
-    CACHET_RETURN_IF_ERROR(add_matrix(p + "self_attn.o_proj.weight", false));
-    CACHET_RETURN_IF_ERROR(add_matrix(p + "mlp.gate_proj.weight", false));
-    CACHET_RETURN_IF_ERROR(add_matrix(p + "mlp.up_proj.weight", false));
-    CACHET_RETURN_IF_ERROR(add_matrix(p + "mlp.down_proj.weight", false));
-    if (c.attention_bias) {
-      CACHET_RETURN_IF_ERROR(add_vector(p + "self_attn.q_proj.bias", permute));
-      CACHET_RETURN_IF_ERROR(add_vector(p + "self_attn.k_proj.bias", permute));
-      CACHET_RETURN_IF_ERROR(add_vector(p + "self_attn.v_proj.bias", false));
-    }
-    if (c.qk_norm) {
-      CACHET_RETURN_IF_ERROR(add_vector(p + "self_attn.q_norm.weight", false));
-      CACHET_RETURN_IF_ERROR(add_vector(p + "self_attn.k_norm.weight", false));
-    }
   }
   return w.Write(out_path);
 }

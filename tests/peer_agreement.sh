@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Peer agreement (issue 13's test): a synthetic GGUF of a real shape, f16 weights, loads in both
+# Cachet and llama.cpp, and wherever both engines' top-2 logit margin exceeds 0.5 they give the
+# same argmax. Both evaluate the same pseudo-random token ids as one sequence (f16 KV on both
+# sides): Cachet with `cachet run --logits-of`, llama.cpp with `llama_peer logits`.
+#
+# usage: tests/peer_agreement.sh CACHET_BINARY WORK_DIR
+# environment: SHAPE (mha-85m), N_IDS (2048), MIN_CONFIDENT (10: fewer positions over the margin
+#   would make the test vacuous, so that fails too), THREADS (2).
+# Registered with ctest (label "peers"). It installs what it needs through bench/peers/setup.sh
+# (apt as root, npm) and fails, never skips, when something cannot be had.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cachet="${1:?usage: tests/peer_agreement.sh CACHET_BINARY WORK_DIR}"
+work="${2:?usage: tests/peer_agreement.sh CACHET_BINARY WORK_DIR}"
+shape="${SHAPE:-mha-85m}"
+n_ids="${N_IDS:-2048}"
+min_confident="${MIN_CONFIDENT:-10}"
+threads="${THREADS:-2}"
+mkdir -p "$work"
+
+peer="$("$root/bench/peers/setup.sh" "$work/peers")"
+
+model="$work/$shape-f16.gguf"
+if [ ! -f "$model" ] || [ "$cachet" -nt "$model" ]; then
+  "$cachet" convert --synthetic "$shape" "$model.tmp" --type f16 --no-progress
+  mv "$model.tmp" "$model"
+fi
+vocab=$("$cachet" inspect -m "$model" | awk '$1 == "vocab" { print $2 }')
+[ -n "$vocab" ] || { echo "peer_agreement: no vocab size from cachet inspect -m $model" >&2; exit 1; }
+
+# Ids in [3, vocab): no control token; a fixed LCG so that every run sees the same sequence.
+node -e '
+  const [n, vocab] = process.argv.slice(1).map(Number);
+  let x = 12345n, ids = [];
+  for (let i = 0; i < n; ++i) {
+    x = (x * 6364136223846793005n + 1442695040888963407n) & ((1n << 64n) - 1n);
+    ids.push(3 + Number((x >> 33n) % BigInt(vocab - 3)));
+  }
+  console.log(JSON.stringify(ids));' "$n_ids" "$vocab" >"$work/ids.json"
+
+"$cachet" run -m "$model" -t "$threads" --ctk f16 --ctv f16 --logits-of "$work/ids.json" \
+  >"$work/cachet_logits.json"
+"$peer" logits "$model" "$threads" "$work/ids.json" f16 >"$work/llama_logits.json"
+
+node -e '
+  const fs = require("fs");
+  const [cf, lf, minConfident] = process.argv.slice(1);
+  const c = JSON.parse(fs.readFileSync(cf)), l = JSON.parse(fs.readFileSync(lf));
+  if (c.n !== l.n) { console.error(`peer_agreement: ${c.n} vs ${l.n} positions`); process.exit(1); }
+  let confident = 0, disagree = 0, same = 0, maxDiff = 0;
+  const bad = [];
+  for (let i = 0; i < c.n; ++i) {
+    same += c.argmax[i] === l.argmax[i];
+    maxDiff = Math.max(maxDiff, Math.abs(c.margin[i] - l.margin[i]));
+    if (c.margin[i] > 0.5 && l.margin[i] > 0.5) {
+      ++confident;
+      if (c.argmax[i] !== l.argmax[i]) {
+        ++disagree;
+        bad.push(`position ${i}: Cachet ${c.argmax[i]} (margin ${c.margin[i].toFixed(3)}), ` +
+                 `llama.cpp ${l.argmax[i]} (margin ${l.margin[i].toFixed(3)})`);
+      }
+    }
+  }
+  console.log(`peer_agreement: ${c.n} positions; argmax equal at ${same}; top-2 margin > 0.5 on ` +
+              `both sides at ${confident}, of which ${disagree} disagree; largest difference ` +
+              `of the two engines\x27 margins ${maxDiff.toFixed(4)}`);
+  for (const b of bad.slice(0, 20)) console.log("  " + b);
+  if (disagree > 0) process.exit(1);
+  if (confident < Number(minConfident)) {
+    console.log(`peer_agreement: only ${confident} positions over the margin (need ` +
+                `${minConfident}); raise N_IDS`);
+    process.exit(1);
+  }' "$work/cachet_logits.json" "$work/llama_logits.json" "$min_confident"

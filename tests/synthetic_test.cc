@@ -1,0 +1,264 @@
+// Synthetic GGUFs (`cachet convert --synthetic`, src/model/gguf_synthetic.cc): the shipped shapes
+// and their parameter counts, small custom shapes written at every weight type and run by the
+// engine, determinism of the bytes for a seed, the generated tokenizer, and shape errors.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <set>
+#include <string>
+
+#include "cachet/engine.h"
+#include "model/gguf.h"
+#include "model/gguf_convert.h"
+#include "model/gguf_model.h"
+#include "model/tokenizer.h"
+#include "test_util.h"
+
+namespace cachet {
+namespace {
+
+using testing::ReadFile;
+using testing::TempDir;
+
+// Row lengths of 256 and 512: every matrix is a whole number of q4_K blocks, so each type is
+// really written as that type (a row that is not falls back to f16).
+constexpr char kLlamaShape[] = R"({
+  "model_type": "llama", "num_hidden_layers": 2, "hidden_size": 256,
+  "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 512,
+  "vocab_size": 1000, "max_position_embeddings": 512, "rope_theta": 10000.0,
+  "rms_norm_eps": 1e-5, "tie_word_embeddings": false
+})";
+// QKV biases and tied embeddings.
+constexpr char kQwenShape[] = R"({
+  "model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 256,
+  "num_attention_heads": 4, "num_key_value_heads": 1, "intermediate_size": 512,
+  "vocab_size": 700, "max_position_embeddings": 512, "rope_theta": 1000000.0,
+  "rms_norm_eps": 1e-6, "tie_word_embeddings": true
+})";
+
+class Synthetic : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { dir_ = new TempDir(); }
+  static void TearDownTestSuite() {
+    delete dir_;
+    dir_ = nullptr;
+  }
+  static std::string Shape(const std::string& name, const char* json) {
+    return dir_->Write(name + ".json", json);
+  }
+  static std::string Write(const char* json, DType type, uint64_t seed, int threads = 2) {
+    const std::string out = dir_->path() + "/m-" + DTypeName(type) + "-" + std::to_string(seed) +
+                            "-" + std::to_string(threads) + ".gguf";
+    const Status s = WriteSyntheticGguf(Shape("shape", json), out, type, seed, threads);
+    EXPECT_TRUE(s.ok()) << s.ToString();
+    return out;
+  }
+  static std::unique_ptr<Engine> MakeEngine(const std::string& model) {
+    EngineOptions o;
+    o.model_dir = model;
+    o.threads = 2;
+    o.prefix_cache = false;
+    o.n_ctx = 256;
+    auto e = Engine::Create(o);
+    EXPECT_TRUE(e.ok()) << e.status().ToString();
+    return e.ok() ? std::move(e).value() : nullptr;
+  }
+  static inline TempDir* dir_ = nullptr;
+};
+
+TEST_F(Synthetic, ShippedShapesHaveTheirModelsParameterCounts) {
+  struct Want {
+    const char* name;
+    int64_t params;
+    int layers, hidden, heads, kv_heads, ffn, vocab;
+    bool tied, bias;
+  };
+  const Want want[] = {
+      {"tinyllama-1.1b", 1100048384, 22, 2048, 32, 4, 5632, 32000, false, false},
+      {"qwen2.5-0.5b", 494032768, 24, 896, 14, 2, 4864, 151936, true, true},
+      {"llama-3.2-1b", 1235814400, 16, 2048, 32, 8, 8192, 128256, true, false},
+      {"mha-85m", 134105856, 12, 768, 12, 12, 2048, 32000, false, false},
+  };
+  for (const Want& w : want) {
+    SCOPED_TRACE(w.name);
+    auto c = LoadShape(w.name);
+    ASSERT_TRUE(c.ok()) << c.status().ToString();
+    EXPECT_EQ(c->ParamCount(), w.params);
+    EXPECT_EQ(c->n_layers, w.layers);
+    EXPECT_EQ(c->hidden_size, w.hidden);
+    EXPECT_EQ(c->n_heads, w.heads);
+    EXPECT_EQ(c->n_kv_heads, w.kv_heads);
+    EXPECT_EQ(c->head_dim, 64);
+    EXPECT_EQ(c->intermediate_size, w.ffn);
+    EXPECT_EQ(c->vocab_size, w.vocab);
+    EXPECT_EQ(c->tie_word_embeddings, w.tied);
+    EXPECT_EQ(c->attention_bias, w.bias);
+    EXPECT_EQ(c->max_position_embeddings, 16384);
+  }
+  // A path works as well as a name.
+  auto by_path = LoadShape(ShapesDir() + "/mha-85m.json");
+  ASSERT_TRUE(by_path.ok()) << by_path.status().ToString();
+  EXPECT_EQ(by_path->ParamCount(), 134105856);
+}
+
+TEST_F(Synthetic, EveryTypeLoadsAndGivesFiniteLogits) {
+  for (const char* json : {kLlamaShape, kQwenShape}) {
+    for (DType type : {DType::kF16, DType::kQ8_0, DType::kQ4_0, DType::kQ4_K}) {
+      SCOPED_TRACE(std::string(DTypeName(type)) + (json == kQwenShape ? " qwen2" : " llama"));
+      const std::string path = Write(json, type, 7);
+      auto f = GgufFile::Open(path);
+      ASSERT_TRUE(f.ok()) << f.status().ToString();
+      const GgufTensor* down = f->FindTensor("blk.1.ffn_down.weight");
+      ASSERT_NE(down, nullptr);
+      EXPECT_EQ(down->dtype, type);
+      ASSERT_NE(f->FindTensor("blk.0.attn_norm.weight"), nullptr);
+      EXPECT_EQ(f->FindTensor("blk.0.attn_norm.weight")->dtype, DType::kF32);
+      EXPECT_EQ(f->FindTensor("output.weight") == nullptr, json == kQwenShape);
+      EXPECT_EQ(f->FindTensor("blk.0.attn_q.bias") != nullptr, json == kQwenShape);
+
+      auto engine = MakeEngine(path);
+      ASSERT_NE(engine, nullptr);
+      const int vocab = engine->config().vocab_size;
+      std::vector<int32_t> ids;
+      for (int i = 0; i < 40; ++i) ids.push_back(3 + (i * 97) % (vocab - 3));
+      std::vector<float> logits;
+      auto session = engine->NewSession();
+      ASSERT_TRUE(session->Eval(ids, &logits, /*all_logits=*/true).ok());
+      ASSERT_EQ(logits.size(), ids.size() * vocab);
+      double sum_sq = 0;
+      for (float x : logits) {
+        ASSERT_TRUE(std::isfinite(x));
+        sum_sq += double(x) * x;
+      }
+      // Random weights of std 0.02 give logits of std about 0.02 * sqrt(hidden) = 0.32.
+      const double rms = std::sqrt(sum_sq / logits.size());
+      EXPECT_GT(rms, 0.05);
+      EXPECT_LT(rms, 3.0);
+    }
+  }
+}
+
+TEST_F(Synthetic, BytesDependOnTheSeedOnly) {
+  for (DType type : {DType::kF16, DType::kQ4_K}) {
+    SCOPED_TRACE(DTypeName(type));
+    const std::string a = ReadFile(Write(kQwenShape, type, 5, /*threads=*/1));
+    const std::string b = ReadFile(Write(kQwenShape, type, 5, /*threads=*/3));
+    const std::string c = ReadFile(Write(kQwenShape, type, 6, /*threads=*/1));
+    ASSERT_GT(a.size(), 100000u);
+    EXPECT_TRUE(a == b) << "same seed, other thread count: the bytes differ";
+    ASSERT_EQ(a.size(), c.size());
+    EXPECT_FALSE(a == c) << "another seed gave the same file";
+  }
+}
+
+TEST_F(Synthetic, WeightsHaveTheStatedDistribution) {
+  auto f = GgufFile::Open(Write(kLlamaShape, DType::kF32, 3));
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  const GgufTensor* up = f->FindTensor("blk.0.ffn_up.weight");  // 512 x 256
+  ASSERT_NE(up, nullptr);
+  const float* x = reinterpret_cast<const float*>(up->data);
+  const int64_t n = up->ne[0] * up->ne[1];
+  double sum = 0, sum_sq = 0;
+  for (int64_t i = 0; i < n; ++i) sum += x[i], sum_sq += double(x[i]) * x[i];
+  EXPECT_NEAR(sum / n, 0.0, 0.001);
+  EXPECT_NEAR(std::sqrt(sum_sq / n), 0.02, 0.0005);
+  const GgufTensor* norm = f->FindTensor("output_norm.weight");
+  ASSERT_NE(norm, nullptr);
+  for (int64_t i = 0; i < norm->ne[0]; ++i) {
+    ASSERT_EQ(reinterpret_cast<const float*>(norm->data)[i], 1.0f);
+  }
+}
+
+TEST_F(Synthetic, GeneratedTokenizerRoundTripsAndItsMergesAreWellFormed) {
+  auto f = GgufFile::Open(Write(kLlamaShape, DType::kQ8_0, 1));
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  auto tokens = f->GetArray("tokenizer.ggml.tokens", GgufType::kString);
+  auto merges = f->GetArray("tokenizer.ggml.merges", GgufType::kString);
+  ASSERT_TRUE(tokens.ok() && merges.ok());
+  const std::vector<std::string>& t = (*tokens)->strs;
+  ASSERT_EQ(t.size(), 1000u);
+  EXPECT_EQ(t[1], "<s>");
+  EXPECT_EQ(t[2], "</s>");
+  EXPECT_EQ(t[3 + 'a'], "a");
+  EXPECT_EQ(t[3 + ' '], "\xC4\xA0");  // GPT-2's byte alphabet: space is U+0120
+  EXPECT_EQ(t[259], "aa");
+  EXPECT_EQ(t[259 + 26 * 26], "aaa");
+  EXPECT_EQ(std::set<std::string>(t.begin(), t.end()).size(), t.size()) << "duplicate tokens";
+  // Merge i makes token 259 + i out of two earlier tokens.
+  ASSERT_EQ((*merges)->strs.size(), t.size() - 259);
+  std::map<std::string, size_t> id;
+  for (size_t i = 0; i < t.size(); ++i) id[t[i]] = i;
+  for (size_t i = 0; i < (*merges)->strs.size(); ++i) {
+    const std::string& m = (*merges)->strs[i];
+    const size_t sp = m.find(' ');
+    ASSERT_NE(sp, std::string::npos) << m;
+    const std::string l = m.substr(0, sp), r = m.substr(sp + 1);
+    ASSERT_TRUE(id.count(l) && id.count(r)) << m;
+    EXPECT_LT(id[l], 259 + i) << m;
+    EXPECT_LT(id[r], 259 + i) << m;
+    EXPECT_EQ(l + r, t[259 + i]);
+  }
+
+  auto tok = TokenizerFromGguf(*f);
+  ASSERT_TRUE(tok.ok()) << tok.status().ToString();
+  EXPECT_EQ((*tok)->vocab_size(), 1000);
+  EXPECT_EQ((*tok)->bos_id(), 1);
+  EXPECT_EQ((*tok)->eos_id(), 2);
+  EXPECT_TRUE((*tok)->add_bos());
+  for (const std::string& text : std::vector<std::string>{
+           "hello world, the quick brown fox jumps over the lazy dog", "Ab 12 \n\t x",
+           "caf\xC3\xA9", "zz zzz aaa ab", std::string("\x00\xFF bytes", 8)}) {
+    const std::vector<int32_t> ids = (*tok)->Encode(text);
+    EXPECT_EQ((*tok)->Decode(ids), text);
+    for (int32_t i : ids) EXPECT_GE(i, 3) << "a control token in plain text";
+  }
+  EXPECT_EQ((*tok)->Encode("ab"), std::vector<int32_t>({259 + 1}));
+  EXPECT_LT((*tok)->Encode("hello world").size(), std::string("hello world").size());
+}
+
+TEST_F(Synthetic, BadShapesAreClearErrors) {
+  auto unknown = LoadShape("no-such-shape");
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_NE(unknown.status().message().find("unknown shape 'no-such-shape'"), std::string::npos)
+      << unknown.status().ToString();
+  EXPECT_NE(unknown.status().message().find("tinyllama-1.1b"), std::string::npos)
+      << unknown.status().ToString();
+
+  const std::string missing = Shape("missing", R"({"model_type": "llama", "vocab_size": 1000})");
+  auto m = LoadShape(missing);
+  ASSERT_FALSE(m.ok());
+  EXPECT_NE(m.status().message().find(missing), std::string::npos) << m.status().ToString();
+  EXPECT_NE(m.status().message().find("hidden_size"), std::string::npos) << m.status().ToString();
+
+  std::string typo_json = kLlamaShape;
+  typo_json.replace(typo_json.find("\"hidden_size\": 256"), 18, "\"hidden_size\": \"big\"");
+  const std::string typo = Shape("typo", typo_json.c_str());
+  auto ty = LoadShape(typo);
+  ASSERT_FALSE(ty.ok());
+  EXPECT_NE(ty.status().message().find("'hidden_size' must be a number"), std::string::npos)
+      << ty.status().ToString();
+
+  const std::string garbage = Shape("garbage", "{not json");
+  auto g = LoadShape(garbage);
+  ASSERT_FALSE(g.ok());
+  EXPECT_NE(g.status().message().find(garbage), std::string::npos) << g.status().ToString();
+
+  std::string small = kLlamaShape;
+  small.replace(small.find("\"vocab_size\": 1000"), 18, "\"vocab_size\": 200");
+  auto s = LoadShape(Shape("small", small.c_str()));
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("vocab_size 200"), std::string::npos)
+      << s.status().ToString();
+
+  auto nofile = LoadShape(dir_->path() + "/absent.json");
+  ASSERT_FALSE(nofile.ok());
+  EXPECT_NE(nofile.status().message().find("absent.json"), std::string::npos)
+      << nofile.status().ToString();
+
+  const Status w = WriteSyntheticGguf("no-such-shape", dir_->path() + "/x.gguf", DType::kF16, 1);
+  EXPECT_FALSE(w.ok());
+}
+
+}  // namespace
+}  // namespace cachet
