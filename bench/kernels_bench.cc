@@ -2,8 +2,8 @@
 // decode-step attention over a cache stored in each KV codec, through the dispatching entry points
 // (cpu:: kernels; CACHET_REF_KERNELS=1 times the reference).
 //
-// Build and run: cmake --build build --target kernels_bench && build/kernels_bench [max_threads]
-// (default: all hardware threads).
+// Build and run: cmake --build build --target kernels_bench && build/kernels_bench [max_threads
+// [attention|matmul|quant]] (default: all hardware threads, every section).
 // Times are the best per-call time over many short batches, which filters out most interference
 // from other load on the machine.
 #include <algorithm>
@@ -105,6 +105,45 @@ void BenchMatMul(ThreadPool& pool, std::mt19937& rng) {
   }
 }
 
+// Quantized weights: the int8 kernels (QuantMatMul) beside the f32 dequantizing ones
+// (DequantMatMul). Decode cycles through matrices of a TinyLlama FFN's shape that together
+// exceed the L3 cache, so it streams from DRAM as a real model's decode does.
+void BenchQuantMatMul(ThreadPool& pool, std::mt19937& rng) {
+  const int64_t rows = 5632, cols = 2048, n_mats = 8;
+  for (DType dtype : {DType::kQ4_0, DType::kQ4_K, DType::kQ8_0}) {
+    const int64_t rb = cachet::DTypeRowBytes(dtype, cols);
+    std::vector<uint8_t> bytes(n_mats * rows * rb);
+    const std::vector<float> src = RandomVec(cols, rng);
+    for (int64_t r = 0; r < n_mats * rows; ++r) {
+      ref::QuantizeRow(dtype, src.data(), cols, bytes.data() + r * rb);
+    }
+    std::vector<float> x = RandomVec(512 * cols, rng), y(512 * rows);
+    for (bool int8 : {false, true}) {
+      if (int8 && !cpu::HasInt8Kernels()) continue;
+      auto run = [&](const Matrix& m, int64_t n) {
+        (int8 ? cpu::QuantMatMul : cpu::DequantMatMul)(x.data(), n, m, nullptr, y.data(), rows,
+                                                       pool);
+      };
+      int64_t next = 0;
+      const double t = SecondsPerCall([&] {
+        run(Matrix{bytes.data() + (next++ % n_mats) * rows * rb, dtype, rows, cols}, 1);
+      });
+      std::printf("  decode  %-4s %5lldx%-5lld %-5s    %9.2f us %7.1f GB/s\n",
+                  cachet::DTypeName(dtype), static_cast<long long>(rows),
+                  static_cast<long long>(cols), int8 ? "int8" : "f32", t * 1e6,
+                  rows * rb / t / 1e9);
+      for (int64_t n : {64, 512}) {
+        const Matrix m{bytes.data(), dtype, 2048, cols};
+        const double tp = SecondsPerCall([&] { run(m, n); }, 1.0);
+        std::printf("  prefill %-4s 2048x%-5lld n=%-4lld %-5s %9.3f ms %7.1f GMAC/s\n",
+                    cachet::DTypeName(dtype), static_cast<long long>(cols),
+                    static_cast<long long>(n), int8 ? "int8" : "f32", tp * 1e3,
+                    2048.0 * cols * n / tp / 1e9);
+      }
+    }
+  }
+}
+
 void BenchAttention(std::mt19937& rng) {
   const int page_tokens = 16;
   for (int head_dim : {64, 128}) {
@@ -193,18 +232,27 @@ void BenchCodecAttention(std::mt19937& rng) {
 
 int main(int argc, char** argv) {
   const int max_threads = argc > 1 ? std::atoi(argv[1]) : ThreadPool::DefaultThreads();
+  const std::string only = argc > 2 ? argv[2] : "";  // attention, matmul or quant; all if empty
   std::mt19937 rng(1);
-  std::printf("attention (single-threaded):\n");
-  BenchAttention(rng);
-  std::printf("attention over codec pages (single-threaded):\n");
-  BenchCodecAttention(rng);
+  if (only.empty() || only == "attention") {
+    std::printf("attention (single-threaded):\n");
+    BenchAttention(rng);
+    std::printf("attention over codec pages (single-threaded):\n");
+    BenchCodecAttention(rng);
+  }
   std::vector<int> thread_counts;
   for (int t = 1; t < max_threads; t *= 2) thread_counts.push_back(t);
   thread_counts.push_back(std::max(1, max_threads));
   for (int threads : thread_counts) {
     ThreadPool pool(threads);
-    std::printf("matmul, %d thread(s):\n", threads);
-    BenchMatMul(pool, rng);
+    if (only.empty() || only == "matmul") {
+      std::printf("matmul, %d thread(s):\n", threads);
+      BenchMatMul(pool, rng);
+    }
+    if (only.empty() || only == "quant") {
+      std::printf("quantized matmul, %d thread(s):\n", threads);
+      BenchQuantMatMul(pool, rng);
+    }
   }
   return 0;
 }

@@ -89,10 +89,12 @@ TEST_F(GgufRoundTrip, F16AndBf16MatchGoldenLogitsAndGreedy) {
   }
 }
 
-// q8_0 changes the logits a little (kvtiny is small: 384-wide rows quantize coarsely), so greedy
+// q8_0 changes the logits a little (kvtiny is small: 384-wide rows quantize coarsely), and so do
+// the 8-bit activations its int8 kernels use, as llama.cpp's do (kernels/int8_dot.h), so greedy
 // decoding may leave the reference path where two candidates are nearly tied. The check: teacher
 // forced over prompt + reference continuation, q8_0's argmax equals the reference token wherever
-// the bf16 model's top-2 margin is clear (> 0.5 logits), and free-running greedy decoding agrees
+// the bf16 model's top-2 margin is clear (> 1 logit; with f32 activations 0.5 suffices: case 2
+// step 19, margin 0.6, flips by 0.08 with 8-bit ones), and free-running greedy decoding agrees
 // up to the first step where it is not.
 TEST_F(GgufRoundTrip, Q8_0AgreesWithGoldenGreedy) {
   const auto cases = LoadGolden();
@@ -118,14 +120,15 @@ TEST_F(GgufRoundTrip, Q8_0AgreesWithGoldenGreedy) {
       ASSERT_EQ(ArgMax(rr), c.greedy[i]) << "bf16 GGUF vs golden at step " << i;
       std::vector<float> sorted = rr;
       std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<>());
-      if (sorted[0] - sorted[1] > 0.5f) {
-        EXPECT_EQ(ArgMax(rq), c.greedy[i]) << "step " << i;
+      if (sorted[0] - sorted[1] > 1.0f) {
+        EXPECT_EQ(ArgMax(rq), c.greedy[i])
+            << "step " << i << ", bf16 margin " << sorted[0] - sorted[1];
         ++checked;
       } else {
         clear_prefix = std::min(clear_prefix, i);
       }
     }
-    EXPECT_GT(checked, 12);
+    EXPECT_GE(checked, 10);
     RecordProperty("case" + std::to_string(k) + "_clear_prefix", static_cast<int>(clear_prefix));
     // Free-running greedy decoding agrees up to the first near-tie.
     auto s = q8->NewSession();

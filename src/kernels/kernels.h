@@ -127,9 +127,28 @@ void QuantDequantRow(const Matrix& w, int64_t r, float* out);  // kernels/ref/qu
 // DTypeRowBytes(t, n) bytes at out, in llama.cpp's block layout.
 void QuantizeRow(DType t, const float* x, int64_t n, void* out);
 }  // namespace ref
+// The int8 path (kernels/int8_dot.h): activations quantized to 8 bits per block of 32, integer
+// dot products with q4_0 / q8_0 / q4_K blocks. QuantizeQ8 quantizes one row of cols values.
+namespace ref {
+void QuantizeQ8(const float* x, int64_t cols, int8_t* q, float* d, float* s);
+float Int8Dot(const Matrix& w, int64_t r, const int8_t* q, const float* d, const float* s);
+void Int8MatMul(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
+                int64_t y_stride, ThreadPool& pool);
+}  // namespace ref
 namespace cpu {
+// Whether this CPU runs the int8 kernels (AVX-512 VNNI); QuantMatMul uses them when it does.
+bool HasInt8Kernels();
+void Int8MatMul(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
+                int64_t y_stride, ThreadPool& pool);  // kernels/cpu/quant_int8.cc
+void QuantizeQ8(const float* x, int64_t cols, int8_t* q, float* d, float* s);
+}  // namespace cpu
+namespace cpu {
+// The int8 kernels for q4_0 / q8_0 / q4_K where the CPU has them, else DequantMatMul: blocks
+// widened to f32 in registers, f32 arithmetic.
 void QuantMatMul(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
                  int64_t y_stride, ThreadPool& pool);  // kernels/cpu/quant.cc
+void DequantMatMul(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
+                   int64_t y_stride, ThreadPool& pool);
 void QuantDequantRow(const Matrix& w, int64_t r, float* out);
 }  // namespace cpu
 

@@ -1,6 +1,8 @@
 // Highway MatMul and DequantRow for the GGUF block-quantized weight types (q8_0, q4_0, q4_K, q6_K;
 // layouts in kernels/ref/quant.cc). Weights stay quantized in memory: blocks are widened to f32
 // vectors on the fly (integers promoted to i32 lanes, converted, scaled), all arithmetic is f32.
+// QuantMatMul prefers the int8 kernels (kernels/cpu/quant_int8.cc) where the CPU has them; this
+// f32 path serves q6_K and CPUs without AVX-512 VNNI.
 //
 // n == 1 (decode): each row's dequantized vectors are dotted with x as they are produced.
 // n > 1 (prefill): each task dequantizes a block of rows into per-thread f32 scratch once and runs
@@ -17,6 +19,7 @@
 #include <vector>
 
 #include "kernels/cpu/tasks.h"
+#include "kernels/int8_dot.h"
 #include "kernels/kernels.h"
 
 // clang-format off
@@ -285,6 +288,12 @@ HWY_EXPORT(QuantDequantRowImpl);
 
 void QuantMatMul(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
                  int64_t y_stride, ThreadPool& pool) {
+  if (HasInt8Path(w.dtype) && HasInt8Kernels()) return Int8MatMul(x, n, w, bias, y, y_stride, pool);
+  DequantMatMul(x, n, w, bias, y, y_stride, pool);
+}
+
+void DequantMatMul(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
+                   int64_t y_stride, ThreadPool& pool) {
   HWY_DYNAMIC_DISPATCH(QuantMatMulImpl)(x, n, w, bias, y, y_stride, pool);
 }
 

@@ -12,7 +12,9 @@ enum ScratchSlot : int {
   kScratchMatMulAcc = 2,  // MatMul: tile accumulators between column chunks (each worker thread)
   kScratchAttention = 3,
   kScratchAttentionObserve = 4,  // PagedAttention: per-row softmax terms kept for AttnObserve
-  kScratchSlots = 5,
+  kScratchInt8Acts = 5,          // Int8MatMul: quantized activations (filled by the calling thread)
+  kScratchInt8Scales = 6,  // Int8MatMul: block scales of a task's weight rows (each worker thread)
+  kScratchSlots = 7,
 };
 
 // At least n floats, 64-byte aligned, owned by the calling thread; contents are unspecified.

@@ -20,7 +20,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
+#include "kernels/int8_dot.h"
 #include "kernels/kernels.h"
 
 namespace cachet::kernels::ref {
@@ -288,6 +290,81 @@ void QuantizeRow(DType t, const float* x, int64_t n, void* out) {
         break;
       default:
         break;
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// The int8 path (kernels/int8_dot.h).
+
+void QuantizeQ8(const float* x, int64_t cols, int8_t* q, float* d, float* s) {
+  for (int64_t b = 0; b < cols / kQ8Block; ++b) {
+    const float* xb = x + b * kQ8Block;
+    float amax = 0.0f;
+    for (int j = 0; j < kQ8Block; ++j) amax = std::max(amax, std::fabs(xb[j]));
+    const float db = amax / 127.0f;
+    const float id = db != 0.0f ? 1.0f / db : 0.0f;
+    int sum = 0;
+    for (int j = 0; j < kQ8Block; ++j) {
+      const int c = NearestInt(xb[j] * id);
+      q[b * kQ8Block + j] = static_cast<int8_t>(c);
+      sum += c;
+    }
+    d[b] = db;
+    s[b] = db * static_cast<float>(sum);
+  }
+}
+
+namespace {
+
+template <DType kType>
+float Int8DotT(const uint8_t* row, const int8_t* q, const float* d, const float* s, int64_t nb) {
+  double acc = 0.0;
+  for (int64_t b = 0; b < nb; ++b) {
+    float dw, o;
+    // Scales of one block: q4_K's are per super-block, so ask for the whole one and pick.
+    if constexpr (kType == DType::kQ4_K) {
+      float dws[8], os[8];
+      BlockScales<kType>(row + (b / 8) * 144, 8, dws, os);
+      dw = dws[b % 8];
+      o = os[b % 8];
+    } else {
+      BlockScales<kType>(row + b * DTypeBlockBytes(kType), 1, &dw, &o);
+    }
+    int32_t dot = 0;
+    for (int j = 0; j < kQ8Block; ++j) dot += BlockCode<kType>(row, b, j) * q[b * kQ8Block + j];
+    acc += static_cast<double>(dw) * d[b] * dot - static_cast<double>(o) * s[b];
+  }
+  return static_cast<float>(acc);
+}
+
+}  // namespace
+
+float Int8Dot(const Matrix& w, int64_t r, const int8_t* q, const float* d, const float* s) {
+  const uint8_t* row = static_cast<const uint8_t*>(w.data) + r * DTypeRowBytes(w.dtype, w.cols);
+  const int64_t nb = w.cols / kQ8Block;
+  switch (w.dtype) {
+    case DType::kQ4_0:
+      return Int8DotT<DType::kQ4_0>(row, q, d, s, nb);
+    case DType::kQ8_0:
+      return Int8DotT<DType::kQ8_0>(row, q, d, s, nb);
+    case DType::kQ4_K:
+      return Int8DotT<DType::kQ4_K>(row, q, d, s, nb);
+    default:
+      return NAN;  // no int8 path (HasInt8Path)
+  }
+}
+
+void Int8MatMul(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
+                int64_t y_stride, ThreadPool& /*pool*/) {
+  const int64_t nb = w.cols / kQ8Block;
+  std::vector<int8_t> q(w.cols);
+  std::vector<float> d(nb), s(nb);
+  for (int64_t t = 0; t < n; ++t) {
+    QuantizeQ8(x + t * w.cols, w.cols, q.data(), d.data(), s.data());
+    for (int64_t r = 0; r < w.rows; ++r) {
+      y[t * y_stride + r] =
+          Int8Dot(w, r, q.data(), d.data(), s.data()) + (bias != nullptr ? bias[r] : 0.0f);
     }
   }
 }

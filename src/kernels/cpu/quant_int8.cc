@@ -1,0 +1,466 @@
+// The int8 path (kernels/int8_dot.h) on AVX-512 VNNI: activations quantized to 8 bits per block of
+// 32, weight codes times activation codes by vpdpbusd (64 unsigned x signed byte products summed
+// four by four into sixteen i32 lanes), each block's integer sum scaled once.
+//
+// Written with intrinsics rather than Highway: Debian 12's Highway 1.0.3 has no int8 dot-product
+// op (SumOfMulQuadAccumulate came later), and its AVX3_DL target does not enable avx512vnni. The
+// functions carry their own target attribute and run only when the CPU has the features
+// (HasInt8Kernels); elsewhere QuantMatMul keeps the Highway f32 path (kernels/cpu/quant.cc).
+// Weights are read in place from the GGUF's blocks, never repacked: they stay memory-mapped.
+//
+// Decode (one token) is memory bound: a task streams a contiguous block of rows, four rows at a
+// time, two blocks per 512-bit vector; scales are read as f16 straight from the blocks and the
+// offsets of q4_0 / q8_0 (o = k dw) go into the integer sum as -k * sum(codes of x).
+//
+// Prefill is compute bound, and scaling every block of every (row, token) pair would cost three
+// float ops per 32 products. So its lanes are tokens instead: activations are laid out 16 tokens
+// at a time (lane j holds four consecutive codes of token j), four weight codes are broadcast to
+// every lane, and eight vpdpbusd sum a whole block for 16 tokens before one scale. A tile is 4 rows
+// x 32 tokens; tokens go by chunks whose codes stay in L2.
+//
+// Each output's operation order depends only on its row and token, never on the thread count; a
+// token gives the same bits in a prefill chunk as alone in decode only within a path, so a prompt
+// is always prefilled by the prefill path (n > 1) and generated tokens by decode.
+// GCC 12 reports the _mm512_undefined_* placeholders inside its own AVX-512 intrinsics as
+// uninitialized (a false positive fixed in later GCCs).
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/cpu/scratch.h"
+#include "kernels/cpu/tasks.h"
+#include "kernels/int8_dot.h"
+#include "kernels/kernels.h"
+
+#define CACHET_INT8_TARGET \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
+
+namespace cachet::kernels::cpu {
+namespace {
+
+constexpr int kRows = 4;  // weight rows per prefill tile
+constexpr int64_t kMinParallelWeights = 1 << 16;
+constexpr int kLanes = 16;                  // tokens per prefill vector
+constexpr int kGroups = 2;                  // token vectors per prefill tile
+constexpr int64_t kPrefillRowBlock = 64;    // weight rows a prefill task owns
+constexpr int64_t kPrefillTokenChunk = 64;  // tokens whose codes a prefill task streams at once
+constexpr int64_t kPrefetchBytes = 1024;    // how far ahead of its reads decode prefetches a row
+
+template <DType kType>
+constexpr int64_t BlockBytes() {  // bytes of a 32-value block (q4_K: its share of 144)
+  return kType == DType::kQ4_0 ? 18 : kType == DType::kQ8_0 ? 34 : 144 / 8;
+}
+template <DType kType>
+constexpr int kOffset() {  // o = kOffset * dw for q4_0 and q8_0
+  return kType == DType::kQ4_0 ? 8 : 128;
+}
+
+struct HardF16 {
+  CACHET_INT8_TARGET static float Load(const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+  }
+};
+
+// The 32 unsigned codes of block b of a weight row.
+template <DType kType>
+CACHET_INT8_TARGET inline __m256i Codes(const uint8_t* row, int64_t b) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  if constexpr (kType == DType::kQ4_0) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 18 + 2));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4);
+  } else if constexpr (kType == DType::kQ8_0) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 34 + 2));
+    return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));
+  } else {
+    static_assert(kType == DType::kQ4_K);
+    const __m256i v = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(row + (b / 8) * 144 + 16 + ((b % 8) / 2) * 32));
+    return _mm256_and_si256(b % 2 == 0 ? v : _mm256_srli_epi16(v, 4), low4);
+  }
+}
+
+// Codes of blocks b and b + 1 (b even): block b in the low 256 bits.
+template <DType kType>
+CACHET_INT8_TARGET inline __m512i CodePair(const uint8_t* row, int64_t b) {
+  if constexpr (kType == DType::kQ4_K) {  // one 32-byte load holds both sub-blocks
+    const __m256i v = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(row + (b / 8) * 144 + 16 + ((b % 8) / 2) * 32));
+    return _mm512_and_si512(
+        _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1),
+        _mm512_set1_epi8(0x0F));
+  } else {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(Codes<kType>(row, b)),
+                              Codes<kType>(row, b + 1), 1);
+  }
+}
+
+// The eight sub-block scales d * sc_j and minimums dmin * m_j of a q4_K super-block, unpacked
+// from their 6-bit fields four at a time as llama.cpp's kernels do.
+CACHET_INT8_TARGET inline void Q4KScales(const uint8_t* blk, __m256* dw, __m256* o) {
+  uint32_t u[4];
+  std::memcpy(u, blk + 4, 12);
+  constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
+  u[3] = ((u[2] >> 4) & kLow4) | (((u[1] >> 6) & kLow2) << 4);
+  const uint32_t mins_lo = u[1] & kLow6;
+  u[1] = (u[2] & kLow4) | (((u[0] >> 6) & kLow2) << 4);
+  u[2] = mins_lo;
+  u[0] &= kLow6;
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+  *dw = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)),
+                      _mm256_set1_ps(HardF16::Load(blk)));
+  *o = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))),
+                     _mm256_set1_ps(HardF16::Load(blk + 2)));
+}
+
+// [dw_b x 8, dw_b+1 x 8] read from the f16 scales of blocks b and b + 1 (q4_0, q8_0).
+template <DType kType>
+CACHET_INT8_TARGET inline __m512 ScalePair(const uint8_t* row, int64_t b) {
+  int16_t h0, h1;
+  std::memcpy(&h0, row + b * BlockBytes<kType>(), 2);
+  std::memcpy(&h1, row + (b + 1) * BlockBytes<kType>(), 2);
+  return _mm512_cvtph_ps(_mm256_set_m128i(_mm_set1_epi16(h1), _mm_set1_epi16(h0)));
+}
+
+CACHET_INT8_TARGET inline float HorizontalSum(__m256 v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+}
+
+CACHET_INT8_TARGET inline float HorizontalSum(__m512 v) {
+  return HorizontalSum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
+}
+
+// sum_i a[i] * b[i] over n floats.
+CACHET_INT8_TARGET inline float Dot(const float* a, const float* b, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  }
+  if (i < n) {
+    const __mmask8 m = static_cast<__mmask8>((1u << (n - i)) - 1);
+    acc = _mm256_fmadd_ps(_mm256_maskz_loadu_ps(m, a + i), _mm256_maskz_loadu_ps(m, b + i), acc);
+  }
+  return HorizontalSum(acc);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Decode.
+
+// What decode needs of the activation row beyond its codes, per pair of blocks: the scales as
+// [dx_b x 8, dx_b+1 x 8], and for q4_0 / q8_0 the integer sum's start, -k * sum(codes) of each
+// block in lanes 0 and 8 (the lanes that see the block's first products).
+struct DecodeActs {
+  const int8_t* q;
+  const float* dx2;     // 16 floats per block pair
+  const int32_t* off2;  // 16 ints per block pair
+  const float* s;       // per block, for q4_K's offsets
+};
+
+// y[r] for rows [r0, r1) of a matrix of nb blocks per row. One row at a time, so that a task
+// reads one sequential stream (several rows at once measured up to 2x slower: the prefetchers
+// lose track), with two accumulators to hide the latency of the FMA chain.
+template <DType kType>
+CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64_t nb, int64_t r0,
+                                   int64_t r1, const DecodeActs& a, const float* bias, float* y) {
+  // Pair p of blocks: codes times activations, scaled by [dw_2p x 8, dw_2p+1 x 8].
+  auto pair = [&](const uint8_t* row, int64_t p, __m512 dw, __m512 acc) CACHET_INT8_TARGET {
+    const int64_t b = 2 * p;
+    _mm_prefetch(reinterpret_cast<const char*>(row + b * BlockBytes<kType>() + kPrefetchBytes),
+                 _MM_HINT_T0);
+    const __m512i start =
+        kType == DType::kQ4_K ? _mm512_setzero_si512() : _mm512_load_si512(a.off2 + p * 16);
+    const __m512i z =
+        _mm512_dpbusd_epi32(start, CodePair<kType>(row, b), _mm512_loadu_si512(a.q + b * 32));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(z), _mm512_mul_ps(dw, _mm512_load_ps(a.dx2 + p * 16)),
+                           acc);
+  };
+  const int64_t pairs = nb / 2;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = base + r * row_bytes;
+    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
+    float v;
+    if constexpr (kType == DType::kQ4_K) {
+      // Per super-block: its scales once, four pairs, and the minimums' share sum_j o_j sx_j.
+      const __m512i lo = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+      const __m512i step = _mm512_set1_epi32(2);
+      __m256 corr = _mm256_setzero_ps();
+      for (int64_t sb = 0; sb < nb / 8; ++sb) {
+        __m256 dw8, o8;
+        Q4KScales(row + sb * 144, &dw8, &o8);
+        corr = _mm256_fmadd_ps(o8, _mm256_loadu_ps(a.s + sb * 8), corr);
+        const __m512 dw = _mm512_castps256_ps512(dw8);
+        __m512i idx = lo;
+        acc0 = pair(row, 4 * sb, _mm512_permutexvar_ps(idx, dw), acc0);
+        idx = _mm512_add_epi32(idx, step);
+        acc1 = pair(row, 4 * sb + 1, _mm512_permutexvar_ps(idx, dw), acc1);
+        idx = _mm512_add_epi32(idx, step);
+        acc0 = pair(row, 4 * sb + 2, _mm512_permutexvar_ps(idx, dw), acc0);
+        idx = _mm512_add_epi32(idx, step);
+        acc1 = pair(row, 4 * sb + 3, _mm512_permutexvar_ps(idx, dw), acc1);
+      }
+      v = HorizontalSum(_mm512_add_ps(acc0, acc1)) - HorizontalSum(corr);
+    } else {
+      int64_t p = 0;
+      for (; p + 2 <= pairs; p += 2) {
+        acc0 = pair(row, p, ScalePair<kType>(row, 2 * p), acc0);
+        acc1 = pair(row, p + 1, ScalePair<kType>(row, 2 * p + 2), acc1);
+      }
+      if (p < pairs) acc0 = pair(row, p, ScalePair<kType>(row, 2 * p), acc0);
+      v = HorizontalSum(_mm512_add_ps(acc0, acc1));
+      if (nb % 2 != 0) {  // the last, unpaired block
+        const int64_t b = nb - 1;
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + b * 32));
+        const __m256i start = _mm256_castsi128_si256(_mm_cvtsi32_si128(a.off2[(b / 2) * 16]));
+        const __m256i z = _mm256_dpbusd_epi32(start, Codes<kType>(row, b), x);
+        const float dw = HardF16::Load(row + b * BlockBytes<kType>());
+        v += HorizontalSum(_mm256_cvtepi32_ps(z)) * (dw * a.dx2[(b / 2) * 16]);
+      }
+    }
+    y[r] = v + (bias != nullptr ? bias[r] : 0.0f);
+  }
+}
+
+template <DType kType>
+CACHET_INT8_TARGET void Decode(const float* x, const Matrix& w, const float* bias, float* y,
+                               ThreadPool& pool) {
+  const int64_t nb = w.cols / kQ8Block, pairs = CeilDiv(nb, 2);
+  // Codes, then dx2 and off2 (16 per pair), then s: the calling thread's scratch, 64-byte aligned.
+  const int64_t code_floats = RoundUp(w.cols, 64) / 4;
+  float* buf = ThreadScratch(kScratchInt8Acts, code_floats + 32 * pairs + 2 * RoundUp(nb, 16));
+  int8_t* q = reinterpret_cast<int8_t*>(buf);
+  float* dx2 = buf + code_floats;
+  int32_t* off2 = reinterpret_cast<int32_t*>(dx2 + 16 * pairs);
+  float* d = reinterpret_cast<float*>(off2 + 16 * pairs);
+  float* s = d + RoundUp(nb, 16);
+  QuantizeQ8(x, w.cols, q, d, s);
+  for (int64_t b = 0; b < nb; ++b) {
+    int32_t sum = 0;
+    for (int j = 0; j < 32; ++j) sum += q[b * 32 + j];
+    const int64_t lane = (b / 2) * 16 + (b % 2) * 8;
+    std::fill(dx2 + lane, dx2 + lane + 8, d[b]);
+    std::fill(off2 + lane, off2 + lane + 8, 0);
+    if constexpr (kType != DType::kQ4_K) off2[lane] = -kOffset<kType>() * sum;
+  }
+  const DecodeActs a{q, dx2, off2, s};
+  const uint8_t* base = static_cast<const uint8_t*>(w.data);
+  const int64_t row_bytes = DTypeRowBytes(kType, w.cols);
+  const bool parallel = w.rows * w.cols >= kMinParallelWeights;
+  const int64_t threads = parallel ? pool.size() : 1;
+  // A few contiguous row blocks per thread, so that the pool balances a slow core.
+  const int64_t block = std::max<int64_t>(CeilDiv(w.rows, 4 * threads), 4);
+  RunTasks(pool, CeilDiv(w.rows, block), parallel, [&](int64_t task) {
+    DecodeRows<kType>(base, row_bytes, nb, task * block, std::min(w.rows, (task + 1) * block), a,
+                      bias, y);
+  });
+}
+
+// ------------------------------------------------------------------------------------------------
+// Prefill.
+
+// Activations of n tokens laid out for prefill, 16 tokens per group: codes of group g, block b,
+// quad k (codes 4k..4k+3) at q + ((g * nb + b) * 8 + k) * 64, lane j = token 16 g + j; scales dx
+// and sums s of group g, block b at + (g * nb + b) * 16. Missing tokens of the last group are
+// zeros.
+struct PrefillActs {
+  const int8_t* q;
+  const float* dx;
+  const float* s;
+  int64_t nb;
+};
+
+// acc[r][g] over all blocks for kRows rows and kGroups token groups.
+template <DType kType>
+CACHET_INT8_TARGET void PrefillTile(const uint8_t* const* rows, const float* const* scales,
+                                    const PrefillActs& a, int64_t g0, float* out) {
+  const int64_t nb = a.nb;
+  __m512 acc[kRows][kGroups];
+  for (auto& row : acc) {
+    for (__m512& v : row) v = _mm512_setzero_ps();
+  }
+  alignas(64) uint8_t codes[kRows][32];
+  for (int64_t b = 0; b < nb; ++b) {
+    for (int r = 0; r < kRows; ++r) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(codes[r]), Codes<kType>(rows[r], b));
+    }
+    __m512i sum[kRows][kGroups];
+    for (auto& row : sum) {
+      for (__m512i& v : row) v = _mm512_setzero_si512();
+    }
+    for (int k = 0; k < 8; ++k) {
+      __m512i x[kGroups];
+      for (int g = 0; g < kGroups; ++g) {
+        x[g] = _mm512_load_si512(a.q + (((g0 + g) * nb + b) * 8 + k) * 64);
+      }
+      for (int r = 0; r < kRows; ++r) {
+        int32_t quad;
+        std::memcpy(&quad, codes[r] + 4 * k, 4);
+        const __m512i w = _mm512_set1_epi32(quad);
+        for (int g = 0; g < kGroups; ++g) sum[r][g] = _mm512_dpbusd_epi32(sum[r][g], w, x[g]);
+      }
+    }
+    for (int g = 0; g < kGroups; ++g) {
+      const __m512 dx = _mm512_load_ps(a.dx + ((g0 + g) * nb + b) * 16);
+      const __m512 s = _mm512_load_ps(a.s + ((g0 + g) * nb + b) * 16);
+      for (int r = 0; r < kRows; ++r) {
+        const __m512 dw = _mm512_set1_ps(scales[r][b]);
+        acc[r][g] =
+            _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][g]), _mm512_mul_ps(dw, dx), acc[r][g]);
+        acc[r][g] = _mm512_fnmadd_ps(_mm512_set1_ps(scales[r][nb + b]), s, acc[r][g]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int g = 0; g < kGroups; ++g) _mm512_storeu_ps(out + (r * kGroups + g) * kLanes, acc[r][g]);
+  }
+}
+
+template <DType kType>
+CACHET_INT8_TARGET void Prefill(const float* x, int64_t n, const Matrix& w, const float* bias,
+                                float* y, int64_t y_stride, ThreadPool& pool) {
+  const int64_t nb = w.cols / kQ8Block;
+  const int64_t groups = CeilDiv(n, kLanes * kGroups) * kGroups;
+  // Codes (groups * nb * 512 bytes), then dx and s (groups * nb * 16 floats each).
+  const int64_t code_floats = groups * nb * 128;
+  float* buf = ThreadScratch(kScratchInt8Acts, code_floats + 2 * groups * nb * 16);
+  const PrefillActs a{reinterpret_cast<int8_t*>(buf), buf + code_floats,
+                      buf + code_floats + groups * nb * 16, nb};
+  int8_t* aq = reinterpret_cast<int8_t*>(buf);
+  float* adx = buf + code_floats;
+  float* as = adx + groups * nb * 16;
+  RunTasks(pool, groups, n * w.cols >= kMinParallelWeights, [&](int64_t g) {
+    alignas(64) int8_t q[kLanes][512];  // a token's codes for up to 16 blocks at a time
+    float d[kLanes][16], s[kLanes][16];
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+      const int64_t bn = std::min<int64_t>(16, nb - b0);
+      for (int j = 0; j < kLanes; ++j) {
+        const int64_t t = g * kLanes + j;
+        if (t < n) {
+          QuantizeQ8(x + t * w.cols + b0 * 32, bn * 32, q[j], d[j], s[j]);
+        } else {
+          std::memset(q[j], 0, sizeof q[j]);
+          std::fill(d[j], d[j] + 16, 0.0f);
+          std::fill(s[j], s[j] + 16, 0.0f);
+        }
+      }
+      for (int64_t b = 0; b < bn; ++b) {
+        int8_t* dst = aq + ((g * nb + b0 + b) * 8) * 64;
+        for (int k = 0; k < 8; ++k) {
+          for (int j = 0; j < kLanes; ++j)
+            std::memcpy(dst + k * 64 + 4 * j, q[j] + b * 32 + 4 * k, 4);
+        }
+        for (int j = 0; j < kLanes; ++j) {
+          adx[(g * nb + b0 + b) * 16 + j] = d[j][b];
+          as[(g * nb + b0 + b) * 16 + j] = s[j][b];
+        }
+      }
+    }
+  });
+
+  const uint8_t* base = static_cast<const uint8_t*>(w.data);
+  const int64_t row_bytes = DTypeRowBytes(kType, w.cols);
+  const bool parallel = w.rows * w.cols * n >= kMinParallelWeights;
+  const int64_t threads = parallel ? pool.size() : 1;
+  const int64_t block = std::min(kPrefillRowBlock, RoundUp(CeilDiv(w.rows, threads), kRows));
+  RunTasks(pool, CeilDiv(w.rows, block), parallel, [&](int64_t task) {
+    const int64_t r_begin = task * block, r_end = std::min(w.rows, r_begin + block);
+    // Row i of the block: scales dw at scales + 2 i nb, offsets o right after.
+    float* scales = ThreadScratch(kScratchInt8Scales, 2 * block * nb);
+    for (int64_t r = r_begin; r < r_end; ++r) {
+      float* sc = scales + 2 * (r - r_begin) * nb;
+      BlockScales<kType, HardF16>(base + r * row_bytes, nb, sc, sc + nb);
+    }
+    const int64_t chunk_groups = kPrefillTokenChunk / kLanes;
+    for (int64_t c0 = 0; c0 < groups; c0 += chunk_groups) {
+      const int64_t c1 = std::min(groups, c0 + chunk_groups);
+      for (int64_t r0 = r_begin; r0 < r_end; r0 += kRows) {
+        const int nr = static_cast<int>(std::min<int64_t>(kRows, r_end - r0));
+        const uint8_t* rows[kRows];
+        const float* sc[kRows];
+        for (int i = 0; i < kRows; ++i) {
+          const int64_t rr = r0 + std::min(i, nr - 1);
+          rows[i] = base + rr * row_bytes;
+          sc[i] = scales + 2 * (rr - r_begin) * nb;
+        }
+        for (int64_t g0 = c0; g0 < c1; g0 += kGroups) {
+          alignas(64) float out[kRows * kGroups * kLanes];
+          PrefillTile<kType>(rows, sc, a, g0, out);
+          for (int i = 0; i < nr; ++i) {
+            const float b = bias != nullptr ? bias[r0 + i] : 0.0f;
+            for (int64_t j = 0; j < kGroups * kLanes; ++j) {
+              const int64_t t = g0 * kLanes + j;
+              if (t < n) y[t * y_stride + r0 + i] = out[i * kGroups * kLanes + j] + b;
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+bool HasInt8Kernels() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+           __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c") &&
+           __builtin_cpu_supports("fma");
+  }();
+  return has;
+}
+
+CACHET_INT8_TARGET void QuantizeQ8(const float* x, int64_t cols, int8_t* q, float* d, float* s) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t b = 0; b < cols / kQ8Block; ++b) {
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int k = 0; k < 4; ++k) {
+      v[k] = _mm256_loadu_ps(x + b * 32 + 8 * k);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[k]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float db = _mm_cvtss_f32(m) / 127.0f;
+    const __m256 id = _mm256_set1_ps(db != 0.0f ? 1.0f / db : 0.0f);
+    __m256i sum = _mm256_setzero_si256();
+    for (int k = 0; k < 4; ++k) {
+      // Rounds to nearest even, as the reference's nearbyint.
+      const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(v[k], id));
+      sum = _mm256_add_epi32(sum, c);
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(q + b * 32 + 8 * k),
+                       _mm256_maskz_cvtsepi32_epi8(0xFF, c));
+    }
+    d[b] = db;
+    s[b] = db * HorizontalSum(_mm256_cvtepi32_ps(sum));
+  }
+}
+
+void Int8MatMul(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
+                int64_t y_stride, ThreadPool& pool) {
+  if (n <= 0 || w.rows <= 0) return;
+  switch (w.dtype) {
+    case DType::kQ4_0:
+      return n == 1 ? Decode<DType::kQ4_0>(x, w, bias, y, pool)
+                    : Prefill<DType::kQ4_0>(x, n, w, bias, y, y_stride, pool);
+    case DType::kQ8_0:
+      return n == 1 ? Decode<DType::kQ8_0>(x, w, bias, y, pool)
+                    : Prefill<DType::kQ8_0>(x, n, w, bias, y, y_stride, pool);
+    case DType::kQ4_K:
+      return n == 1 ? Decode<DType::kQ4_K>(x, w, bias, y, pool)
+                    : Prefill<DType::kQ4_K>(x, n, w, bias, y, y_stride, pool);
+    default:
+      return ref::MatMul(x, n, w, bias, y, y_stride, pool);
+  }
+}
+
+}  // namespace cachet::kernels::cpu

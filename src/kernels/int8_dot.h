@@ -1,0 +1,102 @@
+// Quantized weights times 8-bit activations, as llama.cpp computes them: each activation row is
+// quantized to blocks of 32 int8 codes with an f32 scale, and a weight block dotted with an
+// activation block is an integer dot product of codes scaled once. Every weight type is seen the
+// same way, one 32-value block b at a time: unsigned codes u (0..255) with a scale dw_b and an
+// offset o_b such that weight = dw_b * u - o_b. A row times activations x is then
+//   sum_b dw_b * dx_b * sum_j(u_j * q_j)  -  sum_b o_b * sx_b,      sx_b = dx_b * sum_j(q_j).
+//   q4_0: u = the nibble, o = 8 dw;  q8_0: u = code + 128, o = 128 dw;
+//   q4_K: u = the nibble of sub-block b, dw = d * scale_b, o = dmin * min_b.
+// Shared by the scalar reference (kernels/ref/quant.cc) and the SIMD kernels (kernels/cpu/).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "util/dtype.h"
+
+namespace cachet::kernels {
+
+constexpr int64_t kQ8Block = 32;
+
+// n_tok activation rows of `cols` values (a multiple of 32) quantized: row t's codes at
+// q + t * cols, its block scales dx at d + t * nb and sums sx at s + t * nb (nb = cols / 32).
+struct Q8Acts {
+  int8_t* q = nullptr;
+  float* d = nullptr;
+  float* s = nullptr;
+  int64_t cols = 0;
+  int64_t nb() const { return cols / kQ8Block; }
+};
+
+// The weight types with an int8 path.
+inline bool HasInt8Path(DType t) {
+  return t == DType::kQ4_0 || t == DType::kQ8_0 || t == DType::kQ4_K;
+}
+
+namespace int8_detail {
+
+// Reads an f16 scale in software; SIMD code passes its own (hardware) loader to BlockScales.
+struct SoftF16 {
+  static float Load(const uint8_t* p) {
+    uint16_t h;
+    std::memcpy(&h, p, 2);
+    return F16ToF32(h);
+  }
+};
+
+// Scale and min of sub-block j (0..7) of a q4_K super-block, as llama.cpp's get_scale_min_k4.
+inline void ScaleMinK4(int j, const uint8_t* q, int* d, int* m) {
+  if (j < 4) {
+    *d = q[j] & 63;
+    *m = q[j + 4] & 63;
+  } else {
+    *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+  }
+}
+
+}  // namespace int8_detail
+
+// dw[b] and o[b] of every 32-value block of a weight row of nb blocks.
+template <DType kType, class F16 = int8_detail::SoftF16>
+inline void BlockScales(const uint8_t* row, int64_t nb, float* dw, float* o) {
+  const auto LoadF16 = [](const uint8_t* p) { return F16::Load(p); };
+  if constexpr (kType == DType::kQ4_0 || kType == DType::kQ8_0) {
+    constexpr int64_t kBytes = kType == DType::kQ4_0 ? 18 : 34;
+    constexpr float kOffset = kType == DType::kQ4_0 ? 8.0f : 128.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+      dw[b] = LoadF16(row + b * kBytes);
+      o[b] = kOffset * dw[b];
+    }
+  } else {
+    static_assert(kType == DType::kQ4_K);
+    for (int64_t sb = 0; sb < nb / 8; ++sb) {
+      const uint8_t* blk = row + sb * 144;
+      const float d = LoadF16(blk), dmin = LoadF16(blk + 2);
+      for (int j = 0; j < 8; ++j) {
+        int sc, m;
+        int8_detail::ScaleMinK4(j, blk + 4, &sc, &m);
+        dw[sb * 8 + j] = d * static_cast<float>(sc);
+        o[sb * 8 + j] = dmin * static_cast<float>(m);
+      }
+    }
+  }
+}
+
+// Unsigned code j (0..31) of block b of a weight row.
+template <DType kType>
+inline int BlockCode(const uint8_t* row, int64_t b, int j) {
+  if constexpr (kType == DType::kQ4_0) {
+    const uint8_t* q = row + b * 18 + 2;
+    return j < 16 ? q[j] & 0xF : q[j - 16] >> 4;
+  } else if constexpr (kType == DType::kQ8_0) {
+    return static_cast<int8_t>(row[b * 34 + 2 + j]) + 128;
+  } else {
+    static_assert(kType == DType::kQ4_K);
+    const int64_t sb = b / 8, sub = b % 8;
+    const uint8_t q = row[sb * 144 + 16 + (sub / 2) * 32 + j];
+    return sub % 2 == 0 ? q & 0xF : q >> 4;
+  }
+}
+
+}  // namespace cachet::kernels
