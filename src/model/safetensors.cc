@@ -165,4 +165,12 @@ size_t TensorStore::mapped_bytes() const {
   return n;
 }
 
+bool TensorStore::IsMapped(const void* p, size_t n) const {
+  const auto* b = static_cast<const uint8_t*>(p);
+  for (const auto& f : files_) {
+    if (f.data() != nullptr && b >= f.data() && b + n <= f.data() + f.size()) return true;
+  }
+  return false;
+}
+
 }  // namespace cachet

@@ -42,6 +42,8 @@ class TensorStore {
   const std::map<std::string, TensorInfo>& tensors() const { return tensors_; }
   const std::string& file_path(int i) const { return files_[i].path(); }
   size_t mapped_bytes() const;
+  // Whether [p, p + n) lies inside one of the store's file mappings.
+  bool IsMapped(const void* p, size_t n) const;
 
  private:
   std::string origin_;  // the model directory or file, for error messages

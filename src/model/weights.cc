@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "model/gguf_model.h"
+#include "util/mmap_file.h"
 
 namespace cachet {
 namespace {
@@ -80,6 +81,9 @@ Result<ModelWeights> ModelWeights::Load(const ModelConfig& c, TensorStore store)
         for (int64_t r = 0; r < m->rows; ++r) {
           std::memcpy(buf.data() + r * row_bytes, src + GgufRopeRow(r, hd) * row_bytes, row_bytes);
         }
+        // The copy replaces the mapped rows: drop those from RSS.
+        if (w.store.IsMapped(src, m->rows * row_bytes))
+          ReleaseMappedRange(src, m->rows * row_bytes);
         m->data = buf.data();
       }
       for (std::vector<float>* b : {&L.bq, &L.bk}) {

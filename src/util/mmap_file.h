@@ -30,6 +30,11 @@ class MappedFile {
   std::string path_;
 };
 
+// Drops the whole pages inside [p, p + n) of a file mapping from this process's resident set
+// (they stay in the page cache; reading them again faults them back in). For tensors copied out
+// of the mapping, so that RSS does not count them twice.
+void ReleaseMappedRange(const void* p, size_t n);
+
 // Reads a whole (small) file, e.g. config.json.
 Result<std::string> ReadTextFile(const std::string& path);
 
