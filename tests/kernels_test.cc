@@ -474,6 +474,46 @@ void CheckAttention(const TestKv& kv, const TestQueries& q, float scale, const s
   }
 }
 
+// Quest's page bounds: the per-channel min/max of a page's keys (exact), and the upper bound of
+// q.k they give, max over a group's heads (the cpu kernel sums in lanes: 1e-5), which no key of
+// the page exceeds.
+TEST(KernelsCpu, QuestBoundsMatchRef) {
+  for (int64_t target : KernelTargets()) {
+    ScopedTarget scoped(target);
+    const std::string tn = TargetString(target);
+    std::mt19937 rng(9);
+    for (int hd : {40, 64, 128}) {
+      for (int n : {1, 7, 16}) {
+        const int n_pages = 5, n_heads = 3;
+        std::vector<float> keys = RandomVec(size_t(n_pages) * n * hd, rng, -3.0f, 3.0f);
+        std::vector<float> bounds(size_t(n_pages) * 2 * hd), ref_b(hd * 2);
+        for (int p = 0; p < n_pages; ++p) {
+          const float* k = keys.data() + size_t(p) * n * hd;
+          float* lo = bounds.data() + size_t(p) * 2 * hd;
+          cpu::KeyBounds(k, n, hd, lo, lo + hd);
+          ref::KeyBounds(k, n, hd, ref_b.data(), ref_b.data() + hd);
+          ASSERT_EQ(std::vector<float>(lo, lo + 2 * hd), ref_b) << "hd=" << hd << " n=" << n << tn;
+        }
+        std::vector<float> q = RandomVec(size_t(n_heads) * hd, rng, -2.0f, 2.0f);
+        std::vector<float> a(n_pages), b(n_pages);
+        cpu::PageBoundScores(q.data(), n_heads, hd, bounds.data(), n_pages, a.data());
+        ref::PageBoundScores(q.data(), n_heads, hd, bounds.data(), n_pages, b.data());
+        EXPECT_LT(NormErr(a, b), 1e-5) << "hd=" << hd << " n=" << n << tn;
+        for (int p = 0; p < n_pages; ++p) {
+          for (int h = 0; h < n_heads; ++h) {
+            for (int j = 0; j < n; ++j) {
+              float dot = 0;
+              for (int i = 0; i < hd; ++i)
+                dot += q[h * hd + i] * keys[(size_t(p) * n + j) * hd + i];
+              ASSERT_LE(dot, b[p] + 1e-4f) << "page " << p << " head " << h << " key " << j;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(KernelsRef, ContiguousAttentionMatchesDouble) {
   std::mt19937 rng(8);
   const int n_keys = 23, head_dim = 16, n_heads = 2;

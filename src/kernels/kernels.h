@@ -103,7 +103,14 @@ class PageRows {
   /* Causal attention of a GQA group over a paged KV view (softmax(q.k * scale) . v). */          \
   void PagedAttention(const AttnBatch& b, const PagedKv& kv);                                     \
   /* The same over pages some other way stored. */                                                \
-  void PagedAttentionRows(const AttnBatch& b, const PageRows& kv);
+  void PagedAttentionRows(const AttnBatch& b, const PageRows& kv);                                \
+  /* Quest: bounds of n keys of head_dim (lo = per-channel min, hi = max; n >= 1). */             \
+  void KeyBounds(const float* keys, int n, int head_dim, float* lo, float* hi);                   \
+  /* Quest page scores: out[p] = max over the n_heads queries (q + h * head_dim) of */            \
+  /* sum_i max(q_i lo_i, q_i hi_i), an upper bound of q.k over page p's keys; page p's lo */      \
+  /* is bounds + 2 p head_dim, its hi the head_dim floats after. */                               \
+  void PageBoundScores(const float* q, int n_heads, int head_dim, const float* bounds,            \
+                       int n_pages, float* out);
 
 namespace ref {
 CACHET_KERNEL_DECLS
@@ -179,6 +186,15 @@ inline void PagedAttention(const AttnBatch& b, const PagedKv& kv) {
 }
 inline void PagedAttentionRows(const AttnBatch& b, const PageRows& kv) {
   UseReferenceKernels() ? ref::PagedAttentionRows(b, kv) : cpu::PagedAttentionRows(b, kv);
+}
+inline void KeyBounds(const float* keys, int n, int head_dim, float* lo, float* hi) {
+  UseReferenceKernels() ? ref::KeyBounds(keys, n, head_dim, lo, hi)
+                        : cpu::KeyBounds(keys, n, head_dim, lo, hi);
+}
+inline void PageBoundScores(const float* q, int n_heads, int head_dim, const float* bounds,
+                            int n_pages, float* out) {
+  UseReferenceKernels() ? ref::PageBoundScores(q, n_heads, head_dim, bounds, n_pages, out)
+                        : cpu::PageBoundScores(q, n_heads, head_dim, bounds, n_pages, out);
 }
 
 }  // namespace cachet::kernels

@@ -502,36 +502,19 @@ bool PagedSequence::QuestSelect(PagePool& pool, const BlockTable& t, const kerne
     kbuf.resize(size_t(pt) * hd);
     codecs::DecodePage(pool.codec_of(page, Role::kKey), Role::kKey, pool.rows(page, Role::kKey), pt,
                        pt, hd, kbuf.data());
-    const float* keys = kbuf.data();
     const size_t at = t.key_bounds.size();
     t.key_bounds.resize(at + 2 * hd);
-    float* lo = t.key_bounds.data() + at;
-    float* hi = lo + hd;
-    std::copy(keys, keys + hd, lo);
-    std::copy(keys, keys + hd, hi);
-    for (int j = 1; j < pt; ++j) {
-      for (int i = 0; i < hd; ++i) {
-        lo[i] = std::min(lo[i], keys[size_t(j) * hd + i]);
-        hi[i] = std::max(hi[i], keys[size_t(j) * hd + i]);
-      }
-    }
+    kernels::KeyBounds(kbuf.data(), pt, hd, t.key_bounds.data() + at,
+                       t.key_bounds.data() + at + hd);
   }
   // Upper bound of q.k over a page: sum_i max(q_i min_i, q_i max_i); the group's heads share the
   // selection, so a page counts by its best head.
+  thread_local std::vector<float> score;
+  score.resize(candidates);
+  kernels::PageBoundScores(b.q, b.n_heads, hd, t.key_bounds.data(), candidates, score.data());
   thread_local std::vector<std::pair<float, int32_t>> ub;
   ub.resize(candidates);
-  for (int p = 0; p < candidates; ++p) {
-    const float* lo = t.key_bounds.data() + size_t(p) * 2 * hd;
-    const float* hi = lo + hd;
-    float best = -std::numeric_limits<float>::infinity();
-    for (int h = 0; h < b.n_heads; ++h) {
-      const float* q = b.q + int64_t(h) * hd;
-      float s = 0;
-      for (int i = 0; i < hd; ++i) s += std::max(q[i] * lo[i], q[i] * hi[i]);
-      best = std::max(best, s);
-    }
-    ub[p] = {best, p};
-  }
+  for (int p = 0; p < candidates; ++p) ub[p] = {score[p], p};
   std::nth_element(ub.begin(), ub.begin() + k, ub.end(), [](const auto& a, const auto& c) {
     return a.first > c.first || (a.first == c.first && a.second < c.second);
   });

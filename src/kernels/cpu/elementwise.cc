@@ -1,9 +1,11 @@
-// Highway RmsNorm, RopeRotateHalf and SiluMul: full vectors, then a scalar tail.
+// Highway RmsNorm, RopeRotateHalf, SiluMul and the Quest bounds: full vectors, then a scalar
+// tail.
 
 // clang-format off
 #include "kernels/cpu/hwy_targets.h"  // must precede every Highway header
 // clang-format on
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -31,6 +33,13 @@ void RopeRotateHalfImpl(float* x, int n_heads, int head_dim, const float* cos, c
 }
 void SiluMulImpl(const float* gate, const float* up, float* out, int64_t n) {
   ref::SiluMul(gate, up, out, n);
+}
+void KeyBoundsImpl(const float* keys, int n, int head_dim, float* lo, float* hi) {
+  ref::KeyBounds(keys, n, head_dim, lo, hi);
+}
+void PageBoundScoresImpl(const float* q, int n_heads, int head_dim, const float* bounds,
+                         int n_pages, float* out) {
+  ref::PageBoundScores(q, n_heads, head_dim, bounds, n_pages, out);
 }
 #else
 
@@ -106,6 +115,52 @@ void SiluMulImpl(const float* gate, const float* up, float* out, int64_t n) {
   }
 }
 
+void KeyBoundsImpl(const float* keys, int n, int head_dim, float* lo, float* hi) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  int i = 0;
+  for (; i + N <= head_dim; i += N) {
+    VF l = hn::LoadU(df, keys + i), h = l;
+    for (int j = 1; j < n; ++j) {
+      const VF k = hn::LoadU(df, keys + int64_t(j) * head_dim + i);
+      l = hn::Min(l, k);
+      h = hn::Max(h, k);
+    }
+    hn::StoreU(l, df, lo + i);
+    hn::StoreU(h, df, hi + i);
+  }
+  for (; i < head_dim; ++i) {
+    lo[i] = hi[i] = keys[i];
+    for (int j = 1; j < n; ++j) {
+      lo[i] = std::min(lo[i], keys[int64_t(j) * head_dim + i]);
+      hi[i] = std::max(hi[i], keys[int64_t(j) * head_dim + i]);
+    }
+  }
+}
+
+void PageBoundScoresImpl(const float* q, int n_heads, int head_dim, const float* bounds,
+                         int n_pages, float* out) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  if (head_dim % N != 0) return ref::PageBoundScores(q, n_heads, head_dim, bounds, n_pages, out);
+  for (int p = 0; p < n_pages; ++p) {
+    const float* lo = bounds + int64_t(p) * 2 * head_dim;
+    const float* hi = lo + head_dim;
+    float best = -INFINITY;
+    for (int h = 0; h < n_heads; ++h) {
+      const float* qh = q + int64_t(h) * head_dim;
+      VF acc = hn::Zero(df);
+      for (int i = 0; i < head_dim; i += N) {
+        const VF qv = hn::LoadU(df, qh + i);
+        acc = hn::Add(
+            acc, hn::Max(hn::Mul(qv, hn::LoadU(df, lo + i)), hn::Mul(qv, hn::LoadU(df, hi + i))));
+      }
+      best = std::max(best, ReduceSum(acc));
+    }
+    out[p] = best;
+  }
+}
+
 #endif  // HWY_TARGET == HWY_SCALAR
 
 }  // namespace cachet::kernels::cpu::HWY_NAMESPACE
@@ -117,6 +172,8 @@ namespace cachet::kernels::cpu {
 HWY_EXPORT(RmsNormImpl);
 HWY_EXPORT(RopeRotateHalfImpl);
 HWY_EXPORT(SiluMulImpl);
+HWY_EXPORT(KeyBoundsImpl);
+HWY_EXPORT(PageBoundScoresImpl);
 
 void RmsNorm(const float* x, const float* weight, int64_t dim, float eps, float* y) {
   HWY_DYNAMIC_DISPATCH(RmsNormImpl)(x, weight, dim, eps, y);
@@ -128,6 +185,15 @@ void RopeRotateHalf(float* x, int n_heads, int head_dim, const float* cos, const
 
 void SiluMul(const float* gate, const float* up, float* out, int64_t n) {
   HWY_DYNAMIC_DISPATCH(SiluMulImpl)(gate, up, out, n);
+}
+
+void KeyBounds(const float* keys, int n, int head_dim, float* lo, float* hi) {
+  HWY_DYNAMIC_DISPATCH(KeyBoundsImpl)(keys, n, head_dim, lo, hi);
+}
+
+void PageBoundScores(const float* q, int n_heads, int head_dim, const float* bounds, int n_pages,
+                     float* out) {
+  HWY_DYNAMIC_DISPATCH(PageBoundScoresImpl)(q, n_heads, head_dim, bounds, n_pages, out);
 }
 
 }  // namespace cachet::kernels::cpu

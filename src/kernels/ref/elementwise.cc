@@ -1,6 +1,8 @@
-// Reference RmsNorm, RopeRotateHalf and SiluMul: plain scalar loops.
+// Reference RmsNorm, RopeRotateHalf, SiluMul and the Quest bounds: plain scalar loops.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 
 #include "kernels/kernels.h"
 
@@ -30,6 +32,33 @@ void SiluMul(const float* gate, const float* up, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float g = gate[i];
     out[i] = g / (1.0f + std::exp(-g)) * up[i];
+  }
+}
+
+void KeyBounds(const float* keys, int n, int head_dim, float* lo, float* hi) {
+  std::copy(keys, keys + head_dim, lo);
+  std::copy(keys, keys + head_dim, hi);
+  for (int j = 1; j < n; ++j) {
+    for (int i = 0; i < head_dim; ++i) {
+      lo[i] = std::min(lo[i], keys[int64_t(j) * head_dim + i]);
+      hi[i] = std::max(hi[i], keys[int64_t(j) * head_dim + i]);
+    }
+  }
+}
+
+void PageBoundScores(const float* q, int n_heads, int head_dim, const float* bounds, int n_pages,
+                     float* out) {
+  for (int p = 0; p < n_pages; ++p) {
+    const float* lo = bounds + int64_t(p) * 2 * head_dim;
+    const float* hi = lo + head_dim;
+    float best = -std::numeric_limits<float>::infinity();
+    for (int h = 0; h < n_heads; ++h) {
+      const float* qh = q + int64_t(h) * head_dim;
+      float s = 0;
+      for (int i = 0; i < head_dim; ++i) s += std::max(qh[i] * lo[i], qh[i] * hi[i]);
+      best = std::max(best, s);
+    }
+    out[p] = best;
   }
 }
 
