@@ -82,6 +82,9 @@ class PageRows {
   virtual const int32_t* Positions(int page, int* cnt) const = 0;
   // Rows of other codecs are decoded into k_buf / v_buf (page_tokens x head_dim floats each).
   virtual PageData Rows(int page, float* k_buf, float* v_buf) const = 0;
+  // A hint, called before the kernel works on the page before: start fetching the page's rows.
+  // Pages a subset selects (Quest, a cold fetch) are scattered, so the prefetchers cannot guess.
+  virtual void Prefetch(int /*page*/) const {}
 
  protected:
   ~PageRows() = default;

@@ -589,6 +589,9 @@ void AttendPages(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys
 
     int64_t first_key = 0;  // of the page, among all keys
     for (int page = 0; page < n_pages; ++page) {
+      if constexpr (std::is_base_of_v<PageRows, Pages>) {
+        if (page + 1 < n_pages) pages.Prefetch(page + 1);
+      }
       int cnt = 0;
       const int32_t* pos = pages.Positions(page, &cnt);
       const int64_t j0 = first_key;
