@@ -8,7 +8,6 @@ PACKAGES=(
   libhwy-dev nlohmann-json3-dev libonig-dev libsentencepiece-dev libcli11-dev libxxhash-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   gnuplot-nox
-  nodejs npm
   clang libclang-rt-14-dev
 )
 
@@ -18,6 +17,12 @@ for p in "${PACKAGES[@]}"; do
     missing+=("$p")
   fi
 done
+
+# node and npm (the llama.cpp peer test) by command: a Node.js from elsewhere (NodeSource's
+# nodejs bundles npm and conflicts with Debian's npm package) serves as well.
+if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
+  missing+=(nodejs npm)
+fi
 
 if [ ${#missing[@]} -eq 0 ]; then
   echo "install-deps: all ${#PACKAGES[@]} packages present" >&2
