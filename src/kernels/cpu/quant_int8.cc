@@ -94,11 +94,24 @@ CACHET_INT8_TARGET inline __m512i CodePair(const uint8_t* row, int64_t b) {
     return _mm512_and_si512(
         _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1),
         _mm512_set1_epi8(0x0F));
+  } else if constexpr (kType == DType::kQ4_0) {
+    // Both blocks' nibble bytes, then their high nibbles: codes 0-15 of b and b + 1, then codes
+    // 16-31 of each (the activations of a pair are laid out to match: QuarterSwap).
+    const __m256i v = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 18 + 2))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 18 + 20)), 1);
+    return _mm512_and_si512(
+        _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1),
+        _mm512_set1_epi8(0x0F));
   } else {
     return _mm512_inserti64x4(_mm512_castsi256_si512(Codes<kType>(row, b)),
                               Codes<kType>(row, b + 1), 1);
   }
 }
+
+// q4_0 pairs hold 16-byte quarters in the order (b 0-15, b+1 0-15, b 16-31, b+1 16-31): the
+// i32 lanes of a pair's dot product are then blocks b, b+1, b, b+1 four at a time.
+constexpr bool kQuarterOrder(DType t) { return t == DType::kQ4_0; }
 
 // The eight sub-block scales d * sc_j and minimums dmin * m_j of a q4_K super-block, unpacked
 // from their 6-bit fields four at a time as llama.cpp's kernels do.
@@ -118,13 +131,19 @@ CACHET_INT8_TARGET inline void Q4KScales(const uint8_t* blk, __m256* dw, __m256*
                      _mm256_set1_ps(HardF16::Load(blk + 2)));
 }
 
-// [dw_b x 8, dw_b+1 x 8] read from the f16 scales of blocks b and b + 1 (q4_0, q8_0).
+// The f16 scales of blocks b and b + 1 (q4_0, q8_0) in the lanes of their products:
+// [dw_b x 8, dw_b+1 x 8], or (quarter order) [dw_b x 4, dw_b+1 x 4] twice.
 template <DType kType>
 CACHET_INT8_TARGET inline __m512 ScalePair(const uint8_t* row, int64_t b) {
   int16_t h0, h1;
   std::memcpy(&h0, row + b * BlockBytes<kType>(), 2);
   std::memcpy(&h1, row + (b + 1) * BlockBytes<kType>(), 2);
-  return _mm512_cvtph_ps(_mm256_set_m128i(_mm_set1_epi16(h1), _mm_set1_epi16(h0)));
+  if constexpr (kQuarterOrder(kType)) {
+    const __m128i quad = _mm_unpacklo_epi64(_mm_set1_epi16(h0), _mm_set1_epi16(h1));
+    return _mm512_cvtph_ps(_mm256_broadcastsi128_si256(quad));
+  } else {
+    return _mm512_cvtph_ps(_mm256_set_m128i(_mm_set1_epi16(h1), _mm_set1_epi16(h0)));
+  }
 }
 
 CACHET_INT8_TARGET inline float HorizontalSum(__m256 v) {
@@ -244,10 +263,25 @@ CACHET_INT8_TARGET void Decode(const float* x, const Matrix& w, const float* bia
   for (int64_t b = 0; b < nb; ++b) {
     int32_t sum = 0;
     for (int j = 0; j < 32; ++j) sum += q[b * 32 + j];
-    const int64_t lane = (b / 2) * 16 + (b % 2) * 8;
-    std::fill(dx2 + lane, dx2 + lane + 8, d[b]);
-    std::fill(off2 + lane, off2 + lane + 8, 0);
-    if constexpr (kType != DType::kQ4_K) off2[lane] = -kOffset<kType>() * sum;
+    const int64_t pair = (b / 2) * 16;
+    const int half = static_cast<int>(b % 2);
+    for (int lane = 0; lane < 16; ++lane) {
+      // Which block a lane's products belong to, in the pair's layout.
+      const int of = kQuarterOrder(kType) ? (lane / 4) % 2 : lane / 8;
+      if (of != half) continue;  // the other block's lane
+      dx2[pair + lane] = d[b];
+      off2[pair + lane] = 0;
+    }
+    const int first = kQuarterOrder(kType) ? 4 * half : 8 * half;
+    if constexpr (kType != DType::kQ4_K) off2[pair + first] = -kOffset<kType>() * sum;
+  }
+  if constexpr (kQuarterOrder(kType)) {  // swap the middle quarters of each pair's codes
+    for (int64_t b = 0; b + 1 < nb; b += 2) {
+      int8_t tmp[16];
+      std::memcpy(tmp, q + b * 32 + 16, 16);
+      std::memcpy(q + b * 32 + 16, q + b * 32 + 32, 16);
+      std::memcpy(q + b * 32 + 32, tmp, 16);
+    }
   }
   const DecodeActs a{q, dx2, off2, s};
   const uint8_t* base = static_cast<const uint8_t*>(w.data);
