@@ -347,13 +347,9 @@ Status ConvertHfToGguf(const std::string& dir, const std::string& out_path, DTyp
     }
     const TensorInfo* t = &it->second;
     if (t->shape != mt.shape) {
-      auto str = [](const std::vector<int64_t>& s) {
-        std::string o = "[";
-        for (size_t i = 0; i < s.size(); ++i) o += (i ? ", " : "") + std::to_string(s[i]);
-        return o + "]";
-      };
-      return InvalidArgument(dir + ": tensor '" + mt.hf_name + "' has shape " + str(t->shape) +
-                             ", config.json implies " + str(mt.shape));
+      return InvalidArgument(dir + ": tensor '" + mt.hf_name + "' has shape " +
+                             ShapeString(t->shape) + ", config.json implies " +
+                             ShapeString(mt.shape));
     }
     const int64_t cols = mt.shape.back();
     adder.Add(mt, [t, cols](int64_t r, float* out) {

@@ -8,9 +8,9 @@
 // (HasInt8Kernels); elsewhere QuantMatMul keeps the Highway f32 path (kernels/cpu/quant.cc).
 // Weights are read in place from the GGUF's blocks, never repacked: they stay memory-mapped.
 //
-// Decode (one token) is memory bound: a task streams a contiguous block of rows, four rows at a
-// time, two blocks per 512-bit vector; scales are read as f16 straight from the blocks and the
-// offsets of q4_0 / q8_0 (o = k dw) go into the integer sum as -k * sum(codes of x).
+// Decode (one token) is memory bound: a task streams a contiguous block of rows one row at a time,
+// two blocks per 512-bit vector; scales are read as f16 straight from the blocks and the offsets
+// of q4_0 / q8_0 (o = k dw) go into the integer sum as -k * sum(codes of x).
 //
 // Prefill is compute bound, and scaling every block of every (row, token) pair would cost three
 // float ops per 32 products. So its lanes are tokens instead: activations are laid out 16 tokens
@@ -67,6 +67,12 @@ struct HardF16 {
   }
 };
 
+// The 32 bytes of q4_K quants holding sub-blocks b and b ^ 1 (low nibbles: the even one).
+CACHET_INT8_TARGET inline __m256i Q4KQuants(const uint8_t* row, int64_t b) {
+  return _mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(row + (b / 8) * 144 + 16 + ((b % 8) / 2) * 32));
+}
+
 // The 32 unsigned codes of block b of a weight row.
 template <DType kType>
 CACHET_INT8_TARGET inline __m256i Codes(const uint8_t* row, int64_t b) {
@@ -79,8 +85,7 @@ CACHET_INT8_TARGET inline __m256i Codes(const uint8_t* row, int64_t b) {
     return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));
   } else {
     static_assert(kType == DType::kQ4_K);
-    const __m256i v = _mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(row + (b / 8) * 144 + 16 + ((b % 8) / 2) * 32));
+    const __m256i v = Q4KQuants(row, b);
     return _mm256_and_si256(b % 2 == 0 ? v : _mm256_srli_epi16(v, 4), low4);
   }
 }
@@ -89,14 +94,13 @@ CACHET_INT8_TARGET inline __m256i Codes(const uint8_t* row, int64_t b) {
 template <DType kType>
 CACHET_INT8_TARGET inline __m512i CodePair(const uint8_t* row, int64_t b) {
   if constexpr (kType == DType::kQ4_K) {  // one 32-byte load holds both sub-blocks
-    const __m256i v = _mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(row + (b / 8) * 144 + 16 + ((b % 8) / 2) * 32));
+    const __m256i v = Q4KQuants(row, b);
     return _mm512_and_si512(
         _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1),
         _mm512_set1_epi8(0x0F));
   } else if constexpr (kType == DType::kQ4_0) {
     // Both blocks' nibble bytes, then their high nibbles: codes 0-15 of b and b + 1, then codes
-    // 16-31 of each (the activations of a pair are laid out to match: QuarterSwap).
+    // 16-31 of each (Decode swaps the middle quarters of each pair of activation blocks to match).
     const __m256i v = _mm256_inserti128_si256(
         _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 18 + 2))),
         _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 18 + 20)), 1);
@@ -156,26 +160,13 @@ CACHET_INT8_TARGET inline float HorizontalSum(__m512 v) {
   return HorizontalSum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
 }
 
-// sum_i a[i] * b[i] over n floats.
-CACHET_INT8_TARGET inline float Dot(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  }
-  if (i < n) {
-    const __mmask8 m = static_cast<__mmask8>((1u << (n - i)) - 1);
-    acc = _mm256_fmadd_ps(_mm256_maskz_loadu_ps(m, a + i), _mm256_maskz_loadu_ps(m, b + i), acc);
-  }
-  return HorizontalSum(acc);
-}
-
 // ------------------------------------------------------------------------------------------------
 // Decode.
 
-// What decode needs of the activation row beyond its codes, per pair of blocks: the scales as
-// [dx_b x 8, dx_b+1 x 8], and for q4_0 / q8_0 the integer sum's start, -k * sum(codes) of each
-// block in lanes 0 and 8 (the lanes that see the block's first products).
+// What decode needs of the activation row beyond its codes, per pair of blocks, in the i32 lanes
+// of the pair's products ([b x 8, b+1 x 8], or [b x 4, b+1 x 4] twice in quarter order): the
+// scales dx, and for q4_0 / q8_0 the integer sum's start, -k * sum(codes) of each block in the
+// first lane of that block.
 struct DecodeActs {
   const int8_t* q;
   const float* dx2;     // 16 floats per block pair
@@ -364,11 +355,10 @@ CACHET_INT8_TARGET void Prefill(const float* x, int64_t n, const Matrix& w, cons
   // Codes (groups * nb * 512 bytes), then dx and s (groups * nb * 16 floats each).
   const int64_t code_floats = groups * nb * 128;
   float* buf = ThreadScratch(kScratchInt8Acts, code_floats + 2 * groups * nb * 16);
-  const PrefillActs a{reinterpret_cast<int8_t*>(buf), buf + code_floats,
-                      buf + code_floats + groups * nb * 16, nb};
   int8_t* aq = reinterpret_cast<int8_t*>(buf);
   float* adx = buf + code_floats;
   float* as = adx + groups * nb * 16;
+  const PrefillActs a{aq, adx, as, nb};
   RunTasks(pool, groups, n * w.cols >= kMinParallelWeights, [&](int64_t g) {
     alignas(64) int8_t q[kLanes][512];  // a token's codes for up to 16 blocks at a time
     float d[kLanes][16], s[kLanes][16];

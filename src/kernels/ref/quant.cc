@@ -28,11 +28,9 @@
 namespace cachet::kernels::ref {
 namespace {
 
-float LoadF16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return F16ToF32(h);
-}
+// Block readers shared with the int8 path (kernels/int8_dot.h).
+using int8_detail::ScaleMinK4;
+float LoadF16(const uint8_t* p) { return int8_detail::SoftF16::Load(p); }
 void StoreF16(uint8_t* p, float f) {
   const uint16_t h = F32ToF16(f);
   std::memcpy(p, &h, 2);
@@ -54,24 +52,13 @@ void DequantQ4_0(const uint8_t* b, float* y) {
   }
 }
 
-// Scale and min of sub-block j (0..7) of a q4_K super-block, as llama.cpp's get_scale_min_k4.
-void ScaleMinK4(int j, const uint8_t* q, uint8_t* d, uint8_t* m) {
-  if (j < 4) {
-    *d = q[j] & 63;
-    *m = q[j + 4] & 63;
-  } else {
-    *d = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
-}
-
 void DequantQ4_K(const uint8_t* b, float* y) {
   const float d = LoadF16(b);
   const float dmin = LoadF16(b + 2);
   const uint8_t* scales = b + 4;
   const uint8_t* q = b + 16;
   for (int j = 0, is = 0; j < 256; j += 64, is += 2, q += 32) {
-    uint8_t sc, m;
+    int sc, m;
     ScaleMinK4(is, scales, &sc, &m);
     const float d1 = d * sc, m1 = dmin * m;
     ScaleMinK4(is + 1, scales, &sc, &m);
@@ -168,7 +155,7 @@ void QuantizeQ4_K(const float* x, uint8_t* b) {
   const float df = LoadF16(b), dminf = LoadF16(b + 2);
   uint8_t L[256];
   for (int s = 0; s < 8; ++s) {
-    uint8_t sc, m;
+    int sc, m;
     ScaleMinK4(s, scales, &sc, &m);
     const float dl = df * sc, ml = dminf * m;
     for (int l = 0; l < 32; ++l) {
