@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 
@@ -27,10 +28,11 @@ using press::Scorer;
 constexpr int kDim = 32;  // a whole q8_0 block
 
 // A sequence of n tokens whose K/V rows are random, identical across tables except for a
-// per-table offset, at positions 0..n-1.
+// per-table offset, at positions 0..n-1. quest_pages > 0: Quest is on while they are appended.
 struct TestCache {
-  TestCache(KvLayout layout, int n, size_t capacity_pages = 4096)
+  TestCache(KvLayout layout, int n, size_t capacity_pages = 4096, int quest_pages = 0)
       : lay(layout), pool(lay, capacity_pages * lay.page_bytes()), seq(pool) {
+    if (quest_pages > 0) seq.set_quest(quest_pages, 1.0);
     std::mt19937 rng(7);
     std::normal_distribution<float> g;
     const int T = lay.n_layers * lay.n_kv_heads;
@@ -691,6 +693,138 @@ TEST(PressQuest, PicksThePageTheQueryPointsAt) {
   EXPECT_GT(dot / std::sqrt(on * vn), 0.9f);
 }
 
+// Quest's key bounds, built by Append as pages reach their final form when Quest is on during
+// the prompt, equal bit for bit those the first decode step builds otherwise, in every kind of
+// layout (plain, row-wise codecs, KIVI's staged keys, a rotation codec, sinks and a recent window
+// whose pages are bounded raw), and decode steps read the same pages; forks and Retain fall back
+// on the lazy fill, after which pages are bounded as they fill again.
+TEST(PressQuest, BoundsBuiltAsPagesFillEqualTheLazyOnes) {
+  struct Case {
+    const char* codec;
+    int sinks, window;
+  };
+  for (const Case& cs : {Case{"f32", 0, 0}, Case{"f16", 0, 0}, Case{"q8_0", 0, 0},
+                         Case{"kivi4", 0, 0}, Case{"rot4", 0, 0}, Case{"q4_0", 20, 40}}) {
+    SCOPED_TRACE(cs.codec);
+    const int n = 203, pt = 16, hd = kDim;
+    KvLayout lay = Layout(pt, cs.codec);
+    lay.sinks = cs.sinks;
+    lay.window = cs.window;
+    TestCache eager(lay, n, 4096, /*quest_pages=*/3);
+    TestCache lazy(lay, n);
+    // Pages in their final form after the prompt: all full ones, or with a window the sealed
+    // ones and the sinks'.
+    const int64_t final_pages =
+        cs.window > 0 ? std::max<int64_t>(lay.SealedPages(n), (cs.sinks + pt - 1) / pt) : n / pt;
+    ASSERT_GT(final_pages, 3);
+    for (int ti = 0; ti < 4; ++ti) {
+      EXPECT_EQ(eager.seq.key_bounds(ti / 2, ti % 2).size(), size_t(final_pages) * 2 * hd);
+      EXPECT_TRUE(lazy.seq.key_bounds(ti / 2, ti % 2).empty());
+    }
+    lazy.seq.set_quest(3, 1.0);
+    std::mt19937 rng(5);
+    std::normal_distribution<float> g;
+    std::vector<float> q(2 * kDim), out_e(2 * kDim), out_l(2 * kDim);
+    for (auto& x : q) x = g(rng);
+    const int32_t qpos = n;
+    kernels::AttnBatch be{q.data(), 2 * kDim, out_e.data(), 2 * kDim, &qpos, 1, 2, 0.25f};
+    kernels::AttnBatch bl = be;
+    bl.out = out_l.data();
+    // Bounds of the stored keys, whatever stores them (loosely: Gather decodes another way), of
+    // the pages from `from` on.
+    auto check_stored = [&](const PagedSequence& seq, int l, int h, size_t from = 0) {
+      std::vector<float> kk, vv;
+      std::vector<int32_t> pos;
+      seq.Gather(l, h, &kk, &vv, &pos);
+      const auto kb = seq.key_bounds(l, h);
+      for (size_t p = from; p < kb.size() / (2 * hd); ++p) {
+        for (int i = 0; i < hd; ++i) {
+          float lo = 1e30f, hi = -1e30f;
+          for (size_t j = p * pt; j < (p + 1) * pt; ++j) {
+            lo = std::min(lo, kk[j * hd + i]);
+            hi = std::max(hi, kk[j * hd + i]);
+          }
+          ASSERT_NEAR(kb[p * 2 * hd + i], lo, 1e-4f * (1 + std::abs(lo))) << p << " " << i;
+          ASSERT_NEAR(kb[p * 2 * hd + hd + i], hi, 1e-4f * (1 + std::abs(hi))) << p << " " << i;
+        }
+      }
+    };
+    auto same_bounds = [&](const PagedSequence& a, const PagedSequence& b, int l, int h,
+                           size_t pages) {
+      const auto ka = a.key_bounds(l, h), kb = b.key_bounds(l, h);
+      ASSERT_GE(ka.size(), pages * 2 * hd);
+      ASSERT_GE(kb.size(), pages * 2 * hd);
+      EXPECT_EQ(std::memcmp(ka.data(), kb.data(), pages * 2 * hd * sizeof(float)), 0);
+    };
+    const size_t candidates = (n + pt - 1) / pt - 1;
+    for (int ti = 0; ti < 4; ++ti) {
+      const int l = ti / 2, h = ti % 2;
+      eager.seq.Attend(l, h, be);
+      lazy.seq.Attend(l, h, bl);
+      EXPECT_EQ(eager.seq.key_bounds(l, h).size(), candidates * 2 * hd);
+      same_bounds(eager.seq, lazy.seq, l, h, candidates);
+      check_stored(eager.seq, l, h);
+      EXPECT_EQ(std::memcmp(out_e.data(), out_l.data(), out_e.size() * sizeof(float)), 0);
+    }
+    // A fork starts without bounds and builds the same ones lazily.
+    auto fork = eager.seq.Fork();
+    EXPECT_TRUE(fork->key_bounds(1, 1).empty());
+    fork->Attend(1, 1, bl);
+    same_bounds(*fork, eager.seq, 1, 1, candidates);
+    EXPECT_EQ(std::memcmp(out_e.data(), out_l.data(), out_e.size() * sizeof(float)), 0);
+    // Retain drops them; appending does not rebuild them all (the next decode step does, as on a
+    // sequence that had Quest off meanwhile), then pages filled afterwards get theirs at once.
+    std::vector<int32_t> keep;
+    for (int32_t j = 0; j < n; ++j) {
+      if (j % 7 != 3) keep.push_back(j);
+    }
+    const std::vector<std::vector<int32_t>> keeps(4, keep);
+    ASSERT_TRUE(eager.seq.Retain(keeps).ok());
+    lazy.seq.set_quest(0, 1.0);
+    ASSERT_TRUE(lazy.seq.Retain(keeps).ok());
+    EXPECT_TRUE(eager.seq.key_bounds(0, 1).empty());
+    const int more = pt + 5, m = int(keep.size()) + more;
+    ASSERT_TRUE(eager.seq.Reserve(more).ok());
+    ASSERT_TRUE(lazy.seq.Reserve(more).ok());
+    for (int j = 0; j < more; ++j) {
+      for (int ti = 0; ti < 4; ++ti) {
+        const float* k = &eager.k[ti][size_t(j) * hd];
+        const float* v = &eager.v[ti][size_t(j) * hd];
+        eager.seq.Append(ti / 2, ti % 2, k, v, n + j);
+        lazy.seq.Append(ti / 2, ti % 2, k, v, n + j);
+      }
+    }
+    eager.seq.CommitTokens(more);
+    lazy.seq.CommitTokens(more);
+    EXPECT_TRUE(eager.seq.key_bounds(0, 1).empty());
+    EXPECT_TRUE(lazy.seq.key_bounds(0, 1).empty());
+    lazy.seq.set_quest(3, 1.0);
+    const int32_t qpos_m = n + more;
+    be.q_pos = bl.q_pos = &qpos_m;
+    eager.seq.Attend(0, 1, be);
+    lazy.seq.Attend(0, 1, bl);
+    same_bounds(eager.seq, lazy.seq, 0, 1, (m + pt - 1) / pt - 1);
+    check_stored(eager.seq, 0, 1);
+    EXPECT_EQ(std::memcmp(out_e.data(), out_l.data(), out_e.size() * sizeof(float)), 0);
+    // Two more pages' worth of tokens: the pages reaching their final form are bounded as they do.
+    const int64_t had = int64_t(eager.seq.key_bounds(0, 1).size() / (2 * hd));
+    ASSERT_TRUE(eager.seq.Reserve(2 * pt).ok());
+    for (int j = 0; j < 2 * pt; ++j) {
+      for (int ti = 0; ti < 4; ++ti) {
+        eager.seq.Append(ti / 2, ti % 2, &eager.k[ti][size_t(more + j) * hd],
+                         &eager.v[ti][size_t(more + j) * hd], n + more + j);
+      }
+    }
+    eager.seq.CommitTokens(2 * pt);
+    const int m2 = m + 2 * pt;
+    const int64_t final_m2 =
+        cs.window > 0 ? std::max<int64_t>(lay.SealedPages(m2), (cs.sinks + pt - 1) / pt) : m2 / pt;
+    EXPECT_EQ(int64_t(eager.seq.key_bounds(0, 1).size() / (2 * hd)), std::max(had, final_m2));
+    // (Window pages bounded raw keep those bounds once sealed, as they always have.)
+    check_stored(eager.seq, 0, 1, size_t(had));
+  }
+}
+
 // kvtiny on 2 threads without a prefix cache (these tests look at one sequence's pages).
 std::unique_ptr<Engine> KvtinyEngine(int ubatch = 512, const char* codec_k = "f32",
                                      const char* codec_v = "f32", int sinks = 0, int window = 0) {
@@ -713,6 +847,48 @@ std::vector<int32_t> SyntheticPrompt(int n) {
   std::vector<int32_t> prompt(n);
   for (int i = 0; i < n; ++i) prompt[i] = 10 + int32_t(int64_t(i) * 7919 % 400);
   return prompt;
+}
+
+// Session::PrepareForPress turns Quest on before the prompt (as `cachet bench --press quest` and
+// EvalPressed do): every full page has its bounds when the prompt is in, and decode steps give
+// the logits that bounds built lazily by the first decode step give.
+TEST(PressEngine, QuestBoundsAreBuiltDuringThePrompt) {
+  auto engine = KvtinyEngine(128, "f16", "f16");
+  ASSERT_NE(engine, nullptr);
+  PressOptions o;
+  ASSERT_TRUE(press::ParsePressSpec("quest", &o).ok());
+  o.ratio = 0.75;
+  const auto prompt = SyntheticPrompt(300);
+  const int n = static_cast<int>(prompt.size());
+  auto eager = engine->NewSession(), lazy = engine->NewSession();
+  eager->PrepareForPress(o, n);
+  ASSERT_TRUE(eager->Eval(prompt, nullptr).ok());
+  lazy->ObserveForPress(n, o.window, press::GatheringsFor(o));
+  ASSERT_TRUE(lazy->Eval(prompt, nullptr).ok());
+  const ModelConfig& c = engine->config();
+  const int pt = eager->kv().layout().page_tokens, hd = c.head_dim;
+  for (int l = 0; l < c.n_layers; ++l) {
+    for (int h = 0; h < c.n_kv_heads; ++h) {
+      EXPECT_EQ(eager->kv().key_bounds(l, h).size(), size_t(n / pt) * 2 * hd);
+      EXPECT_TRUE(lazy->kv().key_bounds(l, h).empty());
+    }
+  }
+  ASSERT_TRUE(eager->Compress(o).ok());
+  ASSERT_TRUE(lazy->Compress(o).ok());
+  std::vector<float> le, ll;
+  for (int i = 0; i < 3; ++i) {
+    const int32_t one[1] = {prompt[i]};
+    ASSERT_TRUE(eager->Eval(one, &le).ok());
+    ASSERT_TRUE(lazy->Eval(one, &ll).ok());
+    EXPECT_EQ(le, ll) << i;
+  }
+  for (int l = 0; l < c.n_layers; ++l) {
+    for (int h = 0; h < c.n_kv_heads; ++h) {
+      const auto ke = eager->kv().key_bounds(l, h), kl = lazy->kv().key_bounds(l, h);
+      ASSERT_EQ(ke.size(), kl.size());
+      EXPECT_EQ(std::memcmp(ke.data(), kl.data(), ke.size() * sizeof(float)), 0) << l << " " << h;
+    }
+  }
 }
 
 // Forks of one observed prefill share its observer: pressing one fork must not disturb what the

@@ -228,7 +228,7 @@ void AddBench(CLI::App& app) {
     auto run_rep = [&](Engine& e, int ctx) {
       Rep r;
       auto session = e.NewSession();
-      if (press) session->ObserveForPress(ctx, press->window, press::GatheringsFor(*press));
+      if (press) session->PrepareForPress(*press, ctx);  // Quest: page bounds built in prefill
       auto t0 = Clock::now();
       Status s = session->Eval(std::span<const int32_t>(tokens.data(), ctx), nullptr);
       const double pf = std::chrono::duration<double>(Clock::now() - t0).count();

@@ -116,6 +116,10 @@ class Session {
   // budget, frees the pages and stops observing. Forks share what was observed (read-only).
   // gatherings: PressObserver's mask (press::GatheringsFor the presses to be applied).
   void ObserveForPress(int32_t end, int window, uint32_t gatherings = 7);
+  // Before a prompt (ending at token position end) that Compress(options) will press: observes
+  // what the press scores by, and turns Quest's page selection on already (press::PrepareQuest),
+  // so that page key bounds are built as the prompt fills the pages, not by the first decode step.
+  void PrepareForPress(const press::PressOptions& options, int32_t end);
   // keep_observing: go on gathering attention after the press (for presses repeated while
   // decoding); otherwise the observer is dropped.
   Result<press::PressResult> Compress(const press::PressOptions& options,

@@ -200,6 +200,24 @@ void PagedSequence::Append(int layer, int kv_head, const float* k, const float* 
       Seal(t, q);
     }
   }
+  // Quest: the bounds of the page this token put in its final form, so that the first decode step
+  // after a prompt has none left to build. Only when every page before it has them: a table that
+  // lost its bounds (a fork, prefix reuse, Retain) gets them all back at the next decode step,
+  // which builds them one task per table rather than here on one thread.
+  if (quest()) {
+    const int64_t final_pages = FinalPages(t);
+    if (int64_t(t.key_bounds.size()) == (final_pages - 1) * 2 * lay.head_dim) {
+      ExtendKeyBounds(pool_, t, final_pages);
+    }
+  }
+}
+
+int64_t PagedSequence::FinalPages(const BlockTable& t) const {
+  const KvLayout& lay = pool_.layout();
+  const int64_t pt = lay.page_tokens, full = t.n_tokens / pt;
+  if (lay.plain() || !lay.staged()) return full;
+  // Sink pages are a prefix and stay raw: final once full. Others are final once sealed.
+  return std::max(lay.SealedPages(t.n_tokens), std::min(full, (lay.sinks + pt - 1) / pt));
 }
 
 namespace {
@@ -487,19 +505,13 @@ kernels::PagedKv PagedSequence::View(int layer, int kv_head) const {
   return v;
 }
 
-bool PagedSequence::QuestSelect(PagePool& pool, const BlockTable& t, const kernels::AttnBatch& b,
-                                int pages, double keep, std::vector<int32_t>* selected) {
+void PagedSequence::ExtendKeyBounds(PagePool& pool, const BlockTable& t, int64_t pages) {
   const KvLayout& lay = pool.layout();
   const int pt = lay.page_tokens, hd = lay.head_dim;
-  const int n_pages = (t.n_tokens + pt - 1) / pt;
-  const int candidates = n_pages - 1;  // the last page is always read
-  const int k = pages > 0 ? pages : std::max(1, static_cast<int>(std::ceil(keep * candidates)));
-  if (k >= candidates) return false;
-  // Bounds of the candidates not yet seen (full pages, immutable until Retain).
   thread_local std::vector<float> kbuf;
-  for (int p = static_cast<int>(t.key_bounds.size() / (2 * hd)); p < candidates; ++p) {
+  kbuf.resize(size_t(pt) * hd);
+  for (int64_t p = int64_t(t.key_bounds.size() / (2 * hd)); p < pages; ++p) {
     const int32_t page = t.pages[p];
-    kbuf.resize(size_t(pt) * hd);
     // SIMD decoding (the scalar DecodePage made the first decode step after a 16k prompt cost
     // 0.16 s); rotation codecs decode rotated, so their rows are turned back.
     const codecs::Codec c = pool.codec_of(page, Role::kKey);
@@ -511,6 +523,21 @@ bool PagedSequence::QuestSelect(PagePool& pool, const BlockTable& t, const kerne
     t.key_bounds.resize(at + 2 * hd);
     kernels::KeyBounds(kbuf.data(), pt, hd, t.key_bounds.data() + at,
                        t.key_bounds.data() + at + hd);
+  }
+}
+
+bool PagedSequence::QuestSelect(PagePool& pool, const BlockTable& t, const kernels::AttnBatch& b,
+                                int pages, double keep, std::vector<int32_t>* selected) {
+  const KvLayout& lay = pool.layout();
+  const int pt = lay.page_tokens, hd = lay.head_dim;
+  const int n_pages = (t.n_tokens + pt - 1) / pt;
+  const int candidates = n_pages - 1;  // the last page is always read
+  const int k = pages > 0 ? pages : std::max(1, static_cast<int>(std::ceil(keep * candidates)));
+  if (k >= candidates) return false;
+  // Bounds of the candidates without them yet (usually built as the pages filled; here after a
+  // fork, prefix reuse or Retain, and for the recent window's pages).
+  if (int64_t(t.key_bounds.size()) < int64_t(candidates) * 2 * hd) {
+    ExtendKeyBounds(pool, t, candidates);
   }
   // Upper bound of q.k over a page: sum_i max(q_i min_i, q_i max_i); the group's heads share the
   // selection, so a page counts by its best head.
@@ -554,8 +581,13 @@ void PagedSequence::AddRefs(PagePool& pool, const BlockTable& t, const std::vect
 // Rows stored in the other basis (raw sink and window pages beside a rotation codec, a cold pool
 // of another codec) are decoded and rotated into it.
 struct PagedSequence::RefRows final : kernels::PageRows {
-  RefRows(std::span<const PageRef> refs, const KvLayout& layout, bool rot_k, bool rot_v)
-      : refs_(refs), layout_(layout), rot_k_(rot_k), rot_v_(rot_v) {}
+  // Each ref's pages are hot's or cold's (null: no cold pool).
+  RefRows(std::span<const PageRef> refs, const KvLayout& layout, bool rot_k, bool rot_v,
+          const PagePool& hot, const PagePool* cold)
+      : refs_(refs), layout_(layout), rot_k_(rot_k), rot_v_(rot_v), hot_(&hot) {
+    SetBytes(hot, bytes_[0]);
+    if (cold != nullptr) SetBytes(*cold, bytes_[1]);
+  }
   int n_pages() const override { return static_cast<int>(refs_.size()); }
   int n_keys() const override {
     return refs_.empty() ? 0 : refs_.back().first_key + refs_.back().cnt;
@@ -587,15 +619,25 @@ struct PagedSequence::RefRows final : kernels::PageRows {
   void Prefetch(int page) const override {
     PagePool& pool = *refs_[page].pool;
     const int32_t id = refs_[page].page;
+    const size_t* bytes = bytes_[&pool != hot_][IsCodecPage(id)];
     for (Role role : {Role::kKey, Role::kValue}) {
       const char* p = reinterpret_cast<const char*>(pool.rows(id, role));
-      const size_t n =
-          codecs::PageBytes(pool.codec_of(id, role), role, layout_.page_tokens, layout_.head_dim);
+      const size_t n = bytes[role == Role::kValue];
       for (size_t off = 0; off < n; off += 64) __builtin_prefetch(p + off);
     }
   }
 
  private:
+  // Bytes of a page's K and V rows in a pool, by kind (raw, codec), as codec_of gives their codecs.
+  static void SetBytes(const PagePool& pool, size_t (&bytes)[2][2]) {
+    const KvLayout& l = pool.layout();
+    const codecs::Codec raw = l.raw_codec();
+    bytes[0][0] = codecs::PageBytes(raw, Role::kKey, l.page_tokens, l.head_dim);
+    bytes[0][1] = codecs::PageBytes(raw, Role::kValue, l.page_tokens, l.head_dim);
+    bytes[1][0] = codecs::PageBytes(l.codec_k, Role::kKey, l.page_tokens, l.head_dim);
+    bytes[1][1] = codecs::PageBytes(l.codec_v, Role::kValue, l.page_tokens, l.head_dim);
+  }
+
   // f32, f16, bf16, q8_0 and q4_0 rows in the basis they are stored in are read in place (the
   // kernel widens or unpacks them as it loads); other rows are decoded into buf.
   const void* Rows(codecs::Codec c, Role role, bool rotated, const uint8_t* data, int cnt,
@@ -636,6 +678,8 @@ struct PagedSequence::RefRows final : kernels::PageRows {
   std::span<const PageRef> refs_;
   const KvLayout& layout_;
   bool rot_k_, rot_v_;
+  const PagePool* hot_;
+  size_t bytes_[2][2][2] = {};  // [hot, cold][raw, codec page][K, V]: Prefetch's byte counts
 };
 
 void PagedSequence::Attend(int layer, int kv_head, const kernels::AttnBatch& batch) const {
@@ -697,7 +741,8 @@ void PagedSequence::Attend(int layer, int kv_head, const kernels::AttnBatch& bat
       b.out = out_rot.data();
       b.out_stride = q_dim;
     }
-    kernels::PagedAttentionRows(b, RefRows(refs, pool_.layout(), rot_k, rot_v));
+    kernels::PagedAttentionRows(
+        b, RefRows(refs, pool_.layout(), rot_k, rot_v, pool_, cold ? cold_pool_ : nullptr));
     if (rot_v) {
       for (int i = 0; i < b.n_tok; ++i) {
         for (int h = 0; h < b.n_heads; ++h) {

@@ -90,13 +90,21 @@ class PagedSequence final : public KvSequence {
   // Quest (decode-time page selection, nothing evicted): a decode step (one query token) reads,
   // per (layer, KV head), only the full pages whose key bounds promise its queries the highest
   // scores, plus the last page: `pages` of them, or when pages is 0 the fraction `keep` of the
-  // full pages (at least one). Each full page's per-channel key min/max is computed once.
+  // full pages (at least one). Each full page's per-channel key min/max is computed once: as the
+  // page reaches its final form while tokens are appended (full, and sealed in staged layouts),
+  // when Quest is on then, so set it before the prompt is evaluated; pages without bounds (forks,
+  // prefix reuse, Retain, the recent window) get them at the first decode step that needs them.
   // keep >= 1 with pages == 0 turns it off.
   void set_quest(int pages, double keep) {
     quest_pages_ = pages;
     quest_keep_ = keep;
   }
   bool quest() const { return quest_pages_ > 0 || quest_keep_ < 1.0; }
+  // Quest's key bounds of (layer, kv_head) built so far: per page of its first pages, the
+  // per-channel key min then max ([pages][2][head_dim]).
+  std::span<const float> key_bounds(int layer, int kv_head) const {
+    return table(layer, kv_head).key_bounds;
+  }
 
   int n_tokens() const { return n_tokens_; }  // tokens committed to the sequence
   const KvLayout& layout() const { return pool_.layout(); }
@@ -111,8 +119,9 @@ class PagedSequence final : public KvSequence {
     std::vector<int32_t> pages;
     int32_t n_tokens = 0;
     std::vector<int32_t> seal_pages;  // codec pages reserved for staged pages that will fill
-    // Quest: per-channel key min then max ([2][head_dim]) of the first pages; filled lazily by
-    // decode steps (one task per table then), dropped when pages change under it.
+    // Quest: per-channel key min then max ([2][head_dim]) of the first pages; built by Append as
+    // pages reach their final form (one thread), else lazily by decode steps (one task per table
+    // then), dropped when pages change under it.
     mutable std::vector<float> key_bounds;
   };
   BlockTable& table(int layer, int kv_head) {
@@ -155,6 +164,11 @@ class PagedSequence final : public KvSequence {
                  const std::vector<int32_t>& fresh, size_t* next);
   static void AddRefs(PagePool& pool, const BlockTable& t, const std::vector<int32_t>* subset,
                       std::vector<PageRef>* refs);
+  // Pages of a table in their final form: full and, in staged layouts, sealed or sinks.
+  int64_t FinalPages(const BlockTable& t) const;
+  // Extends t.key_bounds to its first `pages` pages, from their keys as stored (decoded, and turned
+  // back from a rotation); the one place bounds are computed.
+  static void ExtendKeyBounds(PagePool& pool, const BlockTable& t, int64_t pages);
   // The pages a Quest decode step reads (ascending, the last page last); false when all are.
   // Logical indices of the pages read: the top `pages` (or the fraction keep) of all but the last
   // page by key bound, then the last; false when that would be every page.

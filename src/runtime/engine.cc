@@ -201,6 +201,11 @@ void Session::ObserveForPress(int32_t end, int window, uint32_t gatherings) {
   seq_->set_observer(observer_.get());
 }
 
+void Session::PrepareForPress(const press::PressOptions& options, int32_t end) {
+  ObserveForPress(end, options.window, press::GatheringsFor(options));
+  press::PrepareQuest(options, *seq_);
+}
+
 void Session::StopObserving() {
   seq_->set_observer(nullptr);
   observer_.reset();
@@ -259,8 +264,7 @@ Status Session::EvalCompressing(std::span<const int32_t> tokens, const press::Pr
 Status Session::EvalPressed(std::span<const int32_t> tokens, const press::PressOptions& options,
                             std::vector<float>* logits, bool keep_observing) {
   if (options.during_prefill) return EvalCompressing(tokens, options, logits);
-  ObserveForPress(static_cast<int32_t>(n_tokens() + pending_.size() + tokens.size()),
-                  options.window, press::GatheringsFor(options));
+  PrepareForPress(options, static_cast<int32_t>(n_tokens() + pending_.size() + tokens.size()));
   CACHET_RETURN_IF_ERROR(Eval(tokens, logits));
   auto r = Compress(options, keep_observing);
   return r.ok() ? OkStatus() : r.status();

@@ -561,6 +561,14 @@ void MergeValues(const PagedSequence& seq, int layer, int kv_head, const std::ve
   }
 }
 
+void PrepareQuest(const PressOptions& o, PagedSequence& seq) {
+  if (!o.quest || !(o.ratio >= 0 && o.ratio < 1) || o.budget < 0) return;
+  const int pages = o.quest_pages > 0 ? o.quest_pages
+                    : o.budget > 0    ? std::max(1, o.budget / seq.layout().page_tokens)
+                                      : 0;
+  seq.set_quest(pages, 1.0 - o.ratio);
+}
+
 Result<PressResult> Compress(const PressOptions& o, PagedSequence& seq, int n_layers,
                              int n_kv_heads, const PressObserver* observer,
                              PressObserver* compact_observer) {
@@ -575,10 +583,7 @@ Result<PressResult> Compress(const PressOptions& o, PagedSequence& seq, int n_la
   PressResult r;
   r.bytes_before = r.bytes_after = seq.bytes_held();
   if (o.quest) {
-    const int pages = o.quest_pages > 0 ? o.quest_pages
-                      : o.budget > 0    ? std::max(1, o.budget / seq.layout().page_tokens)
-                                        : 0;
-    seq.set_quest(pages, 1.0 - o.ratio);
+    PrepareQuest(o, seq);
     for (int l = 0; l < n_layers; ++l)
       for (int h = 0; h < n_kv_heads; ++h) r.tokens_before += seq.head_length(l, h);
     r.tokens_after = r.tokens_before;

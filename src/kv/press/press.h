@@ -150,6 +150,12 @@ struct PressResult {
   size_t bytes_before = 0, bytes_after = 0;     // the sequence's page bytes
 };
 
+// Quest's page selection as Compress sets it for o (o.quest), turned on before the prompt is
+// evaluated so that the sequence builds each page's key bounds as the prompt fills it (instead of
+// the first decode step building them all). Does nothing unless o.quest and o is valid (Compress
+// reports what is wrong).
+void PrepareQuest(const PressOptions& o, PagedSequence& seq);
+
 // Evicts to the budget and frees the pages. observer may be null for scorers that do not
 // need attention (NeedsAttention()); it is only read (forks share it) unless compact_observer,
 // which then must own it, so that it goes on watching the compressed sequence. Nothing changes
