@@ -13,6 +13,7 @@
 #include "kv/codecs/codec.h"
 #include "model/config.h"
 #include "model/tokenizer.h"
+#include "runtime/chat_template.h"
 #include "util/thread_pool.h"
 
 namespace cachet::cli {
@@ -322,45 +323,94 @@ void AddRun(CLI::App& app) {
 void AddChat(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "chat",
-      "Interactive multi-turn chat on stdin/stdout; the conversation's KV stays cached "
-      "between turns, so each turn only prefills the new text");
+      "Interactive multi-turn chat on stdin/stdout in the model's chat template; the "
+      "conversation's KV stays cached between turns, so each turn only prefills the new text");
   auto opts = std::make_shared<CommonOptions>();
   auto system = std::make_shared<std::string>();
+  auto template_name = std::make_shared<std::string>();
+  auto verbose_prompt = std::make_shared<bool>(false);
   AddEngineFlags(*cmd, opts->engine);
   AddSamplingFlags(*cmd, opts->gen);
-  cmd->add_option("--system", *system, "Text placed before the conversation");
+  cmd->add_option("--system", *system, "System message that opens the conversation");
+  cmd->add_option(std::string(kChatTemplateFlag), *template_name,
+                  "Prompt format, one of: " + ChatTemplateNames() +
+                      ". Default: the model's own chat template (tokenizer_config.json "
+                      "chat_template or the GGUF's tokenizer.chat_template) recognised by "
+                      "family; plain (\"User: ...\\nAssistant:\" lines) for a model without one")
+      ->type_name("NAME");
+  cmd->add_flag("--verbose-prompt", *verbose_prompt,
+                "Print the prompt text each turn prefills to stderr");
   cmd->callback([=] {
+    // The template first: a bad name or an unrecognised template fails before the model loads.
+    const std::string& dir = opts->engine.model_dir;
+    auto chat_template = ResolveChatTemplate(dir.empty() ? DefaultModelDir() : dir, *template_name);
+    if (!chat_template.ok()) {
+      std::fprintf(stderr, "cachet: %s\n", chat_template.status().ToString().c_str());
+      throw CLI::RuntimeError(1);
+    }
     auto engine = LoadEngine(opts->engine);
     if (!engine) throw CLI::RuntimeError(1);
     const Tokenizer& tok = engine->tokenizer();
+    ChatTemplate tmpl = std::move(chat_template).value();
+    UseTokenizerSpecials(tok, &tmpl);
+    const std::vector<std::string> stops = StopStrings(tmpl);
+    auto fail = [](const Status& s) {
+      std::fprintf(stderr, "\ncachet: %s\n", s.ToString().c_str());
+      throw CLI::RuntimeError(1);
+    };
+    std::vector<ChatMessage> messages;
+    if (!system->empty()) messages.push_back({ChatRole::kSystem, *system});
     auto session = engine->NewSession();
-    // A plain transcript format: models without a chat template (kvtiny) continue it naturally.
-    std::string pending = *system;
-    bool first = true;
-    std::fprintf(stderr, "cachet chat: type a message and press Enter; Ctrl-D to quit.\n");
+    std::string in_cache;  // the rendered conversation whose tokens the session holds
+    std::fprintf(stderr,
+                 "cachet chat (%s template): type a message and press Enter; Ctrl-D to quit.\n",
+                 std::string(ChatFamilyName(tmpl.family)).c_str());
     for (std::string line;;) {
       std::fprintf(stderr, "> ");
       if (!std::getline(std::cin, line)) break;
       if (line.empty()) continue;
-      pending += (first ? "" : "\n") + std::string("User: ") + line + "\nAssistant:";
-      std::vector<int32_t> ids = first ? tok.EncodePrompt(pending) : tok.Encode(pending);
-      first = false;
-      pending.clear();
-      GenerateOptions g = opts->gen;
+      messages.push_back({ChatRole::kUser, line});
+      auto prompt = RenderChat(tmpl, messages, /*add_generation_prompt=*/true);
+      if (!prompt.ok()) fail(prompt.status());
+      // Each turn prefills only what the conversation adds to the text already cached. Where the
+      // template rewrites earlier text (a reply cut short that it trims, say), a new session
+      // starts over, and the prefix cache still serves the unchanged pages.
+      std::string_view text = *prompt;
+      const bool append = !in_cache.empty() && text.starts_with(in_cache);
+      if (append) {
+        text.remove_prefix(in_cache.size());
+      } else if (!in_cache.empty()) {
+        session = engine->NewSession();
+      }
+      if (*verbose_prompt) {
+        std::fprintf(stderr, "--- prompt\n%.*s\n---\n", static_cast<int>(text.size()), text.data());
+      }
+      const std::vector<int32_t> ids = EncodeChatPrompt(tok, text, /*first=*/!append);
+      in_cache = *prompt;
       std::string reply;
-      auto r = session->Generate(ids, g, [&](std::string_view piece) {
+      bool at_stop = false;
+      auto r = session->Generate(ids, opts->gen, [&](std::string_view piece) {
         reply += piece;
-        // End the turn at a blank line: the model would otherwise write the user's turn too.
-        if (reply.find("\n\n") != std::string::npos || reply.find("\nUser:") != std::string::npos) {
-          return false;
+        // End the turn at the template's end of turn (the model would otherwise write the
+        // user's turn too); what precedes a stop string in its piece is dropped with it.
+        for (const std::string& stop : stops) {
+          if (reply.find(stop) != std::string::npos) {
+            at_stop = true;
+            return false;
+          }
         }
         PrintPiece(piece);
         return true;
       });
-      if (!r.ok()) {
-        std::fprintf(stderr, "\ncachet: %s\n", r.status().ToString().c_str());
-        throw CLI::RuntimeError(1);
+      if (!r.ok()) fail(r.status());
+      // The reply as the session holds it: the token that completed a stop string was never
+      // evaluated.
+      std::string content;
+      for (size_t i = 0; i + (at_stop ? 1 : 0) < r->tokens.size(); ++i) {
+        content += tok.TokenBytes(r->tokens[i]);
       }
+      in_cache += content;
+      messages.push_back({ChatRole::kAssistant, std::move(content)});
       std::fputc('\n', stdout);
       std::fprintf(stderr, "[%d tokens in context, %d new this turn, prefill %.1f ms]\n",
                    session->n_tokens(), r->prompt_tokens, r->prefill_ms);
