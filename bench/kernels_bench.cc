@@ -3,7 +3,8 @@
 // (cpu:: kernels; CACHET_REF_KERNELS=1 times the reference).
 //
 // Build and run: cmake --build build --target kernels_bench && build/kernels_bench [max_threads
-// [attention|matmul|quant]] (default: all hardware threads, every section).
+// [attention|codecs|matmul|quant [CODEC]]] (default: all hardware threads, every section; `codecs`
+// is the codec part of `attention`, CODEC one of its names).
 // Times are the best per-call time over many short batches, which filters out most interference
 // from other load on the machine.
 #include <algorithm>
@@ -177,16 +178,17 @@ void BenchAttention(std::mt19937& rng) {
   }
 }
 
-// One decode step's attention (a GQA group of 3 query heads, head_dim 64, 4096 keys in 16-token
-// pages) over a cache stored in each codec. The caches are built once and the codecs timed in
-// turn, many rounds, so that machine noise hits them alike; best time per call.
-void BenchCodecAttention(std::mt19937& rng) {
+// One decode step's attention (a group of `heads` query heads: 3 as in GQA, 1 as in MHA; head_dim
+// 64, 4096 keys in 16-token pages) over a cache stored in each codec. The caches are built once and
+// the codecs timed in turn, many rounds, so that machine noise hits them alike; best time per call.
+void BenchCodecAttention(std::mt19937& rng, int heads, const std::string& only_codec) {
   using cachet::KvLayout;
   using cachet::PagedSequence;
   using cachet::PagePool;
-  const int n = 4096, hd = 64, heads = 3;
-  const std::string names[] = {"f32",   "f16",  "q8_0", "q4_0",       "int8",
-                               "kivi4", "rot4", "rot3", "kivi4:q4_0", "q4_0:rot3"};
+  const int n = 4096, hd = 64;
+  std::vector<std::string> names = {"f32",   "f16",  "q8_0", "q4_0",       "int8",
+                                    "kivi4", "rot4", "rot3", "kivi4:q4_0", "q4_0:rot3"};
+  if (!only_codec.empty()) names = {"f16", only_codec};
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::vector<std::unique_ptr<PagePool>> pools;
   std::vector<std::unique_ptr<PagedSequence>> seqs;
@@ -195,6 +197,7 @@ void BenchCodecAttention(std::mt19937& rng) {
     KvLayout lay;
     lay.n_layers = lay.n_kv_heads = 1;
     lay.head_dim = hd;
+    if (const char* pt = std::getenv("PT")) lay.page_tokens = std::atoi(pt);
     const auto [k_name, v_name] = cachet::codecs::SplitKv(name);
     auto codec_k = cachet::codecs::ParseCodec(k_name);
     auto codec_v = cachet::codecs::ParseCodec(v_name);
@@ -222,9 +225,10 @@ void BenchCodecAttention(std::mt19937& rng) {
       best[i] = std::min(best[i], std::chrono::duration<double>(Clock::now() - t0).count() / 32);
     }
   }
+  const size_t f16 = std::find(names.begin(), names.end(), "f16") - names.begin();
   for (size_t i = 0; i < seqs.size(); ++i) {
     std::printf("  decode attention %-10s keys=%d heads=%d head_dim=%d %8.1f us  x f16 %.2f\n",
-                names[i].c_str(), n, heads, hd, best[i] * 1e6, best[i] / best[1]);
+                names[i].c_str(), n, heads, hd, best[i] * 1e6, best[i] / best[f16]);
   }
 }
 
@@ -237,8 +241,12 @@ int main(int argc, char** argv) {
   if (only.empty() || only == "attention") {
     std::printf("attention (single-threaded):\n");
     BenchAttention(rng);
+  }
+  if (only.empty() || only == "attention" || only == "codecs") {
+    const std::string codec = only == "codecs" && argc > 3 ? argv[3] : "";
     std::printf("attention over codec pages (single-threaded):\n");
-    BenchCodecAttention(rng);
+    if (!std::getenv("MHA_ONLY")) BenchCodecAttention(rng, 3, codec);
+    BenchCodecAttention(rng, 1, codec);
   }
   std::vector<int> thread_counts;
   for (int t = 1; t < max_threads; t *= 2) thread_counts.push_back(t);

@@ -92,7 +92,10 @@ TEST(CodecEngine, AttentionOnCodesEqualsAttentionOnDecodedRows) {
         num += (got[i] - want[i]) * double(got[i] - want[i]);
         den += double(want[i]) * want[i];
       }
-      EXPECT_LT(std::sqrt(num / den), 1e-5);
+      // q4_0 / q8_0 keys are scored with the query quantized to 8 bits (kernels/block_keys.h),
+      // which attention over the decoded rows does not do.
+      const bool block_keys = codec_k == "q4_0" || codec_k == "q8_0";
+      EXPECT_LT(std::sqrt(num / den), block_keys ? 5e-3 : 1e-5);
     }
   }
 }

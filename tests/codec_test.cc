@@ -356,12 +356,16 @@ TEST(CodecLayoutAttend, ObserveMatchesContiguousOverDecodedKv) {
         run(true, &out_obs, w_got, true);
         run(false, &out_ref, w_ref, true);
         EXPECT_EQ(out_obs, out_plain) << "n_tok " << n_tok;
+        // q8_0 keys are scored with the query quantized to 8 bits (kernels/block_keys.h), which
+        // the f32 reference over decoded keys does not do.
+        const bool block_keys = c.k == Codec::kQ8_0;
+        const double out_tol = block_keys ? 6e-3 : 1e-4, w_tol = block_keys ? 2e-3 : 1e-5;
         for (size_t i = 0; i < out_obs.size(); ++i) {
-          ASSERT_NEAR(out_obs[i], out_ref[i], 1e-4) << "n_tok " << n_tok << " i " << i;
+          ASSERT_NEAR(out_obs[i], out_ref[i], out_tol) << "n_tok " << n_tok << " i " << i;
         }
         for (int i = 0; i < 2; ++i) {
           for (int j = 0; j < n_keys; ++j) {
-            ASSERT_NEAR(w_got[i][j], w_ref[i][j], 1e-5)
+            ASSERT_NEAR(w_got[i][j], w_ref[i][j], w_tol * std::max(1.0f, w_ref[i][j]))
                 << "n_tok " << n_tok << " observe " << i << " key " << j;
           }
           EXPECT_EQ(w_none[i], std::vector<float>(n_keys, 0.0f));

@@ -647,7 +647,8 @@ TEST(PressQuest, DecodeReadsTheTopBoundPagesPlusTheLast) {
     kernels::ref::ContiguousAttention(rb, sk.data(), sv.data(), sp.data(), int(sp.size()), kDim);
     float diff_full = 0;
     for (int i = 0; i < 2 * kDim; ++i) {
-      EXPECT_NEAR(out[i], want[i], 1e-5) << i;
+      // q8_0 keys are scored with the query quantized to 8 bits (kernels/block_keys.h).
+      EXPECT_NEAR(out[i], want[i], std::string(codec) == "q8_0" ? 1e-2 : 1e-5) << i;
       diff_full = std::max(diff_full, std::abs(out[i] - full[i]));
     }
     EXPECT_GT(diff_full, 1e-4);  // it really read fewer pages

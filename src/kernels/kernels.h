@@ -152,6 +152,21 @@ void Int8MatMul(const float* x, int64_t n, const Matrix& w, const float* bias, f
                 int64_t y_stride, ThreadPool& pool);  // kernels/cpu/quant_int8.cc
 void QuantizeQ8(const float* x, int64_t cols, int8_t* q, float* d, float* s);
 }  // namespace cpu
+// Block-quantized keys (kernels/block_keys.h): a query row quantized (codes, block scales d and
+// integer code sums), and scores[r * s_stride + j] = scale * q_r . k_j of cnt q4_0 / q8_0 key rows
+// (DTypeRowBytes apart) for n_rows quantized query rows.
+struct QueryQ8;
+#define CACHET_BLOCK_KEY_DECLS                                                                     \
+  void QuantizeQuery(const float* q, int head_dim, int8_t* codes, float* d, int32_t* sum);         \
+  void BlockKeyScores(const uint8_t* keys, DType type, int cnt, int head_dim, const QueryQ8* rows, \
+                      int n_rows, float scale, float* scores, int s_stride);
+namespace ref {
+CACHET_BLOCK_KEY_DECLS
+}  // namespace ref
+namespace cpu {
+CACHET_BLOCK_KEY_DECLS  // kernels/cpu/attention_int8.cc: AVX-512 VNNI, else the reference
+}  // namespace cpu
+#undef CACHET_BLOCK_KEY_DECLS
 namespace cpu {
 // The int8 kernels for q4_0 / q8_0 / q4_K where the CPU has them, else DequantMatMul: blocks
 // widened to f32 in registers, f32 arithmetic.

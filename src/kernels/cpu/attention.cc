@@ -25,6 +25,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kernels/block_keys.h"
 #include "kernels/cpu/scratch.h"
 #include "kernels/kernels.h"
 
@@ -52,6 +53,10 @@ namespace {
 // Query rows (token, head) of a tile; a group with more heads than this still forms one tile per
 // token.
 constexpr int kMaxTileRows = 32;
+// Score lanes of a chunk of pages that share one online-softmax step (AttendPages): the per-step
+// work (max, rescale, sums) is paid once per chunk rather than once per small page.
+constexpr int kChunkKeys = 64;
+constexpr int kMaxSlots = kChunkKeys / 4;  // pages of a chunk: s_stride >= 4
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // K/V rows are f32, or f16 / bf16 (KV codecs) widened to f32 as they are loaded.
@@ -109,12 +114,12 @@ struct BlockRows {
     const hn::Rebind<uint16_t, DF> d16;
     return hn::PromoteTo(DF(), hn::BitCast(hn::Rebind<hwy::float16_t, DF>(), hn::Set(d16, h)));
   }
-  // Values [o, o + N) of a block; q4_0 also gives [16 + o, 16 + o + N) from the same load
-  // (o < 16). With 16 lanes a q4_0 block is decoded by a lookup in its 16 possible values.
+  // Codes [o, o + N) of a block as f32 c + kOffset, unscaled (Scale applies); q4_0 also gives
+  // [16 + o, 16 + o + N) from the same load (o < 16). With 16 lanes a q4_0 block is decoded by a
+  // lookup in its 16 possible values.
   HWY_INLINE void Values(int t, int blk, int o, VF* lo, VF* hi) const {
     const DF df;
     const hn::Rebind<int32_t, DF> di;
-    const VF s = Scale(t, blk);
     const uint8_t* codes = Block(t, blk) + 2;
     if constexpr (kNibbles) {
       const auto b =
@@ -123,29 +128,37 @@ struct BlockRows {
       const auto c_lo = hn::And(b, hn::Set(di, 15));
       const auto c_hi = hn::ShiftRight<4>(b);
       if constexpr (hn::MaxLanes(DF()) == 16) {
-        const VF table = hn::Mul(hn::Iota(df, kOffset), s);  // (c - 8) * s for c = 0..15
+        const VF table = hn::Iota(df, kOffset);  // c - 8 for c = 0..15
         *lo = hn::TableLookupLanes(table, hn::IndicesFromVec(df, c_lo));
         *hi = hn::TableLookupLanes(table, hn::IndicesFromVec(df, c_hi));
       } else {
-        const VF bias = hn::Mul(s, hn::Set(df, kOffset));
-        *lo = hn::MulAdd(hn::ConvertTo(df, c_lo), s, bias);
-        *hi = hn::MulAdd(hn::ConvertTo(df, c_hi), s, bias);
+        const VF bias = hn::Set(df, kOffset);
+        *lo = hn::Add(hn::ConvertTo(df, c_lo), bias);
+        *hi = hn::Add(hn::ConvertTo(df, c_hi), bias);
       }
     } else {
       const hn::Rebind<int8_t, DF> d8;
-      const auto c = hn::PromoteTo(di, hn::LoadU(d8, reinterpret_cast<const int8_t*>(codes + o)));
-      *lo = hn::Mul(hn::ConvertTo(df, c), s);
+      *lo = hn::ConvertTo(
+          df, hn::PromoteTo(di, hn::LoadU(d8, reinterpret_cast<const int8_t*>(codes + o))));
       (void)hi;
     }
   }
-  // Values [d, d + N) of row t.
-  HWY_INLINE VF Load(int t, int d) const {
-    const int blk = d / 32, o = d % 32;
-    VF lo, hi;
-    Values(t, blk, kNibbles ? o % 16 : o, &lo, &hi);
-    return kNibbles && o >= 16 ? hi : lo;
-  }
   HWY_INLINE float Elem(int, int) const { return 0.0f; }  // rows are whole vectors (hd % 32 == 0)
+};
+
+// Block rows unpacked for a tile of many rows: codes c + kOffset as f32 (u, row t at t * hd) and
+// each block's scale (s, row t's at t * hd / 32), read as BlockRows reads them in place.
+struct ScaledRows {
+  static constexpr bool kBlocks = true;
+  static constexpr bool kNibbles = false;
+  const float* HWY_RESTRICT u;
+  const float* HWY_RESTRICT s;
+  int hd;
+  HWY_INLINE VF Scale(int t, int blk) const { return hn::Set(DF(), s[t * (hd / 32) + blk]); }
+  HWY_INLINE void Values(int t, int blk, int o, VF* lo, VF*) const {
+    *lo = hn::LoadU(DF(), u + static_cast<int64_t>(t) * hd + blk * 32 + o);
+  }
+  HWY_INLINE float Elem(int, int) const { return 0.0f; }
 };
 
 // Offsets o of the loads within a block: [0, 16) for q4_0, [0, 32) for q8_0.
@@ -305,9 +318,12 @@ HWY_INLINE void AccumulateBlock(const Rows& v, int cnt, int hd, const float* p, 
         for (int j = 0; j < cnt; ++j) {
           VF xl, xh;
           v.Values(j, blk, o, &xl, &xh);
+          const VF scale = v.Scale(j, blk);
 #pragma GCC unroll 16
           for (int r = 0; r < R; ++r) {
-            const VF w = hn::Set(df, p[static_cast<int64_t>(r) * s_stride + j]);
+            // The row's weight times the block's scale, then times the code: the same steps
+            // whether the block is read in place or unpacked (ScaledRows).
+            const VF w = hn::Mul(hn::Set(df, p[static_cast<int64_t>(r) * s_stride + j]), scale);
             lo[r] = hn::MulAdd(w, xl, lo[r]);
             if constexpr (Rows::kNibbles) hi[r] = hn::MulAdd(w, xh, hi[r]);
           }
@@ -319,28 +335,28 @@ HWY_INLINE void AccumulateBlock(const Rows& v, int cnt, int hd, const float* p, 
         }
       }
     }
-    return;
-  }
-  int d = 0;
-  for (; d + N <= hd; d += N) {
-    VF a[R];
+  } else {
+    int d = 0;
+    for (; d + N <= hd; d += N) {
+      VF a[R];
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) a[r] = hn::LoadU(df, acc + static_cast<int64_t>(r) * hd + d);
-    for (int j = 0; j < cnt; ++j) {
-      const VF x = v.Load(j, d);
+      for (int r = 0; r < R; ++r) a[r] = hn::LoadU(df, acc + static_cast<int64_t>(r) * hd + d);
+      for (int j = 0; j < cnt; ++j) {
+        const VF x = v.Load(j, d);
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        a[r] = hn::MulAdd(hn::Set(df, p[static_cast<int64_t>(r) * s_stride + j]), x, a[r]);
+        for (int r = 0; r < R; ++r) {
+          a[r] = hn::MulAdd(hn::Set(df, p[static_cast<int64_t>(r) * s_stride + j]), x, a[r]);
+        }
       }
-    }
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) hn::StoreU(a[r], df, acc + static_cast<int64_t>(r) * hd + d);
-  }
-  for (; d < hd; ++d) {
-    for (int j = 0; j < cnt; ++j) {
-      const float x = v.Elem(j, d);
-      for (int r = 0; r < R; ++r) {
-        acc[static_cast<int64_t>(r) * hd + d] += p[static_cast<int64_t>(r) * s_stride + j] * x;
+      for (int r = 0; r < R; ++r) hn::StoreU(a[r], df, acc + static_cast<int64_t>(r) * hd + d);
+    }
+    for (; d < hd; ++d) {
+      for (int j = 0; j < cnt; ++j) {
+        const float x = v.Elem(j, d);
+        for (int r = 0; r < R; ++r) {
+          acc[static_cast<int64_t>(r) * hd + d] += p[static_cast<int64_t>(r) * s_stride + j] * x;
+        }
       }
     }
   }
@@ -400,6 +416,30 @@ HWY_INLINE void AccumulatePage(const Rows& v, int cnt, int hd, int rows, const f
         break;
     }
   }
+}
+
+// Block rows [0, cnt) of a page unpacked into buf (cnt * hd codes, then cnt * hd / 32 scales), for
+// a tile of more rows than one row block.
+template <DType kType>
+HWY_INLINE ScaledRows UnpackScaled(const BlockRows<kType>& rows, int cnt, int hd, float* buf) {
+  const DF df;
+  constexpr int N = kMaxLanes;
+  const int nb = hd / 32;
+  float* u = buf;
+  float* s = buf + static_cast<int64_t>(cnt) * hd;
+  for (int t = 0; t < cnt; ++t) {
+    for (int blk = 0; blk < nb; ++blk) {
+      s[t * nb + blk] = hn::GetLane(rows.Scale(t, blk));
+      float* ub = u + static_cast<int64_t>(t) * hd + blk * 32;
+      for (int o = 0; o < kCodeSpan<BlockRows<kType> >; o += N) {
+        VF lo, hi;
+        rows.Values(t, blk, o, &lo, &hi);
+        hn::StoreU(lo, df, ub + o);
+        if constexpr (BlockRows<kType>::kNibbles) hn::StoreU(hi, df, ub + 16 + o);
+      }
+    }
+  }
+  return ScaledRows{u, s, hd};
 }
 
 // Rows [0, cnt) of a page as f32, for a tile of more rows than one row block.
@@ -463,28 +503,37 @@ HWY_INLINE void ScoreChannelPage(const PageData& pd, int cnt, int hd, int rows, 
   }
 }
 
-// Calls f with a row reader for a page's K or V rows. Block-quantized rows are read fused (unpacked
-// in registers as they are loaded) when one row block shares them; a larger tile unpacks them
-// once into buf instead.
+// Calls f with a row reader for f32, f16 or bf16 rows.
 template <class F>
-HWY_INLINE void WithRows(const void* rows, DType t, int cnt, int hd, int n_rows, float* buf,
-                         const F& f) {
-  auto blocks = [&](const auto& b) {
-    return n_rows <= kRowBlock ? f(b) : f(UnpackRows(b, cnt, hd, buf));
-  };
+HWY_INLINE void WithPlainRows(const void* rows, DType t, int hd, const F& f) {
   switch (t) {
     case DType::kF16:
       return f(PlainRows<hwy::float16_t>{static_cast<const hwy::float16_t*>(rows), hd});
     case DType::kBF16:
       return f(PlainRows<hwy::bfloat16_t>{static_cast<const hwy::bfloat16_t*>(rows), hd});
-    case DType::kQ4_0:
-      return blocks(BlockRows<DType::kQ4_0>{static_cast<const uint8_t*>(rows),
-                                            static_cast<int64_t>(DTypeRowBytes(t, hd))});
-    case DType::kQ8_0:
-      return blocks(BlockRows<DType::kQ8_0>{static_cast<const uint8_t*>(rows),
-                                            static_cast<int64_t>(DTypeRowBytes(t, hd))});
     default:
       return f(PlainRows<float>{static_cast<const float*>(rows), hd});
+  }
+}
+
+// Calls f with a row reader for a page's V rows. Block-quantized rows are read fused (unpacked in
+// registers as they are loaded) when one row block shares them; a larger tile unpacks them once
+// into buf instead. (Block-quantized K rows are scored by BlockKeyScores.)
+template <class F>
+HWY_INLINE void WithValueRows(const void* rows, DType t, int cnt, int hd, int n_rows, float* buf,
+                              const F& f) {
+  auto blocks = [&](const auto& b) {
+    return n_rows <= kRowBlock ? f(b) : f(UnpackScaled(b, cnt, hd, buf));
+  };
+  const auto row_bytes = static_cast<int64_t>(DTypeRowBytes(t, hd));
+  const auto* bytes = static_cast<const uint8_t*>(rows);
+  switch (t) {
+    case DType::kQ4_0:
+      return blocks(BlockRows<DType::kQ4_0>{bytes, row_bytes});
+    case DType::kQ8_0:
+      return blocks(BlockRows<DType::kQ8_0>{bytes, row_bytes});
+    default:
+      return WithPlainRows(rows, t, hd, f);
   }
 }
 
@@ -525,19 +574,40 @@ void AttendPages(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys
   // (N >= 4 on every SIMD target).
   const int s_stride = (pt + N - 1) / N * N;
 
+  // A chunk: as many pages as fit kChunkKeys score lanes, at least one.
+  const int max_slots = std::max(1, kChunkKeys / s_stride);
+  const int c_stride = max_slots * s_stride;  // a score row: the chunk's pages side by side
+
   const size_t acc_floats = static_cast<size_t>(max_rows) * hd;
-  const size_t score_floats = static_cast<size_t>(max_rows) * s_stride;
-  const size_t page_floats = static_cast<size_t>(pt) * hd;
+  const size_t score_floats = static_cast<size_t>(max_rows) * c_stride;
+  // A page's rows as f32, and for UnpackScaled the blocks' scales after them.
+  const size_t page_floats = static_cast<size_t>(pt) * (hd + hd / 32);
   const size_t chan_floats = static_cast<size_t>(2 + kRowBlock) * hd;  // ScoreChannelPage
-  float* scratch = ThreadScratch(
-      kScratchAttention, acc_floats + score_floats + 2 * max_rows + 2 * page_floats + chan_floats);
+  float* scratch = ThreadScratch(kScratchAttention, acc_floats + score_floats + 2 * max_rows +
+                                                        2 * max_slots * page_floats + chan_floats);
   float* acc = scratch;
   float* scores = acc + acc_floats;
   float* run_max = scores + score_floats;
   float* run_sum = run_max + max_rows;
-  float* k_buf = run_sum + max_rows;  // one decoded page, for sources that store pages encoded
-  float* v_buf = k_buf + page_floats;
-  float* chan = v_buf + page_floats;
+  // A decoded page per slot, for sources that store pages encoded: K pages, then V pages.
+  float* k_buf = run_sum + max_rows;
+  float* v_buf = k_buf + max_slots * page_floats;
+  float* chan = v_buf + max_slots * page_floats;
+  struct Slot {
+    int page, cnt;
+    const int32_t* pos;
+    int64_t j0;  // the page's first key, among all keys
+    bool all_visible;
+    PageData rows;
+  };
+  Slot slots[kMaxSlots];
+  // The tile's query rows quantized, once a block-quantized key page needs them.
+  const int nb = std::max(1, hd / 32);
+  int8_t* q8 = reinterpret_cast<int8_t*>(
+      ThreadScratch(kScratchAttentionQ8, static_cast<size_t>(max_rows) * (hd / 4 + 2 * nb)));
+  float* q8_d = reinterpret_cast<float*>(q8 + static_cast<size_t>(max_rows) * hd);
+  int32_t* q8_sum = reinterpret_cast<int32_t*>(q8_d + static_cast<size_t>(max_rows) * nb);
+  QueryQ8 q8_rows[kMaxTileRows];
 
   // Observed rows: those of tokens with q_pos >= the smallest min_pos. For each, obs_p holds the
   // exp(s - m) of every key ([row][n_tokens], page-table order) and obs_m the m of each page
@@ -578,6 +648,7 @@ void AttendPages(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys
       return b.q + (t0 + r / n_heads) * b.q_stride + static_cast<int64_t>(r % n_heads) * hd;
     };
 
+    bool q8_ready = false;
     std::fill(acc, acc + static_cast<size_t>(rows) * hd, 0.0f);
     std::fill(run_max, run_max + rows, kNegInf);
     std::fill(run_sum, run_sum + rows, 0.0f);
@@ -587,48 +658,76 @@ void AttendPages(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys
       std::fill(obs_m, obs_m + static_cast<size_t>(obs_tok) * n_heads * n_pages, kNegInf);
     }
 
+    // Pages go by chunks of up to max_slots: each page's scores land in its slot of the score
+    // rows, then every row takes one online-softmax step over the whole chunk, then each page's
+    // values are added. Fewer, wider softmax steps; the same bits whether rows are read fused or
+    // unpacked.
     int64_t first_key = 0;  // of the page, among all keys
-    for (int page = 0; page < n_pages; ++page) {
-      if constexpr (std::is_base_of_v<PageRows, Pages>) {
-        if (page + 1 < n_pages) pages.Prefetch(page + 1);
+    for (int page = 0; page < n_pages;) {
+      int n_slots = 0;
+      for (; page < n_pages && n_slots < max_slots; ++page) {
+        if constexpr (std::is_base_of_v<PageRows, Pages>) {
+          if (page + 1 < n_pages) pages.Prefetch(page + 1);
+        }
+        Slot& sl = slots[n_slots];
+        sl.pos = pages.Positions(page, &sl.cnt);
+        sl.page = page;
+        sl.j0 = first_key;
+        first_key += sl.cnt;
+        const int32_t p_min = *std::min_element(sl.pos, sl.pos + sl.cnt);
+        const int32_t p_max = *std::max_element(sl.pos, sl.pos + sl.cnt);
+        if (p_min > q_max) continue;  // no key of the page is visible to the tile
+        sl.all_visible = p_max <= q_min;
+        float* kb = k_buf + n_slots * page_floats;
+        sl.rows = pages.Rows(page, kb, v_buf + n_slots * page_floats);
+        float* s0 = scores + n_slots * s_stride;
+        if (sl.rows.k_channels != nullptr) {
+          ScoreChannelPage(sl.rows, sl.cnt, hd, rows, q_row, b.scale, s0, c_stride, kb, chan);
+        } else if (IsBlockKeyType(sl.rows.k_type)) {
+          if (!q8_ready) {
+            for (int r = 0; r < rows; ++r) {
+              q8_rows[r] = {q8 + r * hd, q8_d + r * (hd / 32), q8_sum + r * (hd / 32)};
+              cpu::QuantizeQuery(q_row(r), hd, q8 + r * hd, q8_d + r * (hd / 32),
+                                 q8_sum + r * (hd / 32));
+            }
+            q8_ready = true;
+          }
+          cpu::BlockKeyScores(static_cast<const uint8_t*>(sl.rows.k), sl.rows.k_type, sl.cnt, hd,
+                              q8_rows, rows, b.scale, s0, c_stride);
+        } else {
+          WithPlainRows(sl.rows.k, sl.rows.k_type, hd, [&](const auto& k_rows) {
+            ScorePage(k_rows, sl.cnt, hd, rows, q_row, b.scale, s0, c_stride, NoBias);
+          });
+        }
+        ++n_slots;
       }
-      int cnt = 0;
-      const int32_t* pos = pages.Positions(page, &cnt);
-      const int64_t j0 = first_key;
-      first_key += cnt;
-      const int32_t p_min = *std::min_element(pos, pos + cnt);
-      const int32_t p_max = *std::max_element(pos, pos + cnt);
-      if (p_min > q_max) continue;  // no key of the page is visible to the tile
-      const bool all_visible = p_max <= q_min;
-      const PageData rows_of = pages.Rows(page, k_buf, v_buf);
-      if (rows_of.k_channels != nullptr) {
-        ScoreChannelPage(rows_of, cnt, hd, rows, q_row, b.scale, scores, s_stride, k_buf, chan);
-      } else {
-        WithRows(rows_of.k, rows_of.k_type, cnt, hd, rows, k_buf, [&](const auto& k_rows) {
-          ScorePage(k_rows, cnt, hd, rows, q_row, b.scale, scores, s_stride, NoBias);
-        });
-      }
+      if (n_slots == 0) break;
+      const int width = n_slots * s_stride;
 
       for (int r = 0; r < rows; ++r) {
-        float* s = scores + static_cast<int64_t>(r) * s_stride;
-        if (!all_visible) {
-          const int32_t qp = q_pos[r / n_heads];
-          for (int j = 0; j < cnt; ++j) {
-            if (pos[j] > qp) s[j] = kNegInf;
+        float* s = scores + static_cast<int64_t>(r) * c_stride;
+        for (int i = 0; i < n_slots; ++i) {
+          const Slot& sl = slots[i];
+          float* si = s + i * s_stride;
+          if (!sl.all_visible) {
+            const int32_t qp = q_pos[r / n_heads];
+            for (int j = 0; j < sl.cnt; ++j) {
+              if (sl.pos[j] > qp) si[j] = kNegInf;
+            }
           }
+          std::fill(si + sl.cnt, si + s_stride, kNegInf);
         }
-        std::fill(s + cnt, s + s_stride, kNegInf);
 
         VF vmax = hn::Set(df, kNegInf);
-        for (int j = 0; j < s_stride; j += N) vmax = hn::Max(vmax, hn::LoadU(df, s + j));
-        const float page_max = hn::GetLane(hn::MaxOfLanes(df, vmax));
-        if (page_max == kNegInf) {  // nothing visible to this row in this page
-          std::fill(s, s + s_stride, 0.0f);
+        for (int j = 0; j < width; j += N) vmax = hn::Max(vmax, hn::LoadU(df, s + j));
+        const float chunk_max = hn::GetLane(hn::MaxOfLanes(df, vmax));
+        if (chunk_max == kNegInf) {  // nothing visible to this row in this chunk
+          std::fill(s, s + width, 0.0f);
           continue;
         }
 
         float* acc_r = acc + static_cast<int64_t>(r) * hd;
-        const float m_new = std::max(run_max[r], page_max);
+        const float m_new = std::max(run_max[r], chunk_max);
         if (run_max[r] != kNegInf && m_new > run_max[r]) {
           const float correction = std::exp(run_max[r] - m_new);
           run_sum[r] *= correction;
@@ -638,7 +737,7 @@ void AttendPages(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys
 
         const VF vm = hn::Set(df, m_new);
         VF vsum = hn::Zero(df);
-        for (int j = 0; j < s_stride; j += N) {
+        for (int j = 0; j < width; j += N) {
           const VF p = hn::Exp(df, hn::Sub(hn::LoadU(df, s + j), vm));  // exp(-inf) = 0
           hn::StoreU(p, df, s + j);
           vsum = hn::Add(vsum, p);
@@ -646,13 +745,20 @@ void AttendPages(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys
         run_sum[r] += ReduceSum(vsum);
         if (obs_tok > 0 && obs_slot[r / n_heads] >= 0) {
           const int64_t o = static_cast<int64_t>(obs_slot[r / n_heads]) * n_heads + r % n_heads;
-          std::copy_n(s, cnt, obs_p + o * n_keys + j0);
-          obs_m[o * n_pages + page] = m_new;
+          for (int i = 0; i < n_slots; ++i) {
+            std::copy_n(s + i * s_stride, slots[i].cnt, obs_p + o * n_keys + slots[i].j0);
+            obs_m[o * n_pages + slots[i].page] = m_new;
+          }
         }
       }
-      WithRows(rows_of.v, rows_of.v_type, cnt, hd, rows, v_buf, [&](const auto& v_rows) {
-        AccumulatePage(v_rows, cnt, hd, rows, scores, s_stride, acc);
-      });
+      for (int i = 0; i < n_slots; ++i) {
+        const Slot& sl = slots[i];
+        WithValueRows(sl.rows.v, sl.rows.v_type, sl.cnt, hd, rows, v_buf + i * page_floats,
+                      [&](const auto& v_rows) {
+                        AccumulatePage(v_rows, sl.cnt, hd, rows, scores + i * s_stride, c_stride,
+                                       acc);
+                      });
+      }
     }
 
     for (int r = 0; r < rows; ++r) {

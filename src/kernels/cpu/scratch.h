@@ -13,8 +13,9 @@ enum ScratchSlot : int {
   kScratchAttention = 3,
   kScratchAttentionObserve = 4,  // PagedAttention: per-row softmax terms kept for AttnObserve
   kScratchInt8Acts = 5,          // Int8MatMul: quantized activations (filled by the calling thread)
-  kScratchInt8Scales = 6,  // Int8MatMul: block scales of a task's weight rows (each worker thread)
-  kScratchSlots = 7,
+  kScratchInt8Scales = 6,   // Int8MatMul: block scales of a task's weight rows (each worker thread)
+  kScratchAttentionQ8 = 7,  // PagedAttention: the tile's query rows quantized for block keys
+  kScratchSlots = 8,
 };
 
 // At least n floats, 64-byte aligned, owned by the calling thread; contents are unspecified.

@@ -1,0 +1,206 @@
+// Scores of block-quantized keys (q4_0 / q8_0 pages, kernels/block_keys.h) on AVX-512 VNNI.
+//
+// Lanes are keys: a page's keys go 16 at a time, two blocks at a time. Each key's two blocks of
+// codes are unpacked to 64 unsigned bytes in one register (16 dwords of four consecutive codes of
+// one block), the 16 keys' registers are transposed (dword j of every key in register j), and
+// then per query row vpdpbusd adds four codes of all 16 keys times the row's four codes at that
+// place, broadcast: eight instructions sum a block for 16 keys, and the float steps of
+// BlockKeyScore run once per block for 16 keys, with no horizontal sums. The unpacking and the
+// transpose are paid once per page for every row of a tile, so one kernel serves a decode step
+// (one row per KV head in MHA) and a prefill tile (up to 32 rows) alike.
+//
+// Intrinsics with a target attribute for the reasons kernels/cpu/quant_int8.cc gives; CPUs
+// without VNNI take the reference, which computes the same integers and float steps.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/block_keys.h"
+#include "kernels/kernels.h"
+
+#define CACHET_INT8_TARGET \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
+
+namespace cachet::kernels::cpu {
+namespace {
+
+// Where dword j of a unpacked block pair (or a lone last block, j < 8) comes from: block first +
+// BlockOf(j) of the key, codes [At(j), At(j) + 4) of that block. q4_0: low nibbles of both blocks'
+// 16 bytes, then their high nibbles; q8_0: the two blocks' 32 codes one after the other.
+template <DType kType>
+constexpr int BlockOf(int j, bool pair) {
+  if (!pair) return 0;
+  return kType == DType::kQ4_0 ? (j / 4) % 2 : j / 8;
+}
+template <DType kType>
+constexpr int At(int j, bool pair) {
+  if (kType == DType::kQ4_0) return pair ? (j / 8) * 16 + 4 * (j % 4) : (j / 4) * 16 + 4 * (j % 4);
+  return 4 * (j % 8);
+}
+
+// Blocks b and b + 1 (pair) or b alone of one key row as 64 (32) unsigned codes.
+template <DType kType>
+CACHET_INT8_TARGET inline __m512i UnpackBlocks(const uint8_t* blk, bool pair) {
+  constexpr int kBytes = kType == DType::kQ4_0 ? 18 : 34;
+  if constexpr (kType == DType::kQ4_0) {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m128i lo_blk = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+    if (!pair) {
+      const __m128i m = _mm_set1_epi8(0x0F);
+      const __m256i codes =
+          _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(lo_blk, 4), m), _mm_and_si128(lo_blk, m));
+      return _mm512_castsi256_si512(codes);
+    }
+    const __m128i hi_blk = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kBytes + 2));
+    const __m256i both = _mm256_set_m128i(hi_blk, lo_blk);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(both, mask)),
+                              _mm256_and_si256(_mm256_srli_epi16(both, 4), mask), 1);
+  } else {
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    const __m256i a =
+        _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)), flip);
+    if (!pair) return _mm512_castsi256_si512(a);
+    const __m256i b = _mm256_xor_si256(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + kBytes + 2)), flip);
+    return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+  }
+}
+
+// r[t] = dword row of key t -> r[j] = dword j of keys 0..15.
+CACHET_INT8_TARGET inline void Transpose16(__m512i* r) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 8; ++i) {
+    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    b[4 * i + 0] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+  }
+  // b[4 i + k], 128-bit lane L: element 4 L + k of keys 4 i .. 4 i + 3.
+  for (int k = 0; k < 4; ++k) {
+    const __m512i s0 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0x88);
+    const __m512i s1 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0xDD);
+    const __m512i s2 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0x88);
+    const __m512i s3 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0xDD);
+    r[k] = _mm512_shuffle_i32x4(s0, s2, 0x88);
+    r[8 + k] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
+    r[4 + k] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+    r[12 + k] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
+  }
+}
+
+// The f16 scales of block blk of 16 keys (rows row_bytes apart; masked lanes read nothing).
+CACHET_INT8_TARGET inline __m512 GatherScales(const uint8_t* keys, __m512i offsets, __mmask16 m,
+                                              int blk_offset) {
+  const __m512i raw =
+      _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, offsets, keys + blk_offset, 1);
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(raw));
+}
+
+inline int32_t Load4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+constexpr int kRowsPerPass = 32;  // rows whose running scores stay in a stack buffer
+
+template <DType kType>
+CACHET_INT8_TARGET void ScoresVnni(const uint8_t* keys, int cnt, int hd, const QueryQ8* rows,
+                                   int n_rows, float scale, float* scores, int s_stride) {
+  constexpr int kBytes = kType == DType::kQ4_0 ? 18 : 34;
+  constexpr int32_t kOff = kType == DType::kQ4_0 ? 8 : 128;
+  const int nb = hd / 32;
+  const int64_t row_bytes = DTypeRowBytes(kType, hd);
+  const __m512i offsets =
+      _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                         _mm512_set1_epi32(static_cast<int32_t>(row_bytes)));
+  alignas(64) float acc[kRowsPerPass][16];
+  for (int j0 = 0; j0 < cnt; j0 += 16) {
+    const int n = std::min(16, cnt - j0);
+    const __mmask16 m = static_cast<__mmask16>((1u << n) - 1);
+    const uint8_t* k0 = keys + j0 * row_bytes;
+    for (int r0 = 0; r0 < n_rows; r0 += kRowsPerPass) {
+      const int nr = std::min(kRowsPerPass, n_rows - r0);
+      for (int b0 = 0; b0 < nb; b0 += 2) {
+        const bool pair = b0 + 1 < nb;
+        __m512i t[16];
+        for (int i = 0; i < 16; ++i) {
+          t[i] = i < n ? UnpackBlocks<kType>(k0 + i * row_bytes + b0 * kBytes, pair)
+                       : _mm512_setzero_si512();
+        }
+        Transpose16(t);
+        const __m512 dk0 = GatherScales(k0, offsets, m, b0 * kBytes);
+        const __m512 dk1 = pair ? GatherScales(k0, offsets, m, (b0 + 1) * kBytes) : dk0;
+        const int n_dw = pair ? 16 : 8;
+        for (int r = 0; r < nr; ++r) {
+          const QueryQ8& q = rows[r0 + r];
+          __m512i i0 = _mm512_set1_epi32(-kOff * q.sum[b0]);
+          __m512i i1 = pair ? _mm512_set1_epi32(-kOff * q.sum[b0 + 1]) : i0;
+          for (int j = 0; j < n_dw; ++j) {
+            const int blk = b0 + BlockOf<kType>(j, pair);
+            const __m512i qq = _mm512_set1_epi32(Load4(q.q + blk * 32 + At<kType>(j, pair)));
+            if (BlockOf<kType>(j, pair) == 0) {
+              i0 = _mm512_dpbusd_epi32(i0, t[j], qq);
+            } else {
+              i1 = _mm512_dpbusd_epi32(i1, t[j], qq);
+            }
+          }
+          // BlockKeyScore's steps, lane-wise.
+          const __m512 t0 = _mm512_mul_ps(_mm512_cvtepi32_ps(i0), _mm512_set1_ps(q.d[b0]));
+          __m512 a =
+              b0 == 0 ? _mm512_mul_ps(t0, dk0) : _mm512_fmadd_ps(t0, dk0, _mm512_load_ps(acc[r]));
+          if (pair) {
+            const __m512 t1 = _mm512_mul_ps(_mm512_cvtepi32_ps(i1), _mm512_set1_ps(q.d[b0 + 1]));
+            a = _mm512_fmadd_ps(t1, dk1, a);
+          }
+          _mm512_store_ps(acc[r], a);
+        }
+      }
+      const __m512 vscale = _mm512_set1_ps(scale);
+      for (int r = 0; r < nr; ++r) {
+        _mm512_mask_storeu_ps(scores + int64_t{r0 + r} * s_stride + j0, m,
+                              _mm512_mul_ps(_mm512_load_ps(acc[r]), vscale));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+bool HasInt8Kernels();
+
+void QuantizeQuery(const float* q, int head_dim, int8_t* codes, float* d, int32_t* sum) {
+  if (!HasInt8Kernels()) return ref::QuantizeQuery(q, head_dim, codes, d, sum);
+  float s[64];  // block sums as floats, unused: the integer sums follow
+  for (int b0 = 0; b0 < head_dim / 32; b0 += 64) {
+    const int nb = std::min(64, head_dim / 32 - b0);
+    QuantizeQ8(q + b0 * 32, nb * 32, codes + b0 * 32, d + b0, s);
+  }
+  for (int b = 0; b < head_dim / 32; ++b) {
+    int32_t total = 0;
+    for (int i = 0; i < 32; ++i) total += codes[b * 32 + i];
+    sum[b] = total;
+  }
+}
+
+void BlockKeyScores(const uint8_t* keys, DType type, int cnt, int head_dim, const QueryQ8* rows,
+                    int n_rows, float scale, float* scores, int s_stride) {
+  if (!HasInt8Kernels()) {
+    return ref::BlockKeyScores(keys, type, cnt, head_dim, rows, n_rows, scale, scores, s_stride);
+  }
+  if (type == DType::kQ4_0) {
+    ScoresVnni<DType::kQ4_0>(keys, cnt, head_dim, rows, n_rows, scale, scores, s_stride);
+  } else {
+    ScoresVnni<DType::kQ8_0>(keys, cnt, head_dim, rows, n_rows, scale, scores, s_stride);
+  }
+}
+
+}  // namespace cachet::kernels::cpu
