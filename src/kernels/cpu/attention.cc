@@ -108,11 +108,13 @@ struct BlockRows {
     return p + t * row_bytes + blk * kBlockBytes;
   }
   // The block's scale, broadcast.
-  HWY_INLINE VF Scale(int t, int blk) const {
+  HWY_INLINE float Scale(int t, int blk) const {
     uint16_t h;
     std::memcpy(&h, Block(t, blk), 2);
-    const hn::Rebind<uint16_t, DF> d16;
-    return hn::PromoteTo(DF(), hn::BitCast(hn::Rebind<hwy::float16_t, DF>(), hn::Set(d16, h)));
+    const hn::Full128<float> d4;
+    const hn::Rebind<uint16_t, decltype(d4)> d16;
+    return hn::GetLane(hn::PromoteTo(
+        d4, hn::BitCast(hn::Rebind<hwy::float16_t, decltype(d4)>(), hn::Set(d16, h))));
   }
   // Codes [o, o + N) of a block as f32 c + kOffset, unscaled (Scale applies); q4_0 also gives
   // [16 + o, 16 + o + N) from the same load (o < 16). With 16 lanes a q4_0 block is decoded by a
@@ -154,7 +156,7 @@ struct ScaledRows {
   const float* HWY_RESTRICT u;
   const float* HWY_RESTRICT s;
   int hd;
-  HWY_INLINE VF Scale(int t, int blk) const { return hn::Set(DF(), s[t * (hd / 32) + blk]); }
+  HWY_INLINE float Scale(int t, int blk) const { return s[t * (hd / 32) + blk]; }
   HWY_INLINE void Values(int t, int blk, int o, VF* lo, VF*) const {
     *lo = hn::LoadU(DF(), u + static_cast<int64_t>(t) * hd + blk * 32 + o);
   }
@@ -318,12 +320,12 @@ HWY_INLINE void AccumulateBlock(const Rows& v, int cnt, int hd, const float* p, 
         for (int j = 0; j < cnt; ++j) {
           VF xl, xh;
           v.Values(j, blk, o, &xl, &xh);
-          const VF scale = v.Scale(j, blk);
+          const float scale = v.Scale(j, blk);
 #pragma GCC unroll 16
           for (int r = 0; r < R; ++r) {
             // The row's weight times the block's scale, then times the code: the same steps
             // whether the block is read in place or unpacked (ScaledRows).
-            const VF w = hn::Mul(hn::Set(df, p[static_cast<int64_t>(r) * s_stride + j]), scale);
+            const VF w = hn::Set(df, p[static_cast<int64_t>(r) * s_stride + j] * scale);
             lo[r] = hn::MulAdd(w, xl, lo[r]);
             if constexpr (Rows::kNibbles) hi[r] = hn::MulAdd(w, xh, hi[r]);
           }
@@ -429,7 +431,7 @@ HWY_INLINE ScaledRows UnpackScaled(const BlockRows<kType>& rows, int cnt, int hd
   float* s = buf + static_cast<int64_t>(cnt) * hd;
   for (int t = 0; t < cnt; ++t) {
     for (int blk = 0; blk < nb; ++blk) {
-      s[t * nb + blk] = hn::GetLane(rows.Scale(t, blk));
+      s[t * nb + blk] = rows.Scale(t, blk);
       float* ub = u + static_cast<int64_t>(t) * hd + blk * 32;
       for (int o = 0; o < kCodeSpan<BlockRows<kType> >; o += N) {
         VF lo, hi;

@@ -96,6 +96,48 @@ CACHET_INT8_TARGET inline void Transpose16(__m512i* r) {
   }
 }
 
+// A pair of q4_0 blocks (b, b + 1) of 16 keys, straight into the transposed form Transpose16
+// gives UnpackBlocks' registers (t[j]: dword j of keys 0..15): the raw code bytes are transposed
+// first (8 dwords a key, keys t and t + 8 sharing a register) and the nibbles split after, half
+// the work of unpacking each key then transposing 16 dwords.
+CACHET_INT8_TARGET inline __m256i PairCodesQ4(const uint8_t* k0, int64_t row_bytes, int n, int i) {
+  if (i >= n) return _mm256_setzero_si256();
+  const uint8_t* blk = k0 + i * row_bytes + 2;
+  return _mm256_loadu2_m128i(reinterpret_cast<const __m128i*>(blk + 18),
+                             reinterpret_cast<const __m128i*>(blk));
+}
+
+CACHET_INT8_TARGET inline void UnpackPairQ4T(const uint8_t* k0, int64_t row_bytes, int n,
+                                             __m512i* t) {
+  __m512i z[8], a[8], b[8];
+  for (int i = 0; i < 8; ++i) {
+    z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(PairCodesQ4(k0, row_bytes, n, i)),
+                              PairCodesQ4(k0, row_bytes, n, i + 8), 1);
+  }
+  // An 8 x 8 dword transpose in each 256-bit half: raw dword d of key i + 8 h at lane i + 8 h.
+  for (int i = 0; i < 4; ++i) {
+    a[2 * i] = _mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {
+    b[4 * i + 0] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+  }
+  const __m512i lo_lanes = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
+  const __m512i hi_lanes = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  for (int k = 0; k < 4; ++k) {
+    const __m512i w_lo = _mm512_permutex2var_epi64(b[k], lo_lanes, b[4 + k]);  // raw dword k
+    const __m512i w_hi = _mm512_permutex2var_epi64(b[k], hi_lanes, b[4 + k]);  // raw dword 4 + k
+    t[k] = _mm512_and_si512(w_lo, mask);
+    t[8 + k] = _mm512_and_si512(_mm512_srli_epi16(w_lo, 4), mask);
+    t[4 + k] = _mm512_and_si512(w_hi, mask);
+    t[12 + k] = _mm512_and_si512(_mm512_srli_epi16(w_hi, 4), mask);
+  }
+}
+
 // The f16 scales of block blk of 16 keys (rows row_bytes apart; masked lanes read nothing).
 CACHET_INT8_TARGET inline __m512 GatherScales(const uint8_t* keys, __m512i offsets, __mmask16 m,
                                               int blk_offset) {
@@ -132,11 +174,15 @@ CACHET_INT8_TARGET void ScoresVnni(const uint8_t* keys, int cnt, int hd, const Q
       for (int b0 = 0; b0 < nb; b0 += 2) {
         const bool pair = b0 + 1 < nb;
         __m512i t[16];
-        for (int i = 0; i < 16; ++i) {
-          t[i] = i < n ? UnpackBlocks<kType>(k0 + i * row_bytes + b0 * kBytes, pair)
-                       : _mm512_setzero_si512();
+        if (kType == DType::kQ4_0 && pair) {
+          UnpackPairQ4T(k0 + b0 * kBytes, row_bytes, n, t);
+        } else {
+          for (int i = 0; i < 16; ++i) {
+            t[i] = i < n ? UnpackBlocks<kType>(k0 + i * row_bytes + b0 * kBytes, pair)
+                         : _mm512_setzero_si512();
+          }
+          Transpose16(t);
         }
-        Transpose16(t);
         const __m512 dk0 = GatherScales(k0, offsets, m, b0 * kBytes);
         const __m512 dk1 = pair ? GatherScales(k0, offsets, m, (b0 + 1) * kBytes) : dk0;
         const int n_dw = pair ? 16 : 8;
