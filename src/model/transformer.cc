@@ -1,6 +1,9 @@
 #include "model/transformer.h"
 
+#include <algorithm>
 #include <cmath>
+#include <functional>
+#include <string>
 
 #include "kernels/kernels.h"
 #include "model/gguf_model.h"
@@ -53,25 +56,80 @@ void ForEachToken(int n, ThreadPool& pool, Fn&& fn) {
   });
 }
 
+std::string Entry(size_t i) { return "ForwardBatch entry " + std::to_string(i) + ": "; }
+
 }  // namespace
 
 Status Transformer::Forward(std::span<const int32_t> tokens, std::span<const int32_t> positions,
                             KvSequence& kv, ThreadPool& pool, float* logits, bool all_logits) {
+  const SeqChunk one{&kv, tokens, positions, logits, all_logits};
+  return ForwardBatch(std::span<const SeqChunk>(&one, 1), pool);
+}
+
+Status Transformer::ForwardBatch(std::span<const SeqChunk> seqs, ThreadPool& pool) {
   const ModelConfig& c = config_;
-  const int n = static_cast<int>(tokens.size());
-  if (n == 0) return OkStatus();
-  if (n > max_batch_ || positions.size() != tokens.size()) {
-    return InvalidArgument("Forward: " + std::to_string(n) + " tokens exceed the batch of " +
-                           std::to_string(max_batch_) + " or positions do not match");
-  }
-  for (int i = 0; i < n; ++i) {
-    if (tokens[i] < 0 || tokens[i] >= c.vocab_size) {
-      return InvalidArgument("token id " + std::to_string(tokens[i]) + " at index " +
-                             std::to_string(i) + " is outside the vocabulary [0, " +
-                             std::to_string(c.vocab_size) + ")");
+  // Validate everything before anything changes.
+  int64_t total = 0;
+  for (size_t e = 0; e < seqs.size(); ++e) {
+    const SeqChunk& s = seqs[e];
+    if (s.kv == nullptr) return InvalidArgument(Entry(e) + "no KV sequence");
+    if (s.positions.size() != s.tokens.size()) {
+      return InvalidArgument(Entry(e) + std::to_string(s.positions.size()) + " positions for " +
+                             std::to_string(s.tokens.size()) + " tokens");
+    }
+    for (size_t i = 0; i < s.tokens.size(); ++i) {
+      if (s.tokens[i] < 0 || s.tokens[i] >= c.vocab_size) {
+        return InvalidArgument(Entry(e) + "token id " + std::to_string(s.tokens[i]) + " at index " +
+                               std::to_string(i) + " is outside the vocabulary [0, " +
+                               std::to_string(c.vocab_size) + ")");
+      }
+    }
+    total += static_cast<int64_t>(s.tokens.size());
+    if (total > max_batch_) {
+      return InvalidArgument(Entry(e) + "brings the step to " + std::to_string(total) +
+                             " tokens, over the batch of " + std::to_string(max_batch_) +
+                             " (max_batch)");
     }
   }
-  CACHET_RETURN_IF_ERROR(kv.Reserve(n));
+  // One entry per sequence: sorted by sequence, a repeat is next to its first entry.
+  kv_order_.clear();
+  for (size_t e = 0; e < seqs.size(); ++e) kv_order_.emplace_back(seqs[e].kv, int(e));
+  std::sort(kv_order_.begin(), kv_order_.end(), [](const auto& a, const auto& b) {
+    return std::less<const KvSequence*>()(a.first, b.first) ||
+           (a.first == b.first && a.second < b.second);
+  });
+  size_t repeat = seqs.size(), first = 0;  // the lowest entry index that repeats a sequence
+  for (size_t k = 1; k < kv_order_.size(); ++k) {
+    if (kv_order_[k].first == kv_order_[k - 1].first && size_t(kv_order_[k].second) < repeat) {
+      repeat = kv_order_[k].second;
+      first = kv_order_[k - 1].second;
+    }
+  }
+  if (repeat < seqs.size()) {
+    return InvalidArgument(Entry(repeat) + "its KV sequence is also entry " +
+                           std::to_string(first) + "'s (one entry per sequence in a step)");
+  }
+  const int n = static_cast<int>(total);
+  if (n == 0) return OkStatus();
+  // Room for every entry's tokens before any K/V is written (see the header for a failure).
+  for (size_t e = 0; e < seqs.size(); ++e) {
+    if (seqs[e].tokens.empty()) continue;
+    if (Status s = seqs[e].kv->Reserve(static_cast<int>(seqs[e].tokens.size())); !s.ok()) {
+      return Status(s.code(), Entry(e) + s.message());
+    }
+  }
+
+  entry_begin_.resize(seqs.size() + 1);
+  tokens_.resize(n);
+  positions_.resize(n);
+  for (size_t e = 0, i = 0; e < seqs.size(); ++e) {
+    entry_begin_[e] = static_cast<int32_t>(i);
+    std::copy(seqs[e].tokens.begin(), seqs[e].tokens.end(), tokens_.begin() + i);
+    std::copy(seqs[e].positions.begin(), seqs[e].positions.end(), positions_.begin() + i);
+    i += seqs[e].tokens.size();
+  }
+  entry_begin_[seqs.size()] = n;
+  PlanAttention(seqs, pool.size());
 
   const int d = c.hidden_size, hd = c.head_dim, half = hd / 2;
   const int q_dim = c.n_heads * hd, kv_dim = c.n_kv_heads * hd, f = c.intermediate_size;
@@ -79,11 +137,11 @@ Status Transformer::Forward(std::span<const int32_t> tokens, std::span<const int
   float* xn = xn_.data();
 
   ForEachToken(n, pool, [&](int i) {
-    kernels::DequantRow(weights_.embed, tokens[i], x + static_cast<size_t>(i) * d);
+    kernels::DequantRow(weights_.embed, tokens_[i], x + static_cast<size_t>(i) * d);
     // As HF: angle = f32(position) * inv_freq in f32, then cos/sin of that f32 angle.
     float* cs = rope_.data() + static_cast<size_t>(i) * hd;
     for (int j = 0; j < half; ++j) {
-      const float angle = static_cast<float>(positions[i]) * inv_freq_[j];
+      const float angle = static_cast<float>(positions_[i]) * inv_freq_[j];
       cs[j] = static_cast<float>(std::cos(static_cast<double>(angle)));
       cs[half + j] = static_cast<float>(std::sin(static_cast<double>(angle)));
     }
@@ -116,13 +174,16 @@ Status Transformer::Forward(std::span<const int32_t> tokens, std::span<const int
       kernels::RopeRotateHalf(qi, c.n_heads, hd, cs, cs + half);
       kernels::RopeRotateHalf(ki, c.n_kv_heads, hd, cs, cs + half);
     });
-    for (int i = 0; i < n; ++i) {
-      for (int h = 0; h < c.n_kv_heads; ++h) {
-        kv.Append(l, h, k_.data() + size_t(i) * kv_dim + h * hd,
-                  v_.data() + size_t(i) * kv_dim + h * hd, positions[i]);
+    for (size_t e = 0; e < seqs.size(); ++e) {
+      KvSequence& kv = *seqs[e].kv;
+      for (int i = entry_begin_[e]; i < entry_begin_[e + 1]; ++i) {
+        for (int h = 0; h < c.n_kv_heads; ++h) {
+          kv.Append(l, h, k_.data() + size_t(i) * kv_dim + h * hd,
+                    v_.data() + size_t(i) * kv_dim + h * hd, positions_[i]);
+        }
       }
     }
-    Attention(l, n, positions.data(), kv, pool);
+    Attention(l, seqs, pool);
     kernels::MatMul(attn_.data(), n, L.wo, nullptr, xn, d, pool);
     ForEachToken(n, pool, [&](int i) {
       float* xi = x + size_t(i) * d;
@@ -143,40 +204,94 @@ Status Transformer::Forward(std::span<const int32_t> tokens, std::span<const int
       for (int j = 0; j < d; ++j) xi[j] += oi[j];
     });
   }
-  kv.CommitTokens(n);
+  for (size_t e = 0; e < seqs.size(); ++e) {
+    if (!seqs[e].tokens.empty()) seqs[e].kv->CommitTokens(static_cast<int>(seqs[e].tokens.size()));
+  }
 
-  const int first = all_logits ? 0 : n - 1;
-  const int n_out = n - first;
-  ForEachToken(n_out, pool, [&](int i) {
-    kernels::RmsNorm(x + size_t(first + i) * d, weights_.final_norm.data(), d, c.rms_norm_eps,
-                     xn + size_t(i) * d);
+  // The LM head, over the rows whose logits are wanted only.
+  out_rows_.clear();
+  int wanting = 0;  // entries that want logits
+  for (size_t e = 0; e < seqs.size(); ++e) {
+    if (seqs[e].logits == nullptr || seqs[e].tokens.empty()) continue;
+    ++wanting;
+    for (int i = seqs[e].all_logits ? entry_begin_[e] : entry_begin_[e + 1] - 1;
+         i < entry_begin_[e + 1]; ++i) {
+      out_rows_.push_back(i);
+    }
+  }
+  const int n_out = static_cast<int>(out_rows_.size());
+  if (n_out == 0) return OkStatus();
+  ForEachToken(n_out, pool, [&](int k) {
+    kernels::RmsNorm(x + size_t(out_rows_[k]) * d, weights_.final_norm.data(), d, c.rms_norm_eps,
+                     xn + size_t(k) * d);
   });
-  kernels::MatMul(xn, n_out, weights_.lm_head, nullptr, logits, c.vocab_size, pool);
+  const size_t vocab = static_cast<size_t>(c.vocab_size);
+  if (wanting == 1) {  // straight into the one buffer
+    float* out = nullptr;
+    for (const SeqChunk& s : seqs) {
+      if (s.logits != nullptr && !s.tokens.empty()) out = s.logits;
+    }
+    kernels::MatMul(xn, n_out, weights_.lm_head, nullptr, out, c.vocab_size, pool);
+    return OkStatus();
+  }
+  logits_.resize(size_t(n_out) * vocab);
+  kernels::MatMul(xn, n_out, weights_.lm_head, nullptr, logits_.data(), c.vocab_size, pool);
+  const float* row = logits_.data();
+  for (const SeqChunk& s : seqs) {
+    if (s.logits == nullptr || s.tokens.empty()) continue;
+    const size_t rows = s.all_logits ? s.tokens.size() : 1;
+    std::copy(row, row + rows * vocab, s.logits);
+    row += rows * vocab;
+  }
   return OkStatus();
 }
 
-void Transformer::Attention(int layer, int n, const int32_t* positions, KvSequence& kv,
-                            ThreadPool& pool) {
+void Transformer::PlanAttention(std::span<const SeqChunk> seqs, int threads) {
+  attn_blocks_.clear();
+  // An entry's work: each token attends to about (its position + 1) keys.
+  double total_work = 0.0;
+  for (const SeqChunk& s : seqs) {
+    for (int32_t p : s.positions) total_work += double(p) + 1.0;
+  }
+  const int target = std::max(1, 4 * threads);  // blocks in all (each is n_kv_heads tasks)
+  for (size_t e = 0; e < seqs.size(); ++e) {
+    const int n = static_cast<int>(seqs[e].tokens.size());
+    if (n == 0) continue;
+    double work = 0.0;
+    for (int32_t p : seqs[e].positions) work += double(p) + 1.0;
+    // Later tokens see more keys, so blocks are small enough for the pool to balance them.
+    const int blocks =
+        n == 1 ? 1 : std::clamp(static_cast<int>(std::ceil(target * work / total_work)), 1, n);
+    for (int b = 0; b < blocks; ++b) {
+      const int lo = entry_begin_[e] + n * b / blocks, hi = entry_begin_[e] + n * (b + 1) / blocks;
+      if (lo == hi) continue;
+      double cost = 0.0;
+      for (int i = lo; i < hi; ++i) cost += double(positions_[i]) + 1.0;
+      attn_blocks_.push_back({static_cast<int>(e), lo, hi, cost});
+    }
+  }
+  std::stable_sort(attn_blocks_.begin(), attn_blocks_.end(),
+                   [](const AttnBlock& a, const AttnBlock& b) { return a.cost > b.cost; });
+}
+
+void Transformer::Attention(int layer, std::span<const SeqChunk> seqs, ThreadPool& pool) {
   const ModelConfig& c = config_;
   const int hd = c.head_dim, group = c.n_heads / c.n_kv_heads, q_dim = c.n_heads * hd;
-  // Tasks: (KV head, block of query tokens); later tokens see more keys, so blocks are small
-  // enough for the pool to balance them.
-  const int blocks = n == 1 ? 1 : std::min(n, std::max(1, 4 * pool.size()));
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  pool.Run(int64_t{c.n_kv_heads} * blocks, [&](int64_t task, int) {
-    const int h = static_cast<int>(task / blocks), b = static_cast<int>(task % blocks);
-    const int lo = n * b / blocks, hi = n * (b + 1) / blocks;
-    if (lo == hi) return;
+  const int64_t n_tasks = int64_t(attn_blocks_.size()) * c.n_kv_heads;
+  pool.Run(n_tasks, [&](int64_t task, int) {
+    const AttnBlock& blk = attn_blocks_[task / c.n_kv_heads];
+    const int h = static_cast<int>(task % c.n_kv_heads);
     kernels::AttnBatch batch;
-    batch.q = q_.data() + size_t(lo) * q_dim + size_t(h) * group * hd;
+    batch.q = q_.data() + size_t(blk.begin) * q_dim + size_t(h) * group * hd;
     batch.q_stride = q_dim;
-    batch.out = attn_.data() + size_t(lo) * q_dim + size_t(h) * group * hd;
+    batch.out = attn_.data() + size_t(blk.begin) * q_dim + size_t(h) * group * hd;
     batch.out_stride = q_dim;
-    batch.q_pos = positions + lo;
-    batch.n_tok = hi - lo;
+    batch.q_pos = positions_.data() + blk.begin;
+    batch.n_tok = blk.end - blk.begin;
     batch.n_heads = group;
     batch.scale = scale;
-    kv.Attend(layer, h, batch);
+    seqs[blk.entry].kv->Attend(layer, h, batch);
   });
 }
 

@@ -2,16 +2,23 @@
 // fly; all arithmetic is f32.
 //
 // n == 1 (decode) is a matrix-vector product and memory bound: each task streams a contiguous block
-// of weight rows once, four rows at a time with two accumulators each. A bf16 vector load covers
+// of weight rows once, eight rows at a time (four from DRAM) with one accumulator each, the two
+// vectors of each 2N-column block added to it in turn. A bf16 vector load covers
 // 2N columns; the even columns are the low halves of its 32-bit lanes (shift left by 16) and the
 // odd columns the high halves (mask), so x is deinterleaved once per call to match.
 //
 // n > 1 (prefill) is compute bound: each task converts a block of weight rows to f32 in per-thread
-// scratch (zero-padded to a multiple of the vector length, as is x) and runs a 4 tokens x 4 rows
-// register tile over it for all n tokens. The 16 dot products of a tile are reduced four at a time.
-// Long rows go by column chunks, so that a tile's operands stay in L1.
+// scratch and runs a 4 tokens x 4 rows register tile over it for all n tokens. The 16 dot products
+// of a tile are reduced four at a time. Long rows go by column chunks, so that a tile's operands
+// stay in L1.
 //
-// Both paths compute every output with the same operation order whatever the thread count.
+// Both paths compute every output with the same operation order whatever the thread count, and
+// the same as each other: a token's row has the same bits alone (decode) as among any n tokens
+// (prefill), so that a batched forward step gives each sequence what it would get alone. Each lane
+// of a dot product's single accumulator takes its columns in the same order in both (for bf16,
+// prefill stores converted rows and x with each 2N-column block deinterleaved as decode reads it),
+// rows are zero-padded to a multiple of 2N in both (decode copies a row's last, partial block),
+// and the lanes are summed by the same Reduce4.
 
 // clang-format off
 #include "kernels/cpu/hwy_targets.h"  // must precede every Highway header
@@ -49,6 +56,8 @@ namespace {
 
 // Below this many weights a call runs on the calling thread: waking the pool costs more.
 constexpr int64_t kMinParallelWeights = 1 << 16;
+// Decode: matrices larger than this (bytes) are taken to stream from DRAM.
+constexpr int64_t kDecodeStreamBytes = 8 << 20;
 // Prefill tasks: blocks of up to this many weight rows (a multiple of 4), converted to f32 once
 // and used for all tokens, so that each x row loaded serves many rows ...
 constexpr int64_t kPrefillBlockRows = 128;
@@ -127,115 +136,191 @@ HWY_INLINE void LoadPair(const void* row, int64_t c, VF& w0, VF& w1) {
   }
 }
 
-// x as LoadPair's second operands need it: for bf16, each 2N-column block [c, c+2N) of x is stored
-// as its even columns then its odd ones; other types use x as is. Columns past the last full block
-// are read from x directly.
+// Columns per decode iteration and per padded row: 2N (one LoadPair).
+HWY_INLINE int64_t PairCols() { return 2 * static_cast<int64_t>(hn::Lanes(DF())); }
+
+// x as LoadPair's second operands need it, in out[0, cols_pad) (cols_pad a multiple of 2N, the
+// columns past cols zero): for bf16, each 2N-column block [c, c+2N) is stored as its even columns
+// then its odd ones; other types are copied as they are.
 template <DType kType>
-const float* PrepareDecodeX(const float* x, int64_t cols) {
-  if constexpr (kType != DType::kBF16) {
-    return x;
-  } else {
-    const int64_t N = static_cast<int64_t>(hn::Lanes(DF()));
-    const int64_t c_full = cols / (2 * N) * (2 * N);
-    if (c_full == 0) return x;
-    float* xd = ThreadScratch(kScratchMatMulX, static_cast<size_t>(c_full));
-    for (int64_t c = 0; c < c_full; c += 2 * N) {
+void PrepareX(const float* HWY_RESTRICT x, int64_t cols, int64_t cols_pad,
+              float* HWY_RESTRICT out) {
+  if constexpr (kType == DType::kBF16) {
+    const int64_t N = PairCols() / 2;
+    for (int64_t c = 0; c < cols_pad; c += 2 * N) {
       for (int64_t i = 0; i < N; ++i) {
-        xd[c + i] = x[c + 2 * i];
-        xd[c + N + i] = x[c + 2 * i + 1];
+        const int64_t even = c + 2 * i, odd = even + 1;
+        out[c + i] = even < cols ? x[even] : 0.0f;
+        out[c + N + i] = odd < cols ? x[odd] : 0.0f;
       }
     }
-    return xd;
+  } else {
+    std::copy(x, x + cols, out);
+    std::fill(out + cols, out + cols_pad, 0.0f);
   }
 }
 
-// y[r] = w[r] . x + bias[r] for r in [r0, r1), four rows at a time (the last group repeats its last
-// row and discards the extra results, so that every row is reduced the same way).
+// Whether x must be copied by PrepareX, or is used in place.
 template <DType kType>
-void MatVecRows(const float* HWY_RESTRICT xd, const float* HWY_RESTRICT x, const Matrix& w,
-                const float* HWY_RESTRICT bias, int64_t r0, int64_t r1, float* HWY_RESTRICT y) {
+bool NeedsPreparedX(int64_t cols, int64_t cols_pad) {
+  return kType == DType::kBF16 || cols != cols_pad;
+}
+
+// The last, partial 2N-column block of a row (columns [c_full, cols)), copied zero-padded to 2N
+// elements of its dtype (zero bits are +0 in f32, f16 and bf16), so that LoadPair can read it.
+// (Not over-aligned: a stack object aligned beyond 16 bytes makes the decode loop's function
+// realign its stack, which cost f16 decode from DRAM 15-20%.)
+struct TailBlock {
+  uint8_t bytes[2 * HWY_MAX_BYTES];
+};
+template <DType kType>
+HWY_INLINE const void* CopyTail(const void* row, int64_t c_full, int64_t cols, TailBlock* tail) {
+  const int64_t elem = DTypeSize(kType);
+  std::memset(tail->bytes, 0, sizeof(tail->bytes));
+  std::memcpy(tail->bytes, static_cast<const char*>(row) + c_full * elem,
+              static_cast<size_t>((cols - c_full) * elem));
+  return tail->bytes;
+}
+
+// Prefill's f32 copy of a weight row: out[0, RoundUp(cols, 2N)) holds, per 2N-column block,
+// LoadPair's w0 then w1 (for bf16 the block's even columns then its odd ones, else the columns in
+// order), with the columns past cols zero.
+template <DType kType>
+void ConvertRowForTile(const void* row, int64_t cols, float* HWY_RESTRICT out) {
+  const DF df;
+  const int64_t step = PairCols(), N = step / 2;
+  const int64_t c_full = cols / step * step;
+  VF w0, w1;
+  for (int64_t c = 0; c < c_full; c += step) {
+    LoadPair<kType>(row, c, w0, w1);
+    hn::StoreU(w0, df, out + c);
+    hn::StoreU(w1, df, out + c + N);
+  }
+  if (c_full < cols) {
+    TailBlock tail;
+    LoadPair<kType>(CopyTail<kType>(row, c_full, cols, &tail), 0, w0, w1);
+    hn::StoreU(w0, df, out + c_full);
+    hn::StoreU(w1, df, out + c_full + N);
+  }
+}
+
+// y[r] = w[r] . x + bias[r] for r in [r0, r1), kDecodeRows rows at a time (the last group repeats
+// its last row and discards the extra results, so that every row is reduced the same way). xd is
+// x as PrepareX leaves it (or x itself when it needs no copy). kTail: whether rows end with a
+// partial 2N-column block (a separate instantiation, so that rows without one run the plain loop).
+template <DType kType, int64_t kDecodeRows, bool kTail>
+void MatVecRows(const float* HWY_RESTRICT xd, const Matrix& w, const float* HWY_RESTRICT bias,
+                int64_t r0, int64_t r1, float* HWY_RESTRICT y) {
   const DF df;
   const D4 d4;
-  const int64_t N = static_cast<int64_t>(hn::Lanes(df));
+  const int64_t step = PairCols(), N = step / 2;
   const int64_t cols = w.cols;
-  const int64_t c_full = cols / (2 * N) * (2 * N);
+  const int64_t c_full = cols / step * step;
   const int64_t elem_bytes = DTypeSize(kType);
   const int64_t row_bytes = cols * elem_bytes;
   constexpr int64_t kPrefetchRows = 8;
-  for (int64_t r = r0; r < r1; r += 4) {
-    const int64_t nr = std::min<int64_t>(4, r1 - r);
-    const void* p0 = RowPtr(w, r);
-    const void* p1 = RowPtr(w, r + std::min<int64_t>(1, nr - 1));
-    const void* p2 = RowPtr(w, r + std::min<int64_t>(2, nr - 1));
-    const void* p3 = RowPtr(w, r + std::min<int64_t>(3, nr - 1));
-    VF a00 = hn::Zero(df), a01 = hn::Zero(df), a10 = hn::Zero(df), a11 = hn::Zero(df);
-    VF a20 = hn::Zero(df), a21 = hn::Zero(df), a30 = hn::Zero(df), a31 = hn::Zero(df);
+  for (int64_t r = r0; r < r1; r += kDecodeRows) {
+    const int64_t nr = std::min<int64_t>(kDecodeRows, r1 - r);
+    const void* p[kDecodeRows];
+    for (int64_t i = 0; i < kDecodeRows; ++i) p[i] = RowPtr(w, r + std::min<int64_t>(i, nr - 1));
+    // The rows' last, partial blocks, copied before the accumulators are live.
+    TailBlock tails[kTail ? kDecodeRows : 1];
+    const void* tail_rows[kDecodeRows];
+    if constexpr (kTail) {
+      for (int64_t i = 0; i < kDecodeRows; ++i) {
+        tail_rows[i] = CopyTail<kType>(p[i], c_full, cols, &tails[i]);
+      }
+    }
+    VF a0 = hn::Zero(df), a1 = hn::Zero(df), a2 = hn::Zero(df), a3 = hn::Zero(df);
+    VF a4 = hn::Zero(df), a5 = hn::Zero(df), a6 = hn::Zero(df), a7 = hn::Zero(df);  // 8 rows
+    // One 2N-column block of every row of the group: w0 . x0 then w1 . x1 into its accumulator.
+    auto block = [&](const void* const* rows, int64_t c, const float* HWY_RESTRICT xc) {
+      const VF x0 = hn::LoadU(df, xc);
+      const VF x1 = hn::LoadU(df, xc + N);
+      VF w0, w1;
+      LoadPair<kType>(rows[0], c, w0, w1);
+      a0 = hn::MulAdd(w1, x1, hn::MulAdd(w0, x0, a0));
+      LoadPair<kType>(rows[1], c, w0, w1);
+      a1 = hn::MulAdd(w1, x1, hn::MulAdd(w0, x0, a1));
+      LoadPair<kType>(rows[2], c, w0, w1);
+      a2 = hn::MulAdd(w1, x1, hn::MulAdd(w0, x0, a2));
+      LoadPair<kType>(rows[3], c, w0, w1);
+      a3 = hn::MulAdd(w1, x1, hn::MulAdd(w0, x0, a3));
+      if constexpr (kDecodeRows == 4) return;
+      LoadPair<kType>(rows[4], c, w0, w1);
+      a4 = hn::MulAdd(w1, x1, hn::MulAdd(w0, x0, a4));
+      LoadPair<kType>(rows[5], c, w0, w1);
+      a5 = hn::MulAdd(w1, x1, hn::MulAdd(w0, x0, a5));
+      LoadPair<kType>(rows[6], c, w0, w1);
+      a6 = hn::MulAdd(w1, x1, hn::MulAdd(w0, x0, a6));
+      LoadPair<kType>(rows[7], c, w0, w1);
+      a7 = hn::MulAdd(w1, x1, hn::MulAdd(w0, x0, a7));
+    };
     // Rows kPrefetchRows ahead, fetched into L2 while this group computes: every cache line of
     // them (an iteration reads 2N columns of each row). The hardware prefetcher alone left this
     // loop stalled on DRAM at a third of the streaming bandwidth; prefetching into L1 instead
     // (prefetcht0) held the f16 kernel at 10 GB/s on one core, into L2 it streams at 25.
-    const char* ahead = reinterpret_cast<const char*>(p0) + kPrefetchRows * row_bytes;
-    const bool prefetch = r + 4 + kPrefetchRows <= r1;
-    const int64_t step_bytes = 2 * N * elem_bytes;
-    for (int64_t c = 0; c < c_full; c += 2 * N) {
+    const char* ahead = static_cast<const char*>(p[0]) + kPrefetchRows * row_bytes;
+    const bool prefetch = r + kDecodeRows + kPrefetchRows <= r1;
+    const int64_t step_bytes = step * elem_bytes;
+    for (int64_t c = 0; c < c_full; c += step) {
       if (prefetch) {
-        const char* a = ahead + c * elem_bytes;
+        const char* pa = ahead + c * elem_bytes;
         for (int64_t line = 0; line < step_bytes; line += 64) {
-          for (int i = 0; i < 4; ++i) __builtin_prefetch(a + line + i * row_bytes, 0, 2);
+          for (int64_t i = 0; i < kDecodeRows; ++i) {
+            __builtin_prefetch(pa + line + i * row_bytes, 0, 2);
+          }
         }
       }
-      const VF x0 = hn::LoadU(df, xd + c);
-      const VF x1 = hn::LoadU(df, xd + c + N);
-      VF w0, w1;
-      LoadPair<kType>(p0, c, w0, w1);
-      a00 = hn::MulAdd(w0, x0, a00);
-      a01 = hn::MulAdd(w1, x1, a01);
-      LoadPair<kType>(p1, c, w0, w1);
-      a10 = hn::MulAdd(w0, x0, a10);
-      a11 = hn::MulAdd(w1, x1, a11);
-      LoadPair<kType>(p2, c, w0, w1);
-      a20 = hn::MulAdd(w0, x0, a20);
-      a21 = hn::MulAdd(w1, x1, a21);
-      LoadPair<kType>(p3, c, w0, w1);
-      a30 = hn::MulAdd(w0, x0, a30);
-      a31 = hn::MulAdd(w1, x1, a31);
+      block(p, c, xd + c);
     }
-    V4 sums = Reduce4(hn::Add(a00, a01), hn::Add(a10, a11), hn::Add(a20, a21), hn::Add(a30, a31));
-    if (c_full < cols) {
-      const void* rows[4] = {p0, p1, p2, p3};
-      float tail[4];
-      for (int i = 0; i < 4; ++i) {
-        float s = 0.0f;
-        for (int64_t c = c_full; c < cols; ++c) s += LoadAsF32(rows[i], kType, c) * x[c];
-        tail[i] = s;
+    if constexpr (kTail) block(tail_rows, 0, xd + c_full);  // zero-padded as prefill pads it
+    V4 sums[2] = {Reduce4(a0, a1, a2, a3), Reduce4(a0, a1, a2, a3)};
+    if constexpr (kDecodeRows == 8) sums[1] = Reduce4(a4, a5, a6, a7);
+    for (int64_t h = 0; h < 2 && 4 * h < nr; ++h) {
+      const int64_t rh = r + 4 * h, nh = std::min<int64_t>(4, nr - 4 * h);
+      if (nh == 4) {
+        const V4 b4 = bias != nullptr ? hn::LoadU(d4, bias + rh) : hn::Zero(d4);
+        hn::StoreU(hn::Add(sums[h], b4), d4, y + rh);
+      } else {
+        float b4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (bias != nullptr) std::copy(bias + rh, bias + rh + nh, b4);
+        float out[4];
+        hn::StoreU(hn::Add(sums[h], hn::LoadU(d4, b4)), d4, out);
+        std::copy(out, out + nh, y + rh);
       }
-      sums = hn::Add(sums, hn::LoadU(d4, tail));
-    }
-    if (nr == 4) {
-      if (bias != nullptr) sums = hn::Add(sums, hn::LoadU(d4, bias + r));
-      hn::StoreU(sums, d4, y + r);
-    } else {
-      float b4[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      if (bias != nullptr) std::copy(bias + r, bias + r + nr, b4);
-      float out[4];
-      hn::StoreU(hn::Add(sums, hn::LoadU(d4, b4)), d4, out);
-      std::copy(out, out + nr, y + r);
     }
   }
 }
 
 template <DType kType>
 void MatVec(const float* x, const Matrix& w, const float* bias, float* y, ThreadPool& pool) {
-  const float* xd = PrepareDecodeX<kType>(x, w.cols);
+  const int64_t cols_pad = RoundUp(w.cols, PairCols());
+  const float* xd = x;
+  if (NeedsPreparedX<kType>(w.cols, cols_pad)) {
+    float* buf = ThreadScratch(kScratchMatMulX, static_cast<size_t>(cols_pad));
+    PrepareX<kType>(x, w.cols, cols_pad, buf);
+    xd = buf;
+  }
   const bool parallel = w.rows * w.cols >= kMinParallelWeights;
   // A few contiguous blocks per thread: every thread streams whole rows, and a thread slowed down
   // by something else on the machine leaves its later blocks to the others.
   const int64_t tasks_wanted = parallel ? 4 * static_cast<int64_t>(pool.size()) : 1;
-  const int64_t block = RoundUp(std::max<int64_t>(CeilDiv(w.rows, tasks_wanted), 16), 4);
+  const int64_t block = RoundUp(std::max<int64_t>(CeilDiv(w.rows, tasks_wanted), 16), 8);
   const int64_t n_tasks = CeilDiv(w.rows, block);
+  // Rows in groups of eight (eight FMA chains) while the matrix is cache resident, of four when it
+  // streams from DRAM (four streams kept f16 decode 10% faster there). A row's result does not
+  // depend on its group.
+  const bool streams = w.rows * w.cols * DTypeSize(kType) > kDecodeStreamBytes;
   RunTasks(pool, n_tasks, parallel, [&](int64_t task) {
-    const int64_t r0 = task * block;
-    MatVecRows<kType>(xd, x, w, bias, r0, std::min(w.rows, r0 + block), y);
+    const int64_t r0 = task * block, r1 = std::min(w.rows, r0 + block);
+    if (cols_pad != w.cols) {
+      MatVecRows<kType, 4, true>(xd, w, bias, r0, r1, y);
+    } else if (streams) {
+      MatVecRows<kType, 4, false>(xd, w, bias, r0, r1, y);
+    } else {
+      MatVecRows<kType, 8, false>(xd, w, bias, r0, r1, y);
+    }
   });
 }
 
@@ -334,16 +419,15 @@ void MatMulPrefill(const float* x, int64_t n, const Matrix& w, const float* bias
   const DF df;
   const int64_t N = static_cast<int64_t>(hn::Lanes(df));
   const int64_t cols = w.cols;
-  const int64_t cols_pad = RoundUp(cols, N);
+  const int64_t cols_pad = RoundUp(cols, PairCols());
 
-  // x rows, zero-padded to cols_pad unless already a multiple of N.
+  // x rows as decode reads them (PrepareX), unless they are usable in place.
   const float* xp = x;
   int64_t x_stride = cols;
-  if (cols_pad != cols) {
+  if (NeedsPreparedX<kType>(cols, cols_pad)) {
     float* buf = ThreadScratch(kScratchMatMulX, static_cast<size_t>(n * cols_pad));
     for (int64_t t = 0; t < n; ++t) {
-      std::copy(x + t * cols, x + (t + 1) * cols, buf + t * cols_pad);
-      std::fill(buf + t * cols_pad + cols, buf + (t + 1) * cols_pad, 0.0f);
+      PrepareX<kType>(x + t * cols, cols, cols_pad, buf + t * cols_pad);
     }
     xp = buf;
     x_stride = cols_pad;
@@ -370,7 +454,7 @@ void MatMulPrefill(const float* x, int64_t n, const Matrix& w, const float* bias
     if (convert) {
       float* buf = ThreadScratch(kScratchMatMulW, static_cast<size_t>(nr * cols_pad));
       for (int64_t i = 0; i < nr; ++i) {
-        ConvertRow<kType>(RowPtr(w, r0 + i), cols, cols_pad, buf + i * cols_pad);
+        ConvertRowForTile<kType>(RowPtr(w, r0 + i), cols, buf + i * cols_pad);
       }
       wb = buf;
       w_stride = cols_pad;

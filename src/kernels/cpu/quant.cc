@@ -61,8 +61,9 @@ HWY_INLINE hn::Vec<DI32> LoadU8(const uint8_t* p) {
   return hn::PromoteTo(DI32(), hn::LoadU(DU8(), p));
 }
 
-// Calls fn(c, v) with v = the dequantized columns [c, c + N) of a row, for every column (not in
-// column order). Requires N <= 16 (true of every x86 target).
+// Calls fn(c, v) with v = the dequantized columns [c, c + N) of a row, for every column in column
+// order (c = 0, N, 2N, ...), so that a decode row accumulates each lane in the order prefill's tile
+// does. Requires N <= 16 (true of every x86 target).
 template <DType kType, class Fn>
 HWY_INLINE void ForEachVec(const uint8_t* row, int64_t cols, const Fn& fn) {
   const DF df;
@@ -82,10 +83,12 @@ HWY_INLINE void ForEachVec(const uint8_t* row, int64_t cols, const Fn& fn) {
     } else if constexpr (kType == DType::kQ4_0) {
       const VF d = hn::Set(df, LoadF16(b));
       const auto mask = hn::Set(di, 0xF), eight = hn::Set(di, 8);
-      for (int64_t k = 0; k < 16; k += N) {
-        const auto u = LoadU8(b + 2 + k);
-        fn(c0 + k, hn::Mul(hn::ConvertTo(df, hn::Sub(hn::And(u, mask), eight)), d));
-        fn(c0 + 16 + k, hn::Mul(hn::ConvertTo(df, hn::Sub(hn::ShiftRight<4>(u), eight)), d));
+      for (int64_t k = 0; k < 16; k += N) {  // codes 0-15: the low nibbles
+        fn(c0 + k, hn::Mul(hn::ConvertTo(df, hn::Sub(hn::And(LoadU8(b + 2 + k), mask), eight)), d));
+      }
+      for (int64_t k = 0; k < 16; k += N) {  // codes 16-31: the high nibbles
+        fn(c0 + 16 + k,
+           hn::Mul(hn::ConvertTo(df, hn::Sub(hn::ShiftRight<4>(LoadU8(b + 2 + k)), eight)), d));
       }
     } else if constexpr (kType == DType::kQ4_K) {
       const float d = LoadF16(b), dmin = LoadF16(b + 2);
@@ -107,9 +110,11 @@ HWY_INLINE void ForEachVec(const uint8_t* row, int64_t cols, const Fn& fn) {
         const VF d1 = hn::Set(df, d * s1), mn1 = hn::Set(df, dmin * m1);
         const VF d2 = hn::Set(df, d * s2), mn2 = hn::Set(df, dmin * m2);
         for (int64_t k = 0; k < 32; k += N) {
-          const auto u = LoadU8(q + k);
-          fn(c0 + j + k, hn::MulSub(hn::ConvertTo(df, hn::And(u, mask)), d1, mn1));
-          fn(c0 + j + 32 + k, hn::MulSub(hn::ConvertTo(df, hn::ShiftRight<4>(u)), d2, mn2));
+          fn(c0 + j + k, hn::MulSub(hn::ConvertTo(df, hn::And(LoadU8(q + k), mask)), d1, mn1));
+        }
+        for (int64_t k = 0; k < 32; k += N) {
+          fn(c0 + j + 32 + k,
+             hn::MulSub(hn::ConvertTo(df, hn::ShiftRight<4>(LoadU8(q + k))), d2, mn2));
         }
       }
     } else {  // kQ6_K
@@ -119,22 +124,18 @@ HWY_INLINE void ForEachVec(const uint8_t* row, int64_t cols, const Fn& fn) {
       const float d = LoadF16(b + 208);
       const auto mask = hn::Set(di, 0xF), three = hn::Set(di, 3), off = hn::Set(di, 32);
       for (int n = 0; n < 256; n += 128, ql += 64, qh += 32, sc += 8) {
-        for (int64_t l = 0; l < 32; l += N) {
-          const int is = static_cast<int>(l / 16);
-          const auto lo0 = LoadU8(ql + l), lo1 = LoadU8(ql + l + 32), h = LoadU8(qh + l);
-          const auto q1 = hn::Or(hn::And(lo0, mask), hn::ShiftLeft<4>(hn::And(h, three)));
-          const auto q2 =
-              hn::Or(hn::And(lo1, mask), hn::ShiftLeft<4>(hn::And(hn::ShiftRight<2>(h), three)));
-          const auto q3 = hn::Or(hn::ShiftRight<4>(lo0),
-                                 hn::ShiftLeft<4>(hn::And(hn::ShiftRight<4>(h), three)));
-          const auto q4 = hn::Or(hn::ShiftRight<4>(lo1), hn::ShiftLeft<4>(hn::ShiftRight<6>(h)));
-          fn(c0 + n + l, hn::Mul(hn::ConvertTo(df, hn::Sub(q1, off)), hn::Set(df, d * sc[is])));
-          fn(c0 + n + l + 32,
-             hn::Mul(hn::ConvertTo(df, hn::Sub(q2, off)), hn::Set(df, d * sc[is + 2])));
-          fn(c0 + n + l + 64,
-             hn::Mul(hn::ConvertTo(df, hn::Sub(q3, off)), hn::Set(df, d * sc[is + 4])));
-          fn(c0 + n + l + 96,
-             hn::Mul(hn::ConvertTo(df, hn::Sub(q4, off)), hn::Set(df, d * sc[is + 6])));
+        // Quarter j of the 128 values: 32 columns from ql (low nibbles of the first or second
+        // 32 bytes, then their high nibbles) and two bits of qh.
+        for (int j = 0; j < 4; ++j) {
+          for (int64_t l = 0; l < 32; l += N) {
+            const int is = static_cast<int>(l / 16);
+            const auto lo = LoadU8(ql + l + (j % 2) * 32), h = LoadU8(qh + l);
+            const auto nib = j < 2 ? hn::And(lo, mask) : hn::ShiftRight<4>(lo);
+            const auto hi = hn::And(hn::ShiftRightSame(h, 2 * j), three);
+            const auto q6 = hn::Or(nib, hn::ShiftLeft<4>(hi));
+            fn(c0 + n + 32 * j + l,
+               hn::Mul(hn::ConvertTo(df, hn::Sub(q6, off)), hn::Set(df, d * sc[is + 2 * j])));
+          }
         }
       }
     }
@@ -164,7 +165,8 @@ void MatVec(const float* HWY_RESTRICT x, const Matrix& w, const float* bias, flo
       VF acc = hn::Zero(df);
       ForEachVec<kType>(RowPtr(w, r), w.cols,
                         [&](int64_t c, VF v) { acc = hn::MulAdd(v, hn::LoadU(df, x + c), acc); });
-      y[r] = ReduceSum(acc) + (bias != nullptr ? bias[r] : 0.0f);
+      // Reduced as prefill's tile reduces it (Reduce4's lanes do not depend on each other).
+      y[r] = hn::GetLane(Reduce4(acc, acc, acc, acc)) + (bias != nullptr ? bias[r] : 0.0f);
     }
   });
 }
