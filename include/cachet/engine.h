@@ -91,6 +91,7 @@ struct GenerateResult {
 using TextCallback = std::function<bool(std::string_view piece)>;
 
 class Engine;
+class SessionAccess;  // the serving scheduler's view of sessions (src/runtime/scheduler.cc)
 
 // One sequence and its KV cache. Not thread-safe; sessions of one engine share its pool and
 // threads, so use them from one thread at a time.
@@ -141,6 +142,7 @@ class Session {
 
  private:
   friend class Engine;
+  friend class SessionAccess;
   Session(Engine& engine, std::unique_ptr<PagedSequence> seq, uint64_t salt);
 
   Engine& engine_;
@@ -183,6 +185,7 @@ class Engine {
 
  private:
   friend class Session;
+  friend class SessionAccess;
   Engine() = default;
 
   EngineOptions options_;

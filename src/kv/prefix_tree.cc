@@ -76,6 +76,21 @@ int PrefixTree::Lookup(std::span<const int32_t> tokens, uint64_t salt, int max_t
   return reused;
 }
 
+int PrefixTree::Match(std::span<const int32_t> tokens, uint64_t salt, int max_tokens) const {
+  const int pt = pool_.layout().page_tokens;
+  uint64_t parent = 0;
+  int matched = 0;
+  const int limit = std::min<int>(max_tokens, static_cast<int>(tokens.size()));
+  while (matched + pt <= limit) {
+    const auto block = tokens.subspan(matched, pt);
+    const uint64_t key = BlockKey(parent, block, salt);
+    if (Find(key, parent, block) == nullptr) break;
+    parent = key;
+    matched += pt;
+  }
+  return matched;
+}
+
 void PrefixTree::Publish(std::span<const int32_t> tokens, uint64_t salt, const PagedSequence& seq) {
   const int pt = pool_.layout().page_tokens;
   const int blocks = std::min<int>(seq.n_tokens(), static_cast<int>(tokens.size())) / pt;

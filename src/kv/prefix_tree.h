@@ -32,6 +32,8 @@ class PrefixTree final : public PageReclaimer {
   // Longest cached prefix of tokens, in whole blocks, covering at most max_tokens tokens. The
   // matched pages are attached to seq (which must be empty); returns the tokens reused.
   int Lookup(std::span<const int32_t> tokens, uint64_t salt, int max_tokens, PagedSequence& seq);
+  // The tokens Lookup would reuse now, without attaching anything or counting a lookup.
+  int Match(std::span<const int32_t> tokens, uint64_t salt, int max_tokens) const;
   // Publishes the full blocks of seq (whose tokens are tokens) so later requests can reuse them.
   void Publish(std::span<const int32_t> tokens, uint64_t salt, const PagedSequence& seq);
 

@@ -1,0 +1,120 @@
+// Serving many requests from one engine: a Runtime runs one scheduler thread that, step after
+// step, batches the next token of every decoding request with prompt chunks of requests still
+// prefilling (continuous batching) through Transformer::ForwardBatch, over one KV pool and one
+// prefix cache. Requests are admitted first come, first served (a longer cached prefix first),
+// only when the pool can hold their prompt; when the pool runs dry mid-decode the newest request
+// is preempted (its pages freed, its published prefix kept) and later resumed by recompute.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "cachet/engine.h"
+
+namespace cachet {
+
+struct RuntimeOptions {
+  EngineOptions engine;
+  int max_sequences = 8;         // -np: requests running (prefilling or decoding) at once
+  int batch_tokens = 512;        // --batch-tokens: tokens per step (decode tokens + prompt chunks)
+  int max_waiting = 256;         // queued requests beyond which Submit fails (ResourceExhausted)
+  bool publish_prefixes = true;  // offer finished requests' pages to the prefix cache
+};
+
+struct CompletionRequest {
+  std::vector<int32_t> prompt;  // token ids, BOS included as the caller wants
+  int max_tokens = 16;
+  SamplingParams sampling;        // temperature <= 0: greedy
+  std::vector<std::string> stop;  // stop strings: the text ends before the first match
+  bool stop_at_eos = true;
+  int top_logprobs = -1;                     // -1: no logprobs; n >= 0: the token's and the top n
+  std::string cache_salt;                    // tenant isolation in the prefix cache
+  std::optional<press::PressOptions> press;  // applied after the prompt, before the first token
+};
+
+struct TokenLogprob {
+  int32_t token = 0;
+  float logprob = 0;
+  std::vector<std::pair<int32_t, float>> top;  // the top_logprobs most likely, best first
+};
+
+struct Usage {
+  int prompt_tokens = 0;
+  int cached_tokens = 0;  // prompt tokens served by the prefix cache
+  int completion_tokens = 0;
+};
+
+// What a request produces, in order: events with new text, then one final event.
+struct TokenEvent {
+  std::string text;             // new text (held back while it may be the start of a stop string)
+  std::vector<int32_t> tokens;  // the tokens generated since the previous event
+  std::vector<TokenLogprob> logprobs;  // one per token when requested
+  bool finished = false;
+  std::string finish_reason;  // final event: "stop" (EOS or a stop string), "length", "cancelled"
+  Status error;               // final event: why the request failed, when it did
+  Usage usage;                // final event
+};
+
+// Called on the scheduler thread: copy what is needed and return quickly.
+using EventCallback = std::function<void(const TokenEvent&)>;
+
+// Counters since start, gauges now, and latency histograms (seconds; cumulative bucket counts
+// with upper bounds kLatencyBuckets, then +Inf), as Prometheus exposes them.
+struct RuntimeMetrics {
+  static constexpr double kLatencyBuckets[] = {0.001, 0.005, 0.01, 0.025, 0.05, 0.1,  0.25,
+                                               0.5,   1.0,   2.5,  5.0,   10.0, 30.0, 60.0};
+  struct Histogram {
+    std::vector<uint64_t> buckets;  // cumulative, one per bound plus +Inf
+    double sum = 0;
+    uint64_t count = 0;
+  };
+  int running = 0;
+  int waiting = 0;
+  double kv_usage = 0;  // fraction of the KV pool's pages in use
+  int64_t prompt_tokens = 0;
+  int64_t generation_tokens = 0;
+  int64_t prefix_query_tokens = 0;
+  int64_t prefix_hit_tokens = 0;
+  int64_t preemptions = 0;
+  int64_t requests_finished = 0;
+  int64_t kv_evicted_tokens = 0;
+  std::vector<std::pair<std::string, int64_t>> kv_bytes_by_codec;
+  Histogram ttft, inter_token, e2e;
+};
+
+class Runtime {
+ public:
+  static Result<std::unique_ptr<Runtime>> Create(const RuntimeOptions& options);
+  ~Runtime();  // cancels what is left and stops the scheduler thread
+
+  // Queues a request; its events go to on_event. Errors (nothing queued): InvalidArgument for an
+  // empty prompt, a bad token id, max_tokens < 1, a prompt that leaves no room in the context;
+  // ResourceExhausted when max_waiting requests already wait or the prompt alone exceeds the pool.
+  Result<uint64_t> Submit(CompletionRequest request, EventCallback on_event);
+  // Stops a request at the next step boundary and frees its pages; its final event has
+  // finish_reason "cancelled". Unknown or finished ids are ignored.
+  void Cancel(uint64_t id);
+
+  RuntimeMetrics Metrics() const;
+  KvStats kv_stats() const;
+  void ClearPrefixCache();
+
+  std::vector<int32_t> Tokenize(std::string_view text, bool add_bos) const;
+  std::string Detokenize(std::span<const int32_t> tokens) const;
+  const ModelConfig& config() const;
+  int n_ctx() const;
+  int32_t eos_id() const;
+
+ private:
+  struct Impl;
+  explicit Runtime(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace cachet

@@ -1,0 +1,574 @@
+// Runtime (include/cachet/serving.h): continuous batching over one engine.
+//
+// One scheduler thread owns the engine's mutable state (sessions, pool, prefix tree). Each step:
+// take in new requests and cancels; admit waiting requests while the pool can hold their prompt
+// (first come, first served among the next few, a longer cached prefix first); give every
+// decoding request its next token and the prefilling ones prompt chunks up to the step's token
+// budget; run them through Transformer::ForwardBatch; sample where a chunk reached the end of a
+// request's tokens. When the pool runs dry mid-step the newest request is preempted: its session
+// (and so its pages) dropped, its tokens kept, and it waits at the front of the queue to be
+// recomputed (its published prefix, if any, is reused). Other threads only queue requests and
+// commands and read snapshots the scheduler publishes after each step.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <deque>
+#include <future>
+#include <mutex>
+#include <thread>
+#include <unordered_set>
+
+#include "cachet/serving.h"
+#include "kv/paged_sequence.h"
+#include "kv/prefix_tree.h"
+#include "model/config.h"
+#include "model/tokenizer.h"
+#include "model/transformer.h"
+#include "runtime/sampler.h"
+
+namespace cachet {
+
+using Clock = std::chrono::steady_clock;
+
+// The scheduler drives sessions token by token through batched steps, below Session's API.
+class SessionAccess {
+ public:
+  static PagedSequence& seq(Session& s) { return *s.seq_; }
+  static std::vector<int32_t>& tokens(Session& s) { return s.tokens_; }
+  static uint64_t salt(const Session& s) { return s.salt_; }
+  static PrefixTree* prefix(Engine& e) { return e.prefix_.get(); }
+  static uint64_t SaltOf(Engine& e, std::string_view cache_salt) {
+    return cache_salt.empty() ? 0 : salt(*e.NewSession(cache_salt));
+  }
+};
+
+namespace {
+
+double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+void Observe(RuntimeMetrics::Histogram& h, double v) {
+  constexpr size_t kBounds = std::size(RuntimeMetrics::kLatencyBuckets);
+  if (h.buckets.empty()) h.buckets.assign(kBounds + 1, 0);
+  for (size_t i = 0; i < kBounds; ++i) {
+    if (v <= RuntimeMetrics::kLatencyBuckets[i]) ++h.buckets[i];
+  }
+  ++h.buckets[kBounds];
+  h.sum += v;
+  ++h.count;
+}
+
+// log-softmax of the chosen token and the n most likely (from the raw logits).
+TokenLogprob Logprobs(std::span<const float> logits, int32_t token, int n) {
+  const float m = *std::max_element(logits.begin(), logits.end());
+  double sum = 0;
+  for (float x : logits) sum += std::exp(double(x) - m);
+  const float lse = m + static_cast<float>(std::log(sum));
+  TokenLogprob lp;
+  lp.token = token;
+  lp.logprob = logits[token] - lse;
+  if (n > 0) {
+    std::vector<int32_t> ids(logits.size());
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>(i);
+    n = std::min<int>(n, static_cast<int>(ids.size()));
+    std::partial_sort(ids.begin(), ids.begin() + n, ids.end(), [&](int32_t a, int32_t b) {
+      return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+    });
+    for (int i = 0; i < n; ++i) lp.top.emplace_back(ids[i], logits[ids[i]] - lse);
+  }
+  return lp;
+}
+
+// The length of the longest suffix of text that is a proper prefix of some stop string: text
+// that may still turn into a stop string and so is held back.
+size_t HeldBack(std::string_view text, const std::vector<std::string>& stops) {
+  size_t held = 0;
+  for (const std::string& s : stops) {
+    for (size_t k = std::min(s.size() - 1, text.size()); k > held; --k) {
+      if (text.substr(text.size() - k) == std::string_view(s).substr(0, k)) {
+        held = k;
+        break;
+      }
+    }
+  }
+  return held;
+}
+
+}  // namespace
+
+struct Runtime::Impl {
+  struct Request {
+    uint64_t id = 0;
+    uint64_t salt = 0;  // the cache salt's key, as sessions hash it
+    CompletionRequest r;
+    EventCallback on_event;
+    std::unique_ptr<Session> session;  // null while waiting
+    std::vector<int32_t> tokens;       // prompt, then every sampled token
+    int n_prompt = 0;
+    int evaluated = 0;  // tokens whose K/V the session holds
+    int cached = 0;     // prompt tokens reused from the prefix cache (first admission)
+    bool ever_admitted = false;
+    std::unique_ptr<Sampler> sampler;
+    std::unique_ptr<StreamDecoder> decoder;
+    std::string held;  // decoded text not yet sent (a stop string may be starting)
+    std::vector<float> logits;
+    TokenEvent pending;  // what the next event carries
+    Clock::time_point arrival, last_token;
+    bool first_token_seen = false;
+    int64_t admitted_order = 0;
+  };
+
+  RuntimeOptions opt;
+  std::unique_ptr<Engine> engine;
+  int vocab = 0;
+
+  std::mutex mu;  // guards the fields below up to `metrics`
+  std::condition_variable cv;
+  std::deque<std::unique_ptr<Request>> incoming;
+  std::unordered_set<uint64_t> cancels;
+  std::vector<std::function<void()>> commands;  // run on the scheduler thread
+  bool stop = false;
+  uint64_t next_id = 1;
+  int queued = 0;  // incoming + waiting, for max_waiting
+  RuntimeMetrics metrics;
+  KvStats kv;
+
+  // Scheduler thread only.
+  std::deque<std::unique_ptr<Request>> waiting;
+  std::vector<std::unique_ptr<Request>> running;
+  int64_t admissions = 0;
+  std::thread thread;
+
+  ~Impl() {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stop = true;
+    }
+    cv.notify_all();
+    if (thread.joinable()) thread.join();
+  }
+
+  // Final event, and the request's pages back to the pool (offered to the prefix cache first).
+  // Text held back for stop strings goes out unless a stop string ended the text.
+  void Finish(Request& q, std::string reason, Status error = OkStatus(), bool flush = true) {
+    if (q.decoder && flush) q.pending.text += q.held + q.decoder->Flush();
+    q.held.clear();
+    if (q.session) {
+      if (opt.publish_prefixes && !q.r.press) q.session->Publish();
+      q.session.reset();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      ++metrics.requests_finished;
+      Observe(metrics.e2e, Seconds(Clock::now() - q.arrival));
+    }
+    Publish();  // the snapshot the final event's reader sees
+    q.pending.finished = true;
+    q.pending.finish_reason = std::move(reason);
+    q.pending.error = std::move(error);
+    q.pending.usage = {q.n_prompt, q.cached, static_cast<int>(q.tokens.size()) - q.n_prompt};
+    q.on_event(q.pending);
+  }
+
+  void TakeIncoming() {
+    std::lock_guard<std::mutex> lock(mu);
+    for (auto& q : incoming) {
+      q->salt = SessionAccess::SaltOf(*engine, q->r.cache_salt);
+      waiting.push_back(std::move(q));
+    }
+    incoming.clear();
+    for (uint64_t id : cancels) {
+      auto is = [id](const auto& q) { return q->id == id; };
+      if (auto it = std::find_if(waiting.begin(), waiting.end(), is); it != waiting.end()) {
+        cancel_now.push_back(std::move(*it));
+        waiting.erase(it);
+        --queued;
+      } else if (auto r = std::find_if(running.begin(), running.end(), is); r != running.end()) {
+        cancel_now.push_back(std::move(*r));
+        running.erase(r);
+      }
+    }
+    cancels.clear();
+  }
+  std::vector<std::unique_ptr<Request>> cancel_now;
+
+  // Pages a request still needs for its uncached tokens (every layer and KV head).
+  int64_t PagesNeeded(const Request& q, int cached) const {
+    const KvLayout& lay = engine->kv_pool().layout();
+    const int64_t toks = static_cast<int64_t>(q.tokens.size()) - cached + 1;
+    return (toks + lay.page_tokens - 1) / lay.page_tokens * lay.heads_total();
+  }
+
+  int Cached(const Request& q) const {
+    PrefixTree* tree = SessionAccess::prefix(*engine);
+    if (tree == nullptr || q.r.press) return 0;
+    return tree->Match(q.tokens, q.salt, static_cast<int>(q.tokens.size()) - 1);
+  }
+
+  void Admit() {
+    constexpr size_t kLookahead = 8;  // FCFS among the next few, a longer cached prefix first
+    while (!waiting.empty() && static_cast<int>(running.size()) < opt.max_sequences) {
+      size_t best = 0;
+      int best_cached = -1;
+      for (size_t i = 0; i < std::min(kLookahead, waiting.size()); ++i) {
+        const int c = Cached(*waiting[i]);
+        if (c > best_cached) {
+          best = i;
+          best_cached = c;
+        }
+      }
+      Request& q = *waiting[best];
+      const PagePool& pool = engine->kv_pool();
+      PrefixTree* tree = SessionAccess::prefix(*engine);
+      const int64_t available =
+          pool.free_pages() + (tree != nullptr ? tree->ReclaimablePages() : 0);
+      if (PagesNeeded(q, best_cached) > available && !running.empty()) break;
+      q.session = engine->NewSession(q.r.cache_salt);
+      if (q.r.press) {
+        q.session->PrepareForPress(*q.r.press, static_cast<int32_t>(q.tokens.size()));
+      } else if (tree != nullptr) {
+        Session& s = *q.session;
+        const int reused =
+            tree->Lookup(q.tokens, SessionAccess::salt(s), static_cast<int>(q.tokens.size()) - 1,
+                         SessionAccess::seq(s));
+        SessionAccess::tokens(s).assign(q.tokens.begin(), q.tokens.begin() + reused);
+        q.evaluated = reused;
+        if (!q.ever_admitted) q.cached = reused;
+        std::lock_guard<std::mutex> lock(mu);
+        metrics.prefix_query_tokens += static_cast<int64_t>(q.tokens.size());
+        metrics.prefix_hit_tokens += reused;
+      }
+      if (!q.ever_admitted) {
+        q.sampler = std::make_unique<Sampler>(q.r.sampling, vocab);
+        q.decoder = std::make_unique<StreamDecoder>(engine->tokenizer());
+        q.logits.resize(vocab);
+        q.ever_admitted = true;
+      }
+      q.admitted_order = admissions++;
+      running.push_back(std::move(waiting[best]));
+      waiting.erase(waiting.begin() + static_cast<std::ptrdiff_t>(best));
+      std::lock_guard<std::mutex> lock(mu);
+      --queued;
+    }
+  }
+
+  // Drops the newest running request's session and queues it again (front) for recompute.
+  void Preempt() {
+    auto newest = std::max_element(
+        running.begin(), running.end(),
+        [](const auto& a, const auto& b) { return a->admitted_order < b->admitted_order; });
+    std::unique_ptr<Request> q = std::move(*newest);
+    running.erase(newest);
+    q->session.reset();
+    q->evaluated = 0;
+    waiting.push_front(std::move(q));
+    std::lock_guard<std::mutex> lock(mu);
+    ++metrics.preemptions;
+    ++queued;
+  }
+
+  // Samples request q's next token from its logits; returns false when the request is done.
+  bool Sample(Request& q) {
+    const Tokenizer& tok = engine->tokenizer();
+    std::optional<TokenLogprob> lp;
+    if (q.r.top_logprobs >= 0) lp = Logprobs(q.logits, 0, q.r.top_logprobs);
+    const int32_t next = q.sampler->Sample(q.logits, q.tokens);
+    const Clock::time_point now = Clock::now();
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!q.first_token_seen) {
+        Observe(metrics.ttft, Seconds(now - q.arrival));
+      } else {
+        Observe(metrics.inter_token, Seconds(now - q.last_token));
+      }
+    }
+    q.first_token_seen = true;
+    q.last_token = now;
+    if (q.r.stop_at_eos && next == tok.eos_id()) {
+      Finish(q, "stop");
+      return false;
+    }
+    q.tokens.push_back(next);
+    q.pending.tokens.push_back(next);
+    if (lp) {
+      TokenLogprob chosen = Logprobs(q.logits, next, 0);
+      chosen.top = std::move(lp->top);
+      q.pending.logprobs.push_back(std::move(chosen));
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      ++metrics.generation_tokens;
+    }
+    q.held += q.decoder->Push(next);
+    // The earliest stop string ends the text before it.
+    size_t cut = std::string::npos;
+    for (const std::string& s : q.r.stop) {
+      if (!s.empty()) cut = std::min(cut, q.held.find(s));
+    }
+    if (cut != std::string::npos) {
+      q.pending.text += q.held.substr(0, cut);
+      Finish(q, "stop", OkStatus(), /*flush=*/false);
+      return false;
+    }
+    const size_t keep = HeldBack(q.held, q.r.stop);
+    q.pending.text += q.held.substr(0, q.held.size() - keep);
+    q.held.erase(0, q.held.size() - keep);
+    const int generated = static_cast<int>(q.tokens.size()) - q.n_prompt;
+    if (generated >= q.r.max_tokens || static_cast<int>(q.tokens.size()) >= engine->n_ctx()) {
+      Finish(q, "length");
+      return false;
+    }
+    q.on_event(q.pending);
+    q.pending = TokenEvent();
+    return true;
+  }
+
+  // One batched step; false when there was nothing to do.
+  bool Step() {
+    TakeIncoming();
+    for (auto& q : cancel_now) Finish(*q, "cancelled");
+    cancel_now.clear();
+    Admit();
+    if (running.empty()) return false;
+
+    struct Entry {
+      Request* q;
+      int n;
+    };
+    std::vector<Entry> entries;
+    std::vector<SeqChunk> chunks;
+    std::vector<std::vector<int32_t>> positions;
+    for (;;) {
+      // Decoding requests first (one token each), then prompt chunks, oldest first.
+      std::vector<Request*> order;
+      for (auto& q : running) order.push_back(q.get());
+      std::stable_sort(order.begin(), order.end(), [](Request* a, Request* b) {
+        const bool da = a->evaluated + 1 == static_cast<int>(a->tokens.size());
+        const bool db = b->evaluated + 1 == static_cast<int>(b->tokens.size());
+        return da != db ? da : a->admitted_order < b->admitted_order;
+      });
+      int budget = std::min(opt.batch_tokens, engine->transformer().max_batch());
+      entries.clear();
+      chunks.clear();
+      positions.assign(order.size(), {});
+      for (size_t i = 0; i < order.size() && budget > 0; ++i) {
+        Request& q = *order[i];
+        const int left = static_cast<int>(q.tokens.size()) - q.evaluated;
+        const int n = std::min(left, budget);
+        if (n <= 0) continue;
+        budget -= n;
+        auto& pos = positions[i];
+        pos.resize(n);
+        for (int j = 0; j < n; ++j) pos[j] = q.evaluated + j;
+        SeqChunk c;
+        c.kv = &SessionAccess::seq(*q.session);
+        c.tokens = std::span<const int32_t>(q.tokens).subspan(q.evaluated, n);
+        c.positions = pos;
+        c.logits = n == left ? q.logits.data() : nullptr;
+        chunks.push_back(c);
+        entries.push_back({&q, n});
+      }
+      Status s = engine->transformer().ForwardBatch(chunks, engine->pool());
+      if (s.ok()) break;
+      if (s.code() == StatusCode::kResourceExhausted && running.size() > 1) {
+        Preempt();
+        continue;
+      }
+      // Nothing else to free: the request alone does not fit (or the step is broken).
+      std::unique_ptr<Request> q = std::move(running.front());
+      running.erase(running.begin());
+      Finish(*q, "error", s);
+      return true;
+    }
+    int64_t prompt_tokens = 0;
+    for (const Entry& e : entries) {
+      Request& q = *e.q;
+      auto& held = SessionAccess::tokens(*q.session);
+      held.insert(held.end(), q.tokens.begin() + q.evaluated, q.tokens.begin() + q.evaluated + e.n);
+      if (q.evaluated < q.n_prompt) prompt_tokens += std::min(e.n, q.n_prompt - q.evaluated);
+      q.evaluated += e.n;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      metrics.prompt_tokens += prompt_tokens;
+    }
+    std::vector<Request*> done;
+    for (const Entry& e : entries) {
+      Request& q = *e.q;
+      if (q.evaluated != static_cast<int>(q.tokens.size())) continue;  // mid-prompt
+      if (q.r.press && q.evaluated == q.n_prompt) {
+        auto pr = q.session->Compress(*q.r.press);
+        if (!pr.ok()) {
+          Finish(q, "error", pr.status());
+          done.push_back(&q);
+          continue;
+        }
+      }
+      if (!Sample(q)) done.push_back(&q);
+    }
+    std::erase_if(running, [&](const auto& q) {
+      return std::find(done.begin(), done.end(), q.get()) != done.end();
+    });
+    return true;
+  }
+
+  // Snapshots for other threads.
+  void Publish() {
+    const KvStats s = engine->kv_stats();
+    std::lock_guard<std::mutex> lock(mu);
+    kv = s;
+    // Finished requests (no session) may still be in `running` until the step ends.
+    metrics.running = static_cast<int>(std::count_if(
+        running.begin(), running.end(), [](const auto& q) { return q->session != nullptr; }));
+    metrics.waiting = queued;
+    metrics.kv_usage = s.pages_total > 0 ? double(s.pages_used) / s.pages_total : 0;
+    metrics.kv_bytes_by_codec = s.bytes_by_codec;
+    metrics.kv_evicted_tokens = s.evicted_blocks * s.page_tokens;  // from the prefix cache
+  }
+
+  void Loop() {
+    for (;;) {
+      std::vector<std::function<void()>> cmds;
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        cv.wait(lock, [&] {
+          return stop || !incoming.empty() || !cancels.empty() || !commands.empty() ||
+                 !running.empty() || (!waiting.empty());
+        });
+        if (stop) break;
+        cmds.swap(commands);
+      }
+      for (auto& c : cmds) c();
+      const bool worked = Step();
+      Publish();
+      if (!worked && running.empty() && !waiting.empty()) {
+        // Waiting requests that cannot be admitted with nothing running: fail the first.
+        std::unique_ptr<Request> q = std::move(waiting.front());
+        waiting.pop_front();
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          --queued;
+        }
+        Finish(*q, "error", ResourceExhausted("the KV pool cannot hold the prompt"));
+      }
+    }
+    for (auto& q : running) Finish(*q, "cancelled");
+    for (auto& q : waiting) Finish(*q, "cancelled");
+    std::lock_guard<std::mutex> lock(mu);
+    for (auto& q : incoming) {
+      q->pending.finished = true;
+      q->pending.finish_reason = "cancelled";
+      q->on_event(q->pending);
+    }
+  }
+};
+
+Runtime::Runtime(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Runtime::~Runtime() = default;
+
+Result<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& options) {
+  if (options.max_sequences < 1) return InvalidArgument("-np must be >= 1");
+  if (options.batch_tokens < 1) return InvalidArgument("--batch-tokens must be >= 1");
+  if (options.max_waiting < 0) return InvalidArgument("max_waiting must be >= 0");
+  auto impl = std::make_unique<Impl>();
+  impl->opt = options;
+  EngineOptions eo = options.engine;
+  eo.ubatch = std::max(eo.ubatch, options.batch_tokens);  // one step is one ForwardBatch
+  CACHET_ASSIGN_OR_RETURN(impl->engine, Engine::Create(eo));
+  impl->vocab = impl->engine->config().vocab_size;
+  impl->Publish();
+  Impl* raw = impl.get();
+  impl->thread = std::thread([raw] { raw->Loop(); });
+  return std::unique_ptr<Runtime>(new Runtime(std::move(impl)));
+}
+
+Result<uint64_t> Runtime::Submit(CompletionRequest request, EventCallback on_event) {
+  Impl& m = *impl_;
+  if (request.prompt.empty()) return InvalidArgument("prompt: empty");
+  for (size_t i = 0; i < request.prompt.size(); ++i) {
+    if (request.prompt[i] < 0 || request.prompt[i] >= m.vocab) {
+      return InvalidArgument("prompt: token id " + std::to_string(request.prompt[i]) +
+                             " at index " + std::to_string(i) + " is outside the vocabulary [0, " +
+                             std::to_string(m.vocab) + ")");
+    }
+  }
+  if (request.max_tokens < 1) return InvalidArgument("max_tokens: must be >= 1");
+  const int n_ctx = m.engine->n_ctx();
+  if (static_cast<int64_t>(request.prompt.size()) >= n_ctx) {
+    return InvalidArgument("prompt: " + std::to_string(request.prompt.size()) +
+                           " tokens leave no room in the context of " + std::to_string(n_ctx));
+  }
+  const KvLayout& lay = m.engine->kv_pool().layout();
+  const int64_t pages = (static_cast<int64_t>(request.prompt.size()) + lay.page_tokens) /
+                        lay.page_tokens * lay.heads_total();
+  if (pages > m.engine->kv_pool().capacity_pages()) {
+    return ResourceExhausted("prompt: " + std::to_string(request.prompt.size()) +
+                             " tokens need more KV pages than the pool holds (--kv-mem)");
+  }
+  auto q = std::make_unique<Impl::Request>();
+  q->r = std::move(request);
+  q->on_event = std::move(on_event);
+  q->tokens = q->r.prompt;
+  q->n_prompt = static_cast<int>(q->tokens.size());
+  q->arrival = Clock::now();
+  uint64_t id;
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    if (m.queued >= m.opt.max_waiting) {
+      return ResourceExhausted("too many requests waiting (" + std::to_string(m.queued) + ")");
+    }
+    id = q->id = m.next_id++;
+    ++m.queued;
+    m.incoming.push_back(std::move(q));
+  }
+  m.cv.notify_all();
+  return id;
+}
+
+void Runtime::Cancel(uint64_t id) {
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->cancels.insert(id);
+  }
+  impl_->cv.notify_all();
+}
+
+RuntimeMetrics Runtime::Metrics() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->metrics;
+}
+
+KvStats Runtime::kv_stats() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->kv;
+}
+
+void Runtime::ClearPrefixCache() {
+  std::promise<void> done;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->commands.push_back([&] {
+      impl_->engine->ClearPrefixCache();
+      impl_->Publish();
+      done.set_value();
+    });
+  }
+  impl_->cv.notify_all();
+  done.get_future().wait();
+}
+
+std::vector<int32_t> Runtime::Tokenize(std::string_view text, bool add_bos) const {
+  const Tokenizer& tok = impl_->engine->tokenizer();
+  return add_bos ? tok.EncodePrompt(text) : tok.Encode(text);
+}
+
+std::string Runtime::Detokenize(std::span<const int32_t> tokens) const {
+  return impl_->engine->tokenizer().Decode(tokens);
+}
+
+const ModelConfig& Runtime::config() const { return impl_->engine->config(); }
+int Runtime::n_ctx() const { return impl_->engine->n_ctx(); }
+int32_t Runtime::eos_id() const { return impl_->engine->tokenizer().eos_id(); }
+
+}  // namespace cachet

@@ -1,0 +1,211 @@
+// The serving runtime (include/cachet/serving.h) on kvtiny: requests served together by continuous
+// batching give each the greedy tokens it gets alone, through preemption too; the prefix cache,
+// salts, stop strings, cancellation and bad input.
+#include <gtest/gtest.h>
+
+#include <condition_variable>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cachet/serving.h"
+#include "test_util.h"
+
+namespace cachet {
+namespace {
+
+// Collects one request's events; Wait returns once the final one arrived.
+struct Collector {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::string text;
+  std::vector<int32_t> tokens;
+  int events = 0;
+  TokenEvent last;
+  bool done = false;
+  EventCallback Callback() {
+    return [this](const TokenEvent& e) {
+      std::lock_guard<std::mutex> lock(mu);
+      text += e.text;
+      tokens.insert(tokens.end(), e.tokens.begin(), e.tokens.end());
+      ++events;
+      if (e.finished) {
+        last = e;
+        done = true;
+        cv.notify_all();
+      }
+    };
+  }
+  void Wait() {
+    std::unique_lock<std::mutex> lock(mu);
+    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(120), [&] { return done; }));
+  }
+};
+
+RuntimeOptions Options(const std::string& codec, int kv_mem_mib = 0) {
+  RuntimeOptions o;
+  o.engine.model_dir = testing::ModelDir();
+  o.engine.threads = 2;
+  o.engine.kv_codec_k = o.engine.kv_codec_v = codec;
+  o.engine.kv_mem_mib = kv_mem_mib;
+  o.max_sequences = 8;
+  o.batch_tokens = 64;  // prompts take several steps, interleaved with others' decoding
+  return o;
+}
+
+std::vector<std::vector<int32_t>> Prompts(const Runtime& rt) {
+  const char* texts[] = {
+      "Once upon a time, there was a little girl named Lily.",
+      "The cat sat on the mat and looked at the dog. The dog was big and brown and liked to run "
+      "in the park with his friends every day after school.",
+      "Tom had a red ball.",
+      "One day, a bird flew over the tall tree and saw a shiny thing in the grass below. It was "
+      "a key! The bird picked it up and flew home to show its mother what it had found."};
+  std::vector<std::vector<int32_t>> out;
+  for (const char* t : texts) out.push_back(rt.Tokenize(t, true));
+  return out;
+}
+
+CompletionRequest Greedy(std::vector<int32_t> prompt, int max_tokens) {
+  CompletionRequest r;
+  r.prompt = std::move(prompt);
+  r.max_tokens = max_tokens;
+  r.sampling.temperature = 0;
+  return r;
+}
+
+// Each prompt alone, then all at once: the same tokens and text, for f32 and f16 KV; with a pool
+// too small for all of them at once, preemption and recompute give the same tokens again.
+TEST(Runtime, BatchedRequestsEqualAlone) {
+  for (const char* codec : {"f32", "f16"}) {
+    SCOPED_TRACE(codec);
+    auto rt = Runtime::Create(Options(codec));
+    ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+    Runtime& r = **rt;
+    const auto prompts = Prompts(r);
+    std::vector<Collector> alone(prompts.size());
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      ASSERT_TRUE(r.Submit(Greedy(prompts[i], 24), alone[i].Callback()).ok());
+      alone[i].Wait();
+      EXPECT_EQ(alone[i].last.finish_reason, "length");
+      EXPECT_EQ(alone[i].tokens.size(), 24u);
+    }
+    r.ClearPrefixCache();
+    std::vector<Collector> together(prompts.size());
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      ASSERT_TRUE(r.Submit(Greedy(prompts[i], 24), together[i].Callback()).ok());
+    }
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      together[i].Wait();
+      EXPECT_EQ(together[i].tokens, alone[i].tokens) << "prompt " << i;
+      EXPECT_EQ(together[i].text, alone[i].text) << "prompt " << i;
+      EXPECT_EQ(together[i].last.usage.prompt_tokens, static_cast<int>(prompts[i].size()));
+      EXPECT_EQ(together[i].last.usage.completion_tokens, 24);
+      EXPECT_GT(together[i].events, 1);  // streamed, not one final event
+    }
+    const RuntimeMetrics m = r.Metrics();
+    EXPECT_EQ(m.requests_finished, 8);
+    EXPECT_EQ(m.generation_tokens, 8 * 24);
+    EXPECT_EQ(m.ttft.count, 8u);
+    EXPECT_EQ(m.running, 0);
+  }
+}
+
+TEST(Runtime, PreemptedRequestsResumeWithTheSameTokens) {
+  auto big = Runtime::Create(Options("f32"));
+  ASSERT_TRUE(big.ok());
+  const auto prompts = Prompts(**big);
+  std::vector<Collector> alone(prompts.size());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    ASSERT_TRUE((*big)->Submit(Greedy(prompts[i], 40), alone[i].Callback()).ok());
+    alone[i].Wait();
+  }
+  // 1 MiB of f32 pages: 128 tokens in all for kvtiny, enough for any one request (at most 85
+  // tokens) but not for the four at once.
+  RuntimeOptions o = Options("f32", /*kv_mem_mib=*/1);
+  o.engine.prefix_cache = false;
+  auto rt = Runtime::Create(o);
+  ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+  const KvStats kv = (*rt)->kv_stats();
+  const int64_t tokens_held = int64_t{kv.pages_total} * kv.page_tokens * kv.page_bytes /
+                              static_cast<int64_t>(kv.bytes_per_token * kv.page_tokens);
+  int64_t longest = 0, all = 0;
+  for (const auto& p : prompts) {
+    longest = std::max<int64_t>(longest, p.size() + 40);
+    all += static_cast<int64_t>(p.size()) + 40;
+  }
+  ASSERT_LT(longest + 16, tokens_held);
+  ASSERT_GT(all, tokens_held);
+  std::vector<Collector> together(prompts.size());
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    ASSERT_TRUE((*rt)->Submit(Greedy(prompts[i], 40), together[i].Callback()).ok());
+  }
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    together[i].Wait();
+    EXPECT_TRUE(together[i].last.error.ok()) << together[i].last.error.ToString();
+    EXPECT_EQ(together[i].tokens, alone[i].tokens) << "prompt " << i;
+  }
+  EXPECT_GT((*rt)->Metrics().preemptions, 0) << "the pool was meant to run dry";
+  EXPECT_EQ((*rt)->kv_stats().pages_used, 0);  // every page back (no prefix cache)
+}
+
+TEST(Runtime, PrefixCacheSaltsStopsAndCancel) {
+  auto rt = Runtime::Create(Options("f32"));
+  ASSERT_TRUE(rt.ok());
+  Runtime& r = **rt;
+  const auto prompt = Prompts(r)[3];
+  Collector a, b, c;
+  ASSERT_TRUE(r.Submit(Greedy(prompt, 8), a.Callback()).ok());
+  a.Wait();
+  EXPECT_EQ(a.last.usage.cached_tokens, 0);
+  ASSERT_TRUE(r.Submit(Greedy(prompt, 8), b.Callback()).ok());
+  b.Wait();
+  EXPECT_GT(b.last.usage.cached_tokens, 0);
+  EXPECT_EQ(b.tokens, a.tokens);
+  CompletionRequest salted = Greedy(prompt, 8);
+  salted.cache_salt = "tenant-2";
+  ASSERT_TRUE(r.Submit(salted, c.Callback()).ok());
+  c.Wait();
+  EXPECT_EQ(c.last.usage.cached_tokens, 0);
+  EXPECT_EQ(c.tokens, a.tokens);
+
+  // A stop string taken from the middle of the greedy text ends the text before it.
+  ASSERT_GE(a.text.size(), 6u);
+  const std::string stop = a.text.substr(a.text.size() / 2, 3);
+  CompletionRequest stopped = Greedy(prompt, 8);
+  stopped.stop = {"@@never@@", stop};
+  Collector d;
+  ASSERT_TRUE(r.Submit(stopped, d.Callback()).ok());
+  d.Wait();
+  EXPECT_EQ(d.last.finish_reason, "stop");
+  EXPECT_EQ(d.text, a.text.substr(0, a.text.find(stop)));
+
+  // Cancel mid-generation: a final "cancelled" event, and no page left but the prefix cache's.
+  Collector e;
+  auto id = r.Submit(Greedy(prompt, 4000), e.Callback());
+  ASSERT_TRUE(id.ok());
+  r.Cancel(*id);
+  e.Wait();
+  EXPECT_EQ(e.last.finish_reason, "cancelled");
+  r.ClearPrefixCache();
+  EXPECT_EQ(r.kv_stats().pages_used, 0);
+}
+
+TEST(Runtime, BadRequestsAreRejectedUpFront) {
+  auto rt = Runtime::Create(Options("f32"));
+  ASSERT_TRUE(rt.ok());
+  Runtime& r = **rt;
+  auto noop = [](const TokenEvent&) {};
+  EXPECT_EQ(r.Submit(Greedy({}, 4), noop).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(r.Submit(Greedy({1, -3}, 4), noop).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(r.Submit(Greedy({1, 1 << 30}, 4), noop).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(r.Submit(Greedy({1, 2}, 0), noop).status().code(), StatusCode::kInvalidArgument);
+  std::vector<int32_t> too_long(r.n_ctx(), 1);
+  const Status s = r.Submit(Greedy(too_long, 4), noop).status();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("context"), std::string::npos) << s.ToString();
+  EXPECT_EQ(r.Metrics().requests_finished, 0);
+}
+
+}  // namespace
+}  // namespace cachet
