@@ -70,20 +70,26 @@ CACHET_INT8_TARGET inline __m512i UnpackBlocks(const uint8_t* blk, bool pair) {
   }
 }
 
-// r[t] = dword row of key t -> r[j] = dword j of keys 0..15.
-CACHET_INT8_TARGET inline void Transpose16(__m512i* r) {
-  __m512i a[16], b[16];
-  for (int i = 0; i < 8; ++i) {
+// The first two stages of a dword transpose, within each 128-bit lane, of n (8 or 16) rows:
+// b[4 i + k], 128-bit lane L, holds element 4 L + k of rows 4 i .. 4 i + 3.
+CACHET_INT8_TARGET inline void TransposeLanes4(const __m512i* r, int n, __m512i* b) {
+  __m512i a[16];
+  for (int i = 0; i < n / 2; ++i) {
     a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
     a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
   }
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < n / 4; ++i) {
     b[4 * i + 0] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
     b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
     b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
     b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
   }
-  // b[4 i + k], 128-bit lane L: element 4 L + k of keys 4 i .. 4 i + 3.
+}
+
+// r[t] = dword row of key t -> r[j] = dword j of keys 0..15.
+CACHET_INT8_TARGET inline void Transpose16(__m512i* r) {
+  __m512i b[16];
+  TransposeLanes4(r, 16, b);
   for (int k = 0; k < 4; ++k) {
     const __m512i s0 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0x88);
     const __m512i s1 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0xDD);
@@ -109,22 +115,13 @@ CACHET_INT8_TARGET inline __m256i PairCodesQ4(const uint8_t* k0, int64_t row_byt
 
 CACHET_INT8_TARGET inline void UnpackPairQ4T(const uint8_t* k0, int64_t row_bytes, int n,
                                              __m512i* t) {
-  __m512i z[8], a[8], b[8];
+  __m512i z[8], b[8];
   for (int i = 0; i < 8; ++i) {
     z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(PairCodesQ4(k0, row_bytes, n, i)),
                               PairCodesQ4(k0, row_bytes, n, i + 8), 1);
   }
   // An 8 x 8 dword transpose in each 256-bit half: raw dword d of key i + 8 h at lane i + 8 h.
-  for (int i = 0; i < 4; ++i) {
-    a[2 * i] = _mm512_unpacklo_epi32(z[2 * i], z[2 * i + 1]);
-    a[2 * i + 1] = _mm512_unpackhi_epi32(z[2 * i], z[2 * i + 1]);
-  }
-  for (int i = 0; i < 2; ++i) {
-    b[4 * i + 0] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-  }
+  TransposeLanes4(z, 8, b);
   const __m512i lo_lanes = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
   const __m512i hi_lanes = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
   const __m512i mask = _mm512_set1_epi8(0x0F);
