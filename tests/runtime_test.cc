@@ -1,14 +1,19 @@
 // The serving runtime (include/cachet/serving.h) on kvtiny: requests served together by continuous
 // batching give each the greedy tokens it gets alone, through preemption too; the prefix cache,
-// salts, stop strings, cancellation and bad input.
+// salts, stop strings, cancellation and bad input; per-request presses (fewer pages, neighbours
+// unchanged, pressed again after preemption).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "cachet/serving.h"
+#include "kv/press/press.h"
+#include "model/config.h"
 #include "test_util.h"
 
 namespace cachet {
@@ -205,6 +210,162 @@ TEST(Runtime, BadRequestsAreRejectedUpFront) {
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("context"), std::string::npos) << s.ToString();
   EXPECT_EQ(r.Metrics().requests_finished, 0);
+}
+
+// A press as `cachet run --press SPEC --ratio R` sets it (the same parser).
+press::PressOptions Press(const char* spec, double ratio) {
+  press::PressOptions p;
+  p.ratio = ratio;
+  EXPECT_TRUE(press::ParsePressSpec(spec, &p).ok()) << spec;
+  return p;
+}
+
+// The four texts `rounds` times over (BOS once): about 115 tokens a round.
+std::vector<int32_t> LongPrompt(const Runtime& rt, int rounds = 2) {
+  std::vector<int32_t> out;
+  for (int round = 0; round < rounds; ++round) {
+    for (const auto& p : Prompts(rt)) {
+      out.insert(out.end(), p.begin() + (out.empty() ? 0 : 1), p.end());
+    }
+  }
+  return out;
+}
+
+CompletionRequest Pressed(std::vector<int32_t> prompt, int max_tokens, const char* spec,
+                          double ratio) {
+  CompletionRequest r = Greedy(std::move(prompt), max_tokens);
+  r.stop_at_eos = false;  // `max_tokens` tokens, whatever the model says
+  r.press = Press(spec, ratio);
+  return r;
+}
+
+// KV pages in use, as the runtime's snapshot has them when each of a request's events after the
+// first is sent (the snapshot of the step before: the prompt pressed, if it was, and the tokens
+// decoded so far): the most seen.
+struct PageWatch {
+  Collector c;
+  std::atomic<int> most{0};
+  EventCallback Callback(Runtime& rt) {
+    return [this, &rt, inner = c.Callback()](const TokenEvent& e) {
+      if (!e.finished && c.events > 0) {
+        most = std::max(most.load(), rt.kv_stats().pages_used);
+      }
+      inner(e);
+    };
+  }
+};
+
+// snapkv at 0.5 on a prompt of a few hundred tokens: the request holds about half the pages the
+// same request holds unpressed while it decodes, and still generates every token asked for.
+TEST(Runtime, PressedRequestHoldsFewerPages) {
+  RuntimeOptions o = Options("f32");
+  o.engine.prefix_cache = false;  // pages_used counts the request's pages only
+  auto rt = Runtime::Create(o);
+  ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+  Runtime& r = **rt;
+  const auto prompt = LongPrompt(r);
+  ASSERT_GT(prompt.size(), 150u);
+  PageWatch full, pressed;
+  CompletionRequest plain = Greedy(prompt, 16);
+  plain.stop_at_eos = false;
+  ASSERT_TRUE(r.Submit(plain, full.Callback(r)).ok());
+  full.c.Wait();
+  ASSERT_TRUE(r.Submit(Pressed(prompt, 16, "snapkv", 0.5), pressed.Callback(r)).ok());
+  pressed.c.Wait();
+  for (Collector* c : {&full.c, &pressed.c}) {
+    EXPECT_TRUE(c->last.error.ok()) << c->last.error.ToString();
+    EXPECT_EQ(c->last.finish_reason, "length");
+    EXPECT_EQ(c->tokens.size(), 16u);
+    EXPECT_EQ(c->last.usage.completion_tokens, 16);
+  }
+  const KvStats kv = r.kv_stats();
+  const int heads = r.config().n_layers * r.config().n_kv_heads;
+  // Unpressed: every token held in whole pages. The last event but the final one (the 15th) sees
+  // the snapshot of the step that sampled the 14th token, so evaluated the 13th.
+  const int held = static_cast<int>(prompt.size()) + 13;
+  EXPECT_EQ(full.most, (held + kv.page_tokens - 1) / kv.page_tokens * heads);
+  // Pressed: half the prompt kept, a page per table at most for what was decoded after it.
+  const int kept = (static_cast<int>(prompt.size()) + 1) / 2 + 13;
+  EXPECT_LE(pressed.most, (kept + kv.page_tokens - 1) / kv.page_tokens * heads + heads);
+  EXPECT_LT(pressed.most * 10, full.most * 7) << pressed.most << " vs " << full.most;
+  EXPECT_EQ(r.kv_stats().pages_used, 0);  // every page back
+}
+
+// A pressed and an unpressed request served together: the unpressed one gets the greedy tokens
+// it gets alone (the press evicts from its own sequence only), the pressed one its `length`.
+TEST(Runtime, PressedAndUnpressedRequestsTogether) {
+  auto rt = Runtime::Create(Options("f16"));
+  ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+  Runtime& r = **rt;
+  const auto prompts = Prompts(r);
+  const auto long_prompt = LongPrompt(r);
+  Collector alone;
+  ASSERT_TRUE(r.Submit(Greedy(prompts[1], 24), alone.Callback()).ok());
+  alone.Wait();
+  r.ClearPrefixCache();
+  Collector plain, pressed;
+  // The pressed one first: its prompt chunks and its press run in the steps that prefill and
+  // decode the other.
+  ASSERT_TRUE(r.Submit(Pressed(long_prompt, 24, "snapkv+max", 0.5), pressed.Callback()).ok());
+  ASSERT_TRUE(r.Submit(Greedy(prompts[1], 24), plain.Callback()).ok());
+  plain.Wait();
+  pressed.Wait();
+  EXPECT_EQ(plain.tokens, alone.tokens);
+  EXPECT_EQ(plain.text, alone.text);
+  EXPECT_TRUE(pressed.last.error.ok()) << pressed.last.error.ToString();
+  EXPECT_EQ(pressed.last.finish_reason, "length");
+  EXPECT_EQ(pressed.tokens.size(), 24u);
+  EXPECT_EQ(pressed.last.usage.cached_tokens, 0);  // a pressed prompt is never looked up
+  EXPECT_EQ(r.Metrics().preemptions, 0);
+}
+
+// A pressed request preempted after its press (an unpressed neighbour outgrows a small pool) is
+// recomputed as it first ran: its prompt, pressed again at the prompt's end, then the tokens it
+// had generated; it goes on with the tokens it gets alone. Presses are refused where the runtime
+// cannot honour them.
+TEST(Runtime, PreemptedPressedRequestIsPressedAgain) {
+  RuntimeOptions o = Options("f16", /*kv_mem_mib=*/1);  // 252 pages: 15 per table and a bit
+  o.engine.prefix_cache = false;
+  auto rt = Runtime::Create(o);
+  ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+  Runtime& r = **rt;
+  const auto prompts = Prompts(r);
+  const auto long_prompt = LongPrompt(r, 1);
+  CompletionRequest grow = Greedy(prompts[0], 150);
+  grow.stop_at_eos = false;
+  const CompletionRequest pressed_req = Pressed(long_prompt, 100, "snapkv", 0.5);
+  Collector alone;
+  ASSERT_TRUE(r.Submit(pressed_req, alone.Callback()).ok());
+  alone.Wait();
+  ASSERT_TRUE(alone.last.error.ok()) << alone.last.error.ToString();
+  ASSERT_EQ(alone.tokens.size(), 100u);
+  // Alone, the unpressed one and the pressed one each fit; together they outgrow the pool.
+  const KvStats kv = r.kv_stats();
+  const int per_table = kv.pages_total / (r.config().n_layers * r.config().n_kv_heads);
+  auto pages = [&](size_t tokens) { return static_cast<int>((tokens + 15) / 16); };
+  ASSERT_LE(pages(long_prompt.size() + 1), per_table);
+  ASSERT_LE(pages(prompts[0].size() + 150), per_table);
+  ASSERT_GT(pages(prompts[0].size() + 150) + pages(long_prompt.size() / 2 + 100), per_table);
+
+  Collector g, p;
+  ASSERT_TRUE(r.Submit(grow, g.Callback()).ok());
+  ASSERT_TRUE(r.Submit(pressed_req, p.Callback()).ok());
+  g.Wait();
+  p.Wait();
+  EXPECT_TRUE(g.last.error.ok()) << g.last.error.ToString();
+  EXPECT_TRUE(p.last.error.ok()) << p.last.error.ToString();
+  EXPECT_EQ(g.tokens.size(), 150u);
+  EXPECT_EQ(p.tokens, alone.tokens);
+  EXPECT_GT(r.Metrics().preemptions, 0) << "the pool was meant to run dry";
+  EXPECT_EQ(r.kv_stats().pages_used, 0);
+
+  auto noop = [](const TokenEvent&) {};
+  CompletionRequest again = Pressed(prompts[0], 4, "h2o", 0.5);
+  again.press->decode_every = 8;
+  EXPECT_EQ(r.Submit(again, noop).status().code(), StatusCode::kInvalidArgument);
+  CompletionRequest bad_ratio = Pressed(prompts[0], 4, "snapkv", 0.5);
+  bad_ratio.press->ratio = 1.5;
+  EXPECT_EQ(r.Submit(bad_ratio, noop).status().code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace

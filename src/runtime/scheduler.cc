@@ -2,13 +2,16 @@
 //
 // One scheduler thread owns the engine's mutable state (sessions, pool, prefix tree). Each step:
 // take in new requests and cancels; admit waiting requests while the pool can hold their prompt
-// (first come, first served among the next few, a longer cached prefix first); give every
-// decoding request its next token and the prefilling ones prompt chunks up to the step's token
-// budget; run them through Transformer::ForwardBatch; sample where a chunk reached the end of a
-// request's tokens. When the pool runs dry mid-step the newest request is preempted: its session
-// (and so its pages) dropped, its tokens kept, and it waits at the front of the queue to be
-// recomputed (its published prefix, if any, is reused). Other threads only queue requests and
-// commands and read snapshots the scheduler publishes after each step.
+// besides the rest of the prompts already admitted (first come, first served among the next few,
+// a longer cached prefix first); give every decoding request its next token and the prefilling
+// ones prompt chunks up to the step's token budget; run them through Transformer::ForwardBatch;
+// press a request that asked for it where its chunk reached the end of its prompt; sample where a
+// chunk reached the end of a request's tokens. When the pool runs dry mid-step the newest request
+// is preempted: its session (and so its pages) dropped, its tokens kept, and it waits at the front
+// of the queue to be recomputed (its published prefix, if any, is reused; a pressed request is
+// pressed again at the end of its prompt, then recomputes the tokens it had generated). Other
+// threads only queue requests and commands and read snapshots the scheduler publishes after each
+// step.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -193,11 +196,41 @@ struct Runtime::Impl {
   }
   std::vector<std::unique_ptr<Request>> cancel_now;
 
-  // Pages a request still needs for its uncached tokens (every layer and KV head).
-  int64_t PagesNeeded(const Request& q, int cached) const {
+  // Pages (every layer and KV head) that `tokens` tokens fill.
+  int64_t Pages(int64_t tokens) const {
     const KvLayout& lay = engine->kv_pool().layout();
-    const int64_t toks = static_cast<int64_t>(q.tokens.size()) - cached + 1;
-    return (toks + lay.page_tokens - 1) / lay.page_tokens * lay.heads_total();
+    return (tokens + lay.page_tokens - 1) / lay.page_tokens * lay.heads_total();
+  }
+
+  // Tokens per (layer, KV head) that a pressed request keeps of its prompt (Quest keeps them all).
+  static int64_t Kept(const Request& q) {
+    const press::PressOptions& o = *q.r.press;
+    if (o.quest) return q.n_prompt;
+    const int64_t kept =
+        o.budget > 0 ? o.budget : std::llround((1.0 - o.ratio) * static_cast<double>(q.n_prompt));
+    return std::min<int64_t>(kept, q.n_prompt);
+  }
+
+  // The most pages request q holds while its tokens are (re)computed, the first sampled one
+  // included, with `cached` of them already held from the prefix cache. A pressed request holds
+  // its whole prompt until the press, then what the press kept plus the tokens after the prompt
+  // (plus a partial page per table: per-head budgets differ); after_press: only the latter.
+  int64_t PeakPages(const Request& q, int cached, bool after_press = false) const {
+    const int64_t n = static_cast<int64_t>(q.tokens.size());
+    if (!q.r.press) return Pages(n - cached + 1);
+    const int64_t after =
+        Pages(Kept(q) + n - q.n_prompt + 1) + engine->kv_pool().layout().heads_total();
+    return after_press ? after : std::max(Pages(q.n_prompt + 1), after);
+  }
+
+  // Pages a running request has yet to take before it decodes (the rest of its prompt, or of what
+  // a preempted request recomputes). Admission keeps them free: a request admitted while others
+  // are still prefilling must not take the pages their prompts were admitted with.
+  int64_t Outstanding(const Request& q) const {
+    if (q.evaluated + 1 >= static_cast<int>(q.tokens.size())) return 0;  // decoding
+    const bool pressed = q.r.press && q.evaluated >= q.n_prompt;
+    const int64_t held = SessionAccess::seq(*q.session).pages_held();
+    return std::max<int64_t>(0, PeakPages(q, 0, pressed) - held);
   }
 
   int Cached(const Request& q) const {
@@ -221,12 +254,14 @@ struct Runtime::Impl {
       Request& q = *waiting[best];
       const PagePool& pool = engine->kv_pool();
       PrefixTree* tree = SessionAccess::prefix(*engine);
-      const int64_t available =
-          pool.free_pages() + (tree != nullptr ? tree->ReclaimablePages() : 0);
-      if (PagesNeeded(q, best_cached) > available && !running.empty()) break;
+      int64_t available = pool.free_pages() + (tree != nullptr ? tree->ReclaimablePages() : 0);
+      for (const auto& r : running) available -= Outstanding(*r);
+      if (PeakPages(q, best_cached) > available && !running.empty()) break;
       q.session = engine->NewSession(q.r.cache_salt);
       if (q.r.press) {
-        q.session->PrepareForPress(*q.r.press, static_cast<int32_t>(q.tokens.size()));
+        // Observed up to the end of the prompt: a preempted request recomputes its prompt, is
+        // pressed there again, then recomputes the tokens it had generated.
+        q.session->PrepareForPress(*q.r.press, q.n_prompt);
       } else if (tree != nullptr) {
         Session& s = *q.session;
         const int reused =
@@ -355,7 +390,9 @@ struct Runtime::Impl {
       for (size_t i = 0; i < order.size() && budget > 0; ++i) {
         Request& q = *order[i];
         const int left = static_cast<int>(q.tokens.size()) - q.evaluated;
-        const int n = std::min(left, budget);
+        int n = std::min(left, budget);
+        // A pressed request's chunk stops at the end of its prompt, where the press runs.
+        if (q.r.press && q.evaluated < q.n_prompt) n = std::min(n, q.n_prompt - q.evaluated);
         if (n <= 0) continue;
         budget -= n;
         auto& pos = positions[i];
@@ -396,8 +433,7 @@ struct Runtime::Impl {
     std::vector<Request*> done;
     for (const Entry& e : entries) {
       Request& q = *e.q;
-      if (q.evaluated != static_cast<int>(q.tokens.size())) continue;  // mid-prompt
-      if (q.r.press && q.evaluated == q.n_prompt) {
+      if (q.r.press && q.evaluated == q.n_prompt) {  // the step reached the end of the prompt
         auto pr = q.session->Compress(*q.r.press);
         if (!pr.ok()) {
           Finish(q, "error", pr.status());
@@ -405,6 +441,7 @@ struct Runtime::Impl {
           continue;
         }
       }
+      if (q.evaluated != static_cast<int>(q.tokens.size())) continue;  // mid-prompt
       if (!Sample(q)) done.push_back(&q);
     }
     std::erase_if(running, [&](const auto& q) {
@@ -494,6 +531,15 @@ Result<uint64_t> Runtime::Submit(CompletionRequest request, EventCallback on_eve
     }
   }
   if (request.max_tokens < 1) return InvalidArgument("max_tokens: must be >= 1");
+  if (request.press) {
+    const press::PressOptions& p = *request.press;
+    if (!(p.ratio >= 0 && p.ratio < 1) || p.budget < 0) {
+      return InvalidArgument("press: the ratio must be in [0, 1) and the budget >= 0");
+    }
+    if (p.decode_every > 0) {
+      return InvalidArgument("press: pressing again while decoding (decode_every) is not served");
+    }
+  }
   const int n_ctx = m.engine->n_ctx();
   if (static_cast<int64_t>(request.prompt.size()) >= n_ctx) {
     return InvalidArgument("prompt: " + std::to_string(request.prompt.size()) +
