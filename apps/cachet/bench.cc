@@ -1,13 +1,19 @@
-// cachet bench: prefill and decode speed at several context lengths, with the decode roofline.
+// cachet bench: prefill and decode speed at several context lengths, with the decode roofline;
+// --prefix-hit: time to first token with a cached prefix; --serve-capacity: how many sequences
+// of a context length one KV pool serves at once through the Runtime.
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
+#include <mutex>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
+#include <thread>
 #include <tuple>
 
 #include "cachet/commands.h"
+#include "cachet/serving.h"
 #include "eval/harness.h"
 #include "kv/codecs/codec.h"
 #include "kv/press/press.h"
@@ -133,6 +139,161 @@ nlohmann::json PrefixHitBench(Engine& engine, const std::vector<int32_t>& tokens
   return out;
 }
 
+// --serve-capacity: n requests, each a prompt of ctx - n_decode distinct random tokens that
+// then decodes n_decode tokens (a sequence of ctx tokens at its end), submitted at once to a
+// Runtime over the engine's pool with the prefix cache off, each pressed after its prompt when
+// `press` is set. Measures how many of them decode at once before any preemption: the pool's
+// capacity in sequences, when every request outlives the admission of the others (a step prefills
+// one whole prompt by default, so with n_decode >= n the first admitted is still decoding when
+// the n-th is admitted). One request served alone first measures a sequence's KV at its largest.
+nlohmann::json ServeCapacityBench(EngineOptions eo, int ctx, int n, int n_decode, int batch_tokens,
+                                  const std::optional<press::PressOptions>& press) {
+  // What every request's events tell (on the scheduler thread); declared before the runtime,
+  // whose destructor sends the final events of requests still in flight.
+  struct Tally {
+    std::mutex mu;
+    std::condition_variable cv;
+    int finished = 0, errors = 0, decoding = 0, most_decoding = 0;
+    std::string first_error;
+    int64_t most_pages = 0, most_bytes = 0;  // of the pool, at the events of the lone request
+  };
+  Tally tally;
+  eo.n_ctx = ctx;
+  eo.prefix_cache = false;
+  RuntimeOptions ro;
+  ro.engine = eo;
+  ro.max_sequences = n;
+  ro.max_waiting = n + 1;
+  ro.batch_tokens = batch_tokens > 0 ? batch_tokens : ctx + n;  // a whole prompt and every decode
+  ro.publish_prefixes = false;
+  auto created = Runtime::Create(ro);
+  if (!created.ok()) {
+    std::fprintf(stderr, "cachet: %s\n", created.status().ToString().c_str());
+    throw CLI::RuntimeError(1);
+  }
+  Runtime& rt = **created;
+  const int prompt_len = ctx - n_decode;
+  std::mt19937 rng(4321);
+  std::uniform_int_distribution<int32_t> dist(3, rt.config().vocab_size - 1);
+  auto request = [&](int i) {
+    CompletionRequest r;
+    r.prompt.resize(prompt_len);
+    for (int32_t& t : r.prompt) t = dist(rng);
+    r.prompt[0] = 3 + i % (rt.config().vocab_size - 3);  // no two share a first token
+    r.max_tokens = n_decode;
+    r.sampling.temperature = 0;
+    r.stop_at_eos = false;
+    r.press = press;
+    return r;
+  };
+
+  auto on_event = [&](bool lone) {
+    return [&rt, &tally, lone, started = false](const TokenEvent& e) mutable {
+      // The snapshot of the step before (the lone request's pressed prompt and tokens so far).
+      const KvStats kv = lone && started && !e.finished ? rt.kv_stats() : KvStats();
+      const int64_t preemptions = rt.Metrics().preemptions;
+      std::lock_guard<std::mutex> lock(tally.mu);
+      tally.most_pages = std::max<int64_t>(tally.most_pages, kv.pages_used);
+      tally.most_bytes = std::max(tally.most_bytes, kv.bytes_used);
+      if (!started && !e.finished) {
+        started = true;
+        ++tally.decoding;
+        if (preemptions == 0) tally.most_decoding = std::max(tally.most_decoding, tally.decoding);
+      }
+      if (e.finished) {
+        if (started) --tally.decoding;
+        ++tally.finished;
+        if (!e.error.ok() || e.finish_reason != "length") {
+          if (tally.errors++ == 0) {
+            tally.first_error =
+                e.error.ok() ? "finish_reason " + e.finish_reason : e.error.ToString();
+          }
+        }
+        tally.cv.notify_all();
+      }
+    };
+  };
+  auto wait_for = [&](int finished) {
+    std::unique_lock<std::mutex> lock(tally.mu);
+    tally.cv.wait(lock, [&] { return tally.finished >= finished; });
+  };
+
+  // One request alone: a sequence's KV at its largest.
+  ProgressBar progress("bench --serve-capacity", n + 1);
+  if (auto id = rt.Submit(request(n), on_event(true)); !id.ok()) {
+    std::fprintf(stderr, "cachet: %s\n", id.status().ToString().c_str());
+    throw CLI::RuntimeError(1);
+  }
+  wait_for(1);
+  progress.Add();
+  const RuntimeMetrics base = rt.Metrics();
+  {
+    std::lock_guard<std::mutex> lock(tally.mu);
+    tally.most_decoding = 0;
+  }
+
+  // n at once.
+  const auto t0 = Clock::now();
+  for (int i = 0; i < n; ++i) {
+    if (auto id = rt.Submit(request(i), on_event(false)); !id.ok()) {
+      std::fprintf(stderr, "cachet: %s\n", id.status().ToString().c_str());
+      throw CLI::RuntimeError(1);
+    }
+  }
+  int peak_running = 0, done = 1;
+  int64_t peak_pages = 0;
+  for (;;) {  // the gauges, sampled far more often than steps end
+    const RuntimeMetrics m = rt.Metrics();
+    peak_running = std::max(peak_running, m.running);
+    peak_pages = std::max<int64_t>(peak_pages, rt.kv_stats().pages_used);
+    std::unique_lock<std::mutex> lock(tally.mu);
+    for (; done < tally.finished; ++done) progress.Add();
+    if (tally.cv.wait_for(lock, std::chrono::milliseconds(2),
+                          [&] { return tally.finished >= n + 1; })) {
+      break;
+    }
+  }
+  const double wall = std::chrono::duration<double>(Clock::now() - t0).count();
+  for (; done < n + 1; ++done) progress.Add();
+  const RuntimeMetrics m = rt.Metrics();
+  const KvStats kv = rt.kv_stats();
+
+  nlohmann::json out;
+  out["model"] = eo.model_dir.empty() ? DefaultModelDir() : eo.model_dir;
+  out["threads"] =
+      eo.threads > 0 ? eo.threads : static_cast<int>(std::thread::hardware_concurrency());
+  out["ctx"] = ctx;
+  out["prompt_tokens"] = prompt_len;
+  out["n_decode"] = n_decode;
+  out["requests"] = n;
+  out["batch_tokens"] = ro.batch_tokens;
+  out["codec"] = kv.codec;
+  out["press"] = press ? nlohmann::json(press::PressSpec(*press)) : nlohmann::json(nullptr);
+  if (press) out["ratio"] = press->ratio;
+  out["pool_bytes"] = kv.bytes_total;
+  out["pool_pages"] = kv.pages_total;
+  out["kv_bytes_per_token"] = kv.bytes_per_token;
+  out["seq_kv_bytes"] = tally.most_bytes;
+  out["seq_kv_pages"] = tally.most_pages;
+  out["seq_kv_bytes_unpressed"] = kv.bytes_per_token * (ctx - 1);
+  out["fits"] = tally.most_bytes > 0 ? kv.bytes_total / tally.most_bytes : 0;
+  out["concurrent"] = tally.most_decoding;
+  out["peak_running"] = peak_running;
+  out["peak_pages_used"] = peak_pages;
+  out["preemptions"] = m.preemptions - base.preemptions;
+  out["finished"] = m.requests_finished - base.requests_finished;
+  out["errors"] = tally.errors;
+  if (tally.errors > 0) out["first_error"] = tally.first_error;
+  out["prompt_tokens_total"] = m.prompt_tokens - base.prompt_tokens;
+  out["generated_tokens"] = m.generation_tokens - base.generation_tokens;
+  out["wall_s"] = wall;
+  out["tok_s"] =
+      double(m.prompt_tokens - base.prompt_tokens + m.generation_tokens - base.generation_tokens) /
+      wall;
+  out["peak_rss_bytes"] = eval::PeakRssBytes();
+  return out;
+}
+
 }  // namespace
 
 void AddBench(CLI::App& app) {
@@ -149,6 +310,8 @@ void AddBench(CLI::App& app) {
     std::vector<double> prefix_hit;
     std::vector<std::string> vs;  // other cache types, K[:V]
     GenerateOptions gen;          // its press, if any
+    int serve_capacity = 0;       // requests served at once through the Runtime
+    int batch_tokens = 0;         // its tokens per step; 0: a whole prompt and every decode
   };
   auto o = std::make_shared<Opts>();
   AddEngineFlags(*cmd, o->engine);
@@ -158,8 +321,11 @@ void AddBench(CLI::App& app) {
       ->check(CLI::PositiveNumber);
   cmd->add_option("--reps", o->reps, "Runs per measurement (the median is reported)")
       ->check(CLI::PositiveNumber);
-  cmd->add_option("--n-decode", o->n_decode, "Tokens decoded after each prefill")
-      ->check(CLI::PositiveNumber);
+  auto* n_decode =
+      cmd->add_option("--n-decode", o->n_decode,
+                      "Tokens decoded after each prefill (--serve-capacity: by each request; "
+                      "default there: N, at least 8)")
+          ->check(CLI::PositiveNumber);
   cmd->add_option("--vs", o->vs,
                   "Also measure these KV cache types (K[:V], e.g. q4_0 or q8_0:q4_0), one engine "
                   "each, running every rep on each engine in turn so that machine noise hits them "
@@ -173,7 +339,63 @@ void AddBench(CLI::App& app) {
                   "prompt is already in the prefix cache, e.g. 0,0.5,0.9 (JSON key ttft_ms)")
       ->delimiter(',')
       ->check(CLI::Range(0.0, 1.0));
-  cmd->callback([o] {
+  cmd->add_option("--serve-capacity", o->serve_capacity,
+                  "Instead: submit N requests at once to the serving runtime (continuous "
+                  "batching, prefix cache off), each a prompt of distinct random tokens that "
+                  "then decodes --n-decode tokens, ending at the largest --ctx; the KV pool is "
+                  "--kv-mem in --ctk/--ctv, every request pressed with --press if given. Reports "
+                  "how many decoded at once before any preemption and the KV bytes a sequence "
+                  "holds (JSON keys concurrent, seq_kv_bytes)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--batch-tokens", o->batch_tokens,
+                  "--serve-capacity: tokens per runtime step (default: the --ctx plus N, a whole "
+                  "prompt and every request's next token)")
+      ->check(CLI::PositiveNumber);
+  cmd->callback([o, n_decode] {
+    if (o->serve_capacity > 0) {
+      const int ctx = *std::max_element(o->ctx.begin(), o->ctx.end());
+      const int n = o->serve_capacity;
+      const int gen = n_decode->count() > 0 ? o->n_decode : std::max(8, n);
+      if (gen < 2 || gen >= ctx) {
+        std::fprintf(stderr, "cachet: --n-decode must be in [2, --ctx) with --serve-capacity\n");
+        throw CLI::RuntimeError(1);
+      }
+      const nlohmann::json out =
+          ServeCapacityBench(o->engine, ctx, n, gen, o->batch_tokens, o->gen.press);
+      if (o->json) {
+        std::printf("%s\n", out.dump().c_str());
+        return;
+      }
+      const double mib = 1.0 / (1 << 20);
+      char press_desc[96] = "none";
+      if (o->gen.press) {
+        std::snprintf(press_desc, sizeof press_desc, "%s at ratio %g",
+                      out["press"].get<std::string>().c_str(), o->gen.press->ratio);
+      }
+      std::printf(
+          "serve capacity: %d requests of %d tokens (prompt %d + %d decoded), %s KV pool of "
+          "%.1f MiB (%lld pages), press %s\n",
+          n, ctx, ctx - gen, gen, out["codec"].get<std::string>().c_str(),
+          out["pool_bytes"].get<double>() * mib, out["pool_pages"].get<long long>(), press_desc);
+      std::printf(
+          "a sequence holds %.2f MiB of KV at its largest (%lld pages; %.2f MiB "
+          "unpressed): the pool fits %lld\n",
+          out["seq_kv_bytes"].get<double>() * mib, out["seq_kv_pages"].get<long long>(),
+          out["seq_kv_bytes_unpressed"].get<double>() * mib, out["fits"].get<long long>());
+      std::printf(
+          "decoding at once before any preemption: %d (peak running %d); preemptions "
+          "%lld, errors %d\n",
+          out["concurrent"].get<int>(), out["peak_running"].get<int>(),
+          out["preemptions"].get<long long>(), out["errors"].get<int>());
+      std::printf("%lld requests, %lld prompt + %lld generated tokens in %.1f s (%.0f tok/s)\n",
+                  out["finished"].get<long long>(), out["prompt_tokens_total"].get<long long>(),
+                  out["generated_tokens"].get<long long>(), out["wall_s"].get<double>(),
+                  out["tok_s"].get<double>());
+      if (out["errors"].get<int>() > 0) {
+        std::printf("first error: %s\n", out["first_error"].get<std::string>().c_str());
+      }
+      return;
+    }
     EngineOptions eo = o->engine;
     const int max_ctx = *std::max_element(o->ctx.begin(), o->ctx.end());
     eo.n_ctx = std::max(eo.n_ctx, max_ctx + o->n_decode);
