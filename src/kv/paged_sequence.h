@@ -2,13 +2,16 @@
 // and a token count. Pages can be shared between sequences (Fork); a shared, partly filled page is
 // copied before it is written (copy-on-write). With a codec layout, tokens are encoded as they
 // are written (row-wise codecs) or staged in a raw page and encoded when it fills (KIVI keys);
-// pages holding the first `sinks` tokens stay raw.
+// pages holding the first `sinks` tokens stay raw. The parts: kv/block_table.h (a table, its
+// rows), kv/staging.h (which pages are raw), kv/compaction.h (Retain), kv/quest_index.h (Quest's
+// bounds and selection), kv/table_attention.h (the kernels' views of the tables).
 #pragma once
 
 #include <memory>
 #include <span>
 #include <vector>
 
+#include "kv/block_table.h"
 #include "kv/page_pool.h"
 #include "model/kv_sequence.h"
 
@@ -100,10 +103,9 @@ class PagedSequence final : public KvSequence {
     quest_keep_ = keep;
   }
   bool quest() const { return quest_pages_ > 0 || quest_keep_ < 1.0; }
-  // Quest's key bounds of (layer, kv_head) built so far: per page of its first pages, the
-  // per-channel key min then max ([pages][2][head_dim]).
+  // Quest's key bounds of (layer, kv_head) built so far (QuestIndex::bounds).
   std::span<const float> key_bounds(int layer, int kv_head) const {
-    return table(layer, kv_head).key_bounds;
+    return table(layer, kv_head).quest.bounds();
   }
 
   int n_tokens() const { return n_tokens_; }  // tokens committed to the sequence
@@ -115,65 +117,12 @@ class PagedSequence final : public KvSequence {
   void Clear();               // back to empty, all references dropped
 
  private:
-  struct BlockTable {
-    std::vector<int32_t> pages;
-    int32_t n_tokens = 0;
-    std::vector<int32_t> seal_pages;  // codec pages reserved for staged pages that will fill
-    // Quest: per-channel key min then max ([2][head_dim]) of the first pages; built by Append as
-    // pages reach their final form (one thread), else lazily by decode steps (one task per table
-    // then), dropped when pages change under it.
-    mutable std::vector<float> key_bounds;
-  };
   BlockTable& table(int layer, int kv_head) {
     return tables_[layer * pool_.layout().n_kv_heads + kv_head];
   }
   const BlockTable& table(int layer, int kv_head) const {
     return tables_[layer * pool_.layout().n_kv_heads + kv_head];
   }
-  bool IsSinkPage(int64_t page_index) const {
-    return page_index * pool_.layout().page_tokens < pool_.layout().sinks;
-  }
-  // Whether logical page p is written raw (plain layouts, sinks, staging) or encoded directly.
-  bool RawPage(int64_t p) const {
-    const KvLayout& l = pool_.layout();
-    return l.plain() || l.staged() || IsSinkPage(p);
-  }
-  void Seal(BlockTable& t, int64_t page_index);
-  void Gather(const BlockTable& t, std::vector<float>* k, std::vector<float>* v,
-              std::vector<int32_t>* positions) const;
-  // Staged layouts: whether page p of a table of n tokens is sealed into the codec.
-  bool WantsCodecPage(int64_t p, int64_t n_tokens) const;
-  // Whether Retain(keep) leaves every row of destination page p holding its own token as it is.
-  bool PageRowsUnchanged(const std::vector<int32_t>& keep, int p, bool new_values) const;
-  void RetainStaged(std::span<const std::vector<int32_t>> keep, bool demote,
-                    std::span<const std::vector<float>> values, const std::vector<uint8_t>& fresh,
-                    const std::vector<size_t>& fresh_begin, const std::vector<int32_t>& cold_new);
-  // Codec pages to reserve so that the next n tokens can seal the staged pages they age.
-  int64_t SealsNeeded(const BlockTable& t, int n) const;
-  // One page of an attention pass: pages may come from the hot or the cold pool.
-  struct PageRef {
-    PagePool* pool;
-    int32_t page;
-    int32_t cnt;        // tokens in it
-    int32_t first_key;  // index of its first key among the pass's keys
-  };
-  struct RefRows;  // PageRefs as the attention kernels' PageRows
-  static void WriteRow(PagePool& pool, int32_t page, int off, const float* k, const float* v,
-                       int32_t pos);
-  void DemoteRow(BlockTable& cold, const float* k, const float* v, int32_t pos,
-                 const std::vector<int32_t>& fresh, size_t* next);
-  static void AddRefs(PagePool& pool, const BlockTable& t, const std::vector<int32_t>* subset,
-                      std::vector<PageRef>* refs);
-  // Pages of a table in their final form: full and, in staged layouts, sealed or sinks.
-  int64_t FinalPages(const BlockTable& t) const;
-  // Extends t.key_bounds to its first `pages` pages, from their keys as stored (decoded, and turned
-  // back from a rotation); the one place bounds are computed.
-  static void ExtendKeyBounds(PagePool& pool, const BlockTable& t, int64_t pages);
-  // The pages a Quest decode step reads (ascending, the last page last); false when all are.
-  // Logical indices of the pages read: the top `pages` (or the fraction keep) of all but the last
-  // page by key bound, then the last; false when that would be every page.
-  static bool QuestSelect(PagePool& pool, const BlockTable& t, const kernels::AttnBatch& b,
-                          int pages, double keep, std::vector<int32_t>* selected);
 
   PagePool& pool_;
   std::vector<BlockTable> tables_;

@@ -1,0 +1,30 @@
+// One (layer, KV head)'s pages in a sequence, and reading and writing their rows whatever codec
+// stores them.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "kv/page_pool.h"
+#include "kv/quest_index.h"
+
+namespace cachet {
+
+struct BlockTable {
+  std::vector<int32_t> pages;
+  int32_t n_tokens = 0;
+  std::vector<int32_t> seal_pages;  // codec pages reserved for staged pages that will fill
+  // Built by Append as pages reach their final form (one thread), else lazily by decode steps (one
+  // task per table then).
+  mutable QuestIndex quest;
+};
+
+// Encodes one token's K and V rows into row `off` of a page, in the page's codecs.
+void WriteRow(PagePool& pool, int32_t page, int off, const float* k, const float* v, int32_t pos);
+// The first cnt K and V rows of a page in f32.
+void DecodeRows(PagePool& pool, int32_t page, int cnt, float* k, float* v);
+// A table's K and V rows in f32, with their positions, in table order.
+void GatherTable(PagePool& pool, const BlockTable& t, std::vector<float>* k, std::vector<float>* v,
+                 std::vector<int32_t>* positions);
+
+}  // namespace cachet

@@ -1,0 +1,66 @@
+#include "kv/quest_index.h"
+
+#include <algorithm>
+#include <cmath>
+#include <utility>
+
+#include "kv/codecs/codec_simd.h"
+
+namespace cachet {
+
+using codecs::Role;
+
+void QuestIndex::OnAppend(PagePool& pool, std::span<const int32_t> pages, int64_t final_pages) {
+  if (pages_bounded(pool.layout().head_dim) == final_pages - 1) Extend(pool, pages, final_pages);
+}
+
+void QuestIndex::Extend(PagePool& pool, std::span<const int32_t> pages, int64_t end) {
+  const KvLayout& lay = pool.layout();
+  const int pt = lay.page_tokens, hd = lay.head_dim;
+  thread_local std::vector<float> kbuf;
+  kbuf.resize(size_t(pt) * hd);
+  for (int64_t p = pages_bounded(hd); p < end; ++p) {
+    const int32_t page = pages[p];
+    // SIMD decoding (the scalar DecodePage made the first decode step after a 16k prompt cost
+    // 0.16 s); rotation codecs decode rotated, so their rows are turned back.
+    const codecs::Codec c = pool.codec_of(page, Role::kKey);
+    codecs::simd::DecodeStored(c, Role::kKey, pool.rows(page, Role::kKey), pt, pt, hd, kbuf.data());
+    if (codecs::IsRotated(c)) {
+      for (int j = 0; j < pt; ++j) codecs::Unrotate(kbuf.data() + size_t(j) * hd, hd);
+    }
+    const size_t at = bounds_.size();
+    bounds_.resize(at + 2 * hd);
+    kernels::KeyBounds(kbuf.data(), pt, hd, bounds_.data() + at, bounds_.data() + at + hd);
+  }
+}
+
+bool QuestIndex::Select(PagePool& pool, std::span<const int32_t> table_pages, int32_t n_tokens,
+                        const kernels::AttnBatch& batch, int pages, double keep,
+                        std::vector<int32_t>* selected) {
+  const KvLayout& lay = pool.layout();
+  const int pt = lay.page_tokens, hd = lay.head_dim;
+  const int n_pages = (n_tokens + pt - 1) / pt;
+  const int candidates = n_pages - 1;  // the last page is always read
+  const int k = pages > 0 ? pages : std::max(1, static_cast<int>(std::ceil(keep * candidates)));
+  if (k >= candidates) return false;
+  Extend(pool, table_pages, candidates);
+  // Upper bound of q.k over a page: sum_i max(q_i min_i, q_i max_i); the group's heads share the
+  // selection, so a page counts by its best head.
+  thread_local std::vector<float> score;
+  score.resize(candidates);
+  kernels::PageBoundScores(batch.q, batch.n_heads, hd, bounds_.data(), candidates, score.data());
+  thread_local std::vector<std::pair<float, int32_t>> ub;
+  ub.resize(candidates);
+  for (int p = 0; p < candidates; ++p) ub[p] = {score[p], p};
+  std::nth_element(ub.begin(), ub.begin() + k, ub.end(), [](const auto& a, const auto& c) {
+    return a.first > c.first || (a.first == c.first && a.second < c.second);
+  });
+  std::sort(ub.begin(), ub.begin() + k,
+            [](const auto& a, const auto& c) { return a.second < c.second; });
+  selected->clear();
+  for (int i = 0; i < k; ++i) selected->push_back(ub[i].second);
+  selected->push_back(n_pages - 1);
+  return true;
+}
+
+}  // namespace cachet

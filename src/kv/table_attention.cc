@@ -1,0 +1,225 @@
+#include "kv/table_attention.h"
+
+#include <algorithm>
+#include <span>
+
+#include "kv/codecs/codec_simd.h"
+
+namespace cachet {
+
+using codecs::Role;
+
+namespace {
+
+// One page of an attention pass: pages may come from the hot or the cold pool.
+struct PageRef {
+  PagePool* pool;
+  int32_t page;
+  int32_t cnt;        // tokens in it
+  int32_t first_key;  // index of its first key among the pass's keys
+};
+
+void AddRefs(const TablePages& read, std::vector<PageRef>* refs) {
+  const BlockTable& t = *read.table;
+  const int pt = read.pool->layout().page_tokens;
+  const int n_pages = (t.n_tokens + pt - 1) / pt;
+  int32_t first = refs->empty() ? 0 : refs->back().first_key + refs->back().cnt;
+  auto add = [&](int p) {
+    const int32_t cnt = std::min(pt, t.n_tokens - p * pt);
+    refs->push_back({read.pool, t.pages[p], cnt, first});
+    first += cnt;
+  };
+  if (read.subset) {
+    for (int32_t p : *read.subset) add(p);
+  } else {
+    for (int p = 0; p < n_pages; ++p) add(p);
+  }
+}
+
+// Pages of the hot and the cold pool as the attention kernels read them. Each role (K, V) is read
+// in one basis: rotated when a pool's codec rotates that role (rotated queries score rotated keys,
+// values accumulate rotated and the output is rotated back once per row), else the original one.
+// Rows stored in the other basis (raw sink and window pages beside a rotation codec, a cold pool
+// of another codec) are decoded and rotated into it.
+struct RefRows final : kernels::PageRows {
+  // Each ref's pages are hot's or cold's (null: no cold pool).
+  RefRows(std::span<const PageRef> refs, const KvLayout& layout, bool rot_k, bool rot_v,
+          const PagePool& hot, const PagePool* cold)
+      : refs_(refs), layout_(layout), rot_k_(rot_k), rot_v_(rot_v), hot_(&hot) {
+    SetBytes(hot, bytes_[0]);
+    if (cold != nullptr) SetBytes(*cold, bytes_[1]);
+  }
+  int n_pages() const override { return static_cast<int>(refs_.size()); }
+  int n_keys() const override {
+    return refs_.empty() ? 0 : refs_.back().first_key + refs_.back().cnt;
+  }
+  int page_tokens() const override { return layout_.page_tokens; }
+  int head_dim() const override { return layout_.head_dim; }
+  const int32_t* Positions(int page, int* cnt) const override {
+    *cnt = refs_[page].cnt;
+    return refs_[page].pool->positions(refs_[page].page);
+  }
+  kernels::PageData Rows(int page, float* k_buf, float* v_buf) const override {
+    PagePool& pool = *refs_[page].pool;
+    const int32_t id = refs_[page].page;
+    kernels::PageData d;
+    const codecs::Codec ck = pool.codec_of(id, Role::kKey);
+    if (ck == codecs::Codec::kKivi4 || ck == codecs::Codec::kKivi2) {  // read fused
+      const uint8_t* k = pool.rows(id, Role::kKey);
+      d.k_channels = reinterpret_cast<const uint16_t*>(k);
+      d.k = k + codecs::KiviKeyMetaBytes(layout_.head_dim);
+      d.k_bits = ck == codecs::Codec::kKivi4 ? 4 : 2;
+    } else {
+      d.k = Rows(ck, Role::kKey, rot_k_, pool.rows(id, Role::kKey), refs_[page].cnt, k_buf,
+                 &d.k_type);
+    }
+    d.v = Rows(pool.codec_of(id, Role::kValue), Role::kValue, rot_v_, pool.rows(id, Role::kValue),
+               refs_[page].cnt, v_buf, &d.v_type);
+    return d;
+  }
+  void Prefetch(int page) const override {
+    PagePool& pool = *refs_[page].pool;
+    const int32_t id = refs_[page].page;
+    const size_t* bytes = bytes_[&pool != hot_][IsCodecPage(id)];
+    for (Role role : {Role::kKey, Role::kValue}) {
+      const char* p = reinterpret_cast<const char*>(pool.rows(id, role));
+      const size_t n = bytes[role == Role::kValue];
+      for (size_t off = 0; off < n; off += 64) __builtin_prefetch(p + off);
+    }
+  }
+
+ private:
+  // Bytes of a page's K and V rows in a pool, by kind (raw, codec), as codec_of gives their codecs.
+  static void SetBytes(const PagePool& pool, size_t (&bytes)[2][2]) {
+    const KvLayout& l = pool.layout();
+    const codecs::Codec raw = l.raw_codec();
+    bytes[0][0] = codecs::PageBytes(raw, Role::kKey, l.page_tokens, l.head_dim);
+    bytes[0][1] = codecs::PageBytes(raw, Role::kValue, l.page_tokens, l.head_dim);
+    bytes[1][0] = codecs::PageBytes(l.codec_k, Role::kKey, l.page_tokens, l.head_dim);
+    bytes[1][1] = codecs::PageBytes(l.codec_v, Role::kValue, l.page_tokens, l.head_dim);
+  }
+
+  // f32, f16, bf16, q8_0 and q4_0 rows in the basis they are stored in are read in place (the
+  // kernel widens or unpacks them as it loads); other rows are decoded into buf.
+  const void* Rows(codecs::Codec c, Role role, bool rotated, const uint8_t* data, int cnt,
+                   float* buf, DType* type) const {
+    if (rotated != codecs::IsRotated(c)) {
+      const int hd = layout_.head_dim;
+      codecs::simd::DecodeStored(c, role, data, cnt, layout_.page_tokens, hd, buf);
+      for (int t = 0; t < cnt; ++t) {
+        rotated ? codecs::Rotate(buf + size_t(t) * hd, hd)
+                : codecs::Unrotate(buf + size_t(t) * hd, hd);
+      }
+      *type = DType::kF32;
+      return buf;
+    }
+    switch (c) {
+      case codecs::Codec::kF32:
+        *type = DType::kF32;
+        return data;
+      case codecs::Codec::kF16:
+        *type = DType::kF16;
+        return data;
+      case codecs::Codec::kBF16:
+        *type = DType::kBF16;
+        return data;
+      case codecs::Codec::kQ8_0:  // llama.cpp's block layouts: the kernel unpacks them fused
+        *type = DType::kQ8_0;
+        return data;
+      case codecs::Codec::kQ4_0:
+        *type = DType::kQ4_0;
+        return data;
+      default:
+        codecs::simd::DecodeStored(c, role, data, cnt, layout_.page_tokens, layout_.head_dim, buf);
+        *type = DType::kF32;
+        return buf;
+    }
+  }
+
+  std::span<const PageRef> refs_;
+  const KvLayout& layout_;
+  bool rot_k_, rot_v_;
+  const PagePool* hot_;
+  size_t bytes_[2][2][2] = {};  // [hot, cold][raw, codec page][K, V]: Prefetch's byte counts
+};
+
+void AttendPlain(const kernels::AttnBatch& batch, const TablePages& hot) {
+  const BlockTable& t = *hot.table;
+  kernels::PagedKv v = PlainView(*hot.pool, t);
+  if (hot.subset) {  // the selected pages form a page table of their own
+    thread_local std::vector<int32_t> ids;
+    ids.clear();
+    for (int32_t p : *hot.subset) ids.push_back(t.pages[p]);
+    const int pt = hot.pool->layout().page_tokens;
+    v.page_ids = ids.data();
+    v.n_tokens =
+        static_cast<int>((ids.size() - 1) * pt + (t.n_tokens - (t.n_tokens - 1) / pt * pt));
+  }
+  kernels::PagedAttention(batch, v);
+}
+
+void AttendRows(const kernels::AttnBatch& batch, const TablePages& hot, const TablePages* cold) {
+  thread_local std::vector<PageRef> refs;
+  refs.clear();
+  AddRefs(hot, &refs);
+  if (cold) AddRefs(*cold, &refs);
+  // The basis of each role: the hot pool's (a cold pool of another basis is converted).
+  const KvLayout& lay = hot.pool->layout();
+  const bool rot_k = codecs::IsRotated(lay.codec_k), rot_v = codecs::IsRotated(lay.codec_v);
+  const int hd = lay.head_dim, q_dim = batch.n_heads * hd;
+  kernels::AttnBatch b = batch;
+  thread_local std::vector<float> q_rot, out_rot;
+  if (rot_k) {  // rotated queries, compact
+    q_rot.resize(size_t(b.n_tok) * q_dim);
+    for (int i = 0; i < b.n_tok; ++i) {
+      for (int h = 0; h < b.n_heads; ++h) {
+        float* q = q_rot.data() + size_t(i) * q_dim + size_t(h) * hd;
+        std::copy_n(batch.q + i * batch.q_stride + h * hd, hd, q);
+        codecs::Rotate(q, hd);
+      }
+    }
+    b.q = q_rot.data();
+    b.q_stride = q_dim;
+  }
+  if (rot_v) {
+    out_rot.resize(size_t(b.n_tok) * q_dim);
+    b.out = out_rot.data();
+    b.out_stride = q_dim;
+  }
+  kernels::PagedAttentionRows(
+      b, RefRows(refs, lay, rot_k, rot_v, *hot.pool, cold ? cold->pool : nullptr));
+  if (rot_v) {
+    for (int i = 0; i < b.n_tok; ++i) {
+      for (int h = 0; h < b.n_heads; ++h) {
+        float* out = batch.out + i * batch.out_stride + h * hd;
+        std::copy_n(out_rot.data() + size_t(i) * q_dim + size_t(h) * hd, hd, out);
+        codecs::Unrotate(out, hd);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+kernels::PagedKv PlainView(const PagePool& pool, const BlockTable& t) {
+  const KvLayout& lay = pool.layout();
+  kernels::PagedKv v;
+  v.slots = pool.slots_base();
+  v.positions = pool.positions_base();
+  v.slot_floats = lay.slot_floats();
+  v.page_tokens = lay.page_tokens;
+  v.head_dim = lay.head_dim;
+  v.page_ids = t.pages.data();
+  v.n_tokens = t.n_tokens;
+  return v;
+}
+
+void AttendTables(const kernels::AttnBatch& batch, const TablePages& hot, const TablePages* cold) {
+  if (hot.pool->layout().plain() && cold == nullptr) {
+    AttendPlain(batch, hot);
+  } else {
+    AttendRows(batch, hot, cold);
+  }
+}
+
+}  // namespace cachet
