@@ -1,0 +1,82 @@
+// Requests of `cachet serve`, parsed at the edge. The body of an OpenAI-style request (JSON text)
+// becomes a typed ParsedRequest in one pure function, with no model and no Runtime: every field
+// is type- and range-checked there, and code past this point never sees JSON again. The errors
+// are Status values whose message starts with the offending field ("max_tokens: must be ...",
+// "messages[2].role: ..."): ApiErrorFromStatus (response.h) turns that prefix into OpenAI's
+// `param`, and the status code into the HTTP status (InvalidArgument 400, NotFound 404 for an
+// unknown model, OutOfRange 400 context_length_exceeded).
+//
+// tests/fuzz/server_request_fuzz.cc fuzzes these parsers; tests/server_request_test.cc checks
+// each kind of bad input.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kv/press/press.h"
+#include "runtime/chat_template.h"
+#include "runtime/sampler.h"
+#include "util/status.h"
+
+namespace cachet::server {
+
+enum class Endpoint : uint8_t {
+  kCompletions,  // POST /v1/completions: `prompt`
+  kChat,         // POST /v1/chat/completions: `messages`
+};
+
+// What the parser knows of the server (no model is loaded to parse).
+struct ParseLimits {
+  std::string model_name;  // a request naming another model is NotFound (an empty name: any)
+  int32_t vocab_size = 0;  // token ids must lie in [0, vocab_size) (0: not checked)
+  int max_n = 64;          // `n`
+  int max_logprobs = 20;   // `logprobs` (completions), `top_logprobs` (chat)
+  int max_stop = 16;       // stop strings per request
+};
+
+struct ParsedRequest {
+  Endpoint endpoint = Endpoint::kCompletions;
+  // Completions: the prompt as text (BOS added as the tokenizer says) or as token ids (used as
+  // they are); exactly one is set. Chat: the messages, in order.
+  std::optional<std::string> prompt_text;
+  std::vector<int32_t> prompt_ids;
+  std::vector<ChatMessage> messages;
+
+  std::optional<int> max_tokens;  // unset: the endpoint's default (server.h)
+  // OpenAI's defaults, not the CLI's: temperature 1, top_p 1, top_k and min_p off.
+  SamplingParams sampling = {.temperature = 1.0f, .top_k = 0, .top_p = 1.0f, .min_p = 0.0f};
+  std::optional<uint64_t> seed;   // unset: the server draws one
+  std::vector<std::string> stop;  // never empty strings
+  int n = 1;                      // completions of the prompt (choices 0..n-1)
+  int logprobs = -1;              // -1: none; k >= 0: each token's logprob and the k most likely
+  bool stream = false;
+  bool include_usage = false;                // stream_options.include_usage
+  bool ignore_eos = false;                   // vLLM's extension: generate past EOS
+  std::string cache_salt;                    // prefix-cache namespace; empty: the shared one
+  std::optional<press::PressOptions> press;  // kv_press: {name, ratio | budget}
+};
+
+// The body of POST /v1/completions or /v1/chat/completions. Unknown fields are ignored (as vLLM
+// and llama.cpp's server do); known OpenAI fields this server cannot honour (echo, suffix,
+// logit_bias, presence/frequency penalties, tools, ...) are errors when set to anything but
+// their neutral value, never silently dropped.
+Result<ParsedRequest> ParseRequest(std::string_view body, Endpoint endpoint,
+                                   const ParseLimits& limits);
+
+// POST /tokenize (llama.cpp server): {"content": text, "add_special": false,
+// "parse_special": true, "with_pieces": false}.
+struct TokenizeRequest {
+  std::string content;
+  bool add_special = false;   // BOS as the tokenizer adds it to a prompt
+  bool parse_special = true;  // special tokens written in the text become those tokens
+  bool with_pieces = false;   // answer [{"id", "piece"}] instead of ids
+};
+Result<TokenizeRequest> ParseTokenizeRequest(std::string_view body);
+
+// POST /detokenize (llama.cpp server): {"tokens": [ids]}.
+Result<std::vector<int32_t>> ParseDetokenizeRequest(std::string_view body, int32_t vocab_size);
+
+}  // namespace cachet::server
