@@ -28,5 +28,6 @@ void AddInspect(CLI::App& app);
 void AddBench(CLI::App& app);
 void AddEval(CLI::App& app);
 void AddConvert(CLI::App& app);
+void AddServe(CLI::App& app);  // serve.cc
 
 }  // namespace cachet::cli

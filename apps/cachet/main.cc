@@ -1,7 +1,13 @@
 // cachet: a KV-cache-centric LLM inference engine. `cachet --help` lists the subcommands.
+#include <cstring>
+
 #include "cachet/commands.h"
 
 int main(int argc, char** argv) {
+  // llama.cpp's spelling of --np (CLI11 takes one-letter short options only).
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "-np") == 0) argv[i] = const_cast<char*>("--np");
+  }
   CLI::App app{
       "cachet: LLM inference on CPU built around a paged, compressible KV cache.\n"
       "Every subcommand defaults to the embedded kvtiny model (-m to use another HF model dir)."};
@@ -13,6 +19,7 @@ int main(int argc, char** argv) {
   cachet::cli::AddBench(app);
   cachet::cli::AddEval(app);
   cachet::cli::AddConvert(app);
+  cachet::cli::AddServe(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }

@@ -1,0 +1,55 @@
+// `cachet serve`'s HTTP side (cpp-httplib): OpenAI's /v1/completions, /v1/chat/completions (SSE
+// streaming) and /v1/models, plus /health, /metrics (Prometheus), llama.cpp's /tokenize and
+// /detokenize, and /v1/cache/reset, over one Runtime (include/cachet/serving.h).
+//
+// Threads: cpp-httplib's handler threads parse a body into a typed request (request.h), prepare
+// it (prepare.h) and Submit it to the Runtime, one Runtime request per choice (`n`). Each HTTP
+// request then waits on its own queue (a mutex and a condition variable) that the Runtime's event
+// callbacks fill on the scheduler thread; the callbacks only copy the event in and notify. A
+// streaming response writes each event as SSE chunks as it arrives; a write that fails (the
+// client went away) cancels the request's Runtime requests, which frees their pages. While
+// nothing arrives for a while (a request still queued), an SSE comment line is written so that a
+// client that left is noticed then too.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "cachet/serving.h"
+#include "server/prepare.h"
+
+namespace cachet::server {
+
+struct ServerOptions {
+  std::string host = "127.0.0.1";
+  int port = 8080;        // 0: any free port (port() says which)
+  std::string api_key;    // non-empty: every endpoint but /health and /metrics needs it
+  int http_threads = 32;  // connections served at once (a streaming request holds one)
+  size_t max_body_bytes = 16u << 20;
+  int retry_after_s = 1;      // Retry-After of a 503 (the Runtime's queue is full)
+  bool log_requests = false;  // one line per request on stderr
+};
+
+class Server {
+ public:
+  // runtime must outlive the server; model.tokenizer too.
+  Server(Runtime& runtime, ServedModel model, ServerOptions options);
+  ~Server();
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  // Binds the listening socket (errors: the address is taken or not local).
+  Status Bind();
+  int port() const;
+  // Serves until Stop(); returns false if the listen loop failed.
+  bool Run();
+  // From any thread: refuses new requests (503), cancels those in flight and ends Run().
+  void Stop();
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace cachet::server
