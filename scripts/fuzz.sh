@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets of tests/fuzz/ (gguf: the GGUF parser; chat_template: chat template
-# recognition and rendering) with clang's libFuzzer, ASan and UBSan into build-fuzz/, and runs each
-# for SECONDS (default 60) from generated seed files. Usage: scripts/fuzz.sh [SECONDS [TARGET...]]
+# recognition and rendering; server_request: the server's request parsers and response writers)
+# with clang's libFuzzer, ASan and UBSan into build-fuzz/, and runs each for SECONDS (default 60)
+# from generated seed files. Usage: scripts/fuzz.sh [SECONDS [TARGET...]]
 # (default: every target). Exits non-zero on any crash, sanitizer report, leak or timeout. Needs
-# clang and libclang-rt-14-dev.
+# clang, libclang-rt-14-dev and lld.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-60}
@@ -15,17 +16,26 @@ declare -A srcs=(
           src/model/bpe_tokenizer.cc src/model/tokenizer.cc src/model/sp_tokenizer.cc
           src/util/dtype.cc src/util/status.cc src/util/mmap_file.cc"
   [chat_template]="src/runtime/chat_template.cc src/util/status.cc"
+  [server_request]="src/server/request.cc src/server/response.cc src/runtime/chat_template.cc
+          src/kv/press/press.cc src/kv/codecs/codec.cc src/util/dtype.cc src/util/status.cc"
+)
+# Link flags of a target. press.cc holds the press parser next to the presses, which need the
+# whole KV cache: lld drops the functions nothing reaches, and what only they need (GNU ld keeps
+# them all: libFuzzer's coverage tables point at every function).
+declare -A ldflags=(
+  [server_request]="-fuse-ld=lld -Wl,--gc-sections"
 )
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(gguf chat_template)
+[ ${#targets[@]} -gt 0 ] || targets=(gguf chat_template server_request)
 for t in "${targets[@]}"; do
   [ -n "${srcs[$t]:-}" ] || { echo "fuzz: unknown target $t (known: ${!srcs[*]})" >&2; exit 2; }
   mkdir -p "$out/corpus-$t"
   # shellcheck disable=SC2046,SC2086
   clang++ -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-    -fno-omit-frame-pointer -Isrc -Iinclude $(pkg-config --cflags oniguruma sentencepiece) \
+    -fno-omit-frame-pointer -ffunction-sections -fdata-sections -Isrc -Iinclude \
+    $(pkg-config --cflags oniguruma sentencepiece) \
     "tests/fuzz/${t}_fuzz.cc" ${srcs[$t]} $(pkg-config --libs oniguruma sentencepiece) \
-    -o "$out/${t}_fuzz"
+    ${ldflags[$t]:-} -o "$out/${t}_fuzz"
   echo "fuzz: running ${t}_fuzz for ${secs}s" >&2
   CACHET_FUZZ_SEED_DIR="$out/corpus-$t" "$out/${t}_fuzz" -max_total_time="$secs" -max_len=16384 \
     -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 "$out/corpus-$t" 2>"$out/$t.log" || {
