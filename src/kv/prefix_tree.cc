@@ -51,24 +51,33 @@ const PrefixTree::Node* PrefixTree::Find(uint64_t key, uint64_t parent,
   return &n;
 }
 
-int PrefixTree::Lookup(std::span<const int32_t> tokens, uint64_t salt, int max_tokens,
-                       PagedSequence& seq) {
+template <class Fn>
+int PrefixTree::Walk(std::span<const int32_t> tokens, uint64_t salt, int max_tokens,
+                     Fn&& on_block) const {
   const int pt = pool_.layout().page_tokens;
-  ++stats_.lookups;
-  ++clock_;
   uint64_t parent = 0;
-  int reused = 0;
+  int matched = 0;
   const int limit = std::min<int>(max_tokens, static_cast<int>(tokens.size()));
-  while (reused + pt <= limit) {
-    const auto block = tokens.subspan(reused, pt);
+  while (matched + pt <= limit) {
+    const auto block = tokens.subspan(matched, pt);
     const uint64_t key = BlockKey(parent, block, salt);
     const Node* n = Find(key, parent, block);
     if (n == nullptr) break;
-    const_cast<Node*>(n)->last_used = clock_;
-    seq.AttachBlock(n->pages);
+    on_block(*n);
     parent = key;
-    reused += pt;
+    matched += pt;
   }
+  return matched;
+}
+
+int PrefixTree::Lookup(std::span<const int32_t> tokens, uint64_t salt, int max_tokens,
+                       PagedSequence& seq) {
+  ++stats_.lookups;
+  ++clock_;
+  const int reused = Walk(tokens, salt, max_tokens, [&](const Node& n) {
+    const_cast<Node&>(n).last_used = clock_;
+    seq.AttachBlock(n.pages);
+  });
   if (reused > 0) {
     ++stats_.hits;
     stats_.hit_tokens += reused;
@@ -77,18 +86,7 @@ int PrefixTree::Lookup(std::span<const int32_t> tokens, uint64_t salt, int max_t
 }
 
 int PrefixTree::Match(std::span<const int32_t> tokens, uint64_t salt, int max_tokens) const {
-  const int pt = pool_.layout().page_tokens;
-  uint64_t parent = 0;
-  int matched = 0;
-  const int limit = std::min<int>(max_tokens, static_cast<int>(tokens.size()));
-  while (matched + pt <= limit) {
-    const auto block = tokens.subspan(matched, pt);
-    const uint64_t key = BlockKey(parent, block, salt);
-    if (Find(key, parent, block) == nullptr) break;
-    parent = key;
-    matched += pt;
-  }
-  return matched;
+  return Walk(tokens, salt, max_tokens, [](const Node&) {});
 }
 
 void PrefixTree::Publish(std::span<const int32_t> tokens, uint64_t salt, const PagedSequence& seq) {

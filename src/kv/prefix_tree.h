@@ -59,6 +59,10 @@ class PrefixTree final : public PageReclaimer {
   };
   uint64_t BlockKey(uint64_t parent, std::span<const int32_t> block, uint64_t salt) const;
   const Node* Find(uint64_t key, uint64_t parent, std::span<const int32_t> block) const;
+  // Follows tokens' cached blocks from the root (at most max_tokens tokens), calling on_block for
+  // each; returns the tokens matched.
+  template <class Fn>
+  int Walk(std::span<const int32_t> tokens, uint64_t salt, int max_tokens, Fn&& on_block) const;
   bool Unused(const Node& n) const;  // only the tree references its pages
   // Calls fn(node) for every node no sequence uses, below or at it.
   template <class Fn>

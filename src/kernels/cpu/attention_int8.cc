@@ -11,19 +11,13 @@
 //
 // Intrinsics with a target attribute for the reasons kernels/cpu/quant_int8.cc gives; CPUs
 // without VNNI take the reference, which computes the same integers and float steps.
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
 #include "kernels/block_keys.h"
+#include "kernels/cpu/int8_target.h"
 #include "kernels/kernels.h"
-
-#define CACHET_INT8_TARGET \
-  __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
 
 namespace cachet::kernels::cpu {
 namespace {

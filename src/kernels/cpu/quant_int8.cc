@@ -21,23 +21,15 @@
 // Each output's operation order depends only on its row and token, never on the thread count; a
 // token gives the same bits in a prefill chunk as alone in decode only within a path, so a prompt
 // is always prefilled by the prefill path (n > 1) and generated tokens by decode.
-// GCC 12 reports the _mm512_undefined_* placeholders inside its own AVX-512 intrinsics as
-// uninitialized (a false positive fixed in later GCCs).
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/cpu/int8_target.h"
 #include "kernels/cpu/scratch.h"
 #include "kernels/cpu/tasks.h"
 #include "kernels/int8_dot.h"
 #include "kernels/kernels.h"
-
-#define CACHET_INT8_TARGET \
-  __attribute__((target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")))
 
 namespace cachet::kernels::cpu {
 namespace {
