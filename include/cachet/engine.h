@@ -187,6 +187,7 @@ class Engine {
   friend class Session;
   friend class SessionAccess;
   Engine() = default;
+  static uint64_t SaltKey(std::string_view cache_salt);  // what sessions of that salt share under
 
   EngineOptions options_;
   int n_ctx_ = 0;

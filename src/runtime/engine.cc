@@ -83,10 +83,13 @@ Engine::~Engine() {
 
 const ModelConfig& Engine::config() const { return model_->config(); }
 
+uint64_t Engine::SaltKey(std::string_view cache_salt) {
+  return cache_salt.empty() ? 0 : XXH3_64bits(cache_salt.data(), cache_salt.size());
+}
+
 std::unique_ptr<Session> Engine::NewSession(std::string_view cache_salt) {
-  const uint64_t salt = cache_salt.empty() ? 0 : XXH3_64bits(cache_salt.data(), cache_salt.size());
   return std::unique_ptr<Session>(
-      new Session(*this, std::make_unique<PagedSequence>(*kv_pool_), salt));
+      new Session(*this, std::make_unique<PagedSequence>(*kv_pool_), SaltKey(cache_salt)));
 }
 
 Result<GenerateResult> Engine::Generate(std::string_view prompt, const GenerateOptions& options,

@@ -42,9 +42,7 @@ class SessionAccess {
   static std::vector<int32_t>& tokens(Session& s) { return s.tokens_; }
   static uint64_t salt(const Session& s) { return s.salt_; }
   static PrefixTree* prefix(Engine& e) { return e.prefix_.get(); }
-  static uint64_t SaltOf(Engine& e, std::string_view cache_salt) {
-    return cache_salt.empty() ? 0 : salt(*e.NewSession(cache_salt));
-  }
+  static uint64_t SaltOf(std::string_view cache_salt) { return Engine::SaltKey(cache_salt); }
 };
 
 namespace {
@@ -116,7 +114,8 @@ struct Runtime::Impl {
     std::unique_ptr<StreamDecoder> decoder;
     std::string held;  // decoded text not yet sent (a stop string may be starting)
     std::vector<float> logits;
-    TokenEvent pending;  // what the next event carries
+    std::vector<float> raw_logits;  // a copy for logprobs, reused
+    TokenEvent pending;             // what the next event carries
     Clock::time_point arrival, last_token;
     bool first_token_seen = false;
     int64_t admitted_order = 0;
@@ -177,7 +176,7 @@ struct Runtime::Impl {
   void TakeIncoming() {
     std::lock_guard<std::mutex> lock(mu);
     for (auto& q : incoming) {
-      q->salt = SessionAccess::SaltOf(*engine, q->r.cache_salt);
+      q->salt = SessionAccess::SaltOf(q->r.cache_salt);
       waiting.push_back(std::move(q));
     }
     incoming.clear();
@@ -306,8 +305,10 @@ struct Runtime::Impl {
   // Samples request q's next token from its logits; returns false when the request is done.
   bool Sample(Request& q) {
     const Tokenizer& tok = engine->tokenizer();
-    std::optional<TokenLogprob> lp;
-    if (q.r.top_logprobs >= 0) lp = Logprobs(q.logits, 0, q.r.top_logprobs);
+    // Logprobs come from the logits as the model gave them: the sampler's repetition penalty
+    // rewrites its input in place.
+    const bool logprobs = q.r.top_logprobs >= 0;
+    if (logprobs) q.raw_logits.assign(q.logits.begin(), q.logits.end());
     const int32_t next = q.sampler->Sample(q.logits, q.tokens);
     const Clock::time_point now = Clock::now();
     {
@@ -326,11 +327,7 @@ struct Runtime::Impl {
     }
     q.tokens.push_back(next);
     q.pending.tokens.push_back(next);
-    if (lp) {
-      TokenLogprob chosen = Logprobs(q.logits, next, 0);
-      chosen.top = std::move(lp->top);
-      q.pending.logprobs.push_back(std::move(chosen));
-    }
+    if (logprobs) q.pending.logprobs.push_back(Logprobs(q.raw_logits, next, q.r.top_logprobs));
     {
       std::lock_guard<std::mutex> lock(mu);
       ++metrics.generation_tokens;
