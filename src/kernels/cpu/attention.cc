@@ -226,7 +226,7 @@ HWY_INLINE void ChannelMeta(const uint16_t* meta, int hd, float* mins, float* sc
 
 // Scores (times scale) of a page's cnt keys for R query rows, four keys at a time; a last partial
 // group repeats its last key. R * 4 accumulators stay in registers while each key vector is
-// loaded (and unpacked) once for all R rows.
+// loaded (and widened) once for all R rows.
 template <int R, class Rows>
 HWY_INLINE void ScoreBlock(const Rows& k, int cnt, int hd, const float* const* q, float scale,
                            float* scores, int s_stride, const float* bias) {
@@ -251,35 +251,14 @@ HWY_INLINE void ScoreBlock(const Rows& k, int cnt, int hd, const float* const* q
         for (int i = 0; i < 4; ++i) a[r][i] = hn::MulAdd(qv, kv[i], a[r][i]);
       }
     };
+    // Block-quantized keys never come here: BlockKeyScores scores them.
+    static_assert(!Rows::kBlocks);
     int d = 0;
-    if constexpr (Rows::kBlocks) {
-      for (int blk = 0; blk < hd / 32; ++blk, d += 32) {
-        if constexpr (N == 16 || !Rows::kNibbles) {
+    for (; d + N <= hd; d += N) {
+      VF kv[4];
 #pragma GCC unroll 4
-          for (int o = 0; o < kCodeSpan<Rows>; o += N) {
-            VF lo[4], hi[4];
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; ++i) k.Values(t[i], blk, o, &lo[i], &hi[i]);
-            fma_rows(d + o, lo);
-            if constexpr (Rows::kNibbles) fma_rows(d + 16 + o, hi);
-          }
-        } else {  // chunks in row order, as a decoded page is scored: the same sums, bit for bit
-#pragma GCC unroll 4
-          for (int c = 0; c < 32; c += N) {
-            VF lo[4], hi[4];
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; ++i) k.Values(t[i], blk, c % 16, &lo[i], &hi[i]);
-            fma_rows(d + c, c < 16 ? lo : hi);
-          }
-        }
-      }
-    } else {
-      for (; d + N <= hd; d += N) {
-        VF kv[4];
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; ++i) kv[i] = k.Load(t[i], d);
-        fma_rows(d, kv);
-      }
+      for (int i = 0; i < 4; ++i) kv[i] = k.Load(t[i], d);
+      fma_rows(d, kv);
     }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
