@@ -13,13 +13,13 @@
 #include <string>
 #include <vector>
 
+#include "cachet/convert.h"
+#include "cachet/tokenizer.h"
 #include "kernels/int8_dot.h"
 #include "kernels/kernels.h"
 #include "kv/codecs/codec.h"
 #include "kv/page_pool.h"
 #include "kv/paged_sequence.h"
-#include "model/gguf_convert.h"
-#include "model/tokenizer.h"
 #include "model/transformer.h"
 #include "simd_targets.h"
 #include "test_util.h"

@@ -1,7 +1,7 @@
 // Chat templates: each family renders what its published Jinja template renders (expected strings
 // written by hand from the templates in the models' tokenizer_config.json), detection from
 // excerpts of those templates, the errors, reading a model's template, and `cachet chat`.
-#include "runtime/chat_template.h"
+#include "cachet/chat_template.h"
 
 #include <gtest/gtest.h>
 
@@ -12,8 +12,8 @@
 #include <fstream>
 #include <regex>
 
+#include "cachet/tokenizer.h"
 #include "model/gguf.h"
-#include "model/tokenizer.h"
 #include "test_util.h"
 
 namespace cachet {

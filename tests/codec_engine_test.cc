@@ -6,10 +6,11 @@
 #include <cmath>
 
 #include "cachet/engine.h"
+#include "cachet/model_config.h"
 #include "kernels/kernels.h"
 #include "kv/codecs/codec.h"
 #include "kv/paged_sequence.h"
-#include "model/config.h"
+#include "runtime/engine_access.h"
 #include "test_util.h"
 
 namespace cachet {
@@ -63,7 +64,7 @@ TEST(CodecEngine, AttentionOnCodesEqualsAttentionOnDecodedRows) {
     auto e = MakeEngine(codec_k, codec_v, /*sinks=*/4);
     auto s = e->NewSession();
     ASSERT_TRUE(s->Eval(std::span(prompt).first(203), nullptr).ok());
-    const PagedSequence& kv = s->kv();
+    const PagedSequence& kv = EngineAccess::kv(*s);
     const int hd = e->config().head_dim, group = e->config().n_heads / e->config().n_kv_heads;
     for (const std::vector<int32_t>& qpos : {std::vector<int32_t>{150, 201, 202}, {202}}) {
       SCOPED_TRACE(codec_k + ":" + codec_v + " tokens " + std::to_string(qpos.size()));
@@ -149,14 +150,15 @@ TEST(CodecEngine, RecentWindowStaysFullPrecision) {
   auto s = e->NewSession();
   ASSERT_TRUE(s->Eval(prompt, &windowed, true).ok());
   const ModelConfig& c = e->config();
-  const KvLayout& lay = e->kv_pool().layout();
+  const KvLayout& lay = EngineAccess::kv_pool(*e).layout();
   // (300 - 64) / 16 = 14 pages encoded, 5 raw, per (layer, KV head).
-  EXPECT_EQ(s->kv().bytes_held(), size_t(c.n_layers) * c.n_kv_heads *
-                                      (14 * lay.codec_page_bytes() + 5 * lay.raw_page_bytes()));
+  EXPECT_EQ(
+      EngineAccess::kv(*s).bytes_held(),
+      size_t(c.n_layers) * c.n_kv_heads * (14 * lay.codec_page_bytes() + 5 * lay.raw_page_bytes()));
   std::vector<float> k, v, fk, fv;
   std::vector<int32_t> pos;
-  s->kv().Gather(0, 1, &k, &v, &pos);
-  f32_s->kv().Gather(0, 1, &fk, &fv, &pos);
+  EngineAccess::kv(*s).Gather(0, 1, &k, &v, &pos);
+  EngineAccess::kv(*f32_s).Gather(0, 1, &fk, &fv, &pos);
   const int hd = c.head_dim;
   // Layer 0 rows do not depend on the cache: the window holds exactly the f32 rows in f16.
   const int n_recent = 300 - 14 * 16;
@@ -181,8 +183,9 @@ TEST(CodecEngine, RecentWindowStaysFullPrecision) {
   EXPECT_LT(kl_window, kl_plain);
   // Sixteen more tokens age one more page into q4_0.
   ASSERT_TRUE(s->Eval(std::vector<int32_t>(16, 42), nullptr).ok());
-  EXPECT_EQ(s->kv().bytes_held(), size_t(c.n_layers) * c.n_kv_heads *
-                                      (15 * lay.codec_page_bytes() + 5 * lay.raw_page_bytes()));
+  EXPECT_EQ(
+      EngineAccess::kv(*s).bytes_held(),
+      size_t(c.n_layers) * c.n_kv_heads * (15 * lay.codec_page_bytes() + 5 * lay.raw_page_bytes()));
   // Prefix reuse: only the 14 encoded blocks are cached, and a warm run equals a cold one.
   auto publisher = e->NewSession();
   ASSERT_TRUE(publisher->Eval(prompt, nullptr).ok());
@@ -221,7 +224,7 @@ TEST(CodecEngine, PrefixReuseForkAndSinksCompose) {
     // Sinks: the first page of every (layer, head) stays raw f32.
     std::vector<float> k, v;
     std::vector<int32_t> pos;
-    s->kv().Gather(0, 0, &k, &v, &pos);
+    EngineAccess::kv(*s).Gather(0, 0, &k, &v, &pos);
     EXPECT_EQ(pos[0], 0);
   }
 }
@@ -252,7 +255,7 @@ TEST(CodecEngine, RoundTripOnRealKeysAndValues) {
         for (int h = 0; h < e->config().n_kv_heads; ++h) {
           std::vector<float> k, v;
           std::vector<int32_t> pos;
-          s->kv().Gather(l, h, &k, &v, &pos);
+          EngineAccess::kv(*s).Gather(l, h, &k, &v, &pos);
           const std::vector<float>& x = role == codecs::Role::kKey ? k : v;
           std::vector<uint8_t> page(codecs::PageBytes(b.c, role, pt, hd));
           std::vector<float> y(size_t(pt) * hd);

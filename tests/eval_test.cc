@@ -10,12 +10,13 @@
 #include <set>
 
 #include "cachet/engine.h"
+#include "cachet/eval/harness.h"
+#include "cachet/eval/method.h"
+#include "cachet/eval/report.h"
+#include "cachet/eval/tasks.h"
+#include "cachet/tokenizer.h"
 #include "eval/fidelity.h"
-#include "eval/harness.h"
-#include "eval/method.h"
-#include "eval/report.h"
-#include "eval/tasks.h"
-#include "model/tokenizer.h"
+#include "runtime/engine_access.h"
 #include "test_util.h"
 
 namespace cachet::eval {
@@ -313,9 +314,9 @@ TEST(EvalMethod, NamesAvailabilityAndLabels) {
   EXPECT_TRUE(ApplyMethod(Method{}, *session).ok());
   // SnapKV scores by the prompt's attention: without an observed prefill it refuses.
   EXPECT_EQ(ApplyMethod(snap, *session).code(), StatusCode::kFailedPrecondition);
-  EXPECT_EQ(session->kv().head_length(0, 0), 60);
+  EXPECT_EQ(EngineAccess::kv(*session).head_length(0, 0), 60);
   EXPECT_TRUE(ApplyMethod(Method{.press = "streaming", .ratio = 0.5}, *session).ok());
-  EXPECT_EQ(session->kv().head_length(0, 0), 30);
+  EXPECT_EQ(EngineAccess::kv(*session).head_length(0, 0), 30);
 }
 
 // ---------------------------------------------------------------- KL

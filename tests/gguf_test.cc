@@ -9,10 +9,11 @@
 #include <cstring>
 #include <nlohmann/json.hpp>
 
+#include "cachet/convert.h"
 #include "cachet/engine.h"
-#include "model/gguf_convert.h"
+#include "cachet/tokenizer.h"
 #include "model/gguf_model.h"
-#include "model/tokenizer.h"
+#include "runtime/sampler.h"
 #include "test_util.h"
 
 namespace cachet {

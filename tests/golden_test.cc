@@ -7,8 +7,9 @@
 #include <cstdio>
 
 #include "cachet/engine.h"
-#include "model/config.h"
-#include "model/tokenizer.h"
+#include "cachet/model_config.h"
+#include "cachet/tokenizer.h"
+#include "runtime/sampler.h"
 #include "test_util.h"
 
 namespace cachet {

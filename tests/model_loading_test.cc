@@ -6,8 +6,8 @@
 #include <filesystem>
 #include <random>
 
+#include "cachet/model_config.h"
 #include "kv/paged_sequence.h"
-#include "model/config.h"
 #include "model/safetensors.h"
 #include "model/transformer.h"
 #include "runtime/sampler.h"

@@ -6,7 +6,7 @@
 #include <cmath>
 
 #include "cachet/engine.h"
-#include "model/config.h"
+#include "cachet/model_config.h"
 #include "test_util.h"
 
 namespace cachet {

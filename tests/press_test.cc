@@ -11,10 +11,11 @@
 #include <random>
 
 #include "cachet/engine.h"
+#include "cachet/model_config.h"
 #include "kernels/kernels.h"
 #include "kv/paged_sequence.h"
-#include "model/config.h"
 #include "model/transformer.h"
+#include "runtime/engine_access.h"
 #include "test_util.h"
 #include "util/thread_pool.h"
 
@@ -867,11 +868,11 @@ TEST(PressEngine, QuestBoundsAreBuiltDuringThePrompt) {
   lazy->ObserveForPress(n, o.window, press::GatheringsFor(o));
   ASSERT_TRUE(lazy->Eval(prompt, nullptr).ok());
   const ModelConfig& c = engine->config();
-  const int pt = eager->kv().layout().page_tokens, hd = c.head_dim;
+  const int pt = EngineAccess::kv(*eager).layout().page_tokens, hd = c.head_dim;
   for (int l = 0; l < c.n_layers; ++l) {
     for (int h = 0; h < c.n_kv_heads; ++h) {
-      EXPECT_EQ(eager->kv().key_bounds(l, h).size(), size_t(n / pt) * 2 * hd);
-      EXPECT_TRUE(lazy->kv().key_bounds(l, h).empty());
+      EXPECT_EQ(EngineAccess::kv(*eager).key_bounds(l, h).size(), size_t(n / pt) * 2 * hd);
+      EXPECT_TRUE(EngineAccess::kv(*lazy).key_bounds(l, h).empty());
     }
   }
   ASSERT_TRUE(eager->Compress(o).ok());
@@ -885,7 +886,8 @@ TEST(PressEngine, QuestBoundsAreBuiltDuringThePrompt) {
   }
   for (int l = 0; l < c.n_layers; ++l) {
     for (int h = 0; h < c.n_kv_heads; ++h) {
-      const auto ke = eager->kv().key_bounds(l, h), kl = lazy->kv().key_bounds(l, h);
+      const auto ke = EngineAccess::kv(*eager).key_bounds(l, h),
+                 kl = EngineAccess::kv(*lazy).key_bounds(l, h);
       ASSERT_EQ(ke.size(), kl.size());
       EXPECT_EQ(std::memcmp(ke.data(), kl.data(), ke.size() * sizeof(float)), 0) << l << " " << h;
     }
@@ -910,7 +912,7 @@ TEST(PressEngine, ForksOfAnObservedPrefillPressIndependently) {
     auto r = fork->Compress(o);
     ASSERT_TRUE(r.ok()) << spec << ": " << r.status().ToString();
     std::vector<int32_t> pos;
-    fork->kv().Positions(1, 0, &pos);
+    EngineAccess::kv(*fork).Positions(1, 0, &pos);
     kept.push_back(pos);
   }
   EXPECT_EQ(kept[0], kept[1]);  // the same press on the same prefill keeps the same tokens
@@ -939,7 +941,7 @@ TEST(PressEngine, DecodeEveryKeepsTheBudget) {
     EXPECT_EQ(r->tokens.size(), 12u);
     // 11 tokens evaluated after the prompt (the 12th is pending); pressed after the 4th and
     // 8th: 150 + 3.
-    for (int l = 0; l < cfg.n_layers; ++l) EXPECT_EQ(s->kv().head_length(l, 0), 153);
+    for (int l = 0; l < cfg.n_layers; ++l) EXPECT_EQ(EngineAccess::kv(*s).head_length(l, 0), 153);
   }
 }
 
@@ -964,7 +966,7 @@ TEST(PressEngine, CompressDuringPrefillBoundsPeakMemory) {
     EXPECT_EQ(s->n_tokens(), 2000);
     int64_t kept = 0;
     for (int l = 0; l < cfg.n_layers; ++l)
-      for (int h = 0; h < cfg.n_kv_heads; ++h) kept += s->kv().head_length(l, h);
+      for (int h = 0; h < cfg.n_kv_heads; ++h) kept += EngineAccess::kv(*s).head_length(l, h);
     EXPECT_EQ(kept, int64_t(cfg.n_layers) * cfg.n_kv_heads * 250);
     // Budget + one chunk, each table rounded up to whole pages.
     const double bound = (250 + 256 + 2.0 * engine->options().page_tokens) * bytes_per_token;
@@ -988,8 +990,8 @@ TEST(PressEngine, CompressDuringPrefillWithDemotion) {
   ASSERT_TRUE(s->EvalCompressing(SyntheticPrompt(2000), o, &logits, &peak).ok());
   for (int l = 0; l < cfg.n_layers; ++l) {
     for (int h = 0; h < cfg.n_kv_heads; ++h) {
-      EXPECT_EQ(s->kv().head_length(l, h), 250);
-      EXPECT_EQ(s->kv().cold_length(l, h), 1750);
+      EXPECT_EQ(EngineAccess::kv(*s).head_length(l, h), 250);
+      EXPECT_EQ(EngineAccess::kv(*s).cold_length(l, h), 1750);
     }
   }
   EXPECT_GT(engine->kv_stats().cold_bytes_used, 0u);
@@ -1005,17 +1007,17 @@ TEST(PressObserverModel, WeightsSumToTheObservedRows) {
   const int n = 700, window = 24, group = cfg.n_heads / cfg.n_kv_heads;
   std::vector<int32_t> tokens(n), positions(n);
   for (int i = 0; i < n; ++i) tokens[i] = 10 + i * 13 % 300, positions[i] = i;
-  PagedSequence seq(engine->kv_pool());
+  PagedSequence seq(EngineAccess::kv_pool(*engine));
   press::PressObserver obs(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, n, window);
   seq.set_observer(&obs);
   ASSERT_TRUE(seq.Reserve(n).ok());
   std::vector<float> logits(cfg.vocab_size);
   for (int start = 0; start < n; start += 256) {
     const int m = std::min(256, n - start);
-    ASSERT_TRUE(engine->transformer()
+    ASSERT_TRUE(EngineAccess::model(*engine)
                     .Forward(std::span(tokens).subspan(start, m),
-                             std::span(positions).subspan(start, m), seq, engine->pool(),
-                             logits.data(), false)
+                             std::span(positions).subspan(start, m), seq,
+                             EngineAccess::threads(*engine), logits.data(), false)
                     .ok());
   }
   for (int l = 0; l < cfg.n_layers; ++l) {
@@ -1044,7 +1046,7 @@ TEST(PressEngine, EveryPressFreesMemoryOnKvtiny) {
   full.max_tokens = 4;
   full.sampling.temperature = 0;
   ASSERT_TRUE(base->Generate(prompt, full).ok());
-  const size_t full_bytes = base->kv().bytes_held();
+  const size_t full_bytes = EngineAccess::kv(*base).bytes_held();
   for (const char* spec : {"streaming", "h2o", "snapkv", "snapkv+ada", "snapkv+max", "pyramidkv",
                            "tova", "knorm", "keydiff", "expected", "random", "expected+mean",
                            "quest", "snapkv+max+demote:q4_0", "h2o+merge", "streaming+protect"}) {
@@ -1059,22 +1061,22 @@ TEST(PressEngine, EveryPressFreesMemoryOnKvtiny) {
     EXPECT_EQ(r->tokens.size(), 4u);
     int64_t kept = 0;
     for (int l = 0; l < cfg.n_layers; ++l)
-      for (int h = 0; h < cfg.n_kv_heads; ++h) kept += s->kv().head_length(l, h);
+      for (int h = 0; h < cfg.n_kv_heads; ++h) kept += EngineAccess::kv(*s).head_length(l, h);
     if (g.press->quest || !g.press->demote.empty()) {  // hot tokens stay / move: all still held
       if (g.press->quest) {
         EXPECT_EQ(kept, int64_t(cfg.n_layers) * cfg.n_kv_heads * (600 + 3));
-        EXPECT_EQ(s->kv().bytes_held(), full_bytes);
+        EXPECT_EQ(EngineAccess::kv(*s).bytes_held(), full_bytes);
       } else {  // a quarter hot in f32, the rest cold in q4_0 (~1/7 of f32)
         EXPECT_EQ(kept, int64_t(cfg.n_layers) * cfg.n_kv_heads * (150 + 3));
-        EXPECT_EQ(s->kv().cold_length(0, 0), 450);
-        EXPECT_LT(s->kv().bytes_held(), full_bytes * 0.45);
+        EXPECT_EQ(EngineAccess::kv(*s).cold_length(0, 0), 450);
+        EXPECT_LT(EngineAccess::kv(*s).bytes_held(), full_bytes * 0.45);
         EXPECT_GT(engine->kv_stats().cold_bytes_used, 0);
       }
       continue;
     }
     // 150 of 600 per table after the prompt, plus the 3 decoded tokens evaluated since.
     EXPECT_EQ(kept, int64_t(cfg.n_layers) * cfg.n_kv_heads * (150 + 3));
-    EXPECT_LT(s->kv().bytes_held(), full_bytes * 0.3);
+    EXPECT_LT(EngineAccess::kv(*s).bytes_held(), full_bytes * 0.3);
   }
 }
 
@@ -1106,10 +1108,10 @@ TEST(PressEngine, PressesComposeWithStagedCodecs) {
       auto r = s->Generate(prompt, gp);
       ASSERT_TRUE(r.ok()) << r.status().ToString();
       EXPECT_EQ(r->tokens.size(), 4u);
-      EXPECT_EQ(s->kv().head_length(3, 1), 150 + 3);
+      EXPECT_EQ(EngineAccess::kv(*s).head_length(3, 1), 150 + 3);
       // A quarter of the tokens kept; the sink and window pages stay f16 (their fixed cost).
-      EXPECT_LT(s->kv().bytes_held(),
-                full->kv().bytes_held() * (gp.press->demote.empty() ? 0.5 : 0.8));
+      EXPECT_LT(EngineAccess::kv(*s).bytes_held(),
+                EngineAccess::kv(*full).bytes_held() * (gp.press->demote.empty() ? 0.5 : 0.8));
     }
   }
 }

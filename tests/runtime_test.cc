@@ -11,9 +11,9 @@
 #include <string>
 #include <vector>
 
+#include "cachet/model_config.h"
 #include "cachet/serving.h"
 #include "kv/press/press.h"
-#include "model/config.h"
 #include "test_util.h"
 
 namespace cachet {
@@ -67,7 +67,7 @@ std::vector<std::vector<int32_t>> Prompts(const Runtime& rt) {
       "One day, a bird flew over the tall tree and saw a shiny thing in the grass below. It was "
       "a key! The bird picked it up and flew home to show its mother what it had found."};
   std::vector<std::vector<int32_t>> out;
-  for (const char* t : texts) out.push_back(rt.Tokenize(t, true));
+  for (const char* t : texts) out.push_back(rt.tokenizer().EncodePrompt(t));
   return out;
 }
 

@@ -14,8 +14,8 @@
 #include <sstream>
 #include <string>
 
-#include "model/tokenizer.h"
-#include "runtime/chat_template.h"
+#include "cachet/chat_template.h"
+#include "cachet/tokenizer.h"
 #include "server/prepare.h"
 #include "server/request.h"
 #include "server/response.h"

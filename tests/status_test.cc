@@ -1,4 +1,4 @@
-#include "util/status.h"
+#include "cachet/status.h"
 
 #include <gtest/gtest.h>
 

@@ -8,11 +8,11 @@
 #include <set>
 #include <string>
 
+#include "cachet/convert.h"
 #include "cachet/engine.h"
+#include "cachet/tokenizer.h"
 #include "model/gguf.h"
-#include "model/gguf_convert.h"
 #include "model/gguf_model.h"
-#include "model/tokenizer.h"
 #include "test_util.h"
 
 namespace cachet {

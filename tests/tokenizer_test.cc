@@ -1,4 +1,4 @@
-#include "model/tokenizer.h"
+#include "cachet/tokenizer.h"
 
 #include <gtest/gtest.h>
 #include <sentencepiece_processor.h>

@@ -12,16 +12,14 @@
 #include <thread>
 #include <tuple>
 
-#include "cachet/commands.h"
+#include "cachet/eval/harness.h"
+#include "cachet/kv_codecs.h"
+#include "cachet/model_config.h"
+#include "cachet/press.h"
+#include "cachet/progress.h"
+#include "cachet/sampling.h"
 #include "cachet/serving.h"
-#include "eval/harness.h"
-#include "kv/codecs/codec.h"
-#include "kv/press/press.h"
-#include "model/config.h"
-#include "model/transformer.h"
-#include "runtime/sampler.h"
-#include "util/progress.h"
-#include "util/thread_pool.h"
+#include "commands.h"
 
 namespace cachet::cli {
 namespace {
@@ -41,41 +39,30 @@ Summary Summarize(std::vector<double> v) {
   return s;
 }
 
-// Read bandwidth of all threads streaming a buffer far larger than the caches, in bytes/s.
-double MeasureReadBandwidth(ThreadPool& pool) {
+// Read bandwidth of `threads` threads streaming a buffer far larger than the caches, in bytes/s.
+double MeasureReadBandwidth(int threads) {
   const size_t n = (size_t{512} << 20) / sizeof(uint64_t);
   std::vector<uint64_t> buf(n, 1);
-  std::vector<uint64_t> sums(pool.size());
+  std::vector<uint64_t> sums(threads);
   std::vector<double> runs;
   for (int rep = 0; rep < 5; ++rep) {
     auto t0 = Clock::now();
-    const int tasks = pool.size();
-    pool.Run(tasks, [&](int64_t t, int thread) {
-      const size_t lo = n * t / tasks, hi = n * (t + 1) / tasks;
-      uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-      for (size_t i = lo; i + 4 <= hi; i += 4) {
-        s0 += buf[i], s1 += buf[i + 1], s2 += buf[i + 2], s3 += buf[i + 3];
-      }
-      sums[thread] += s0 + s1 + s2 + s3;
-    });
+    std::vector<std::thread> workers;
+    for (int t = 0; t < threads; ++t) {
+      workers.emplace_back([&, t] {
+        const size_t lo = n * t / threads, hi = n * (t + 1) / threads;
+        uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+        for (size_t i = lo; i + 4 <= hi; i += 4) {
+          s0 += buf[i], s1 += buf[i + 1], s2 += buf[i + 2], s3 += buf[i + 3];
+        }
+        sums[t] += s0 + s1 + s2 + s3;
+      });
+    }
+    for (std::thread& w : workers) w.join();
     runs.push_back(n * sizeof(uint64_t) / std::chrono::duration<double>(Clock::now() - t0).count());
   }
   if (std::accumulate(sums.begin(), sums.end(), uint64_t{0}) == 0) std::fputs("", stderr);
   return Summarize(runs).median;
-}
-
-int64_t WeightBytesPerToken(const Transformer& model) {
-  const ModelWeights& w = model.weights();
-  auto bytes = [](const kernels::Matrix& m) {
-    return m.rows * int64_t(DTypeRowBytes(m.dtype, m.cols));
-  };
-  int64_t total = bytes(w.lm_head);
-  for (const LayerWeights& L : w.layers) {
-    for (const auto* m : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down}) {
-      total += bytes(*m);
-    }
-  }
-  return total;
 }
 
 // Fraction of a cold prefill's FLOPs left when the first f*N tokens are cached: weights (all
@@ -96,7 +83,7 @@ nlohmann::json PrefixHitBench(Engine& engine, const std::vector<int32_t>& tokens
   const int page = engine.options().page_tokens;
   nlohmann::json out;
   out["model"] = engine.options().model_dir;
-  out["threads"] = engine.pool().size();
+  out["threads"] = engine.threads();
   out["ctx"] = n;
   out["reps"] = reps;
   ProgressBar progress("bench --prefix-hit", int64_t(fractions.size()) * reps);
@@ -115,7 +102,8 @@ nlohmann::json PrefixHitBench(Engine& engine, const std::vector<int32_t>& tokens
       std::vector<float> logits;
       auto t0 = Clock::now();
       Status s = session->Eval(tokens, &logits);
-      const int32_t first = ArgMax(logits);
+      const int32_t first =
+          static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
       ms.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
       if (!s.ok() || first < 0) {
         std::fprintf(stderr, "cachet: %s\n", s.ToString().c_str());
@@ -413,8 +401,7 @@ void AddBench(CLI::App& app) {
       if (o->json) {
         std::printf("%s\n", out.dump().c_str());
       } else {
-        std::printf("ctx %d, %d threads, median of %d runs\n", max_ctx, engine->pool().size(),
-                    o->reps);
+        std::printf("ctx %d, %d threads, median of %d runs\n", max_ctx, engine->threads(), o->reps);
         std::printf("%8s  %10s  %16s  %8s  %10s\n", "hit", "TTFT ms", "TTFT/TTFT(0)", "r(f)",
                     "ratio/r");
         for (const auto& [k, v] : out["ttft_ms"].items()) {
@@ -437,7 +424,7 @@ void AddBench(CLI::App& app) {
       if (!others.back()) throw CLI::RuntimeError(1);
     }
     out["model"] = engine->options().model_dir;
-    out["threads"] = engine->pool().size();
+    out["threads"] = engine->threads();
     out["reps"] = o->reps;
     out["n_decode"] = o->n_decode;
     ProgressBar progress("bench", int64_t(o->ctx.size()) * o->reps * (1 + others.size()));
@@ -459,7 +446,7 @@ void AddBench(CLI::App& app) {
         throw CLI::RuntimeError(1);
       }
       if (press) {  // scoring, planning and compaction, timed apart from the prefill
-        r.kv_before = double(session->kv().bytes_held());
+        r.kv_before = double(session->kv_bytes());
         auto tp = Clock::now();
         auto pr = session->Compress(*press);
         r.press_ms = std::chrono::duration<double, std::milli>(Clock::now() - tp).count();
@@ -467,7 +454,7 @@ void AddBench(CLI::App& app) {
           std::fprintf(stderr, "cachet: %s\n", pr.status().ToString().c_str());
           throw CLI::RuntimeError(1);
         }
-        r.kv_after = double(session->kv().bytes_held());
+        r.kv_after = double(session->kv_bytes());
       }
       auto t1 = Clock::now();
       for (int i = 0; i < o->n_decode; ++i) {
@@ -525,14 +512,13 @@ void AddBench(CLI::App& app) {
       }
     }
     if (o->roofline) {
-      const double bw = MeasureReadBandwidth(engine->pool());
-      const int64_t wbytes = WeightBytesPerToken(engine->transformer());
+      const double bw = MeasureReadBandwidth(engine->threads());
+      const int64_t wbytes = engine->weight_bytes_per_token();
       out["read_bandwidth_gb_s"] = bw / 1e9;
       out["weight_bytes_per_token"] = wbytes;
       // KV bytes a decode step reads per context token, as the cache stores them (codes, scales
       // and positions of a full page).
-      const KvLayout& lay = engine->kv_pool().layout();
-      const double kv_token = double(lay.page_bytes()) * lay.heads_total() / lay.page_tokens;
+      const double kv_token = engine->kv_stats().bytes_per_token;
       out["kv_bytes_per_context_token"] = kv_token;
       for (int ctx : o->ctx) {
         const double bytes = double(wbytes) + kv_token * ctx;
@@ -545,7 +531,7 @@ void AddBench(CLI::App& app) {
       return;
     }
     std::printf("model %s, %d threads, median of %d runs (min-max)\n",
-                engine->options().model_dir.c_str(), engine->pool().size(), o->reps);
+                engine->options().model_dir.c_str(), engine->threads(), o->reps);
     std::printf("%8s  %24s  %24s  %12s\n", "ctx", "prefill tok/s", "decode tok/s", "roofline");
     for (int ctx : o->ctx) {
       const std::string k = std::to_string(ctx);

@@ -1,4 +1,4 @@
-#include "cachet/commands.h"
+#include "commands.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -9,12 +9,11 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "eval/harness.h"
-#include "kv/codecs/codec.h"
-#include "model/config.h"
-#include "model/tokenizer.h"
-#include "runtime/chat_template.h"
-#include "util/thread_pool.h"
+#include "cachet/chat_template.h"
+#include "cachet/eval/harness.h"
+#include "cachet/kv_codecs.h"
+#include "cachet/model_config.h"
+#include "cachet/tokenizer.h"
 
 namespace cachet::cli {
 

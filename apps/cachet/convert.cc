@@ -1,12 +1,13 @@
 // `cachet convert DIR OUT.gguf [--type f16|bf16|q8_0|...]`: a HF model directory as a GGUF file
 // that Cachet (-m OUT.gguf) and llama.cpp both load; `cachet convert --synthetic SHAPE OUT.gguf`:
 // a model of a real shape with seeded random weights (src/model/gguf_synthetic.cc).
+#include "cachet/convert.h"
+
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
 
-#include "cachet/commands.h"
-#include "model/gguf_convert.h"
+#include "commands.h"
 
 namespace cachet::cli {
 

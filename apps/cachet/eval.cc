@@ -7,13 +7,12 @@
 #include <set>
 #include <tuple>
 
-#include "cachet/commands.h"
-#include "eval/harness.h"
-#include "eval/report.h"
-#include "kv/codecs/codec.h"
-#include "kv/page_pool.h"
-#include "model/config.h"
-#include "model/tokenizer.h"
+#include "cachet/eval/harness.h"
+#include "cachet/eval/report.h"
+#include "cachet/kv_codecs.h"
+#include "cachet/model_config.h"
+#include "cachet/tokenizer.h"
+#include "commands.h"
 
 namespace cachet::cli {
 namespace {
@@ -148,12 +147,8 @@ void Run(const EvalOpts& o) {
         std::max(o.kl ? o.window_len : 0, run_tasks ? max_len + max_len / 50 + o.max_new + 8 : 0);
   }
   if (eo.kv_mem_mib == 0) {
-    const ModelConfig c = OrFail(ModelConfig::Load(eo.model_dir));
-    const KvLayout layout{c.n_layers, c.n_kv_heads, c.head_dim, eo.page_tokens};
-    const double bytes = 2.0 * layout.heads_total() *
-                         double((eo.n_ctx + eo.page_tokens - 1) / eo.page_tokens + 2) *
-                         double(layout.page_bytes());
-    eo.kv_mem_mib = static_cast<int64_t>(bytes / (1 << 20)) + 1;
+    eo.kv_mem_mib = KvPoolMibFor(OrFail(ModelConfig::Load(eo.model_dir)), eo.page_tokens, eo.n_ctx,
+                                 /*sequences=*/2);
   }
   auto engine = LoadEngine(eo);
   if (!engine) throw CLI::RuntimeError(1);

@@ -1,7 +1,7 @@
 // cachet: a KV-cache-centric LLM inference engine. `cachet --help` lists the subcommands.
 #include <cstring>
 
-#include "cachet/commands.h"
+#include "commands.h"
 
 int main(int argc, char** argv) {
   // llama.cpp's spelling of --np (CLI11 takes one-letter short options only).

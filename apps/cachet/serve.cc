@@ -10,12 +10,10 @@
 #include <filesystem>
 #include <thread>
 
-#include "cachet/commands.h"
+#include "cachet/chat_template.h"
+#include "cachet/server.h"
 #include "cachet/serving.h"
-#include "model/config.h"
-#include "model/tokenizer.h"
-#include "runtime/chat_template.h"
-#include "server/server.h"
+#include "commands.h"
 
 namespace cachet::cli {
 namespace {
@@ -96,8 +94,6 @@ void AddServe(CLI::App& app) {
         o->runtime.engine.model_dir.empty() ? DefaultModelDir() : o->runtime.engine.model_dir;
     Result<ChatTemplate> tmpl = ResolveChatTemplate(path, o->chat_template);
     if (!tmpl.ok()) Fail(tmpl.status().ToString());
-    Result<std::unique_ptr<Tokenizer>> tok = Tokenizer::Load(path);
-    if (!tok.ok()) Fail(tok.status().ToString());
 
     // Signals go to one thread that stops the server; the others (the scheduler's, httplib's)
     // inherit the blocked mask.
@@ -112,23 +108,14 @@ void AddServe(CLI::App& app) {
     if (!runtime.ok()) Fail(runtime.status().ToString());
     Runtime& rt = *runtime.value();
 
-    server::ServedModel model;
-    model.name = o->alias.empty() ? ModelName(path) : o->alias;
-    model.tokenizer = tok.value().get();
-    model.chat_template = std::move(tmpl).value();
-    UseTokenizerSpecials(*model.tokenizer, &model.chat_template);
-    model.n_ctx = rt.n_ctx();
-    model.vocab_size = rt.config().vocab_size;
-    const KvStats kv = rt.kv_stats();
-    model.pool_pages = kv.pages_total;
-    model.page_tokens = kv.page_tokens;
-    model.heads_total = int64_t{rt.config().n_layers} * rt.config().n_kv_heads;
-
     server::ServerOptions so = o->server;
+    so.model_name = o->alias.empty() ? ModelName(path) : o->alias;
+    so.chat_template = std::move(tmpl).value();
     if (so.http_threads == 0) {
       so.http_threads = std::clamp(o->runtime.max_sequences + o->runtime.max_waiting, 16, 512);
     }
-    server::Server srv(rt, model, so);
+    const KvStats kv = rt.kv_stats();
+    server::Server srv(rt, so);
     if (Status s = srv.Bind(); !s.ok()) Fail(s.message());
 
     std::atomic<bool> done{false};
@@ -147,8 +134,8 @@ void AddServe(CLI::App& app) {
     std::fprintf(stderr,
                  "cachet serve: model %s (%s template, context %d, KV %s, %d pages of %d tokens), "
                  "-np %d, --batch-tokens %d\n",
-                 model.name.c_str(),
-                 std::string(ChatFamilyName(model.chat_template.family)).c_str(), model.n_ctx,
+                 so.model_name.c_str(),
+                 std::string(ChatFamilyName(so.chat_template.family)).c_str(), rt.n_ctx(),
                  kv.codec.c_str(), kv.pages_total, kv.page_tokens, o->runtime.max_sequences,
                  o->runtime.batch_tokens);
     std::fprintf(stderr, "cachet serve: listening on http://%s:%d\n", so.host.c_str(), srv.port());

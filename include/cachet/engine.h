@@ -11,19 +11,23 @@
 #include <string_view>
 #include <vector>
 
-#include "kv/press/press.h"
-#include "runtime/sampler.h"
-#include "util/status.h"
+#include "cachet/model_config.h"
+#include "cachet/press.h"
+#include "cachet/sampling.h"
+#include "cachet/status.h"
+#include "cachet/tokenizer.h"
 
 namespace cachet {
 
-class ModelConfig;
-class Tokenizer;
+// Opaque: the engine's internals (src/), reached only by the library itself (EngineAccess).
 class ThreadPool;
 class Transformer;
 class PagePool;
 class PagedSequence;
 class PrefixTree;
+namespace press {
+class PressObserver;
+}
 
 // A snapshot of the KV cache's accounting.
 struct KvStats {
@@ -63,12 +67,16 @@ struct EngineOptions {
   int page_tokens = 16;            // tokens per KV page
   int64_t kv_mem_mib = 0;          // KV pool capacity; 0: enough for one sequence of n_ctx tokens
   bool prefix_cache = true;        // share and reuse full pages of common prompt prefixes
-  std::string kv_codec_k = "f32";  // how K pages are stored (see kv/codecs/codec.h)
+  std::string kv_codec_k = "f32";  // how K pages are stored (names: cachet/kv_codecs.h)
   std::string kv_codec_v = "f32";
   int kv_sinks = 0;   // pages holding the first kv_sinks tokens stay f16
   int kv_window = 0;  // pages stay f16 until kv_window newer tokens follow
   int n_ctx = 0;      // max tokens of a sequence; 0: the model's max_position_embeddings
 };
+
+// MiB of a KV pool that holds `sequences` sequences of n_tokens tokens each in f32 pages (the
+// largest codec: an upper bound for any other), two spare pages per (sequence, layer, KV head).
+int64_t KvPoolMibFor(const ModelConfig& config, int page_tokens, int n_tokens, int sequences);
 
 struct GenerateOptions {
   int max_tokens = 128;  // -n
@@ -91,7 +99,7 @@ struct GenerateResult {
 using TextCallback = std::function<bool(std::string_view piece)>;
 
 class Engine;
-class SessionAccess;  // the serving scheduler's view of sessions (src/runtime/scheduler.cc)
+class EngineAccess;  // the library's own view inside engines and sessions (src/runtime/)
 
 // One sequence and its KV cache. Not thread-safe; sessions of one engine share its pool and
 // threads, so use them from one thread at a time.
@@ -138,11 +146,13 @@ class Session {
   // Tokens whose K/V is in the cache.
   int n_tokens() const;
   const std::vector<int32_t>& tokens() const { return tokens_; }
-  const PagedSequence& kv() const { return *seq_; }
+  // Bytes of the KV pages this session holds (pages shared with forks or the prefix cache count
+  // in full), cold pages of demoting presses included.
+  size_t kv_bytes() const;
 
  private:
   friend class Engine;
-  friend class SessionAccess;
+  friend class EngineAccess;
   Session(Engine& engine, std::unique_ptr<PagedSequence> seq, uint64_t salt);
 
   Engine& engine_;
@@ -172,10 +182,11 @@ class Engine {
 
   const ModelConfig& config() const;
   const Tokenizer& tokenizer() const { return *tokenizer_; }
-  Transformer& transformer() { return *model_; }
-  ThreadPool& pool() { return *pool_; }
-  PagePool& kv_pool() { return *kv_pool_; }
   const EngineOptions& options() const { return options_; }
+  int threads() const;  // of the engine's thread pool
+  // Bytes of weight matrices one decode step reads (every layer's projections and the LM head,
+  // in their stored types): with KvStats::bytes_per_token, a decode step's memory traffic.
+  int64_t weight_bytes_per_token() const;
   KvStats kv_stats() const;
   // The pool demoted tokens go to in this codec (row-wise codecs only), created on first use with
   // the hot pool's capacity.
@@ -185,7 +196,7 @@ class Engine {
 
  private:
   friend class Session;
-  friend class SessionAccess;
+  friend class EngineAccess;
   Engine() = default;
   static uint64_t SaltKey(std::string_view cache_salt);  // what sessions of that salt share under
 

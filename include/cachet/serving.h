@@ -105,11 +105,9 @@ class Runtime {
   KvStats kv_stats() const;
   void ClearPrefixCache();
 
-  std::vector<int32_t> Tokenize(std::string_view text, bool add_bos) const;
-  std::string Detokenize(std::span<const int32_t> tokens) const;
+  const Tokenizer& tokenizer() const;
   const ModelConfig& config() const;
   int n_ctx() const;
-  int32_t eos_id() const;
 
  private:
   struct Impl;

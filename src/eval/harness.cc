@@ -1,4 +1,4 @@
-#include "eval/harness.h"
+#include "cachet/eval/harness.h"
 
 #include <sys/resource.h>
 
@@ -13,13 +13,13 @@
 #include <sstream>
 
 #include "cachet/engine.h"
+#include "cachet/model_config.h"
+#include "cachet/progress.h"
+#include "cachet/tokenizer.h"
 #include "eval/fidelity.h"
 #include "kv/page_pool.h"
 #include "kv/paged_sequence.h"
-#include "model/config.h"
-#include "model/tokenizer.h"
 #include "runtime/sampler.h"
-#include "util/progress.h"
 #include "util/thread_pool.h"
 
 namespace cachet::eval {
@@ -128,8 +128,8 @@ std::vector<Method> CodecGroups(const std::vector<Method>& methods) {
 }
 
 int64_t PoolHighWater(Engine& base, const EngineCache& engines) {
-  int64_t n = static_cast<int64_t>(base.kv_pool().high_water_bytes());
-  for (const auto& [key, e] : engines) n += static_cast<int64_t>(e->kv_pool().high_water_bytes());
+  int64_t n = static_cast<int64_t>(base.kv_stats().bytes_high_water);
+  for (const auto& [key, e] : engines) n += static_cast<int64_t>(e->kv_stats().bytes_high_water);
   return n;
 }
 
@@ -221,7 +221,7 @@ Result<std::vector<ResultRow>> RunTaskSweep(Engine& engine, TaskGenerator& gen,
     base.needles = spec.kind == TaskKind::kNiah ? spec.needles : 1;
     base.depth = DepthName(spec.depth);
     base.seed = o.seed;
-    base.threads = engine.pool().size();
+    base.threads = engine.threads();
     const auto cell_start = Clock::now();
     std::vector<TaskAcc> acc(methods.runnable.size());
 
@@ -243,7 +243,7 @@ Result<std::vector<ResultRow>> RunTaskSweep(Engine& engine, TaskGenerator& gen,
           auto t0 = Clock::now();
           CACHET_RETURN_IF_ERROR(prefilled->Eval(prefix, &prefill_logits));
           const double prefill_s = SecondsSince(t0);
-          const size_t prefill_bytes = prefilled->kv().bytes_held();
+          const size_t prefill_bytes = prefilled->kv_bytes();
 
           for (size_t mi = 0; mi < methods.runnable.size(); ++mi) {
             const Method& m = methods.runnable[mi];
@@ -268,7 +268,7 @@ Result<std::vector<ResultRow>> RunTaskSweep(Engine& engine, TaskGenerator& gen,
               CACHET_RETURN_IF_ERROR(session->Eval(ids.subspan(sample.context_tokens), &logits));
               question_s = SecondsSince(t2);
             }
-            const size_t start_bytes = session->kv().bytes_held();
+            const size_t start_bytes = session->kv_bytes();
             size_t peak_bytes = std::max(own_peak, start_bytes);
 
             // Greedy decode until a newline, EOS or max_new tokens.
@@ -283,7 +283,7 @@ Result<std::vector<ResultRow>> RunTaskSweep(Engine& engine, TaskGenerator& gen,
               const int32_t one[1] = {next};
               CACHET_RETURN_IF_ERROR(session->Eval(one, &logits));
               ++evals;
-              peak_bytes = std::max(peak_bytes, session->kv().bytes_held());
+              peak_bytes = std::max(peak_bytes, session->kv_bytes());
             }
             const double decode_s = SecondsSince(t3);
             const std::string output = tok.Decode(generated);
@@ -444,7 +444,7 @@ Result<std::vector<ResultRow>> RunKlSweep(Engine& engine, const KlOptions& o) {
     auto score = [&](Session& session, std::vector<float>* out, KlRun* run) -> Status {
       auto held = [&] {
         if (!run) return;
-        run->held_bytes += double(session.kv().bytes_held());
+        run->held_bytes += double(session.kv_bytes());
         run->held_values += double(session.n_tokens()) * values_per_token;
       };
       held();
@@ -479,7 +479,7 @@ Result<std::vector<ResultRow>> RunKlSweep(Engine& engine, const KlOptions& o) {
       auto t0 = Clock::now();
       CACHET_RETURN_IF_ERROR(prefilled->Eval(ids.first(half), nullptr));
       const double prefill_s = SecondsSince(t0);
-      const size_t prefill_bytes = prefilled->kv().bytes_held();
+      const size_t prefill_bytes = prefilled->kv_bytes();
 
       for (size_t mi = 0; mi < methods.runnable.size(); ++mi) {
         if (!SameCodecs(methods.runnable[mi], group)) continue;
@@ -496,12 +496,12 @@ Result<std::vector<ResultRow>> RunKlSweep(Engine& engine, const KlOptions& o) {
           session = prefilled->Fork();
           CACHET_RETURN_IF_ERROR(ApplyMethod(m, *session));
         }
-        const size_t start_bytes = session->kv().bytes_held();
+        const size_t start_bytes = session->kv_bytes();
         CACHET_RETURN_IF_ERROR(score(*session, &logits, &run));
         run.prefill_s += prefill_s + SecondsSince(t1);
         run.tokens += L;
         run.kv_prefill += double(start_bytes);
-        run.kv_peak = std::max(run.kv_peak, double(std::max(own_peak, session->kv().bytes_held())));
+        run.kv_peak = std::max(run.kv_peak, double(std::max(own_peak, session->kv_bytes())));
         if (o.test_perturb_logits > 0) Perturb(logits, o.test_perturb_logits, noise);
         // Row p holds the logits at position half + p, predicting token half + p + 1.
         for (int p = 0; half + p + 1 < L; ++p) {
@@ -521,7 +521,7 @@ Result<std::vector<ResultRow>> RunKlSweep(Engine& engine, const KlOptions& o) {
   base.length = L;
   base.prompt_tokens = L;
   base.seed = o.seed;
-  base.threads = engine.pool().size();
+  base.threads = engine.threads();
   base.samples = o.windows;
   base.depth = "";
   std::vector<ResultRow> rows;

@@ -1,4 +1,4 @@
-#include "eval/method.h"
+#include "cachet/eval/method.h"
 
 #include <algorithm>
 #include <charconv>

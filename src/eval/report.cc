@@ -1,4 +1,4 @@
-#include "eval/report.h"
+#include "cachet/eval/report.h"
 
 #include <algorithm>
 #include <cstdio>

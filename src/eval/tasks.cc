@@ -1,4 +1,4 @@
-#include "eval/tasks.h"
+#include "cachet/eval/tasks.h"
 
 #include <algorithm>
 #include <cmath>
@@ -9,7 +9,7 @@
 #include <sstream>
 #include <unordered_set>
 
-#include "model/tokenizer.h"
+#include "cachet/tokenizer.h"
 
 namespace cachet::eval {
 

@@ -6,8 +6,8 @@
 #include <span>
 #include <vector>
 
+#include "cachet/status.h"
 #include "kv/block_table.h"
-#include "util/status.h"
 
 namespace cachet {
 

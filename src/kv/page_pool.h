@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "cachet/status.h"
 #include "kv/codecs/codec.h"
-#include "util/status.h"
 
 namespace cachet {
 

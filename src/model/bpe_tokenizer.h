@@ -13,7 +13,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "model/tokenizer.h"
+#include "cachet/tokenizer.h"
 
 namespace cachet {
 namespace tokenizer_internal {

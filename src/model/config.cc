@@ -1,8 +1,7 @@
-#include "model/config.h"
-
 #include <cmath>
 #include <nlohmann/json.hpp>
 
+#include "cachet/model_config.h"
 #include "model/gguf_model.h"
 #include "util/mmap_file.h"
 

@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
+#include "cachet/status.h"
 #include "util/dtype.h"
 #include "util/mmap_file.h"
-#include "util/status.h"
 
 namespace cachet {
 

@@ -1,5 +1,3 @@
-#include "model/gguf_convert.h"
-
 #include <sentencepiece_processor.h>
 
 #include <algorithm>
@@ -8,15 +6,16 @@
 #include <nlohmann/json.hpp>
 #include <vector>
 
+#include "cachet/convert.h"
+#include "cachet/model_config.h"
+#include "cachet/progress.h"
+#include "cachet/tokenizer.h"
 #include "kernels/kernels.h"
-#include "model/config.h"
 #include "model/gguf.h"
 #include "model/gguf_convert_internal.h"
 #include "model/gguf_model.h"
 #include "model/safetensors.h"
-#include "model/tokenizer.h"
 #include "util/mmap_file.h"
-#include "util/progress.h"
 #include "util/thread_pool.h"
 
 namespace cachet {

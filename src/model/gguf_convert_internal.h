@@ -9,10 +9,10 @@
 #include <string>
 #include <vector>
 
-#include "model/config.h"
+#include "cachet/model_config.h"
+#include "cachet/status.h"
 #include "model/gguf.h"
 #include "util/dtype.h"
-#include "util/status.h"
 
 namespace cachet::gguf_convert_internal {
 

@@ -12,9 +12,9 @@
 #include <memory>
 #include <string>
 
-#include "model/config.h"
+#include "cachet/model_config.h"
+#include "cachet/tokenizer.h"
 #include "model/gguf.h"
-#include "model/tokenizer.h"
 
 namespace cachet {
 

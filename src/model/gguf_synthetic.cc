@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "cachet/convert.h"
 #include "model/gguf.h"
-#include "model/gguf_convert.h"
 #include "model/gguf_convert_internal.h"
 #include "util/mmap_file.h"
 

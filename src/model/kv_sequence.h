@@ -4,8 +4,8 @@
 
 #include <cstdint>
 
+#include "cachet/status.h"
 #include "kernels/kernels.h"
-#include "util/status.h"
 
 namespace cachet {
 

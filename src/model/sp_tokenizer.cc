@@ -4,7 +4,7 @@
 
 #include <filesystem>
 
-#include "model/tokenizer.h"
+#include "cachet/tokenizer.h"
 
 namespace cachet {
 namespace {

@@ -1,5 +1,5 @@
 // Tokenizer entry points shared by both kinds, and the streaming UTF-8 detokenizer.
-#include "model/tokenizer.h"
+#include "cachet/tokenizer.h"
 
 #include <filesystem>
 

@@ -9,7 +9,7 @@
 #include <utility>
 #include <vector>
 
-#include "model/config.h"
+#include "cachet/model_config.h"
 #include "model/kv_sequence.h"
 #include "model/weights.h"
 #include "util/thread_pool.h"

@@ -5,8 +5,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "cachet/model_config.h"
 #include "kernels/kernels.h"
-#include "model/config.h"
 #include "model/safetensors.h"
 
 namespace cachet {

@@ -1,7 +1,7 @@
 // The chat template families: one table of {family, name, signature, renderer, stop strings}.
 // Each renderer reproduces its family's published Jinja template (the one in the model's
 // tokenizer_config.json) for conversations of system, user and assistant messages.
-#include "runtime/chat_template.h"
+#include "cachet/chat_template.h"
 
 #include <array>
 #include <ctime>

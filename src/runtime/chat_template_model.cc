@@ -5,10 +5,10 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "cachet/chat_template.h"
+#include "cachet/tokenizer.h"
 #include "model/gguf.h"
 #include "model/gguf_model.h"
-#include "model/tokenizer.h"
-#include "runtime/chat_template.h"
 
 namespace cachet {
 namespace {

@@ -3,12 +3,15 @@
 #include <xxhash.h>
 
 #include <chrono>
+#include <cmath>
 #include <sstream>
 
+#include "cachet/tokenizer.h"
 #include "kv/paged_sequence.h"
 #include "kv/prefix_tree.h"
-#include "model/tokenizer.h"
+#include "kv/press/press.h"
 #include "model/transformer.h"
+#include "runtime/sampler.h"
 #include "util/mmap_file.h"
 #include "util/thread_pool.h"
 
@@ -82,6 +85,30 @@ Engine::~Engine() {
 }
 
 const ModelConfig& Engine::config() const { return model_->config(); }
+
+int64_t KvPoolMibFor(const ModelConfig& c, int page_tokens, int n_tokens, int sequences) {
+  const KvLayout layout{c.n_layers, c.n_kv_heads, c.head_dim, page_tokens};
+  const double pages = double((n_tokens + page_tokens - 1) / page_tokens + 2);
+  const double bytes =
+      double(sequences) * layout.heads_total() * pages * double(layout.page_bytes());
+  return static_cast<int64_t>(bytes / (1 << 20)) + 1;
+}
+
+int Engine::threads() const { return pool_->size(); }
+
+int64_t Engine::weight_bytes_per_token() const {
+  const ModelWeights& w = model_->weights();
+  auto bytes = [](const kernels::Matrix& m) {
+    return m.rows * int64_t(DTypeRowBytes(m.dtype, m.cols));
+  };
+  int64_t total = bytes(w.lm_head);
+  for (const LayerWeights& L : w.layers) {
+    for (const auto* m : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down}) {
+      total += bytes(*m);
+    }
+  }
+  return total;
+}
 
 uint64_t Engine::SaltKey(std::string_view cache_salt) {
   return cache_salt.empty() ? 0 : XXH3_64bits(cache_salt.data(), cache_salt.size());
@@ -182,6 +209,8 @@ Session::Session(Engine& engine, std::unique_ptr<PagedSequence> seq, uint64_t sa
 Session::~Session() = default;
 
 int Session::n_tokens() const { return static_cast<int>(tokens_.size()); }
+
+size_t Session::kv_bytes() const { return seq_->bytes_held(); }
 
 void Session::Publish() {
   if (engine_.prefix_) engine_.prefix_->Publish(tokens_, salt_, *seq_);
@@ -326,8 +355,8 @@ Status Session::Eval(std::span<const int32_t> tokens, std::vector<float>* logits
     for (size_t i = 0; i < n; ++i) positions_[i] = static_cast<int32_t>(tokens_.size() + i);
     float* out = all_logits && logits ? logits->data() + start * vocab : last_logits_.data();
     // Cannot fail: ids validated and pages reserved above.
-    Status s = engine_.transformer().Forward(tokens.subspan(start, n), positions_, *seq_,
-                                             engine_.pool(), out, all_logits && logits);
+    Status s = engine_.model_->Forward(tokens.subspan(start, n), positions_, *seq_, *engine_.pool_,
+                                       out, all_logits && logits);
     if (!s.ok()) return s;
     tokens_.insert(tokens_.end(), tokens.begin() + start, tokens.begin() + start + n);
   }

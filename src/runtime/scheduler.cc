@@ -23,12 +23,13 @@
 #include <thread>
 #include <unordered_set>
 
+#include "cachet/model_config.h"
 #include "cachet/serving.h"
+#include "cachet/tokenizer.h"
 #include "kv/paged_sequence.h"
 #include "kv/prefix_tree.h"
-#include "model/config.h"
-#include "model/tokenizer.h"
 #include "model/transformer.h"
+#include "runtime/engine_access.h"
 #include "runtime/sampler.h"
 
 namespace cachet {
@@ -36,15 +37,6 @@ namespace cachet {
 using Clock = std::chrono::steady_clock;
 
 // The scheduler drives sessions token by token through batched steps, below Session's API.
-class SessionAccess {
- public:
-  static PagedSequence& seq(Session& s) { return *s.seq_; }
-  static std::vector<int32_t>& tokens(Session& s) { return s.tokens_; }
-  static uint64_t salt(const Session& s) { return s.salt_; }
-  static PrefixTree* prefix(Engine& e) { return e.prefix_.get(); }
-  static uint64_t SaltOf(std::string_view cache_salt) { return Engine::SaltKey(cache_salt); }
-};
-
 namespace {
 
 double Seconds(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
@@ -176,7 +168,7 @@ struct Runtime::Impl {
   void TakeIncoming() {
     std::lock_guard<std::mutex> lock(mu);
     for (auto& q : incoming) {
-      q->salt = SessionAccess::SaltOf(q->r.cache_salt);
+      q->salt = EngineAccess::SaltOf(q->r.cache_salt);
       waiting.push_back(std::move(q));
     }
     incoming.clear();
@@ -197,7 +189,7 @@ struct Runtime::Impl {
 
   // Pages (every layer and KV head) that `tokens` tokens fill.
   int64_t Pages(int64_t tokens) const {
-    const KvLayout& lay = engine->kv_pool().layout();
+    const KvLayout& lay = EngineAccess::kv_pool(*engine).layout();
     return (tokens + lay.page_tokens - 1) / lay.page_tokens * lay.heads_total();
   }
 
@@ -218,7 +210,7 @@ struct Runtime::Impl {
     const int64_t n = static_cast<int64_t>(q.tokens.size());
     if (!q.r.press) return Pages(n - cached + 1);
     const int64_t after =
-        Pages(Kept(q) + n - q.n_prompt + 1) + engine->kv_pool().layout().heads_total();
+        Pages(Kept(q) + n - q.n_prompt + 1) + EngineAccess::kv_pool(*engine).layout().heads_total();
     return after_press ? after : std::max(Pages(q.n_prompt + 1), after);
   }
 
@@ -228,12 +220,12 @@ struct Runtime::Impl {
   int64_t Outstanding(const Request& q) const {
     if (q.evaluated + 1 >= static_cast<int>(q.tokens.size())) return 0;  // decoding
     const bool pressed = q.r.press && q.evaluated >= q.n_prompt;
-    const int64_t held = SessionAccess::seq(*q.session).pages_held();
+    const int64_t held = EngineAccess::kv(*q.session).pages_held();
     return std::max<int64_t>(0, PeakPages(q, 0, pressed) - held);
   }
 
   int Cached(const Request& q) const {
-    PrefixTree* tree = SessionAccess::prefix(*engine);
+    PrefixTree* tree = EngineAccess::prefix(*engine);
     if (tree == nullptr || q.r.press) return 0;
     return tree->Match(q.tokens, q.salt, static_cast<int>(q.tokens.size()) - 1);
   }
@@ -251,8 +243,8 @@ struct Runtime::Impl {
         }
       }
       Request& q = *waiting[best];
-      const PagePool& pool = engine->kv_pool();
-      PrefixTree* tree = SessionAccess::prefix(*engine);
+      const PagePool& pool = EngineAccess::kv_pool(*engine);
+      PrefixTree* tree = EngineAccess::prefix(*engine);
       int64_t available = pool.free_pages() + (tree != nullptr ? tree->ReclaimablePages() : 0);
       for (const auto& r : running) available -= Outstanding(*r);
       if (PeakPages(q, best_cached) > available && !running.empty()) break;
@@ -263,10 +255,9 @@ struct Runtime::Impl {
         q.session->PrepareForPress(*q.r.press, q.n_prompt);
       } else if (tree != nullptr) {
         Session& s = *q.session;
-        const int reused =
-            tree->Lookup(q.tokens, SessionAccess::salt(s), static_cast<int>(q.tokens.size()) - 1,
-                         SessionAccess::seq(s));
-        SessionAccess::tokens(s).assign(q.tokens.begin(), q.tokens.begin() + reused);
+        const int reused = tree->Lookup(q.tokens, EngineAccess::salt(s),
+                                        static_cast<int>(q.tokens.size()) - 1, EngineAccess::kv(s));
+        EngineAccess::tokens(s).assign(q.tokens.begin(), q.tokens.begin() + reused);
         q.evaluated = reused;
         if (!q.ever_admitted) q.cached = reused;
         std::lock_guard<std::mutex> lock(mu);
@@ -380,7 +371,7 @@ struct Runtime::Impl {
         const bool db = b->evaluated + 1 == static_cast<int>(b->tokens.size());
         return da != db ? da : a->admitted_order < b->admitted_order;
       });
-      int budget = std::min(opt.batch_tokens, engine->transformer().max_batch());
+      int budget = std::min(opt.batch_tokens, EngineAccess::model(*engine).max_batch());
       entries.clear();
       chunks.clear();
       positions.assign(order.size(), {});
@@ -396,14 +387,14 @@ struct Runtime::Impl {
         pos.resize(n);
         for (int j = 0; j < n; ++j) pos[j] = q.evaluated + j;
         SeqChunk c;
-        c.kv = &SessionAccess::seq(*q.session);
+        c.kv = &EngineAccess::kv(*q.session);
         c.tokens = std::span<const int32_t>(q.tokens).subspan(q.evaluated, n);
         c.positions = pos;
         c.logits = n == left ? q.logits.data() : nullptr;
         chunks.push_back(c);
         entries.push_back({&q, n});
       }
-      Status s = engine->transformer().ForwardBatch(chunks, engine->pool());
+      Status s = EngineAccess::model(*engine).ForwardBatch(chunks, EngineAccess::threads(*engine));
       if (s.ok()) break;
       if (s.code() == StatusCode::kResourceExhausted && running.size() > 1) {
         Preempt();
@@ -418,7 +409,7 @@ struct Runtime::Impl {
     int64_t prompt_tokens = 0;
     for (const Entry& e : entries) {
       Request& q = *e.q;
-      auto& held = SessionAccess::tokens(*q.session);
+      auto& held = EngineAccess::tokens(*q.session);
       held.insert(held.end(), q.tokens.begin() + q.evaluated, q.tokens.begin() + q.evaluated + e.n);
       if (q.evaluated < q.n_prompt) prompt_tokens += std::min(e.n, q.n_prompt - q.evaluated);
       q.evaluated += e.n;
@@ -542,10 +533,10 @@ Result<uint64_t> Runtime::Submit(CompletionRequest request, EventCallback on_eve
     return InvalidArgument("prompt: " + std::to_string(request.prompt.size()) +
                            " tokens leave no room in the context of " + std::to_string(n_ctx));
   }
-  const KvLayout& lay = m.engine->kv_pool().layout();
+  const KvLayout& lay = EngineAccess::kv_pool(*m.engine).layout();
   const int64_t pages = (static_cast<int64_t>(request.prompt.size()) + lay.page_tokens) /
                         lay.page_tokens * lay.heads_total();
-  if (pages > m.engine->kv_pool().capacity_pages()) {
+  if (pages > EngineAccess::kv_pool(*m.engine).capacity_pages()) {
     return ResourceExhausted("prompt: " + std::to_string(request.prompt.size()) +
                              " tokens need more KV pages than the pool holds (--kv-mem)");
   }
@@ -601,17 +592,8 @@ void Runtime::ClearPrefixCache() {
   done.get_future().wait();
 }
 
-std::vector<int32_t> Runtime::Tokenize(std::string_view text, bool add_bos) const {
-  const Tokenizer& tok = impl_->engine->tokenizer();
-  return add_bos ? tok.EncodePrompt(text) : tok.Encode(text);
-}
-
-std::string Runtime::Detokenize(std::span<const int32_t> tokens) const {
-  return impl_->engine->tokenizer().Decode(tokens);
-}
-
+const Tokenizer& Runtime::tokenizer() const { return impl_->engine->tokenizer(); }
 const ModelConfig& Runtime::config() const { return impl_->engine->config(); }
 int Runtime::n_ctx() const { return impl_->engine->n_ctx(); }
-int32_t Runtime::eos_id() const { return impl_->engine->tokenizer().eos_id(); }
 
 }  // namespace cachet

@@ -1,8 +1,8 @@
-#include "server/prepare.h"
+#include "prepare.h"
 
 #include <algorithm>
 
-#include "model/tokenizer.h"
+#include "cachet/tokenizer.h"
 
 namespace cachet::server {
 

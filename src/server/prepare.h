@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
+#include "cachet/chat_template.h"
 #include "cachet/serving.h"
-#include "runtime/chat_template.h"
-#include "server/request.h"
+#include "request.h"
 
 namespace cachet {
 class Tokenizer;

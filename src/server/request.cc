@@ -1,4 +1,4 @@
-#include "server/request.h"
+#include "request.h"
 
 #include <cmath>
 #include <cstdio>

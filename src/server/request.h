@@ -16,10 +16,10 @@
 #include <string_view>
 #include <vector>
 
-#include "kv/press/press.h"
-#include "runtime/chat_template.h"
-#include "runtime/sampler.h"
-#include "util/status.h"
+#include "cachet/chat_template.h"
+#include "cachet/press.h"
+#include "cachet/sampling.h"
+#include "cachet/status.h"
 
 namespace cachet::server {
 

@@ -1,4 +1,4 @@
-#include "server/response.h"
+#include "response.h"
 
 #include <cctype>
 #include <cmath>

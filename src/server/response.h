@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "cachet/serving.h"
-#include "server/request.h"
+#include "request.h"
 
 namespace cachet::server {
 

@@ -1,4 +1,4 @@
-#include "server/server.h"
+#include "cachet/server.h"
 
 #include <httplib.h>
 
@@ -14,8 +14,9 @@
 #include <unordered_set>
 #include <vector>
 
-#include "model/tokenizer.h"
-#include "server/response.h"
+#include "cachet/tokenizer.h"
+#include "prepare.h"
+#include "response.h"
 
 namespace cachet::server {
 namespace {
@@ -65,6 +66,22 @@ struct Exchange {
   std::vector<uint64_t> ids;  // Runtime ids of the choices submitted (written before it is shared)
 };
 
+// What preparing requests needs to know of the model the runtime serves.
+ServedModel Describe(const Runtime& rt, const ServerOptions& o) {
+  ServedModel model;
+  model.name = o.model_name;
+  model.tokenizer = &rt.tokenizer();
+  model.chat_template = o.chat_template;
+  UseTokenizerSpecials(rt.tokenizer(), &model.chat_template);
+  model.n_ctx = rt.n_ctx();
+  model.vocab_size = rt.config().vocab_size;
+  const KvStats kv = rt.kv_stats();
+  model.pool_pages = kv.pages_total;
+  model.page_tokens = kv.page_tokens;
+  model.heads_total = int64_t{rt.config().n_layers} * rt.config().n_kv_heads;
+  return model;
+}
+
 struct Server::Impl {
   Runtime& runtime;
   ServedModel model;
@@ -81,8 +98,7 @@ struct Server::Impl {
   std::mutex seed_mu;
   std::mt19937_64 seeds{std::random_device{}()};
 
-  Impl(Runtime& r, ServedModel m, ServerOptions o)
-      : runtime(r), model(std::move(m)), opt(std::move(o)) {
+  Impl(Runtime& r, ServerOptions o) : runtime(r), model(Describe(r, o)), opt(std::move(o)) {
     limits.model_name = model.name;
     limits.vocab_size = model.vocab_size;
   }
@@ -335,8 +351,8 @@ void Server::Impl::Routes() {
   });
 }
 
-Server::Server(Runtime& runtime, ServedModel model, ServerOptions options)
-    : impl_(std::make_unique<Impl>(runtime, std::move(model), std::move(options))) {
+Server::Server(Runtime& runtime, ServerOptions options)
+    : impl_(std::make_unique<Impl>(runtime, std::move(options))) {
   Impl& m = *impl_;
   const int threads = std::max(1, m.opt.http_threads);
   m.http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };

@@ -4,35 +4,13 @@
 #include <cstdint>
 #include <cstring>
 
-namespace cachet {
+#include "cachet/dtype.h"
 
-// kQ8_0 .. kQ6_K are GGUF (GGML) block-quantized weight types: a row of a matrix is a sequence of
-// blocks of DTypeBlockElems(t) elements, DTypeBlockBytes(t) bytes each (layouts in
-// kernels/ref/quant.cc). They have no per-element size: use DTypeRowBytes, never DTypeSize.
-enum class DType : uint8_t { kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_K, kQ6_K };
+namespace cachet {
 
 inline bool DTypeIsQuantized(DType t) { return t >= DType::kQ8_0; }
 // Bytes of one element: f32/f16/bf16 only.
 inline size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
-inline const char* DTypeName(DType t) {
-  switch (t) {
-    case DType::kF32:
-      return "f32";
-    case DType::kF16:
-      return "f16";
-    case DType::kBF16:
-      return "bf16";
-    case DType::kQ8_0:
-      return "q8_0";
-    case DType::kQ4_0:
-      return "q4_0";
-    case DType::kQ4_K:
-      return "q4_k";
-    case DType::kQ6_K:
-      return "q6_k";
-  }
-  return "?";
-}
 // Elements per block (1 for the plain float types) and bytes per block.
 inline int64_t DTypeBlockElems(DType t) {
   switch (t) {

@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <string>
 
-#include "util/status.h"
+#include "cachet/status.h"
 
 namespace cachet {
 

@@ -1,4 +1,4 @@
-#include "util/progress.h"
+#include "cachet/progress.h"
 
 #include <unistd.h>
 

@@ -17,7 +17,7 @@
 #include <string_view>
 #include <vector>
 
-#include "runtime/chat_template.h"
+#include "cachet/chat_template.h"
 
 namespace {
 

@@ -9,7 +9,8 @@
 #include <string_view>
 #include <utility>
 
-#include "util/status.h"
+#include "cachet/kv_codecs.h"
+#include "cachet/status.h"
 
 namespace cachet::codecs {
 
@@ -35,10 +36,6 @@ enum class Role : uint8_t { kKey, kValue };
 
 const char* CodecName(Codec c);
 Result<Codec> ParseCodec(std::string_view name);
-// "K:V" names a K codec and a V codec, "K" alone both: the two names, not yet parsed.
-std::pair<std::string, std::string> SplitKv(std::string_view kv);
-// The names ParseCodec accepts, comma separated (for --help and errors).
-std::string CodecNames();
 // Checks the codec can store rows of this width (block codecs need multiples of 32, rotation
 // codecs a power of two).
 Status CheckDim(Codec c, int dim);

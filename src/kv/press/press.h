@@ -13,65 +13,11 @@
 #include <string_view>
 #include <vector>
 
+#include "cachet/press.h"
+#include "cachet/status.h"
 #include "kv/paged_sequence.h"
-#include "util/status.h"
 
 namespace cachet::press {
-
-enum class Scorer { kStreaming, kH2O, kSnapKV, kTova, kKNorm, kKeyDiff, kExpected, kRandom };
-enum class Allocator { kUniform, kPyramid, kAda };
-enum class ShareLayers { kNone, kMax, kMean };
-
-struct PressOptions {
-  Scorer scorer = Scorer::kSnapKV;
-  Allocator allocator = Allocator::kUniform;
-  ShareLayers share = ShareLayers::kNone;  // one token set for every layer and head
-  double ratio = 0;                        // fraction of each table's tokens removed, in [0, 1)
-  int budget = 0;       // tokens kept per (layer, KV head) on average; overrides ratio when > 0
-  int sinks = 4;        // the first tokens, always kept
-  int window = 32;      // SnapKV/expected: observation window of last prompt queries, always kept
-  int pool_kernel = 7;  // SnapKV: 1-D max pooling of the window's attention
-  double ada_floor = 0.2;     // Ada-KV: each head keeps at least this fraction of the mean budget
-  double pyramid_beta = 20;   // PyramidKV: the top layer gets 1/beta of the mean budget
-  int expected_future = 128;  // expected attention: future query positions RoPE is averaged over
-  uint64_t seed = 0;          // random
-  // Quest instead of eviction: decode steps read the `quest_pages` pages (or the fraction
-  // 1 - ratio of the pages) whose key bounds score highest; nothing is freed.
-  bool quest = false;
-  int quest_pages = 0;
-  // Compress after every prefill chunk (spec modifier "+chunked"), so the KV never holds more
-  // than the budget plus one chunk: Session::EvalCompressing. Attention scorers then see each
-  // chunk's own queries (SnapKV's window is the chunk's last tokens).
-  bool during_prefill = false;
-  // Demote, don't drop: tokens the press would evict move to a cold pool in this row-wise codec
-  // (e.g. "int8", "q4_0"); decode steps fetch back the fraction demote_fetch of the cold pages
-  // whose key bounds score highest. Empty: evicted tokens are freed.
-  std::string demote;
-  double demote_fetch = 0.125;
-  // Press again every N decoded tokens, back to the budget set after the prompt; the observer
-  // stays attached, so attention scores (H2O's heavy hitters) keep accumulating while decoding.
-  int decode_every = 0;
-  // Boundary protection (modifier "+protect"): boundary_share of the budget goes to the first and
-  // last tokens of each prompt segment (segments start at these positions; none: one segment).
-  // Merge (modifier "+merge"): each evicted token's value is folded into the more similar (by
-  // key cosine) of its two nearest kept neighbours, weighted by attention scores where the scorer
-  // has them.
-  bool merge = false;
-  bool protect_boundaries = false;
-  double boundary_share = 0.1;
-  std::vector<int32_t> segment_starts;
-
-  bool NeedsAttention() const;  // whether a PressObserver must watch the prompt
-};
-
-const std::vector<std::string>& ScorerNames();
-const char* ScorerName(Scorer s);
-// "snapkv", "snapkv+ada", "snapkv+max", "h2o+pyramid", "pyramidkv" (= snapkv+pyramid), "quest": a
-// scorer and optional modifiers (+chunked: compress during prefill) (allocators
-// uniform|pyramid|ada, cross-layer max|mean). Sets the scorer, allocator and share fields of
-// *options and leaves the others.
-Status ParsePressSpec(std::string_view spec, PressOptions* options);
-std::string PressSpec(const PressOptions& options);  // the inverse
 
 // Gathers, for one sequence, what attention-based scorers need: per (layer, KV head) and key,
 // the attention weight summed over all queries (h2o), over the queries at positions >=
@@ -143,12 +89,6 @@ Status ScoreTokens(const PressOptions& o, const PagedSequence& seq, int n_layers
 // its two nearest kept neighbours, weighted by weights (null: equal weights).
 void MergeValues(const PagedSequence& seq, int layer, int kv_head, const std::vector<int32_t>& keep,
                  const std::vector<float>* weights, std::vector<float>* values);
-
-// What Compress decided, for reports and tests.
-struct PressResult {
-  int64_t tokens_before = 0, tokens_after = 0;  // summed over tables
-  size_t bytes_before = 0, bytes_after = 0;     // the sequence's page bytes
-};
 
 // Quest's page selection as Compress sets it for o (o.quest), turned on before the prompt is
 // evaluated so that the sequence builds each page's key bounds as the prompt fills it (instead of

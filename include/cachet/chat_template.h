@@ -18,7 +18,7 @@
 #include <string_view>
 #include <vector>
 
-#include "util/status.h"
+#include "cachet/status.h"
 
 namespace cachet {
 

@@ -6,8 +6,8 @@
 #include <string>
 #include <vector>
 
-#include "eval/harness.h"
-#include "util/status.h"
+#include "cachet/eval/harness.h"
+#include "cachet/status.h"
 
 namespace cachet::eval {
 

@@ -8,9 +8,9 @@
 #include <string>
 #include <vector>
 
-#include "eval/method.h"
-#include "eval/tasks.h"
-#include "util/status.h"
+#include "cachet/eval/method.h"
+#include "cachet/eval/tasks.h"
+#include "cachet/status.h"
 
 namespace cachet {
 class Engine;

@@ -9,19 +9,23 @@
 // streaming response writes each event as SSE chunks as it arrives; a write that fails (the
 // client went away) cancels the request's Runtime requests, which frees their pages. While
 // nothing arrives for a while (a request still queued), an SSE comment line is written so that a
-// client that left is noticed then too.
+// client that left is noticed then too. (src/server/ implements it.)
 #pragma once
 
 #include <cstddef>
 #include <memory>
 #include <string>
 
+#include "cachet/chat_template.h"
 #include "cachet/serving.h"
-#include "server/prepare.h"
 
 namespace cachet::server {
 
 struct ServerOptions {
+  std::string model_name;  // the id /v1/models lists and requests may name
+  // The template of /v1/chat/completions (ResolveChatTemplate); the server gives it the
+  // tokenizer's BOS and EOS texts.
+  ChatTemplate chat_template;
   std::string host = "127.0.0.1";
   int port = 8080;        // 0: any free port (port() says which)
   std::string api_key;    // non-empty: every endpoint but /health and /metrics needs it
@@ -33,8 +37,8 @@ struct ServerOptions {
 
 class Server {
  public:
-  // runtime must outlive the server; model.tokenizer too.
-  Server(Runtime& runtime, ServedModel model, ServerOptions options);
+  // runtime must outlive the server.
+  Server(Runtime& runtime, ServerOptions options);
   ~Server();
   Server(const Server&) = delete;
   Server& operator=(const Server&) = delete;

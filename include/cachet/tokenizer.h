@@ -8,7 +8,7 @@
 #include <string_view>
 #include <vector>
 
-#include "util/status.h"
+#include "cachet/status.h"
 
 namespace cachet {
 

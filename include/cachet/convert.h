@@ -5,9 +5,9 @@
 #include <cstdint>
 #include <string>
 
-#include "model/config.h"
-#include "util/dtype.h"
-#include "util/status.h"
+#include "cachet/dtype.h"
+#include "cachet/model_config.h"
+#include "cachet/status.h"
 
 namespace cachet {
 

@@ -10,7 +10,7 @@
 #include <string_view>
 #include <vector>
 
-#include "util/status.h"
+#include "cachet/status.h"
 
 namespace cachet {
 class Tokenizer;

@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "util/status.h"
+#include "cachet/status.h"
 
 namespace cachet {
 

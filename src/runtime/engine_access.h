@@ -1,0 +1,35 @@
+// The library's own view inside an Engine and its Sessions: what include/cachet/engine.h keeps
+// opaque. For the layers built on the engine (the serving scheduler, the eval harness) and for
+// tests; the CLI and the server never include it.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+#include <vector>
+
+#include "cachet/engine.h"
+#include "kv/page_pool.h"
+#include "kv/paged_sequence.h"
+#include "kv/prefix_tree.h"
+#include "model/transformer.h"
+#include "util/thread_pool.h"
+
+namespace cachet {
+
+class EngineAccess {
+ public:
+  static Transformer& model(Engine& e) { return *e.model_; }
+  static ThreadPool& threads(Engine& e) { return *e.pool_; }
+  static PagePool& kv_pool(Engine& e) { return *e.kv_pool_; }
+  static const PagePool& kv_pool(const Engine& e) { return *e.kv_pool_; }
+  static PrefixTree* prefix(Engine& e) { return e.prefix_.get(); }
+  // What sessions of that salt share the prefix cache under (Engine::NewSession's key).
+  static uint64_t SaltOf(std::string_view cache_salt) { return Engine::SaltKey(cache_salt); }
+
+  static PagedSequence& kv(Session& s) { return *s.seq_; }
+  static const PagedSequence& kv(const Session& s) { return *s.seq_; }
+  static std::vector<int32_t>& tokens(Session& s) { return s.tokens_; }
+  static uint64_t salt(const Session& s) { return s.salt_; }
+};
+
+}  // namespace cachet
