@@ -192,6 +192,9 @@ TEST(Runtime, PrefixCacheSaltsStopsAndCancel) {
   r.Cancel(*id);
   e.Wait();
   EXPECT_EQ(e.last.finish_reason, "cancelled");
+  // Pages only the prefix cache holds are in use but reclaimable: usage counts them free.
+  EXPECT_GT(r.kv_stats().pages_cached, 0);
+  EXPECT_EQ(r.Metrics().kv_usage, 0);
   r.ClearPrefixCache();
   EXPECT_EQ(r.kv_stats().pages_used, 0);
 }
@@ -210,6 +213,23 @@ TEST(Runtime, BadRequestsAreRejectedUpFront) {
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("context"), std::string::npos) << s.ToString();
   EXPECT_EQ(r.Metrics().requests_finished, 0);
+}
+
+// A prompt more than the whole pool can hold could never run: InvalidArgument (a client error),
+// not the ResourceExhausted of a full queue that a retry may get past.
+TEST(Runtime, PromptBeyondThePoolIsInvalid) {
+  RuntimeOptions o = Options("f32", /*kv_mem_mib=*/1);
+  auto rt = Runtime::Create(o);
+  ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+  Runtime& r = **rt;
+  const KvStats kv = r.kv_stats();
+  const int heads = r.config().n_layers * r.config().n_kv_heads;
+  const int fits = kv.pages_total / heads * kv.page_tokens;
+  ASSERT_LT(fits + 1, r.n_ctx());
+  std::vector<int32_t> prompt(fits + 1, 10);
+  const Status s = r.Submit(Greedy(prompt, 4), [](const TokenEvent&) {}).status();
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.ToString();
+  EXPECT_NE(s.message().find("--kv-mem"), std::string::npos) << s.ToString();
 }
 
 // A press as `cachet run --press SPEC --ratio R` sets it (the same parser).
@@ -289,6 +309,11 @@ TEST(Runtime, PressedRequestHoldsFewerPages) {
   EXPECT_LE(pressed.most, (kept + kv.page_tokens - 1) / kv.page_tokens * heads + heads);
   EXPECT_LT(pressed.most * 10, full.most * 7) << pressed.most << " vs " << full.most;
   EXPECT_EQ(r.kv_stats().pages_used, 0);  // every page back
+  // The press evicted half the prompt from every (layer, KV head): the metric counts those.
+  const int64_t evicted = r.Metrics().kv_evicted_tokens;
+  EXPECT_GE(evicted, int64_t(prompt.size()) / 2 - 1);
+  EXPECT_LE(evicted, int64_t(prompt.size()) / 2 + 1);
+  EXPECT_EQ(r.Metrics().kv_usage, 0);
 }
 
 // A pressed and an unpressed request served together: the unpressed one gets the greedy tokens

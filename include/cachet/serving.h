@@ -94,8 +94,9 @@ class Runtime {
   ~Runtime();  // cancels what is left and stops the scheduler thread
 
   // Queues a request; its events go to on_event. Errors (nothing queued): InvalidArgument for an
-  // empty prompt, a bad token id, max_tokens < 1, a prompt that leaves no room in the context;
-  // ResourceExhausted when max_waiting requests already wait or the prompt alone exceeds the pool.
+  // empty prompt, a bad token id, max_tokens < 1, a prompt that leaves no room in the context or
+  // needs more KV pages than the whole pool has (it could never run); ResourceExhausted when
+  // max_waiting requests already wait (try again later).
   Result<uint64_t> Submit(CompletionRequest request, EventCallback on_event);
   // Stops a request at the next step boundary and frees its pages; its final event has
   // finish_reason "cancelled". Unknown or finished ids are ignored.

@@ -116,6 +116,8 @@ struct Runtime::Impl {
   RuntimeOptions opt;
   std::unique_ptr<Engine> engine;
   int vocab = 0;
+  int64_t heads_total = 1;           // layers x KV heads
+  int64_t press_evicted_tokens = 0;  // scheduler thread only; Publish snapshots it
 
   std::mutex mu;  // guards the fields below up to `metrics`
   std::condition_variable cv;
@@ -428,6 +430,8 @@ struct Runtime::Impl {
           done.push_back(&q);
           continue;
         }
+        // Tokens per (layer, KV head) the press evicted, on average (per-head budgets differ).
+        press_evicted_tokens += (pr->tokens_before - pr->tokens_after) / heads_total;
       }
       if (q.evaluated != static_cast<int>(q.tokens.size())) continue;  // mid-prompt
       if (!Sample(q)) done.push_back(&q);
@@ -447,9 +451,12 @@ struct Runtime::Impl {
     metrics.running = static_cast<int>(std::count_if(
         running.begin(), running.end(), [](const auto& q) { return q->session != nullptr; }));
     metrics.waiting = queued;
-    metrics.kv_usage = s.pages_total > 0 ? double(s.pages_used) / s.pages_total : 0;
+    // Cached pages no request uses are free for the taking (evicted on demand), as vLLM counts.
+    metrics.kv_usage =
+        s.pages_total > 0 ? double(s.pages_used - s.pages_reclaimable) / s.pages_total : 0;
     metrics.kv_bytes_by_codec = s.bytes_by_codec;
-    metrics.kv_evicted_tokens = s.evicted_blocks * s.page_tokens;  // from the prefix cache
+    // Pressed out of requests' caches, and dropped from the prefix cache under pressure.
+    metrics.kv_evicted_tokens = press_evicted_tokens + s.evicted_blocks * s.page_tokens;
   }
 
   void Loop() {
@@ -475,7 +482,9 @@ struct Runtime::Impl {
           std::lock_guard<std::mutex> lock(mu);
           --queued;
         }
-        Finish(*q, "error", ResourceExhausted("the KV pool cannot hold the prompt"));
+        Finish(*q, "error",
+               ResourceExhausted("the KV pool cannot hold the prompt beside the "
+                                 "prefix cache's pages in use"));
       }
     }
     for (auto& q : running) Finish(*q, "cancelled");
@@ -502,6 +511,7 @@ Result<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& options) 
   eo.ubatch = std::max(eo.ubatch, options.batch_tokens);  // one step is one ForwardBatch
   CACHET_ASSIGN_OR_RETURN(impl->engine, Engine::Create(eo));
   impl->vocab = impl->engine->config().vocab_size;
+  impl->heads_total = int64_t{impl->engine->config().n_layers} * impl->engine->config().n_kv_heads;
   impl->Publish();
   Impl* raw = impl.get();
   impl->thread = std::thread([raw] { raw->Loop(); });
@@ -537,8 +547,10 @@ Result<uint64_t> Runtime::Submit(CompletionRequest request, EventCallback on_eve
   const int64_t pages = (static_cast<int64_t>(request.prompt.size()) + lay.page_tokens) /
                         lay.page_tokens * lay.heads_total();
   if (pages > EngineAccess::kv_pool(*m.engine).capacity_pages()) {
-    return ResourceExhausted("prompt: " + std::to_string(request.prompt.size()) +
-                             " tokens need more KV pages than the pool holds (--kv-mem)");
+    return InvalidArgument("prompt: " + std::to_string(request.prompt.size()) + " tokens need " +
+                           std::to_string(pages) + " KV pages; the pool holds " +
+                           std::to_string(EngineAccess::kv_pool(*m.engine).capacity_pages()) +
+                           " (--kv-mem)");
   }
   auto q = std::make_unique<Impl::Request>();
   q->r = std::move(request);
