@@ -1,6 +1,9 @@
 #include "cachet/server.h"
 
+#include <arpa/inet.h>
 #include <httplib.h>
+#include <poll.h>
+#include <sys/socket.h>
 
 #include <atomic>
 #include <chrono>
@@ -9,6 +12,7 @@
 #include <ctime>
 #include <deque>
 #include <exception>
+#include <filesystem>
 #include <mutex>
 #include <random>
 #include <unordered_set>
@@ -40,6 +44,53 @@ Usage Total(const std::vector<Usage>& per_choice) {
   u.completion_tokens = 0;
   for (const Usage& c : per_choice) u.completion_tokens += c.completion_tokens;
   return u;
+}
+
+// How often a non-streamed request that is still running checks that its client is there.
+constexpr auto kClientCheck = std::chrono::milliseconds(250);
+
+// The socket of the connection a handler serves: httplib 0.11 does not hand it to handlers, so
+// it is the open socket whose peer is the request's remote address and port on the server's
+// port (a TCP connection's addresses are unique while it is open, and httplib closes it only
+// after the handler returns). -1 when there is none.
+int ConnectionSocket(const httplib::Request& req, int local_port) {
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator("/proc/self/fd", ec)) {
+    int fd = -1;
+    try {
+      fd = std::stoi(entry.path().filename().string());
+    } catch (const std::exception&) {
+      continue;
+    }
+    sockaddr_storage local{}, peer{};
+    socklen_t local_len = sizeof(local), peer_len = sizeof(peer);
+    if (getsockname(fd, reinterpret_cast<sockaddr*>(&local), &local_len) != 0 ||
+        getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &peer_len) != 0) {
+      continue;
+    }
+    char ip[INET6_ADDRSTRLEN] = "";
+    int local_p = -1, peer_p = -1;
+    if (peer.ss_family == AF_INET) {
+      const auto* a = reinterpret_cast<const sockaddr_in*>(&peer);
+      inet_ntop(AF_INET, &a->sin_addr, ip, sizeof(ip));
+      peer_p = ntohs(a->sin_port);
+      local_p = ntohs(reinterpret_cast<const sockaddr_in*>(&local)->sin_port);
+    } else if (peer.ss_family == AF_INET6) {
+      const auto* a = reinterpret_cast<const sockaddr_in6*>(&peer);
+      inet_ntop(AF_INET6, &a->sin6_addr, ip, sizeof(ip));
+      peer_p = ntohs(a->sin6_port);
+      local_p = ntohs(reinterpret_cast<const sockaddr_in6*>(&local)->sin6_port);
+    }
+    if (local_p == local_port && peer_p == req.remote_port && req.remote_addr == ip) return fd;
+  }
+  return -1;
+}
+
+// Whether the peer closed its side of the connection (or reset it). Data it sent (a pipelined
+// request) is not a close.
+bool PeerClosed(int fd) {
+  pollfd p{fd, POLLRDHUP, 0};
+  return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
 }
 
 ApiError Stopping() {
@@ -134,7 +185,9 @@ struct Server::Impl {
 
   void Routes();
   void Generate(const httplib::Request& req, httplib::Response& res, Endpoint endpoint);
-  void Respond(const std::shared_ptr<Exchange>& ex, const PreparedRequest& p,
+  // client_fd: the connection's socket, watched so that a client that leaves cancels the request
+  // (-1: not watched).
+  void Respond(const std::shared_ptr<Exchange>& ex, const PreparedRequest& p, int client_fd,
                const ResponseMeta& meta, httplib::Response& res);
   bool Stream(Exchange& ex, const PreparedRequest& p, const ResponseMeta& meta,
               httplib::DataSink& sink);
@@ -173,7 +226,7 @@ void Server::Impl::Generate(const httplib::Request& req, httplib::Response& res,
   meta.model = model.name;
   meta.logprobs = p.logprobs >= 0;
   if (!p.stream) {
-    Respond(ex, p, meta, res);
+    Respond(ex, p, ConnectionSocket(req, bound_port), meta, res);
     Unregister(ex);
     return;
   }
@@ -195,19 +248,29 @@ void Server::Impl::Generate(const httplib::Request& req, httplib::Response& res,
       });
 }
 
-// A non-streamed response: waits for every choice's last event.
+// A non-streamed response: waits for every choice's last event. A client that closes the
+// connection meanwhile cancels the request (its pages are freed at once, as a stream's are).
 void Server::Impl::Respond(const std::shared_ptr<Exchange>& ex, const PreparedRequest& p,
-                           const ResponseMeta& meta, httplib::Response& res) {
+                           int client_fd, const ResponseMeta& meta, httplib::Response& res) {
   std::vector<ChoiceOutput> out(p.n);
   std::vector<Usage> usage(p.n);
   Status error;
-  bool cancelled = false;
+  bool cancelled = false, client_gone = false;
+  auto next_check = std::chrono::steady_clock::now() + kClientCheck;
   for (int left = p.n; left > 0;) {
     std::deque<Exchange::Item> batch;
     {
       std::unique_lock<std::mutex> lock(ex->mu);
-      ex->cv.wait(lock, [&] { return !ex->items.empty(); });
+      ex->cv.wait_until(lock, next_check, [&] { return !ex->items.empty(); });
       batch.swap(ex->items);
+    }
+    // Every kClientCheck, events streaming in or not.
+    if (std::chrono::steady_clock::now() >= next_check) {
+      next_check = std::chrono::steady_clock::now() + kClientCheck;
+      if (!client_gone && client_fd >= 0 && PeerClosed(client_fd)) {
+        client_gone = true;
+        CancelAll(*ex);
+      }
     }
     for (Exchange::Item& item : batch) {
       TokenEvent& e = item.event;
@@ -224,6 +287,10 @@ void Server::Impl::Respond(const std::shared_ptr<Exchange>& ex, const PreparedRe
       }
       if (e.finish_reason == "cancelled") cancelled = true;
     }
+  }
+  if (client_gone) {
+    res.status = 499;  // nginx's "client closed request": for --log-requests; nobody reads it
+    return;
   }
   if (!error.ok()) return SendError(res, error);
   if (cancelled) return SendError(res, Stopping());

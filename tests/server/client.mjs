@@ -715,6 +715,36 @@ if (group === "load") {
   });
 }
 
+if (group === "load") {
+  check("a non-streaming client that disconnects frees its pages", async () => {
+    await post("/v1/cache/reset", {});
+    const baseline = await metrics();
+    const finished = baseline.value("requests_finished_total");
+    const controller = new AbortController();
+    const pending = fetch(base + "/v1/completions", {
+      method: "POST",
+      headers: { "Content-Type": "application/json", ...authHeaders },
+      body: JSON.stringify({ prompt: LONG, max_tokens: 3000, ignore_eos: true, temperature: 0 }),
+      signal: controller.signal,
+    }).catch((e) => e);
+    await waitFor("the request to run", async () => {
+      const m = await metrics();
+      return m.value("generation_tokens_total") > baseline.value("generation_tokens_total");
+    });
+    controller.abort();  // closes the connection while the server is still generating
+    assert.equal((await pending).name, "AbortError");
+    const m = await waitFor("the abandoned request to be cancelled", async () => {
+      const m = await metrics();
+      const idle = m.value("num_requests_running") === 0;
+      return idle && m.value("requests_finished_total") > finished && m;
+    });
+    const generated =
+      m.value("generation_tokens_total") - baseline.value("generation_tokens_total");
+    assert.ok(generated < 3000, `${generated} tokens generated: the request was not cancelled`);
+    assert.equal(pagesInUse(m), pagesInUse(baseline));
+  });
+}
+
 // ---------------------------------------------------------------- run
 
 if (checks.length === 0) {
