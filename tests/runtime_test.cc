@@ -259,6 +259,36 @@ CompletionRequest Pressed(std::vector<int32_t> prompt, int max_tokens, const cha
   return r;
 }
 
+// Requests on one prompt submitted together (a shared system prompt, the `n` choices of a
+// request): the first computes it, the others wait for it to be published and reuse its full
+// pages, so the prompt is computed about once, and each still gets the tokens it gets alone.
+TEST(Runtime, RequestsOnOnePromptComputeItOnce) {
+  auto rt = Runtime::Create(Options("f32"));
+  ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+  Runtime& r = **rt;
+  const auto prompt = LongPrompt(r);
+  const int n = static_cast<int>(prompt.size());
+  ASSERT_GT(n, 150);
+  Collector alone;
+  ASSERT_TRUE(r.Submit(Greedy(prompt, 8), alone.Callback()).ok());
+  alone.Wait();
+  r.ClearPrefixCache();
+  const int64_t before = r.Metrics().prompt_tokens;
+  std::vector<Collector> together(4);
+  for (Collector& c : together) ASSERT_TRUE(r.Submit(Greedy(prompt, 8), c.Callback()).ok());
+  for (Collector& c : together) c.Wait();
+  const int page = r.kv_stats().page_tokens;
+  EXPECT_EQ(together[0].last.usage.cached_tokens, 0);
+  for (size_t i = 0; i < together.size(); ++i) {
+    EXPECT_EQ(together[i].tokens, alone.tokens) << "request " << i;
+    if (i > 0) {
+      EXPECT_EQ(together[i].last.usage.cached_tokens, (n - 1) / page * page) << "request " << i;
+    }
+  }
+  // Once in full, then each other request's last partial block.
+  EXPECT_LE(r.Metrics().prompt_tokens - before, n + 3 * page);
+}
+
 // KV pages in use, as the runtime's snapshot has them when each of a request's events after the
 // first is sent (the snapshot of the step before: the prompt pressed, if it was, and the tokens
 // decoded so far): the most seen.

@@ -2,8 +2,11 @@
 // step, batches the next token of every decoding request with prompt chunks of requests still
 // prefilling (continuous batching) through Transformer::ForwardBatch, over one KV pool and one
 // prefix cache. Requests are admitted first come, first served (a longer cached prefix first),
-// only when the pool can hold their prompt; when the pool runs dry mid-decode the newest request
-// is preempted (its pages freed, its published prefix kept) and later resumed by recompute.
+// only when the pool can hold their prompt. A prompt's full pages are published to the prefix
+// cache as soon as it is computed, and a request whose prompt shares blocks with one being
+// computed waits for it and reuses them (many requests on one system prompt, the `n` choices of
+// one request). When the pool runs dry mid-decode the newest request is preempted (its pages
+// freed, its published prefix kept) and later resumed by recompute.
 #pragma once
 
 #include <cstdint>

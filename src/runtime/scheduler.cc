@@ -3,9 +3,11 @@
 // One scheduler thread owns the engine's mutable state (sessions, pool, prefix tree). Each step:
 // take in new requests and cancels; admit waiting requests while the pool can hold their prompt
 // besides the rest of the prompts already admitted (first come, first served among the next few,
-// a longer cached prefix first); give every decoding request its next token and the prefilling
+// a longer cached prefix first; one whose prompt shares blocks with a prompt being computed waits
+// for it, then reuses its pages); give every decoding request its next token and the prefilling
 // ones prompt chunks up to the step's token budget; run them through Transformer::ForwardBatch;
-// press a request that asked for it where its chunk reached the end of its prompt; sample where a
+// publish a finished prompt's full pages to the prefix cache; press a request that asked for it
+// where its chunk reached the end of its prompt; sample where a
 // chunk reached the end of a request's tokens. When the pool runs dry mid-step the newest request
 // is preempted: its session (and so its pages) dropped, its tokens kept, and it waits at the front
 // of the queue to be recomputed (its published prefix, if any, is reused; a pressed request is
@@ -232,6 +234,26 @@ struct Runtime::Impl {
     return tree->Match(q.tokens, q.salt, static_cast<int>(q.tokens.size()) - 1);
   }
 
+  // Whether q should wait for a running request that is computing a prompt sharing at least one
+  // more block with q's than the prefix cache holds now (requests on one system prompt, the `n`
+  // choices of one request): that prompt is published when it is done, and q then reuses it
+  // instead of computing the same blocks beside it.
+  bool AwaitsSharedPrefill(const Request& q, int cached) const {
+    if (q.r.press || EngineAccess::prefix(*engine) == nullptr || !opt.publish_prefixes) {
+      return false;
+    }
+    const int pt = EngineAccess::kv_pool(*engine).layout().page_tokens;
+    for (const auto& r : running) {
+      if (r->r.press || r->salt != q.salt || r->evaluated >= r->n_prompt) continue;
+      const size_t n = std::min<size_t>(q.tokens.size() - 1, r->n_prompt);
+      const auto end = q.tokens.begin() + static_cast<std::ptrdiff_t>(n);
+      const int shared = static_cast<int>(
+          std::mismatch(q.tokens.begin(), end, r->tokens.begin()).first - q.tokens.begin());
+      if (shared / pt * pt >= cached + pt) return true;
+    }
+    return false;
+  }
+
   void Admit() {
     constexpr size_t kLookahead = 8;  // FCFS among the next few, a longer cached prefix first
     while (!waiting.empty() && static_cast<int>(running.size()) < opt.max_sequences) {
@@ -239,11 +261,12 @@ struct Runtime::Impl {
       int best_cached = -1;
       for (size_t i = 0; i < std::min(kLookahead, waiting.size()); ++i) {
         const int c = Cached(*waiting[i]);
-        if (c > best_cached) {
+        if (c > best_cached && !AwaitsSharedPrefill(*waiting[i], c)) {
           best = i;
           best_cached = c;
         }
       }
+      if (best_cached < 0) break;  // each waits for a prompt being computed: admit it after
       Request& q = *waiting[best];
       const PagePool& pool = EngineAccess::kv_pool(*engine);
       PrefixTree* tree = EngineAccess::prefix(*engine);
@@ -413,8 +436,12 @@ struct Runtime::Impl {
       Request& q = *e.q;
       auto& held = EngineAccess::tokens(*q.session);
       held.insert(held.end(), q.tokens.begin() + q.evaluated, q.tokens.begin() + q.evaluated + e.n);
+      const bool prompt_done = q.evaluated < q.n_prompt && q.evaluated + e.n >= q.n_prompt;
       if (q.evaluated < q.n_prompt) prompt_tokens += std::min(e.n, q.n_prompt - q.evaluated);
       q.evaluated += e.n;
+      // The prompt's full pages go to the prefix cache now, not when the request ends, so that
+      // requests waiting on it (AwaitsSharedPrefill) and any that share it reuse them at once.
+      if (prompt_done && opt.publish_prefixes && !q.r.press) q.session->Publish();
     }
     {
       std::lock_guard<std::mutex> lock(mu);
