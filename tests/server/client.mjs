@@ -644,6 +644,20 @@ if (group === "errors") {
 
 // ---------------------------------------------------------------- load
 
+// After a client left a request of max_tokens: the request finishes (cancelled, well short of
+// max_tokens) and every page it held is back.
+async function expectCancelled(baseline, max_tokens) {
+  const finished = baseline.value("requests_finished_total");
+  const m = await waitFor("the abandoned request to be cancelled", async () => {
+    const m = await metrics();
+    const idle = m.value("num_requests_running") === 0;
+    return idle && m.value("requests_finished_total") > finished && m;
+  });
+  const generated = m.value("generation_tokens_total") - baseline.value("generation_tokens_total");
+  assert.ok(generated < max_tokens, `${generated} tokens generated: the request was not cancelled`);
+  assert.equal(pagesInUse(m), pagesInUse(baseline));
+}
+
 if (group === "load") {
   check("concurrent clients get the same greedy text as alone", async () => {
     const alone = [];
@@ -698,15 +712,7 @@ if (group === "load") {
     }
     const during = await metrics();
     assert.ok(during.value("requests_finished_total") >= finished);
-    const m = await waitFor("the cancelled request to finish", async () => {
-      const m = await metrics();
-      const idle = m.value("num_requests_running") === 0;
-      return idle && m.value("requests_finished_total") > finished && m;
-    });
-    const generated =
-      m.value("generation_tokens_total") - baseline.value("generation_tokens_total");
-    assert.ok(generated < 3000, `${generated} tokens generated: the request was not cancelled`);
-    assert.equal(pagesInUse(m), pagesInUse(baseline));
+    await expectCancelled(baseline, 3000);
     await post("/v1/cache/reset", {});
     await waitFor("kv usage back to baseline", async () => {
       const m = await metrics();
@@ -719,7 +725,6 @@ if (group === "load") {
   check("a non-streaming client that disconnects frees its pages", async () => {
     await post("/v1/cache/reset", {});
     const baseline = await metrics();
-    const finished = baseline.value("requests_finished_total");
     const controller = new AbortController();
     const pending = fetch(base + "/v1/completions", {
       method: "POST",
@@ -733,15 +738,7 @@ if (group === "load") {
     });
     controller.abort();  // closes the connection while the server is still generating
     assert.equal((await pending).name, "AbortError");
-    const m = await waitFor("the abandoned request to be cancelled", async () => {
-      const m = await metrics();
-      const idle = m.value("num_requests_running") === 0;
-      return idle && m.value("requests_finished_total") > finished && m;
-    });
-    const generated =
-      m.value("generation_tokens_total") - baseline.value("generation_tokens_total");
-    assert.ok(generated < 3000, `${generated} tokens generated: the request was not cancelled`);
-    assert.equal(pagesInUse(m), pagesInUse(baseline));
+    await expectCancelled(baseline, 3000);
   });
 }
 
