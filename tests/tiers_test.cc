@@ -1,5 +1,6 @@
 // KV tiers: the stored format of a run (every corruption detected and named before any payload
-// byte is returned).
+// byte is returned) and the disk tier (atomic files, LRU under a cap, restart, damage under a
+// live process, threads, two processes' views of one directory, a randomized model check).
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
@@ -16,6 +17,7 @@
 #include <random>
 #include <thread>
 
+#include "kv/tiers/disk_tier.h"
 #include "kv/tiers/format.h"
 #include "test_util.h"
 
@@ -346,6 +348,557 @@ TEST(TierFormat, ErrorNamesRoundTrip) {
     EXPECT_EQ(TierErrorOf(s), e) << TierErrorName(e);
   }
   EXPECT_EQ(TierErrorOf(DataLoss("CKVT truncatedx: x")), std::nullopt);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The disk tier
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+// Rewrites a file in place keeping its mtime, as damage that leaves the LRU order alone.
+void Rewrite(const std::string& path, const std::string& contents) {
+  struct stat st;
+  ASSERT_EQ(::stat(path.c_str(), &st), 0) << path;
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << contents;
+  const struct timespec times[2] = {st.st_atim, st.st_mtim};
+  ASSERT_EQ(::utimensat(AT_FDCWD, path.c_str(), times, 0), 0);
+}
+void FlipByte(const std::string& path, size_t offset) {
+  std::string s = ReadFile(path);
+  ASSERT_LT(offset, s.size());
+  s[offset] = char(s[offset] ^ 0x10);
+  Rewrite(path, s);
+}
+
+std::vector<std::string> FilesUnder(const std::string& dir) {
+  std::vector<std::string> names;
+  for (const auto& e : fs::recursive_directory_iterator(dir)) {
+    if (e.is_regular_file()) names.push_back(fs::relative(e.path(), dir).string());
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+std::unique_ptr<DiskTier> OpenTier(const std::string& dir, uint64_t cap) {
+  auto t = DiskTier::Open(DiskTierOptions{dir, cap});
+  EXPECT_TRUE(t.ok()) << t.status().ToString();
+  return t.ok() ? std::move(t).value() : nullptr;
+}
+
+Status PutRuns(Tier& tier, std::initializer_list<const TestRun*> runs) {
+  std::vector<std::pair<RunKey, std::string>> batch;
+  for (const TestRun* r : runs) batch.emplace_back(r->key, r->bytes);
+  return tier.Put(batch);
+}
+
+std::optional<std::string> GetOne(Tier& tier, const RunKey& key) {
+  return std::move(tier.Get(std::span(&key, 1))[0]);
+}
+bool Has(Tier& tier, const RunKey& key) { return tier.Exists(std::span(&key, 1))[0]; }
+
+TEST(DiskTier, PutGetExists) {
+  testing::TempDir dir;
+  auto tier = OpenTier(dir.path(), 1 << 20);
+  ASSERT_TRUE(tier);
+  EXPECT_EQ(tier->name(), "disk");
+  const TestRun a = MakeRun(20, 500), b = MakeRun(21, 700, true, true), c = MakeRun(22, 0);
+  ASSERT_TRUE(PutRuns(*tier, {&a, &b, &c}).ok());
+  const TestRun missing = MakeRun(23, 10);
+  const RunKey keys[] = {a.key, missing.key, b.key, c.key};
+  const auto got = tier->Get(keys);
+  ASSERT_EQ(got.size(), 4u);
+  EXPECT_EQ(got[0], a.bytes);
+  EXPECT_FALSE(got[1].has_value());
+  EXPECT_EQ(got[2], b.bytes);
+  EXPECT_EQ(got[3], c.bytes);
+  EXPECT_EQ(tier->Exists(keys), (std::vector<bool>{true, false, true, true}));
+  auto d = DecodeRun(*got[2], Ns(), b.key, b.tokens);
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_EQ(PayloadOf(*d), b.payload);
+
+  const TierStats s = tier->stats();
+  EXPECT_EQ(s.hits, 3);
+  EXPECT_EQ(s.misses, 1);
+  EXPECT_EQ(s.corrupt, 0);
+  EXPECT_EQ(s.errors, 0);
+  EXPECT_EQ(s.entries, 3);
+  const int64_t total = int64_t(a.bytes.size() + b.bytes.size() + c.bytes.size());
+  EXPECT_EQ(s.bytes_held, total);
+  EXPECT_EQ(s.bytes_written, total);
+  EXPECT_EQ(s.bytes_read, total);
+  // One file per run, in the shard its key's first two hex digits name; no temp file remains.
+  const std::string hex = a.key.Hex();
+  EXPECT_EQ(tier->PathOf(a.key), dir.path() + "/" + hex.substr(0, 2) + "/" + hex);
+  EXPECT_EQ(ReadFile(tier->PathOf(a.key)), a.bytes);
+  EXPECT_EQ(FilesUnder(dir.path()).size(), 3u);
+
+  // A key already held is kept (touched), not rewritten.
+  ASSERT_TRUE(PutRuns(*tier, {&a}).ok());
+  EXPECT_EQ(tier->stats().bytes_written, total);
+  tier->Erase(a.key);
+  tier->Erase(missing.key);  // not held: nothing happens
+  EXPECT_FALSE(Has(*tier, a.key));
+  EXPECT_FALSE(fs::exists(tier->PathOf(a.key)));
+  EXPECT_EQ(tier->stats().entries, 2);
+}
+
+TEST(DiskTier, MalformedPutIsRefusedWhole) {
+  testing::TempDir dir;
+  auto tier = OpenTier(dir.path(), 1 << 20);
+  ASSERT_TRUE(tier);
+  const TestRun a = MakeRun(30, 100), b = MakeRun(31, 100);
+  std::string damaged = b.bytes;
+  damaged[kHeaderBytes + 3] ^= 1;
+  const std::vector<std::pair<RunKey, std::string>> bad_bytes = {{a.key, a.bytes},
+                                                                 {b.key, damaged}};
+  Status s = tier->Put(bad_bytes);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("Put run 1 of 2"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("checksum_mismatch"), std::string::npos) << s.message();
+  const std::vector<std::pair<RunKey, std::string>> wrong_key = {{a.key, a.bytes},
+                                                                 {a.key, b.bytes}};
+  s = tier->Put(wrong_key);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("the bytes are run " + b.key.Hex()), std::string::npos) << s.message();
+  EXPECT_FALSE(Has(*tier, a.key));
+  EXPECT_EQ(tier->stats().entries, 0);
+  EXPECT_TRUE(FilesUnder(dir.path()).empty());
+}
+
+TEST(DiskTier, OpenRefusesBadOptions) {
+  testing::TempDir dir;
+  EXPECT_EQ(DiskTier::Open({"", 100}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(DiskTier::Open({dir.path(), 0}).status().code(), StatusCode::kInvalidArgument);
+  const std::string file = dir.Write("plain-file", "x");
+  auto t = DiskTier::Open({file, 100});
+  EXPECT_EQ(t.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(t.status().message().find(file), std::string::npos) << t.status().message();
+}
+
+TEST(DiskTier, RunLargerThanTheCapIsRefusedOthersStored) {
+  testing::TempDir dir;
+  const TestRun small = MakeRun(32, 100), big = MakeRun(33, 5000);
+  auto tier = OpenTier(dir.path(), 2000);
+  ASSERT_TRUE(tier);
+  const Status s = PutRuns(*tier, {&big, &small});
+  EXPECT_EQ(s.code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find(big.key.Hex()), std::string::npos) << s.message();
+  EXPECT_FALSE(Has(*tier, big.key));
+  EXPECT_EQ(GetOne(*tier, small.key), small.bytes);
+}
+
+TEST(DiskTier, RestartSeesTheEntries) {
+  testing::TempDir dir;
+  const TestRun a = MakeRun(40, 300), b = MakeRun(41, 3000, true, true);
+  {
+    auto tier = OpenTier(dir.path(), 1 << 20);
+    ASSERT_TRUE(PutRuns(*tier, {&a, &b}).ok());
+  }
+  auto tier = OpenTier(dir.path(), 1 << 20);
+  ASSERT_TRUE(tier);
+  EXPECT_EQ(tier->stats().entries, 2);
+  EXPECT_EQ(tier->stats().bytes_held, int64_t(a.bytes.size() + b.bytes.size()));
+  EXPECT_EQ(GetOne(*tier, a.key), a.bytes);
+  EXPECT_EQ(GetOne(*tier, b.key), b.bytes);
+}
+
+TEST(DiskTier, OpenDeletesDamagedRunsAndLeavesForeignFiles) {
+  testing::TempDir dir;
+  const TestRun good = MakeRun(50, 200), trunc = MakeRun(51, 200), misplaced = MakeRun(52, 200),
+                other_version = MakeRun(53, 200), garbage = MakeRun(54, 200);
+  std::string v2 = other_version.bytes;
+  Poke<uint32_t>(v2, kOffVersion, 2);
+  Reseal(v2);
+  std::string foreign_in_shard, stale_temp, fresh_temp;
+  {
+    auto tier = OpenTier(dir.path(), 1 << 20);
+    ASSERT_TRUE(PutRuns(*tier, {&good, &trunc, &misplaced, &other_version, &garbage}).ok());
+    Rewrite(tier->PathOf(trunc.key), trunc.bytes.substr(0, trunc.bytes.size() - 1));
+    Rewrite(tier->PathOf(misplaced.key), good.bytes);
+    Rewrite(tier->PathOf(other_version.key), v2);
+    Rewrite(tier->PathOf(garbage.key), "not a run at all");
+    const std::string shard = fs::path(tier->PathOf(good.key)).parent_path().string();
+    foreign_in_shard = shard + "/notes.txt";
+    stale_temp = shard + "/.tmp-0000000000000001-1";
+    fresh_temp = shard + "/.tmp-0000000000000001-2";
+  }
+  std::ofstream(dir.path() + "/README") << "the user's";
+  std::ofstream(foreign_in_shard) << "the user's too";
+  std::ofstream(stale_temp) << "a crashed writer's";
+  std::ofstream(fresh_temp) << "a live writer's";
+  const struct timespec old[2] = {{0, UTIME_OMIT}, {::time(nullptr) - 3600, 0}};
+  ASSERT_EQ(::utimensat(AT_FDCWD, stale_temp.c_str(), old, 0), 0);
+
+  auto tier = OpenTier(dir.path(), 1 << 20);
+  ASSERT_TRUE(tier);
+  EXPECT_EQ(tier->stats().entries, 1);
+  EXPECT_EQ(tier->stats().corrupt, 3);  // truncated, misplaced, garbage
+  EXPECT_FALSE(fs::exists(tier->PathOf(trunc.key)));
+  EXPECT_FALSE(fs::exists(tier->PathOf(misplaced.key)));
+  EXPECT_FALSE(fs::exists(tier->PathOf(garbage.key)));
+  EXPECT_EQ(ReadFile(tier->PathOf(other_version.key)), v2);  // a newer process's: kept
+  EXPECT_FALSE(Has(*tier, trunc.key));
+  EXPECT_TRUE(fs::exists(dir.path() + "/README"));
+  EXPECT_TRUE(fs::exists(foreign_in_shard));
+  EXPECT_FALSE(fs::exists(stale_temp));
+  EXPECT_TRUE(fs::exists(fresh_temp));
+  EXPECT_EQ(GetOne(*tier, good.key), good.bytes);
+  // The other version's run is a miss, neither corrupt nor deleted.
+  EXPECT_FALSE(GetOne(*tier, other_version.key).has_value());
+  EXPECT_EQ(tier->stats().corrupt, 3);
+  EXPECT_TRUE(fs::exists(tier->PathOf(other_version.key)));
+}
+
+// Runs of equal size, so a cap of n runs holds exactly n.
+std::vector<TestRun> EqualRuns(int n, uint32_t first_id) {
+  std::vector<TestRun> runs;
+  for (int i = 0; i < n; ++i) runs.push_back(MakeRun(first_id + 3 * i, 1000));  // id % 3 equal
+  return runs;
+}
+
+TEST(DiskTier, EvictsLeastRecentlyUsedUnderTheCap) {
+  testing::TempDir dir;
+  const auto r = EqualRuns(5, 60);  // A B C D E
+  auto tier = OpenTier(dir.path(), 3 * r[0].bytes.size());
+  ASSERT_TRUE(tier);
+  ASSERT_TRUE(PutRuns(*tier, {&r[0], &r[1], &r[2]}).ok());
+  ASSERT_TRUE(GetOne(*tier, r[0].key));       // order now B C A
+  ASSERT_TRUE(PutRuns(*tier, {&r[3]}).ok());  // evicts B
+  EXPECT_FALSE(Has(*tier, r[1].key));
+  EXPECT_FALSE(fs::exists(tier->PathOf(r[1].key)));
+  EXPECT_TRUE(Has(*tier, r[0].key) && Has(*tier, r[2].key) && Has(*tier, r[3].key));
+  ASSERT_TRUE(PutRuns(*tier, {&r[2]}).ok());  // a put touches too: order A D C
+  ASSERT_TRUE(PutRuns(*tier, {&r[4]}).ok());  // evicts A
+  EXPECT_FALSE(Has(*tier, r[0].key));
+  EXPECT_TRUE(Has(*tier, r[2].key) && Has(*tier, r[3].key) && Has(*tier, r[4].key));
+  const TierStats s = tier->stats();
+  EXPECT_EQ(s.evicted, 2);
+  EXPECT_EQ(s.entries, 3);
+  EXPECT_LE(uint64_t(s.bytes_held), 3 * r[0].bytes.size());
+  EXPECT_EQ(FilesUnder(dir.path()).size(), 3u);
+}
+
+TEST(DiskTier, AccessOrderSurvivesARestart) {
+  testing::TempDir dir;
+  const auto r = EqualRuns(12, 70);
+  const uint64_t run_bytes = r[0].bytes.size();
+  // An access order unlike the write order (and, with 720 orders of 6, unlike the keys' order).
+  const int order[] = {3, 0, 5, 1, 4, 2};
+  {
+    auto tier = OpenTier(dir.path(), 6 * run_bytes);
+    for (int i = 0; i < 6; ++i) ASSERT_TRUE(PutRuns(*tier, {&r[i]}).ok());
+    for (int i : order) ASSERT_TRUE(GetOne(*tier, r[i].key));
+  }
+  {
+    // Each new run evicts the oldest access of the previous process, in its order.
+    auto tier = OpenTier(dir.path(), 6 * run_bytes);
+    ASSERT_EQ(tier->stats().entries, 6);
+    for (int j = 0; j < 3; ++j) {
+      ASSERT_TRUE(PutRuns(*tier, {&r[6 + j]}).ok());
+      EXPECT_FALSE(Has(*tier, r[order[j]].key)) << j;
+      for (int k = j + 1; k < 6; ++k) EXPECT_TRUE(Has(*tier, r[order[k]].key)) << j << k;
+    }
+  }
+  // A smaller cap at the next start evicts the oldest at once: order[3] goes, then order[4].
+  auto tier = OpenTier(dir.path(), 4 * run_bytes);
+  EXPECT_EQ(tier->stats().entries, 4);
+  EXPECT_EQ(tier->stats().evicted, 2);
+  EXPECT_FALSE(Has(*tier, r[order[3]].key) || Has(*tier, r[order[4]].key));
+  EXPECT_TRUE(Has(*tier, r[order[5]].key) && Has(*tier, r[6].key) && Has(*tier, r[8].key));
+}
+
+TEST(DiskTier, DamageUnderALiveTierIsAMissNeverWrongBytes) {
+  testing::TempDir dir;
+  auto tier = OpenTier(dir.path(), 1 << 20);
+  ASSERT_TRUE(tier);
+  const TestRun truncated = MakeRun(80, 500), flipped = MakeRun(81, 500),
+                deleted = MakeRun(82, 500), replaced = MakeRun(83, 500), fine = MakeRun(84, 500);
+  ASSERT_TRUE(PutRuns(*tier, {&truncated, &flipped, &deleted, &replaced, &fine}).ok());
+  Rewrite(tier->PathOf(truncated.key), truncated.bytes.substr(0, 200));
+  FlipByte(tier->PathOf(flipped.key), flipped.bytes.size() - 100);
+  fs::remove(tier->PathOf(deleted.key));
+  Rewrite(tier->PathOf(replaced.key), fine.bytes);  // an intact run, but not this key's
+  const RunKey keys[] = {truncated.key, flipped.key, deleted.key, replaced.key, fine.key};
+  const auto got = tier->Get(keys);
+  EXPECT_FALSE(got[0] || got[1] || got[2] || got[3]);
+  EXPECT_EQ(got[4], fine.bytes);
+  TierStats s = tier->stats();
+  EXPECT_EQ(s.corrupt, 3);
+  EXPECT_EQ(s.misses, 4);
+  EXPECT_EQ(s.hits, 1);
+  EXPECT_EQ(s.errors, 0);
+  EXPECT_EQ(s.entries, 1);
+  EXPECT_EQ(s.bytes_held, int64_t(fine.bytes.size()));
+  EXPECT_FALSE(fs::exists(tier->PathOf(truncated.key)));  // damaged files are deleted
+  EXPECT_FALSE(fs::exists(tier->PathOf(flipped.key)));
+  EXPECT_FALSE(fs::exists(tier->PathOf(replaced.key)));
+  // The runs can be stored again.
+  ASSERT_TRUE(PutRuns(*tier, {&truncated, &flipped}).ok());
+  EXPECT_EQ(GetOne(*tier, truncated.key), truncated.bytes);
+  EXPECT_EQ(GetOne(*tier, flipped.key), flipped.bytes);
+}
+
+TEST(DiskTier, EveryByteOfAStoredRunIsChecked) {
+  testing::TempDir dir;
+  auto tier = OpenTier(dir.path(), 1 << 20);
+  ASSERT_TRUE(tier);
+  const TestRun r = MakeRun(90, 64, true, true);
+  for (size_t off = 0; off < r.bytes.size(); ++off) {
+    ASSERT_TRUE(PutRuns(*tier, {&r}).ok());
+    FlipByte(tier->PathOf(r.key), off);
+    ASSERT_FALSE(GetOne(*tier, r.key).has_value()) << "byte " << off;
+    ASSERT_EQ(tier->stats().corrupt, int64_t(off + 1)) << "byte " << off;
+    ASSERT_FALSE(fs::exists(tier->PathOf(r.key)));
+  }
+}
+
+TEST(DiskTier, ConcurrentPutsAndGets) {
+  testing::TempDir dir;
+  std::vector<TestRun> runs;
+  for (int i = 0; i < 24; ++i)
+    runs.push_back(MakeRun(100 + i, 200 + 50 * i, i % 2 == 0, i % 4 == 0));
+  uint64_t total = 0;
+  for (const auto& r : runs) total += r.bytes.size();
+  auto tier = OpenTier(dir.path(), total / 2);  // eviction runs concurrently too
+  ASSERT_TRUE(tier);
+  std::atomic<int> wrong{0}, hits{0}, gets{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(t);
+      for (int step = 0; step < 300; ++step) {
+        const TestRun& r = runs[rng() % runs.size()];
+        if (rng() % 2) {
+          if (!PutRuns(*tier, {&r}).ok()) ++wrong;
+        } else {
+          ++gets;
+          const auto got = GetOne(*tier, r.key);
+          if (got) ++hits;
+          if (got && *got != r.bytes) ++wrong;
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(wrong.load(), 0);
+  const TierStats s = tier->stats();
+  EXPECT_EQ(s.hits, hits.load());
+  EXPECT_EQ(s.hits + s.misses, gets.load());
+  EXPECT_GT(s.hits, 0);
+  EXPECT_GT(s.evicted, 0);
+  EXPECT_EQ(s.corrupt, 0);
+  EXPECT_LE(uint64_t(s.bytes_held), total / 2);
+  // Nothing but whole runs under their names: every file decodes.
+  for (const auto& name : FilesUnder(dir.path())) {
+    EXPECT_EQ(name.find(".tmp-"), std::string::npos) << name;
+    EXPECT_TRUE(CheckRun(ReadFile(dir.path() + "/" + name)).ok()) << name;
+  }
+  EXPECT_EQ(FilesUnder(dir.path()).size(), size_t(s.entries));
+}
+
+TEST(DiskTier, TwoTiersShareOneDirectory) {
+  testing::TempDir dir;
+  auto one = OpenTier(dir.path(), 1 << 20);
+  auto two = OpenTier(dir.path(), 1 << 20);
+  ASSERT_TRUE(one && two);
+  const TestRun a = MakeRun(130, 300), b = MakeRun(131, 300);
+  ASSERT_TRUE(PutRuns(*one, {&a}).ok());
+  EXPECT_TRUE(Has(*two, a.key));            // found on disk, though not in two's index
+  EXPECT_EQ(GetOne(*two, a.key), a.bytes);  // and adopted into it
+  EXPECT_EQ(two->stats().entries, 1);
+  two->Erase(a.key);  // as if two evicted it
+  EXPECT_FALSE(GetOne(*one, a.key).has_value());
+  TierStats s = one->stats();
+  EXPECT_EQ(s.misses, 1);
+  EXPECT_EQ(s.corrupt, 0);
+  EXPECT_EQ(s.entries, 0);  // gone from one's index too
+  ASSERT_TRUE(PutRuns(*two, {&b}).ok());
+  ASSERT_TRUE(PutRuns(*one, {&b}).ok());  // both write the same content: still one whole file
+  EXPECT_EQ(GetOne(*one, b.key), b.bytes);
+  EXPECT_EQ(GetOne(*two, b.key), b.bytes);
+
+  // Concurrently, each thread through its own tier: only right bytes, only whole files.
+  std::vector<TestRun> runs;
+  for (int i = 0; i < 16; ++i) runs.push_back(MakeRun(140 + i, 400));
+  std::atomic<int> wrong{0};
+  auto work = [&](DiskTier& tier, int seed) {
+    std::mt19937 rng(seed);
+    for (int step = 0; step < 300; ++step) {
+      const TestRun& r = runs[rng() % runs.size()];
+      switch (rng() % 3) {
+        case 0:
+          if (!PutRuns(tier, {&r}).ok()) ++wrong;
+          break;
+        case 1: {
+          const auto got = GetOne(tier, r.key);
+          if (got && *got != r.bytes) ++wrong;
+          break;
+        }
+        default:
+          tier.Erase(r.key);
+      }
+    }
+  };
+  std::thread t1(work, std::ref(*one), 1), t2(work, std::ref(*two), 2);
+  t1.join();
+  t2.join();
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_EQ(one->stats().corrupt + two->stats().corrupt, 0);
+  for (const auto& name : FilesUnder(dir.path())) {
+    EXPECT_TRUE(CheckRun(ReadFile(dir.path() + "/" + name)).ok()) << name;
+  }
+}
+
+// 2000 random steps of put / get / exists / erase / damage / restart against an exact model of
+// the tier: which keys it holds, in which LRU order, and in what state their files are. After
+// every step the tier's answers and counters must equal the model's.
+TEST(DiskTier, RandomizedAgainstAModel) {
+  testing::TempDir dir;
+  constexpr int kKeys = 40;
+  std::vector<TestRun> runs;
+  uint64_t total = 0;
+  for (int i = 0; i < kKeys; ++i) {
+    runs.push_back(MakeRun(200 + i, 100 + (i * 37) % 900, i % 3 == 0, i % 6 == 0));
+    total += runs.back().bytes.size();
+  }
+  const uint64_t cap = total * 2 / 5;
+  // A file's state as the tier cannot know it: scan-invisible damage (tokens, payload, checksum)
+  // survives a restart, header damage does not.
+  enum class State { kGood, kPayloadDamaged, kHeaderDamaged, kDeleted };
+  struct Held {
+    int id;
+    State state;
+  };
+  std::list<Held> lru;  // front: least recently used
+  int64_t corrupt = 0, evicted = 0, hits = 0, misses = 0;
+  auto find = [&](int id) {
+    return std::find_if(lru.begin(), lru.end(), [&](const Held& h) { return h.id == id; });
+  };
+  auto held_bytes = [&] {
+    uint64_t b = 0;
+    for (const Held& h : lru) b += runs[h.id].bytes.size();
+    return b;
+  };
+  auto evict_for = [&](uint64_t incoming) {
+    while (!lru.empty() && held_bytes() + incoming > cap) {
+      lru.pop_front();
+      ++evicted;
+    }
+  };
+
+  std::unique_ptr<DiskTier> tier = OpenTier(dir.path(), cap);
+  ASSERT_TRUE(tier);
+  std::mt19937 rng(2024);
+  for (int step = 0; step < 2000; ++step) {
+    const int id = int(rng() % kKeys);
+    const TestRun& r = runs[id];
+    const std::string path = tier->PathOf(r.key);
+    auto it = find(id);
+    const int op = int(rng() % 100);
+    std::string what;
+    if (op < 35) {
+      what = "put";
+      ASSERT_TRUE(PutRuns(*tier, {&r}).ok());
+      if (it != lru.end() && it->state != State::kDeleted) {
+        lru.splice(lru.end(), lru, it);  // kept as it is (damaged or not), touched
+      } else {
+        if (it != lru.end()) lru.erase(it);
+        evict_for(r.bytes.size());
+        lru.push_back({id, State::kGood});
+      }
+    } else if (op < 70) {
+      what = "get";
+      const auto got = GetOne(*tier, r.key);
+      const bool expect_hit = it != lru.end() && it->state == State::kGood;
+      ASSERT_EQ(got.has_value(), expect_hit) << "step " << step;
+      if (expect_hit) {
+        ASSERT_EQ(*got, r.bytes) << "step " << step;
+        auto d = DecodeRun(*got, Ns(), r.key, r.tokens);
+        ASSERT_TRUE(d.ok()) << d.status().ToString();
+        ASSERT_EQ(PayloadOf(*d), r.payload);
+        lru.splice(lru.end(), lru, it);
+        ++hits;
+      } else {
+        ++misses;
+        if (it != lru.end()) {
+          if (it->state != State::kDeleted) ++corrupt;
+          lru.erase(it);
+        }
+      }
+    } else if (op < 78) {
+      what = "exists";
+      ASSERT_EQ(Has(*tier, r.key), it != lru.end()) << "step " << step;
+    } else if (op < 83) {
+      what = "erase";
+      tier->Erase(r.key);
+      if (it != lru.end()) lru.erase(it);
+    } else if (op < 97) {
+      what = "damage";
+      // Only files still whole in size are damaged further, so every offset below exists.
+      if (it == lru.end() || (it->state != State::kGood && it->state != State::kPayloadDamaged)) {
+        continue;
+      }
+      switch (rng() % 5) {
+        case 0:  // a flipped bit past the header
+          FlipByte(path, kHeaderBytes + rng() % (r.bytes.size() - kHeaderBytes));
+          if (it->state == State::kGood) it->state = State::kPayloadDamaged;
+          break;
+        case 1:  // a flipped bit in the header
+          FlipByte(path, rng() % kHeaderBytes);
+          it->state = State::kHeaderDamaged;
+          break;
+        case 2:  // truncated
+          Rewrite(path, ReadFile(path).substr(0, rng() % r.bytes.size()));
+          it->state = State::kHeaderDamaged;  // the size no longer matches the header's
+          break;
+        case 3:  // another run's bytes under this name
+          Rewrite(path, runs[(id + 1) % kKeys].bytes);
+          it->state = State::kHeaderDamaged;
+          break;
+        default:
+          ASSERT_TRUE(fs::remove(path));
+          it->state = State::kDeleted;
+      }
+    } else {
+      what = "restart";
+      tier.reset();
+      tier = OpenTier(dir.path(), cap);
+      ASSERT_TRUE(tier);
+      // Counters are per process. The scan keeps intact-looking files in access order and
+      // deletes (and counts) those whose header gives them away.
+      evicted = corrupt = hits = misses = 0;
+      for (auto h = lru.begin(); h != lru.end();) {
+        if (h->state == State::kGood || h->state == State::kPayloadDamaged) {
+          ++h;
+          continue;
+        }
+        if (h->state == State::kHeaderDamaged) ++corrupt;
+        h = lru.erase(h);
+      }
+    }
+    const TierStats s = tier->stats();
+    ASSERT_EQ(s.entries, int64_t(lru.size())) << "step " << step << " after " << what;
+    ASSERT_EQ(uint64_t(s.bytes_held), held_bytes()) << "step " << step << " after " << what;
+    ASSERT_LE(uint64_t(s.bytes_held), cap);
+    ASSERT_EQ(s.corrupt, corrupt) << "step " << step << " after " << what;
+    ASSERT_EQ(s.evicted, evicted) << "step " << step << " after " << what;
+    ASSERT_EQ(s.hits, hits);
+    ASSERT_EQ(s.misses, misses);
+    ASSERT_EQ(s.errors, 0);
+    if (step % 100 == 99) {  // the directory holds exactly the files the model says
+      std::vector<std::string> want;
+      for (const Held& h : lru) {
+        if (h.state == State::kDeleted) continue;
+        const std::string hex = runs[h.id].key.Hex();
+        want.push_back(hex.substr(0, 2) + "/" + hex);
+      }
+      std::sort(want.begin(), want.end());
+      ASSERT_EQ(FilesUnder(dir.path()), want) << "step " << step;
+    }
+  }
 }
 
 }  // namespace
