@@ -6,6 +6,7 @@ set -euo pipefail
 PACKAGES=(
   cmake ninja-build g++ pkg-config git
   libhwy-dev nlohmann-json3-dev libonig-dev libsentencepiece-dev libcli11-dev libxxhash-dev
+  libzstd-dev
   libcpp-httplib-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   gnuplot-nox
