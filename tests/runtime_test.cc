@@ -289,6 +289,40 @@ TEST(Runtime, RequestsOnOnePromptComputeItOnce) {
   EXPECT_LE(r.Metrics().prompt_tokens - before, n + 3 * page);
 }
 
+// A runtime over a disk tier: a second runtime (a restarted server) serves a repeated prompt from
+// disk, with the tokens the first computed, and says where its prompt tokens came from.
+TEST(Runtime, RestartedRuntimeServesPromptsFromDisk) {
+  testing::TempDir dir;
+  RuntimeOptions o = Options("q8_0");
+  o.engine.disk_cache_dir = dir.path();
+  std::vector<int32_t> prompt;
+  Collector first, second;
+  {
+    auto rt = Runtime::Create(o);
+    ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+    prompt = LongPrompt(**rt);
+    ASSERT_TRUE((*rt)->Submit(Greedy(prompt, 8), first.Callback()).ok());
+    first.Wait();
+    EXPECT_EQ(first.last.usage.cached_tokens, 0);
+  }
+  auto rt = Runtime::Create(o);
+  ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+  ASSERT_TRUE((*rt)->Submit(Greedy(prompt, 8), second.Callback()).ok());
+  second.Wait();
+  const int page = (*rt)->kv_stats().page_tokens;
+  const int whole = (static_cast<int>(prompt.size()) - 1) / page * page;
+  EXPECT_EQ(second.last.usage.cached_tokens, whole);
+  EXPECT_EQ(second.tokens, first.tokens);
+  const RuntimeMetrics m = (*rt)->Metrics();
+  ASSERT_EQ(m.prompt_tokens_by_source.size(), 3u);
+  EXPECT_EQ(m.prompt_tokens_by_source[2].first, "disk");
+  EXPECT_EQ(m.prompt_tokens_by_source[2].second, whole);
+  EXPECT_EQ(m.prompt_tokens_by_source[1].second, 0);  // nothing from RAM
+  EXPECT_EQ(m.prompt_tokens_by_source[0].second, static_cast<int>(prompt.size()) - whole);
+  ASSERT_EQ(m.kv_tiers.size(), 1u);
+  EXPECT_GE(m.kv_tiers[0].hits, 1);
+}
+
 // KV pages in use, as the runtime's snapshot has them when each of a request's events after the
 // first is sent (the snapshot of the step before: the prompt pressed, if it was, and the tokens
 // decoded so far): the most seen.

@@ -50,6 +50,12 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o) {
       ->check(CLI::NonNegativeNumber);
   app.add_flag("!--no-prefix-cache", o.prefix_cache,
                "Do not share or reuse KV pages of common prompt prefixes");
+  app.add_option("--disk-cache", o.disk_cache_dir,
+                 "Keep cached prompt prefixes in this directory too (created if missing): any "
+                 "later run with the same model and KV layout reuses them, after a restart too");
+  app.add_option("--disk-cache-mib", o.disk_cache_mib,
+                 "Size cap of --disk-cache in MiB (0 = 4096); least recently used runs go first")
+      ->check(CLI::NonNegativeNumber);
 }
 
 void AddSamplingFlags(CLI::App& app, GenerateOptions& o) {

@@ -28,6 +28,9 @@ class PrefixTree;
 namespace press {
 class PressObserver;
 }
+namespace tiers {
+class KvTiers;
+}
 
 // A snapshot of the KV cache's accounting.
 struct KvStats {
@@ -53,6 +56,16 @@ struct KvStats {
   int64_t evicted_blocks = 0;
   int64_t evicted_pages = 0;
   int64_t cold_bytes_used = 0;  // in the cold pools of demoting presses (not in bytes_used)
+  // The prefix cache's tiers below RAM (--disk-cache), top first.
+  struct Tier {
+    std::string name;              // "disk"
+    int64_t hits = 0, misses = 0;  // runs (of up to 256 tokens) looked up
+    int64_t corrupt = 0, errors = 0;
+    int64_t rejected = 0;       // runs found but not served (damaged, another model or layout)
+    int64_t loaded_tokens = 0;  // prompt tokens served from the tier
+    int64_t bytes_read = 0, bytes_written = 0, bytes_held = 0, entries = 0;
+  };
+  std::vector<Tier> tiers;
 
   std::string ToString() const;  // a few human-readable lines
 };
@@ -72,6 +85,11 @@ struct EngineOptions {
   int kv_sinks = 0;   // pages holding the first kv_sinks tokens stay f16
   int kv_window = 0;  // pages stay f16 until kv_window newer tokens follow
   int n_ctx = 0;      // max tokens of a sequence; 0: the model's max_position_embeddings
+  // A disk tier under the prefix cache (empty: none): published prefixes are written there and
+  // read back by any later process with the same model and KV layout. disk_cache_mib caps it
+  // (0: 4096 MiB); least recently used runs go first.
+  std::string disk_cache_dir = "";
+  int64_t disk_cache_mib = 0;
 };
 
 // MiB of a KV pool that holds `sequences` sequences of n_tokens tokens each in f32 pages (the
@@ -206,7 +224,8 @@ class Engine {
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<PagePool> kv_pool_;
-  std::unique_ptr<PrefixTree> prefix_;  // null when the prefix cache is off
+  std::unique_ptr<tiers::KvTiers> tiers_;  // null without --disk-cache
+  std::unique_ptr<PrefixTree> prefix_;     // null when the prefix cache is off
   std::vector<std::pair<std::string, std::unique_ptr<PagePool>>> cold_pools_;
 };
 

@@ -88,6 +88,10 @@ struct RuntimeMetrics {
   int64_t requests_finished = 0;
   int64_t kv_evicted_tokens = 0;
   std::vector<std::pair<std::string, int64_t>> kv_bytes_by_codec;
+  // Prompt tokens by where their K/V came from: "compute", "ram" (the prefix cache), then each
+  // tier below it ("disk").
+  std::vector<std::pair<std::string, int64_t>> prompt_tokens_by_source;
+  std::vector<KvStats::Tier> kv_tiers;  // each tier's own counters
   Histogram ttft, inter_token, e2e;
 };
 

@@ -148,6 +148,15 @@ class PagePool {
     return (IsCodecPage(page) ? codec_.positions : raw_.positions) +
            static_cast<size_t>(page & ~kCodecPageBit) * layout_.page_tokens;
   }
+  // A page's K bytes then its V bytes, contiguous, as stored (the tiers copy pages whole).
+  uint8_t* data(int32_t page) { return rows(page, codecs::Role::kKey); }
+  const uint8_t* data(int32_t page) const { return const_cast<PagePool*>(this)->data(page); }
+  size_t data_bytes(bool codec_page) const {
+    return codec_page ? codec_data_bytes() : layout_.raw_data_bytes();
+  }
+  const int32_t* positions(int32_t page) const {
+    return const_cast<PagePool*>(this)->positions(page);
+  }
   // The f32 slots of a plain layout, as kernels::PagedKv takes them.
   const float* slots_base() const { return reinterpret_cast<const float*>(raw_.base); }
   const int32_t* positions_base() const { return raw_.positions; }

@@ -7,6 +7,7 @@
 #include <queue>
 
 #include "kv/paged_sequence.h"
+#include "kv/tiers/kv_tiers.h"
 
 namespace cachet {
 
@@ -70,8 +71,55 @@ int PrefixTree::Walk(std::span<const int32_t> tokens, uint64_t salt, int max_tok
   return matched;
 }
 
+int PrefixTree::Promote(std::span<const int32_t> tokens, uint64_t salt, int max_tokens,
+                        std::vector<int>* source) {
+  // Runs are stored by their length: the tail run of this prompt covers all its whole blocks,
+  // so they are all asked for (and adopted), though Lookup reuses max_tokens at most.
+  const int pt = pool_.layout().page_tokens;
+  const int want = static_cast<int>(tokens.size()) / pt;
+  if (max_tokens < pt) return 0;
+  // RAM's blocks stay pinned while the load allocates, which may reclaim unused nodes.
+  std::vector<int32_t> pinned;
+  const int have =
+      Walk(tokens, salt, static_cast<int>(tokens.size()),
+           [&](const Node& n) { pinned.insert(pinned.end(), n.pages.begin(), n.pages.end()); }) /
+      pt;
+  if (have >= want) return have;
+  for (int32_t p : pinned) pool_.Ref(p);
+  std::vector<int32_t> pages;
+  const int loaded = tiers_->Load(tokens, salt, have, want, &pages, source);
+  for (int32_t p : pinned) pool_.Unref(p);
+  uint64_t parent = 0;
+  for (int b = 0; b < have; ++b)
+    parent = BlockKey(parent, tokens.subspan(size_t(b) * pt, pt), salt);
+  const size_t heads = static_cast<size_t>(pool_.layout().heads_total());
+  ++clock_;
+  int b = have;
+  for (; b < have + loaded; ++b) {
+    const auto block = tokens.subspan(size_t(b) * pt, pt);
+    const uint64_t key = BlockKey(parent, block, salt);
+    if (nodes_.contains(key)) break;  // a collision: keep the entry RAM has
+    Node n;
+    n.parent = parent;
+    n.tokens.assign(block.begin(), block.end());
+    const auto first = pages.begin() + static_cast<std::ptrdiff_t>((b - have) * heads);
+    n.pages.assign(first, first + static_cast<std::ptrdiff_t>(heads));
+    n.last_used = clock_;
+    if (parent != 0) ++nodes_.at(parent).children;
+    nodes_.emplace(key, std::move(n));
+    parent = key;
+  }
+  for (size_t i = static_cast<size_t>(b - have) * heads; i < pages.size(); ++i) {
+    pool_.Unref(pages[i]);  // loaded but not adopted
+  }
+  source->resize(b - have);
+  return have;
+}
+
 int PrefixTree::Lookup(std::span<const int32_t> tokens, uint64_t salt, int max_tokens,
-                       PagedSequence& seq) {
+                       PagedSequence& seq, std::vector<int>* from_tier) {
+  std::vector<int> source;  // of the blocks after the first `in_ram`
+  const int in_ram = tiers_ != nullptr ? Promote(tokens, salt, max_tokens, &source) : 0;
   ++stats_.lookups;
   ++clock_;
   const int reused = Walk(tokens, salt, max_tokens, [&](const Node& n) {
@@ -81,6 +129,13 @@ int PrefixTree::Lookup(std::span<const int32_t> tokens, uint64_t salt, int max_t
   if (reused > 0) {
     ++stats_.hits;
     stats_.hit_tokens += reused;
+  }
+  const int pt = pool_.layout().page_tokens;
+  const int loaded_end = in_ram + static_cast<int>(source.size());
+  for (int b = in_ram; from_tier != nullptr && b < std::min(reused / pt, loaded_end); ++b) {
+    const size_t t = static_cast<size_t>(source[b - in_ram]);
+    if (from_tier->size() <= t) from_tier->resize(t + 1, 0);
+    (*from_tier)[t] += pt;
   }
   return reused;
 }
@@ -95,15 +150,16 @@ void PrefixTree::Publish(std::span<const int32_t> tokens, uint64_t salt, const P
   ++clock_;
   uint64_t parent = 0;
   std::vector<int32_t> pages;
+  std::vector<const Node*> chain;  // the blocks published, for the tiers
   for (int b = 0; b < blocks; ++b) {
     const auto block = tokens.subspan(size_t(b) * pt, pt);
     const uint64_t key = BlockKey(parent, block, salt);
     auto it = nodes_.find(key);
     if (it != nodes_.end()) {
-      if (Find(key, parent, block) == nullptr) return;  // collision: keep the existing entry
+      if (Find(key, parent, block) == nullptr) break;  // collision: keep the existing entry
       it->second.last_used = clock_;
     } else {
-      if (!seq.BlockPages(b, &pages)) return;
+      if (!seq.BlockPages(b, &pages)) break;
       Node n;
       n.parent = parent;
       n.tokens.assign(block.begin(), block.end());
@@ -111,9 +167,14 @@ void PrefixTree::Publish(std::span<const int32_t> tokens, uint64_t salt, const P
       n.last_used = clock_;
       for (int32_t p : pages) pool_.Ref(p);
       if (parent != 0) ++nodes_.at(parent).children;
-      nodes_.emplace(key, std::move(n));
+      it = nodes_.emplace(key, std::move(n)).first;
     }
+    chain.push_back(&it->second);
     parent = key;
+  }
+  if (tiers_ != nullptr && !chain.empty()) {
+    tiers_->Store(tokens, salt, static_cast<int>(chain.size()),
+                  [&](int b) { return std::span<const int32_t>(chain[b]->pages); });
   }
 }
 

@@ -15,6 +15,9 @@
 namespace cachet {
 
 class PagedSequence;
+namespace tiers {
+class KvTiers;
+}
 
 struct PrefixStats {
   int64_t lookups = 0;
@@ -29,9 +32,16 @@ class PrefixTree final : public PageReclaimer {
   PrefixTree(PagePool& pool, uint64_t model_id);
   ~PrefixTree() override;
 
+  // Tiers below RAM (null: none): Lookup falls through to them past what RAM holds, Publish
+  // writes through to them.
+  void set_tiers(tiers::KvTiers* tiers) { tiers_ = tiers; }
+
   // Longest cached prefix of tokens, in whole blocks, covering at most max_tokens tokens. The
-  // matched pages are attached to seq (which must be empty); returns the tokens reused.
-  int Lookup(std::span<const int32_t> tokens, uint64_t salt, int max_tokens, PagedSequence& seq);
+  // matched pages are attached to seq (which must be empty); returns the tokens reused. Blocks
+  // RAM does not hold are loaded from the tiers first, when there are some: *from_tier (if
+  // given) gets the tokens each tier served (the rest came from RAM).
+  int Lookup(std::span<const int32_t> tokens, uint64_t salt, int max_tokens, PagedSequence& seq,
+             std::vector<int>* from_tier = nullptr);
   // The tokens Lookup would reuse now, without attaching anything or counting a lookup.
   int Match(std::span<const int32_t> tokens, uint64_t salt, int max_tokens) const;
   // Publishes the full blocks of seq (whose tokens are tokens) so later requests can reuse them.
@@ -64,6 +74,10 @@ class PrefixTree final : public PageReclaimer {
   template <class Fn>
   int Walk(std::span<const int32_t> tokens, uint64_t salt, int max_tokens, Fn&& on_block) const;
   bool Unused(const Node& n) const;  // only the tree references its pages
+  // Loads the blocks of tokens past RAM's match from the tiers into new nodes; returns the blocks
+  // RAM had, *source gets the tier of each block loaded after them.
+  int Promote(std::span<const int32_t> tokens, uint64_t salt, int max_tokens,
+              std::vector<int>* source);
   // Calls fn(node) for every node no sequence uses, below or at it.
   template <class Fn>
   void ForEachUnpinned(Fn&& fn) const;
@@ -71,6 +85,7 @@ class PrefixTree final : public PageReclaimer {
 
   PagePool& pool_;
   uint64_t model_id_;
+  tiers::KvTiers* tiers_ = nullptr;
   std::unordered_map<uint64_t, Node> nodes_;
   uint64_t clock_ = 0;
   PrefixStats stats_;

@@ -10,6 +10,8 @@
 #include "kv/paged_sequence.h"
 #include "kv/prefix_tree.h"
 #include "kv/press/press.h"
+#include "kv/tiers/disk_tier.h"
+#include "kv/tiers/kv_tiers.h"
 #include "model/transformer.h"
 #include "runtime/sampler.h"
 #include "util/mmap_file.h"
@@ -26,6 +28,49 @@ namespace {
 double MsSince(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
+}  // namespace
+
+namespace {
+
+// What a stored KV page depends on: the weights (a sample of each tensor's bytes, with the tensor
+// table: identical files give identical hashes wherever they live, and weights that differ
+// anywhere differ in every sample of practice), RoPE and the KV layout.
+tiers::TierNamespace TierNamespaceOf(const Transformer& model, const KvLayout& layout) {
+  XXH3_state_t* h = XXH3_createState();
+  XXH3_64bits_reset(h);
+  for (const auto& [name, t] : model.weights().store.tensors()) {
+    XXH3_64bits_update(h, name.data(), name.size());
+    const uint64_t meta[2] = {static_cast<uint64_t>(t.dtype), t.n_bytes};
+    XXH3_64bits_update(h, meta, sizeof(meta));
+    const auto* bytes = static_cast<const uint8_t*>(t.data);
+    constexpr size_t kSample = 4096;
+    for (size_t at : {size_t{0}, t.n_bytes / 2, t.n_bytes > kSample ? t.n_bytes - kSample : 0}) {
+      XXH3_64bits_update(h, bytes + at, std::min(kSample, t.n_bytes - at));
+    }
+  }
+  const ModelConfig& c = model.config();
+  tiers::TierNamespace ns;
+  ns.model_hash = XXH3_64bits_digest(h);
+  XXH3_freeState(h);
+  ns.codec_k = codecs::CodecName(layout.codec_k);
+  ns.codec_v = codecs::CodecName(layout.codec_v);
+  ns.page_tokens = layout.page_tokens;
+  ns.n_layers = layout.n_layers;
+  ns.n_kv_heads = layout.n_kv_heads;
+  ns.head_dim = layout.head_dim;
+  ns.sinks = layout.sinks;
+  ns.window = layout.window;
+  ns.rope_theta = c.rope_theta;
+  const RopeScaling& r = c.rope_scaling;
+  ns.rope_scaling = r.type == RopeScaling::Type::kNone
+                        ? ""
+                        : std::to_string(static_cast<int>(r.type)) + ":" +
+                              std::to_string(r.factor) + ":" + std::to_string(r.low_freq_factor) +
+                              ":" + std::to_string(r.high_freq_factor) + ":" +
+                              std::to_string(r.original_max_position_embeddings);
+  return ns;
+}
+
 }  // namespace
 
 Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
@@ -76,6 +121,20 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
     }
     e->prefix_ =
         std::make_unique<PrefixTree>(*e->kv_pool_, XXH3_64bits(identity.data(), identity.size()));
+  }
+  if (!o.disk_cache_dir.empty()) {
+    if (!e->prefix_)
+      return InvalidArgument("--disk-cache needs the prefix cache (drop --no-prefix-cache)");
+    if (o.disk_cache_mib < 0) return InvalidArgument("--disk-cache-mib must be >= 0");
+    tiers::DiskTierOptions d;
+    d.dir = o.disk_cache_dir;
+    d.capacity_bytes = uint64_t(o.disk_cache_mib > 0 ? o.disk_cache_mib : 4096) << 20;
+    CACHET_ASSIGN_OR_RETURN(std::unique_ptr<tiers::DiskTier> disk, tiers::DiskTier::Open(d));
+    std::vector<std::unique_ptr<tiers::Tier>> stack;
+    stack.push_back(std::move(disk));
+    e->tiers_ = std::make_unique<tiers::KvTiers>(*e->kv_pool_, TierNamespaceOf(*e->model_, layout),
+                                                 std::move(stack));
+    e->prefix_->set_tiers(e->tiers_.get());
   }
   return e;
 }
@@ -159,6 +218,23 @@ KvStats Engine::kv_stats() const {
     s.evicted_blocks = ps.evicted_blocks;
     s.evicted_pages = ps.evicted_pages;
   }
+  if (tiers_) {
+    for (const tiers::TierReport& r : tiers_->Report()) {
+      KvStats::Tier t;
+      t.name = r.name;
+      t.hits = r.stats.hits;
+      t.misses = r.stats.misses;
+      t.corrupt = r.stats.corrupt;
+      t.errors = r.stats.errors;
+      t.rejected = r.rejected;
+      t.loaded_tokens = r.loaded_tokens;
+      t.bytes_read = r.stats.bytes_read;
+      t.bytes_written = r.stats.bytes_written;
+      t.bytes_held = r.stats.bytes_held;
+      t.entries = r.stats.entries;
+      s.tiers.push_back(std::move(t));
+    }
+  }
   return s;
 }
 
@@ -200,6 +276,13 @@ std::string KvStats::ToString() const {
     << pages_reclaimable << " reclaimable); lookups " << prefix_lookups << ", hits " << prefix_hits
     << ", misses " << prefix_misses << ", hit tokens " << prefix_hit_tokens << "; evicted "
     << evicted_blocks << " blocks / " << evicted_pages << " pages\n";
+  for (const Tier& t : tiers) {
+    o << "[kv] " << t.name << " tier: " << t.entries << " runs, " << t.bytes_held * mib
+      << " MiB; hits " << t.hits << ", misses " << t.misses << ", corrupt " << t.corrupt
+      << ", errors " << t.errors << ", rejected " << t.rejected << "; served " << t.loaded_tokens
+      << " tokens; read " << t.bytes_read * mib << " MiB, wrote " << t.bytes_written * mib
+      << " MiB\n";
+  }
   return o.str();
 }
 
@@ -333,7 +416,8 @@ Status Session::Eval(std::span<const int32_t> tokens, std::vector<float>* logits
   // A fresh session first reuses the longest cached prefix (whole pages, leaving at least one
   // token to compute logits from). Not when every token's logits are wanted.
   int reused = 0;
-  if (tokens_.empty() && engine_.prefix_ && !all_logits && !seq_->observer()) {
+  const bool prompt = tokens_.empty() && engine_.prefix_ && !all_logits && !seq_->observer();
+  if (prompt) {
     reused = engine_.prefix_->Lookup(tokens, salt_, static_cast<int>(tokens.size()) - 1, *seq_);
     tokens_.assign(tokens.begin(), tokens.begin() + reused);
     tokens = tokens.subspan(reused);
@@ -365,6 +449,9 @@ Status Session::Eval(std::span<const int32_t> tokens, std::vector<float>* logits
   } else if (logits) {
     *logits = last_logits_;
   }
+  // The prompt's full pages are cached now, not only when generation ends: the prefix cache's
+  // tiers store runs by their length, and the next request for this prompt asks for this one.
+  if (prompt) Publish();
   return OkStatus();
 }
 

@@ -131,6 +131,7 @@ struct Runtime::Impl {
   int queued = 0;  // incoming + waiting, for max_waiting
   RuntimeMetrics metrics;
   KvStats kv;
+  std::vector<int64_t> tier_tokens;  // prompt tokens each tier served
 
   // Scheduler thread only.
   std::deque<std::unique_ptr<Request>> waiting;
@@ -280,14 +281,18 @@ struct Runtime::Impl {
         q.session->PrepareForPress(*q.r.press, q.n_prompt);
       } else if (tree != nullptr) {
         Session& s = *q.session;
-        const int reused = tree->Lookup(q.tokens, EngineAccess::salt(s),
-                                        static_cast<int>(q.tokens.size()) - 1, EngineAccess::kv(s));
+        std::vector<int> from_tier;
+        const int reused =
+            tree->Lookup(q.tokens, EngineAccess::salt(s), static_cast<int>(q.tokens.size()) - 1,
+                         EngineAccess::kv(s), &from_tier);
         EngineAccess::tokens(s).assign(q.tokens.begin(), q.tokens.begin() + reused);
         q.evaluated = reused;
         if (!q.ever_admitted) q.cached = reused;
         std::lock_guard<std::mutex> lock(mu);
         metrics.prefix_query_tokens += static_cast<int64_t>(q.tokens.size());
         metrics.prefix_hit_tokens += reused;
+        if (tier_tokens.size() < from_tier.size()) tier_tokens.resize(from_tier.size(), 0);
+        for (size_t t = 0; t < from_tier.size(); ++t) tier_tokens[t] += from_tier[t];
       }
       if (!q.ever_admitted) {
         q.sampler = std::make_unique<Sampler>(q.r.sampling, vocab);
@@ -484,6 +489,16 @@ struct Runtime::Impl {
     metrics.kv_bytes_by_codec = s.bytes_by_codec;
     // Pressed out of requests' caches, and dropped from the prefix cache under pressure.
     metrics.kv_evicted_tokens = press_evicted_tokens + s.evicted_blocks * s.page_tokens;
+    // Prompt tokens by where their K/V came from: computed, the prefix cache in RAM, its tiers.
+    int64_t from_tiers = 0;
+    metrics.prompt_tokens_by_source = {{"compute", metrics.prompt_tokens}, {"ram", 0}};
+    for (size_t t = 0; t < s.tiers.size(); ++t) {
+      const int64_t n = t < tier_tokens.size() ? tier_tokens[t] : 0;
+      metrics.prompt_tokens_by_source.emplace_back(s.tiers[t].name, n);
+      from_tiers += n;
+    }
+    metrics.prompt_tokens_by_source[1].second = metrics.prefix_hit_tokens - from_tiers;
+    metrics.kv_tiers = s.tiers;
   }
 
   void Loop() {

@@ -388,6 +388,29 @@ std::string MetricsText(const RuntimeMetrics& m, const KvStats& kv, std::string_
   for (const auto& [codec, bytes] : m.kv_bytes_by_codec) {
     w.Sample("kv_bytes", static_cast<double>(bytes), "codec=\"" + LabelValue(codec) + "\"");
   }
+  w.Head("prompt_tokens_by_source_total", "counter",
+         "Prompt tokens by where their KV came from: compute, ram (prefix cache), disk.");
+  for (const auto& [source, n] : m.prompt_tokens_by_source) {
+    w.Sample("prompt_tokens_by_source_total", static_cast<double>(n),
+             "source=\"" + LabelValue(source) + "\"");
+  }
+  const std::pair<const char*, int64_t KvStats::Tier::*> tier_counters[] = {
+      {"hits", &KvStats::Tier::hits},
+      {"misses", &KvStats::Tier::misses},
+      {"corrupt", &KvStats::Tier::corrupt},
+      {"errors", &KvStats::Tier::errors},
+      {"rejected", &KvStats::Tier::rejected},
+      {"bytes_read", &KvStats::Tier::bytes_read},
+      {"bytes_written", &KvStats::Tier::bytes_written}};
+  for (const auto& [name, field] : tier_counters) {
+    const std::string metric = std::string("kv_tier_") + name + "_total";
+    if (m.kv_tiers.empty()) break;
+    w.Head(metric, "counter",
+           std::string("Prefix-cache tier ") + name + " (runs of up to 256 tokens; bytes).");
+    for (const KvStats::Tier& t : m.kv_tiers) {
+      w.Sample(metric, static_cast<double>(t.*field), "tier=\"" + LabelValue(t.name) + "\"");
+    }
+  }
   w.Gauge("kv_pages_total",
           "Pages of the KV pool (one page: page_tokens tokens of one layer "
           "and KV head).",

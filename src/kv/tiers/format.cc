@@ -116,6 +116,8 @@ RunKey NamespaceKey(const TierNamespace& ns) {
   h.Add(ns.head_dim);
   h.Add(std::bit_cast<uint64_t>(ns.rope_theta));
   h.Add(std::string_view(ns.rope_scaling));
+  h.Add(ns.sinks);
+  h.Add(ns.window);
   h.Add(ns.payload_layout);
   return h.Digest();
 }

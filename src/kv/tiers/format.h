@@ -52,6 +52,8 @@ struct TierNamespace {
   int32_t head_dim = 0;
   double rope_theta = 0;
   std::string rope_scaling;  // canonical text of the RoPE scaling, "" for none
+  int32_t sinks = 0;         // mixed precision (KvLayout): which pages stay raw
+  int32_t window = 0;
   // The caller's packing of pages into a payload: bump it when that order or content changes.
   uint32_t payload_layout = 0;
 };

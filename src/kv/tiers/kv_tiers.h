@@ -1,0 +1,86 @@
+// The prefix cache's tiers below RAM (disk, later Redis): full pages of published prefixes are
+// packed into runs of blocks (format.h), written through to every tier when the prefix tree
+// publishes them, and read back in order, RAM -> disk -> ..., when a lookup runs past what RAM
+// holds: the pages are decoded into fresh pool pages and handed to the tree.
+//
+// Runs are aligned: run r of a sequence holds its blocks [r * R, (r + 1) * R) (R = run_blocks,
+// 16 by default: 256 tokens of 16-token pages), keyed by the chain of the runs before it, the
+// cache salt and its tokens; the last run of a sequence may be shorter (whole blocks). A lookup
+// asks for full runs up to the tokens it may reuse, then the shorter tail run of exactly that
+// length, and stops at the first run no tier has.
+//
+// A run's payload: for each of its blocks, for each (layer, KV head) in table order, the page as
+// the pool holds it: one byte of kind (0 raw, 1 codec), its K and V bytes in that kind's codec,
+// then its page_tokens positions (int32). The namespace (model, codecs, page size, mixed
+// precision) makes a run of another layout a miss, never a wrong page.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "kv/page_pool.h"
+#include "kv/tiers/format.h"
+#include "kv/tiers/tier.h"
+
+namespace cachet::tiers {
+
+// What one tier did for the prefix cache, beyond its own TierStats.
+struct TierReport {
+  std::string name;
+  TierStats stats;
+  int64_t loaded_tokens = 0;  // prompt tokens served from this tier
+  int64_t rejected = 0;       // runs found but refused (damaged, another namespace or tokens)
+  int64_t stored_runs = 0;    // runs this process wrote to it
+};
+
+class KvTiers {
+ public:
+  // Bumped whenever the payload's packing changes (TierNamespace::payload_layout).
+  static constexpr uint32_t kPayloadLayout = 1;
+
+  KvTiers(PagePool& pool, TierNamespace ns, std::vector<std::unique_ptr<Tier>> tiers,
+          int run_blocks = kDefaultRunBlocks);
+
+  // Blocks [from_block, to_block) of tokens (to_block * page_tokens <= tokens.size()) as far as
+  // the tiers hold them in order: appends one page per (layer, KV head) per block loaded to
+  // *pages (fresh, refcount 1: the caller's) and the tier each came from to *source; returns the
+  // blocks loaded. A miss, a refused run or a pool without room ends the load; never an error.
+  int Load(std::span<const int32_t> tokens, uint64_t salt, int from_block, int to_block,
+           std::vector<int32_t>* pages, std::vector<int>* source);
+
+  // Writes the runs of blocks [0, n_blocks) of tokens that the tiers do not hold yet to every
+  // tier. pages_of(b) gives block b's pages (one per table, in their final form).
+  using PagesOf = std::function<std::span<const int32_t>(int block)>;
+  void Store(std::span<const int32_t> tokens, uint64_t salt, int n_blocks, const PagesOf& pages_of);
+
+  int tiers() const { return static_cast<int>(tiers_.size()); }
+  std::vector<TierReport> Report() const;
+
+ private:
+  // Keys of the runs covering blocks [0, n_blocks): full runs, then the shorter tail if any.
+  void RunKeys(std::span<const int32_t> tokens, uint64_t salt, int n_blocks,
+               std::vector<RunKey>* keys) const;
+  size_t PageBytes(bool codec) const;  // a page's packed bytes after its kind byte
+  std::string Pack(int first_block, int n_blocks, const PagesOf& pages_of) const;
+  // Fresh pages holding blocks [skip, n_blocks) of a payload of n_blocks; false when the payload
+  // is not what this layout packs or the pool has no room.
+  bool Unpack(std::span<const uint8_t> payload, int n_blocks, int skip,
+              std::vector<int32_t>* pages);
+
+  PagePool& pool_;
+  TierNamespace ns_;
+  RunKey root_;  // NamespaceKey(ns_): the parent of a sequence's first run
+  std::vector<std::unique_ptr<Tier>> tiers_;
+  int run_blocks_;
+  std::vector<TierReport> reports_;
+  // Runs known to be held by every tier (written or seen by this process), so that publishing
+  // the same prefix again packs nothing. Cleared when it grows past a bound.
+  std::unordered_set<RunKey, RunKeyHash> stored_;
+};
+
+}  // namespace cachet::tiers
