@@ -199,6 +199,68 @@ TEST(Runtime, PrefixCacheSaltsStopsAndCancel) {
   EXPECT_EQ(r.kv_stats().pages_used, 0);
 }
 
+// A request that a stop string ends leaves the conversation up to the stop in the prefix cache,
+// without the stop string's tokens: a follow-up whose prompt is that conversation (the prompt and
+// the tokens before the stop string, then new text) finds it cached in whole pages, generated
+// tokens included, and no cached block holds a token of the stop string.
+TEST(Runtime, StopStringTokensAreNotCached) {
+  auto rt = Runtime::Create(Options("f32"));
+  ASSERT_TRUE(rt.ok());
+  Runtime& r = **rt;
+  const auto prompt = Prompts(r)[1];
+  const int n_prompt = static_cast<int>(prompt.size());
+  CompletionRequest greedy = Greedy(prompt, 64);
+  greedy.stop_at_eos = false;
+  Collector a;
+  ASSERT_TRUE(r.Submit(greedy, a.Callback()).ok());
+  a.Wait();
+  ASSERT_EQ(a.tokens.size(), 64u);
+  r.ClearPrefixCache();
+  // off[i]: the text of the first i generated tokens.
+  std::vector<size_t> off;
+  for (size_t i = 0; i <= a.tokens.size(); ++i) {
+    const std::string t = r.Detokenize(std::span(a.tokens).first(i));
+    ASSERT_TRUE(a.text.starts_with(t));
+    off.push_back(t.size());
+  }
+  // A stop string made of the text of tokens j .. j + len - 1, first seen there, such that the
+  // tokens before it end inside a page (past the prompt's pages) that the tokens evaluated when
+  // the stop string is complete (all but its last) fill.
+  const int pt = r.kv_stats().page_tokens;
+  int j = -1, len = 0;
+  for (int jj = 1; jj + 4 < static_cast<int>(a.tokens.size()) && j < 0; ++jj) {
+    for (int l = 2; l <= 4 && j < 0; ++l) {
+      const int kept = n_prompt + jj, evaluated = kept + l - 1;
+      if (kept / pt * pt <= n_prompt || evaluated / pt == kept / pt) continue;
+      if (off[jj] == off[jj - 1] || off[jj + l] == off[jj + l - 1]) continue;
+      const std::string stop = a.text.substr(off[jj], off[jj + l] - off[jj]);
+      if (a.text.find(stop) != off[jj]) continue;
+      j = jj;
+      len = l;
+    }
+  }
+  ASSERT_GE(j, 0) << "no stop string of the greedy text fits the test";
+  CompletionRequest stopped = greedy;
+  stopped.stop = {a.text.substr(off[j], off[j + len] - off[j])};
+  Collector d;
+  ASSERT_TRUE(r.Submit(stopped, d.Callback()).ok());
+  d.Wait();
+  EXPECT_EQ(d.last.finish_reason, "stop");
+  EXPECT_EQ(d.text, a.text.substr(0, off[j]));
+  const int kept = n_prompt + j;
+  EXPECT_EQ(r.kv_stats().prefix_cached_blocks, kept / pt) << "a block with stop-string tokens";
+  std::vector<int32_t> follow = prompt;
+  follow.insert(follow.end(), a.tokens.begin(), a.tokens.begin() + j);
+  const auto more = Prompts(r)[2];
+  follow.insert(follow.end(), more.begin() + 1, more.end());
+  Collector e;
+  ASSERT_TRUE(r.Submit(Greedy(follow, 4), e.Callback()).ok());
+  e.Wait();
+  EXPECT_TRUE(e.last.error.ok()) << e.last.error.ToString();
+  EXPECT_EQ(e.last.usage.cached_tokens, kept / pt * pt);
+  EXPECT_GT(e.last.usage.cached_tokens, n_prompt);  // generated tokens served from the cache
+}
+
 TEST(Runtime, BadRequestsAreRejectedUpFront) {
   auto rt = Runtime::Create(Options("f32"));
   ASSERT_TRUE(rt.ok());

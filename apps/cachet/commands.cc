@@ -408,11 +408,28 @@ void AddChat(CLI::App& app) {
         return true;
       });
       if (!r.ok()) fail(r.status());
-      // The reply as the session holds it: the token that completed a stop string was never
-      // evaluated.
+      // The reply as the session holds it. At a stop string, only the tokens whose text comes
+      // before it: the session drops the rest (those the stop string began in were evaluated; the
+      // one that completed it was not), so the next turn's template text follows the reply.
       std::string content;
-      for (size_t i = 0; i + (at_stop ? 1 : 0) < r->tokens.size(); ++i) {
-        content += tok.TokenBytes(r->tokens[i]);
+      if (at_stop) {
+        size_t stop_at = reply.size();
+        for (const std::string& stop : stops) stop_at = std::min(stop_at, reply.find(stop));
+        size_t kept = 0;
+        for (; kept < r->tokens.size(); ++kept) {
+          const std::string bytes = tok.TokenBytes(r->tokens[kept]);
+          if (content.size() + bytes.size() > stop_at ||
+              reply.compare(content.size(), bytes.size(), bytes) != 0) {
+            break;
+          }
+          content += bytes;
+        }
+        const int dropped = static_cast<int>(r->tokens.size() - 1 - kept);  // evaluated ones
+        if (dropped > 0) {
+          if (Status s = session->Truncate(session->n_tokens() - dropped); !s.ok()) fail(s);
+        }
+      } else {
+        for (int32_t id : r->tokens) content += tok.TokenBytes(id);
       }
       in_cache += content;
       messages.push_back({ChatRole::kAssistant, std::move(content)});

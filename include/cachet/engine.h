@@ -132,6 +132,11 @@ class Session {
   Result<GenerateResult> Generate(std::span<const int32_t> prompt_tokens,
                                   const GenerateOptions& options,
                                   const TextCallback& on_text = nullptr);
+  // Rolls back to the first n tokens (0 <= n <= n_tokens(), else InvalidArgument and nothing
+  // changes): their K/V stays, the rest's pages go back to the pool (shared ones are never
+  // written). The pending sampled token and the last logits are dropped: Eval/Generate must be
+  // given new tokens next. A pressed sequence keeps the tokens it still holds at positions < n.
+  Status Truncate(int n);
   // A new session sharing this one's KV pages (copy-on-write).
   std::unique_ptr<Session> Fork() const;
   // Offers this session's full pages to the prefix cache (Generate does it when it ends).

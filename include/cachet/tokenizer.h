@@ -54,6 +54,8 @@ class StreamDecoder {
   explicit StreamDecoder(const Tokenizer& tok) : tok_(tok) {}
   std::string Push(int32_t id);
   std::string Flush();  // whatever is held back (invalid UTF-8 bytes replaced by U+FFFD)
+  // Whether bytes of the tokens pushed so far are held back (a character not yet complete).
+  bool holding() const { return !pending_.empty(); }
 
  private:
   const Tokenizer& tok_;

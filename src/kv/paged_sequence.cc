@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <string>
 
 #include "kv/compaction.h"
 #include "kv/staging.h"
@@ -160,6 +161,86 @@ void PagedSequence::Append(int layer, int kv_head, const float* k, const float* 
 Status PagedSequence::Retain(std::span<const std::vector<int32_t>> keep, bool demote,
                              std::span<const std::vector<float>> values) {
   return Compact(pool_, tables_, cold_pool_, cold_tables_, keep, demote, values);
+}
+
+Status PagedSequence::Truncate(int n) {
+  if (n < 0 || n > n_tokens_) {
+    return InvalidArgument("Truncate: " + std::to_string(n) + " tokens is outside [0, " +
+                           std::to_string(n_tokens_) + "]");
+  }
+  const KvLayout& lay = pool_.layout();
+  const int pt = lay.page_tokens, hd = lay.head_dim;
+  // Plan: the rows each hot table keeps (a prefix: rows are in position order), the raw pages
+  // that sealed, partly kept pages go back to, and the rows each cold table keeps (in the order
+  // tokens were demoted, so not a prefix).
+  std::vector<int32_t> kept(tables_.size());
+  int need_raw = 0;
+  for (size_t ti = 0; ti < tables_.size(); ++ti) {
+    const BlockTable& t = tables_[ti];
+    int32_t m = 0;
+    for (int32_t r = 0; r < t.n_tokens; ++r) {
+      if (pool_.positions(t.pages[r / pt])[r % pt] >= n) continue;
+      if (m != r) return FailedPrecondition("Truncate: a table's rows are not in position order");
+      ++m;
+    }
+    kept[ti] = m;
+    need_raw += m % pt != 0 && Stages(lay) && IsCodecPage(t.pages[m / pt]);
+  }
+  std::vector<std::vector<int32_t>> cold_keep(cold_tables_.size());
+  bool cold_drops = false;
+  for (size_t ti = 0; ti < cold_tables_.size(); ++ti) {
+    const BlockTable& c = cold_tables_[ti];
+    const int cpt = cold_pool_->layout().page_tokens;
+    for (int32_t r = 0; r < c.n_tokens; ++r) {
+      if (cold_pool_->positions(c.pages[r / cpt])[r % cpt] < n) {
+        cold_keep[ti].push_back(r);
+      } else {
+        cold_drops = true;
+      }
+    }
+  }
+  std::vector<int32_t> raw;
+  if (need_raw > 0) CACHET_RETURN_IF_ERROR(pool_.Alloc(need_raw, &raw));
+  if (cold_drops) {  // compacted in the cold pool (all or nothing), copies of shared pages first
+    std::vector<BlockTable> unused;
+    Status s = Compact(*cold_pool_, cold_tables_, nullptr, unused, cold_keep, false, {});
+    if (!s.ok()) {
+      for (int32_t p : raw) pool_.Unref(p);
+      return s;
+    }
+  }
+  // Apply.
+  size_t next_raw = 0;
+  thread_local std::vector<float> kbuf, vbuf;
+  for (size_t ti = 0; ti < tables_.size(); ++ti) {
+    BlockTable& t = tables_[ti];
+    const int32_t m = kept[ti];
+    if (m % pt != 0 && Stages(lay) && IsCodecPage(t.pages[m / pt])) {
+      // A sealed page partly kept: staged pages are written raw, so its rows go back to one.
+      const int32_t sealed = t.pages[m / pt], fresh = raw[next_raw++];
+      const int cnt = m % pt;
+      kbuf.resize(size_t(pt) * hd);
+      vbuf.resize(size_t(pt) * hd);
+      DecodeRows(pool_, sealed, cnt, kbuf.data(), vbuf.data());
+      for (codecs::Role role : {codecs::Role::kKey, codecs::Role::kValue}) {
+        codecs::EncodePage(lay.raw_codec(), role,
+                           role == codecs::Role::kKey ? kbuf.data() : vbuf.data(), cnt, pt, hd,
+                           pool_.rows(fresh, role));
+      }
+      std::memcpy(pool_.positions(fresh), pool_.positions(sealed), cnt * sizeof(int32_t));
+      pool_.Unref(sealed);
+      t.pages[m / pt] = fresh;
+    }
+    const size_t keep_pages = (size_t(m) + pt - 1) / pt;
+    for (size_t p = keep_pages; p < t.pages.size(); ++p) pool_.Unref(t.pages[p]);
+    t.pages.resize(keep_pages);
+    for (int32_t p : t.seal_pages) pool_.Unref(p);
+    t.seal_pages.clear();
+    t.n_tokens = m;
+    t.quest.KeepPages(m / pt, hd);
+  }
+  n_tokens_ = n;
+  return OkStatus();
 }
 
 void PagedSequence::Positions(int layer, int kv_head, std::vector<int32_t>* positions) const {

@@ -71,6 +71,19 @@ class PagedSequence final : public KvSequence {
   Status Retain(std::span<const std::vector<int32_t>> keep, bool demote = false,
                 std::span<const std::vector<float>> values = {});
 
+  // Rollback to the tokens at positions [0, n) (n <= n_tokens()): each (layer, KV head) table
+  // keeps its rows at positions below n, in the cold tables too. Hot tables are in position order
+  // (appends and Retain keep it), so each keeps a prefix of its rows: all n tokens, or fewer where
+  // a press evicted some. Pages wholly past the kept rows are released (a page shared with a fork
+  // or the prefix cache only loses this sequence's reference) and reserved codec pages for sealing
+  // too; the partly kept last page keeps its rows, and is copied before it is next written when
+  // shared, as Reserve always does. No shared page is written. Staged layouts: a partly kept page
+  // that was already sealed is decoded back into a fresh raw page (staged pages are written raw);
+  // whole pages stay as they are, sealed ones sealed. Quest keeps the key bounds of the pages
+  // kept whole. All or nothing: InvalidArgument for a bad n, ResourceExhausted when the pool
+  // cannot supply those raw pages (or the cold pool the copies its compaction needs).
+  Status Truncate(int n);
+
   // Demote, don't drop: a second pool, in a low-bit row-wise codec, for tokens a press demotes.
   // Decode steps read every hot page plus the fraction `fetch` of the cold pages whose key bounds
   // score highest for the query (and the last cold page); prefill chunks read all of them.

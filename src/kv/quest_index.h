@@ -2,6 +2,7 @@
 // decode step reads by them.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -17,6 +18,10 @@ class QuestIndex {
   std::span<const float> bounds() const { return bounds_; }
   // Whatever changed the table's pages other than by appending tokens makes the bounds stale.
   void Invalidate() { bounds_.clear(); }
+  // The table keeps its first `pages` pages as they are (it was truncated): their bounds stay.
+  void KeepPages(int64_t pages, int head_dim) {
+    bounds_.resize(std::min<size_t>(bounds_.size(), size_t(pages) * 2 * head_dim));
+  }
 
   // Called as tokens are appended, with the number of pages in their final form: bounds the page
   // that just reached it, so that the first decode step after a prompt has none left to build.

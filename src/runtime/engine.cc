@@ -299,6 +299,23 @@ void Session::Publish() {
   if (engine_.prefix_) engine_.prefix_->Publish(tokens_, salt_, *seq_);
 }
 
+// Kept: every (layer, KV head)'s rows at positions below n, which for a pressed sequence are the
+// tokens its presses left there (chosen by scores that may have seen the tokens dropped now); new
+// tokens then take positions from n on. An observer's gatherings include the dropped tokens'
+// queries and cannot be taken back out, so a session observing for a press stops observing.
+Status Session::Truncate(int n) {
+  if (n < 0 || n > n_tokens()) {
+    return InvalidArgument("Truncate: " + std::to_string(n) + " is outside [0, " +
+                           std::to_string(n_tokens()) + "], the tokens the session holds");
+  }
+  CACHET_RETURN_IF_ERROR(seq_->Truncate(n));
+  if (n < n_tokens() && observer_) StopObserving();
+  tokens_.resize(n);
+  pending_.clear();
+  last_logits_.clear();
+  return OkStatus();
+}
+
 std::unique_ptr<Session> Session::Fork() const {
   std::unique_ptr<Session> s(new Session(engine_, seq_->Fork(), salt_));
   s->pending_ = pending_;

@@ -11,9 +11,10 @@
 // chunk reached the end of a request's tokens. When the pool runs dry mid-step the newest request
 // is preempted: its session (and so its pages) dropped, its tokens kept, and it waits at the front
 // of the queue to be recomputed (its published prefix, if any, is reused; a pressed request is
-// pressed again at the end of its prompt, then recomputes the tokens it had generated). Other
-// threads only queue requests and commands and read snapshots the scheduler publishes after each
-// step.
+// pressed again at the end of its prompt, then recomputes the tokens it had generated). A request
+// a stop string ends drops the stop string's tokens from its session before its pages are offered
+// to the prefix cache. Other threads only queue requests and commands and read snapshots the
+// scheduler publishes after each step.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -106,7 +107,8 @@ struct Runtime::Impl {
     bool ever_admitted = false;
     std::unique_ptr<Sampler> sampler;
     std::unique_ptr<StreamDecoder> decoder;
-    std::string held;  // decoded text not yet sent (a stop string may be starting)
+    std::string held;    // decoded text not yet sent (a stop string may be starting)
+    size_t decoded = 0;  // bytes of text the decoder gave so far (sent or held)
     std::vector<float> logits;
     std::vector<float> raw_logits;  // a copy for logprobs, reused
     TokenEvent pending;             // what the next event carries
@@ -323,6 +325,28 @@ struct Runtime::Impl {
     ++queued;
   }
 
+  // A request that a stop string ended, before Finish publishes its pages: its session keeps only
+  // the tokens whose text lies wholly before the stop string (text_end bytes of generated text),
+  // so the prefix cache gets the conversation up to the stop, which a follow-up prompt repeats,
+  // and not blocks holding the stop string's tokens, which it would not.
+  void TruncateAtStop(Request& q, size_t text_end) {
+    if (!q.session || !opt.publish_prefixes || q.r.press) return;  // nothing will be published
+    StreamDecoder replay(engine->tokenizer());
+    size_t len = 0;
+    int kept = 0;
+    for (size_t i = q.n_prompt; i < q.tokens.size(); ++i) {
+      len += replay.Push(q.tokens[i]).size();
+      if (len > text_end) break;
+      if (!replay.holding()) kept = static_cast<int>(i) + 1 - q.n_prompt;  // its bytes all out
+    }
+    Session& s = *q.session;
+    if (q.n_prompt + kept < s.n_tokens()) {
+      // Can only fail for want of a raw page to unseal a page into (staged layouts): the pages
+      // are then published as they are.
+      (void)s.Truncate(q.n_prompt + kept);
+    }
+  }
+
   // Samples request q's next token from its logits; returns false when the request is done.
   bool Sample(Request& q) {
     const Tokenizer& tok = engine->tokenizer();
@@ -353,7 +377,9 @@ struct Runtime::Impl {
       std::lock_guard<std::mutex> lock(mu);
       ++metrics.generation_tokens;
     }
-    q.held += q.decoder->Push(next);
+    const std::string piece = q.decoder->Push(next);
+    q.decoded += piece.size();
+    q.held += piece;
     // The earliest stop string ends the text before it.
     size_t cut = std::string::npos;
     for (const std::string& s : q.r.stop) {
@@ -361,6 +387,7 @@ struct Runtime::Impl {
     }
     if (cut != std::string::npos) {
       q.pending.text += q.held.substr(0, cut);
+      TruncateAtStop(q, q.decoded - q.held.size() + cut);
       Finish(q, "stop", OkStatus(), /*flush=*/false);
       return false;
     }
