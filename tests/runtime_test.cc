@@ -219,7 +219,7 @@ TEST(Runtime, StopStringTokensAreNotCached) {
   // off[i]: the text of the first i generated tokens.
   std::vector<size_t> off;
   for (size_t i = 0; i <= a.tokens.size(); ++i) {
-    const std::string t = r.Detokenize(std::span(a.tokens).first(i));
+    const std::string t = r.tokenizer().Decode(std::span(a.tokens).first(i));
     ASSERT_TRUE(a.text.starts_with(t));
     off.push_back(t.size());
   }

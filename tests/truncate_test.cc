@@ -9,8 +9,9 @@
 #include <cstring>
 
 #include "cachet/engine.h"
+#include "cachet/model_config.h"
 #include "kv/paged_sequence.h"
-#include "model/config.h"
+#include "runtime/engine_access.h"
 #include "test_util.h"
 
 namespace cachet {
@@ -187,7 +188,7 @@ TEST(KvTruncate, EvalAfterTruncateEqualsFreshSession) {
       const KvStats ts = truncated_engine->kv_stats(), fs = fresh_engine->kv_stats();
       EXPECT_EQ(ts.pages_used, fs.pages_used);
       EXPECT_EQ(ts.bytes_used, fs.bytes_used);
-      EXPECT_EQ(s->kv().pages_held(), fresh->kv().pages_held());
+      EXPECT_EQ(EngineAccess::kv(*s).pages_held(), EngineAccess::kv(*fresh).pages_held());
       const auto got = EvalThenDecode(*s, c);
       auto cold = fresh_engine->NewSession();
       std::vector<float> want_c;
@@ -228,9 +229,9 @@ TEST(KvTruncate, StagedLayoutsStayConsistent) {
         for (int h = 0; h < cfg.n_kv_heads; ++h) {
           std::vector<float> k, v, uk, uv, fk, fv;
           std::vector<int32_t> pos, upos, fpos;
-          s->kv().Gather(l, h, &k, &v, &pos);
-          untruncated->kv().Gather(l, h, &uk, &uv, &upos);
-          fresh->kv().Gather(l, h, &fk, &fv, &fpos);
+          EngineAccess::kv(*s).Gather(l, h, &k, &v, &pos);
+          EngineAccess::kv(*untruncated).Gather(l, h, &uk, &uv, &upos);
+          EngineAccess::kv(*fresh).Gather(l, h, &fk, &fv, &fpos);
           ASSERT_EQ(pos, fpos);
           uk.resize(k.size());
           uv.resize(v.size());
@@ -358,7 +359,7 @@ TEST(KvTruncate, QuestSelectionAgrees) {
     const auto a = Slice(ids, 0, a_len), b = Slice(ids, 200, 90);
     auto s = engine->NewSession();
     ASSERT_TRUE(s->EvalPressed(Concat(a, b), o, nullptr).ok());
-    ASSERT_TRUE(s->kv().quest());
+    ASSERT_TRUE(EngineAccess::kv(*s).quest());
     ASSERT_TRUE(s->Truncate(a_len).ok());
     auto fresh = fresh_engine->NewSession();
     ASSERT_TRUE(fresh->EvalPressed(a, o, nullptr).ok());
@@ -372,7 +373,8 @@ TEST(KvTruncate, QuestSelectionAgrees) {
     }
     for (int l = 0; l < cfg.n_layers; ++l) {
       for (int h = 0; h < cfg.n_kv_heads; ++h) {
-        const auto kt = s->kv().key_bounds(l, h), kf = fresh->kv().key_bounds(l, h);
+        const auto kt = EngineAccess::kv(*s).key_bounds(l, h),
+                   kf = EngineAccess::kv(*fresh).key_bounds(l, h);
         ASSERT_EQ(kt.size(), kf.size());
         EXPECT_EQ(std::memcmp(kt.data(), kf.data(), kt.size() * sizeof(float)), 0);
       }
@@ -405,8 +407,8 @@ TEST(KvTruncate, PressedSequencesKeepTheirTokensBelowN) {
     auto fresh = fresh_engine->NewSession();
     ASSERT_TRUE(fresh->EvalPressed(p, o, nullptr).ok());
     ASSERT_TRUE(fresh->Eval(Slice(b, 0, 13), nullptr).ok());
-    EXPECT_EQ(s->kv().pages_held(), fresh->kv().pages_held());
-    EXPECT_EQ(s->kv().bytes_held(), fresh->kv().bytes_held());
+    EXPECT_EQ(EngineAccess::kv(*s).pages_held(), EngineAccess::kv(*fresh).pages_held());
+    EXPECT_EQ(EngineAccess::kv(*s).bytes_held(), EngineAccess::kv(*fresh).bytes_held());
     EXPECT_EQ(EvalThenDecode(*s, c), EvalThenDecode(*fresh, c));
 
     // Into the prompt: every table keeps its tokens at positions < 150, the demoted ones too.
@@ -414,19 +416,19 @@ TEST(KvTruncate, PressedSequencesKeepTheirTokensBelowN) {
     std::vector<std::vector<int32_t>> before(cfg.n_layers * cfg.n_kv_heads);
     for (int l = 0; l < cfg.n_layers; ++l) {
       for (int h = 0; h < cfg.n_kv_heads; ++h)
-        into_prompt->kv().Positions(l, h, &before[l * cfg.n_kv_heads + h]);
+        EngineAccess::kv(*into_prompt).Positions(l, h, &before[l * cfg.n_kv_heads + h]);
     }
     ASSERT_TRUE(into_prompt->Truncate(150).ok());
     for (int l = 0; l < cfg.n_layers; ++l) {
       for (int h = 0; h < cfg.n_kv_heads; ++h) {
         std::vector<int32_t> pos, want;
-        into_prompt->kv().Positions(l, h, &pos);
+        EngineAccess::kv(*into_prompt).Positions(l, h, &pos);
         for (int32_t x : before[l * cfg.n_kv_heads + h]) {
           if (x < 150) want.push_back(x);
         }
         EXPECT_EQ(pos, want);
         if (!o.demote.empty()) {  // every token below 150 is hot or cold
-          EXPECT_EQ(int(pos.size()) + into_prompt->kv().cold_length(l, h), 150);
+          EXPECT_EQ(int(pos.size()) + EngineAccess::kv(*into_prompt).cold_length(l, h), 150);
         }
       }
     }
