@@ -570,6 +570,7 @@ TEST(PressDemote, EvictedTokensMoveToTheColdPoolAndStillCount) {
   c.seq.set_cold_pool(&cold, 0.1);
   kernels::AttnBatch d = b;
   d.n_tok = 1;
+  d.decode = true;
   std::vector<float> one(2 * kDim), one_full(2 * kDim);
   d.out = one.data();
   c.seq.Attend(1, 0, d);
@@ -602,6 +603,7 @@ TEST(PressQuest, DecodeReadsTheTopBoundPagesPlusTheLast) {
     for (auto& x : q) x = g(rng);
     const int32_t qpos = n;
     kernels::AttnBatch b{q.data(), 2 * kDim, out.data(), 2 * kDim, &qpos, 1, 2, 0.25f};
+    b.decode = true;  // Quest selects pages for decode steps only
     kernels::AttnBatch bf = b;
     bf.out = full.data();
     c.seq.Attend(1, 1, bf);
@@ -685,6 +687,7 @@ TEST(PressQuest, PicksThePageTheQueryPointsAt) {
     for (int d = 0; d < kDim; ++d) q[h * kDim + d] = 2.0f * hot_k[d];
   const int32_t qpos = n;
   kernels::AttnBatch b{q.data(), 2 * kDim, out.data(), 2 * kDim, &qpos, 1, 2, 0.25f};
+  b.decode = true;
   seq.Attend(0, 0, b);
   float dot = 0, on = 0, vn = 0;
   for (int d = 0; d < kDim; ++d) {
@@ -730,6 +733,7 @@ TEST(PressQuest, BoundsBuiltAsPagesFillEqualTheLazyOnes) {
     for (auto& x : q) x = g(rng);
     const int32_t qpos = n;
     kernels::AttnBatch be{q.data(), 2 * kDim, out_e.data(), 2 * kDim, &qpos, 1, 2, 0.25f};
+    be.decode = true;  // decode steps build the lazy bounds
     kernels::AttnBatch bl = be;
     bl.out = out_l.data();
     // Bounds of the stored keys, whatever stores them (loosely: Gather decodes another way), of
@@ -892,6 +896,31 @@ TEST(PressEngine, QuestBoundsAreBuiltDuringThePrompt) {
       EXPECT_EQ(std::memcmp(ke.data(), kl.data(), ke.size() * sizeof(float)), 0) << l << " " << h;
     }
   }
+}
+
+// A prompt chunk reads every page even where the forward step splits it among threads into
+// blocks of one token (13 tokens on 2 threads): only decode steps (AttnBatch::decode) read
+// Quest's subset, so the chunk's logits are those of a session without Quest.
+TEST(PressEngine, PromptChunksReadEveryPageUnderQuest) {
+  auto engine = KvtinyEngine();
+  ASSERT_NE(engine, nullptr);
+  PressOptions o;
+  ASSERT_TRUE(press::ParsePressSpec("quest", &o).ok());
+  o.quest_pages = 2;
+  const auto prompt = SyntheticPrompt(300);
+  auto quest = engine->NewSession(), plain = engine->NewSession();
+  ASSERT_TRUE(quest->EvalPressed(prompt, o, nullptr).ok());
+  ASSERT_TRUE(plain->Eval(prompt, nullptr).ok());
+  const std::vector<int32_t> chunk(prompt.begin(), prompt.begin() + 13);
+  std::vector<float> lq, lp;
+  ASSERT_TRUE(quest->Eval(chunk, &lq, /*all_logits=*/true).ok());
+  ASSERT_TRUE(plain->Eval(chunk, &lp, /*all_logits=*/true).ok());
+  EXPECT_EQ(lq, lp);
+  // A decode step does read the subset: its logits differ.
+  const int32_t one[1] = {prompt[20]};
+  ASSERT_TRUE(quest->Eval(one, &lq).ok());
+  ASSERT_TRUE(plain->Eval(one, &lp).ok());
+  EXPECT_NE(lq, lp);
 }
 
 // Forks of one observed prefill share its observer: pressing one fork must not disturb what the

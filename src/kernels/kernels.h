@@ -55,6 +55,10 @@ struct AttnBatch {
   float scale = 1.0f;
   const AttnObserve* observe = nullptr;  // n_observe independent gatherings (may be none)
   int n_observe = 0;
+  // A decode step: the sequence's only token in this forward step (not one token of a prompt
+  // chunk split among threads). Sequences may then read a subset of their pages (Quest, the
+  // fetched part of demoted pages).
+  bool decode = false;
 };
 
 // One page's K and V rows for the attention kernels: f32, f16 or bf16 (row i at i * head_dim

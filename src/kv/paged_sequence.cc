@@ -263,7 +263,7 @@ void PagedSequence::Attend(int layer, int kv_head, const kernels::AttnBatch& bat
   const BlockTable* cold =
       cold_tables_.empty() || cold_tables_[ti].n_tokens == 0 ? nullptr : &cold_tables_[ti];
   // Decode steps may read a subset of pages: Quest over the hot pages, the fetch over cold ones.
-  const bool decode = batch.n_tok == 1 && observer_ == nullptr;
+  const bool decode = batch.decode && observer_ == nullptr;
   thread_local std::vector<int32_t> hot_sel, cold_sel;
   const bool hot_subset =
       decode && quest() &&

@@ -291,6 +291,7 @@ void Transformer::Attention(int layer, std::span<const SeqChunk> seqs, ThreadPoo
     batch.n_tok = blk.end - blk.begin;
     batch.n_heads = group;
     batch.scale = scale;
+    batch.decode = seqs[blk.entry].tokens.size() == 1;
     seqs[blk.entry].kv->Attend(layer, h, batch);
   });
 }
