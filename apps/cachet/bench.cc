@@ -282,6 +282,68 @@ nlohmann::json ServeCapacityBench(EngineOptions eo, int ctx, int n, int n_decode
   return out;
 }
 
+// Time to first token of a ctx-token prompt by where its K/V comes from: computed (an engine
+// without tiers), the prefix cache in RAM (a second session of the engine that computed it), and
+// the disk tier (a new engine on the same directory: a restarted process). Each rep uses a
+// prompt of its own, new to every cache.
+nlohmann::json TierTtftBench(const EngineOptions& eo, int ctx, int reps) {
+  EngineOptions plain = eo;
+  plain.disk_cache_dir.clear();
+  plain.n_ctx = std::max(plain.n_ctx, ctx + 8);
+  EngineOptions tiered = eo;
+  tiered.n_ctx = plain.n_ctx;
+  auto cold = LoadEngine(plain);
+  auto writer = cold ? LoadEngine(tiered) : nullptr;
+  if (!writer) throw CLI::RuntimeError(1);
+  const ModelConfig& c = cold->config();
+  auto ms_since = [](Clock::time_point t0) {
+    return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+  };
+  auto ttft = [&](Engine& e, const std::vector<int32_t>& prompt) {
+    auto session = e.NewSession();
+    std::vector<float> logits;
+    const auto t0 = Clock::now();
+    if (Status s = session->Eval(prompt, &logits); !s.ok()) {
+      std::fprintf(stderr, "cachet: %s\n", s.ToString().c_str());
+      throw CLI::RuntimeError(1);
+    }
+    return ms_since(t0);
+  };
+  std::vector<double> compute, store, ram, disk, disk_bytes, reused;
+  ProgressBar progress("bench --tier-ttft", reps);
+  for (int rep = 0; rep < reps; ++rep) {
+    std::mt19937 rng(4242 + rep);
+    std::uniform_int_distribution<int32_t> dist(3, c.vocab_size - 1);
+    std::vector<int32_t> prompt(ctx);
+    for (int32_t& t : prompt) t = dist(rng);
+    compute.push_back(ttft(*cold, prompt));
+    store.push_back(ttft(*writer, prompt));  // computed, then written through to the tiers
+    ram.push_back(ttft(*writer, prompt));
+    auto restarted = LoadEngine(tiered);
+    if (!restarted) throw CLI::RuntimeError(1);
+    disk.push_back(ttft(*restarted, prompt));
+    const KvStats kv = restarted->kv_stats();
+    disk_bytes.push_back(double(kv.tiers.at(0).bytes_read));
+    reused.push_back(double(kv.tiers.at(0).loaded_tokens));
+    progress.Add();
+  }
+  nlohmann::json out;
+  out["ctx"] = ctx;
+  out["threads"] = cold->threads();
+  out["codec"] = writer->kv_stats().codec;
+  const double base = Summarize(compute).median;
+  for (const auto& [name, v] :
+       {std::pair{"compute", &compute}, std::pair{"compute_and_store", &store},
+        std::pair{"ram", &ram}, std::pair{"disk", &disk}}) {
+    out["ttft_ms"][name] = Summarize(*v).median;
+    out["ttft_ratio"][name] = Summarize(*v).median / base;
+  }
+  out["disk_bytes_read"] = Summarize(disk_bytes).median;
+  out["disk_tokens_loaded"] = Summarize(reused).median;
+  out["disk_gb_s"] = Summarize(disk_bytes).median / 1e9 / (Summarize(disk).median / 1e3);
+  return out;
+}
+
 }  // namespace
 
 void AddBench(CLI::App& app) {
@@ -300,6 +362,7 @@ void AddBench(CLI::App& app) {
     GenerateOptions gen;          // its press, if any
     int serve_capacity = 0;       // requests served at once through the Runtime
     int batch_tokens = 0;         // its tokens per step; 0: a whole prompt and every decode
+    bool tier_ttft = false;
   };
   auto o = std::make_shared<Opts>();
   AddEngineFlags(*cmd, o->engine);
@@ -327,6 +390,10 @@ void AddBench(CLI::App& app) {
                   "prompt is already in the prefix cache, e.g. 0,0.5,0.9 (JSON key ttft_ms)")
       ->delimiter(',')
       ->check(CLI::Range(0.0, 1.0));
+  cmd->add_flag("--tier-ttft", o->tier_ttft,
+                "Instead: time to first token of a prompt of the largest --ctx computed, from "
+                "the prefix cache in RAM, and from --disk-cache after a restart (a new engine), "
+                "with the bytes read and GB/s (JSON keys ttft_ms, ttft_ratio, disk_gb_s)");
   cmd->add_option("--serve-capacity", o->serve_capacity,
                   "Instead: submit N requests at once to the serving runtime (continuous "
                   "batching, prefix cache off), each a prompt of distinct random tokens that "
@@ -382,6 +449,28 @@ void AddBench(CLI::App& app) {
       if (out["errors"].get<int>() > 0) {
         std::printf("first error: %s\n", out["first_error"].get<std::string>().c_str());
       }
+      return;
+    }
+    if (o->tier_ttft) {
+      if (o->engine.disk_cache_dir.empty()) {
+        std::fprintf(stderr, "cachet: --tier-ttft needs --disk-cache DIR\n");
+        throw CLI::RuntimeError(1);
+      }
+      const int ctx = *std::max_element(o->ctx.begin(), o->ctx.end());
+      const nlohmann::json out = TierTtftBench(o->engine, ctx, o->reps);
+      if (o->json) {
+        std::printf("%s\n", out.dump().c_str());
+        return;
+      }
+      std::printf("ctx %d, KV %s, %d threads, median of %d runs\n", ctx,
+                  out["codec"].get<std::string>().c_str(), out["threads"].get<int>(), o->reps);
+      for (const auto& [k, v] : out["ttft_ms"].items()) {
+        std::printf("  %-18s TTFT %10.1f ms  %6.3fx compute\n", k.c_str(), v.get<double>(),
+                    out["ttft_ratio"][k].get<double>());
+      }
+      std::printf("disk: %.1f MiB read for %.0f tokens, %.2f GB/s\n",
+                  out["disk_bytes_read"].get<double>() / (1 << 20),
+                  out["disk_tokens_loaded"].get<double>(), out["disk_gb_s"].get<double>());
       return;
     }
     EngineOptions eo = o->engine;
