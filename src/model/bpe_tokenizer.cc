@@ -104,13 +104,17 @@ Result<std::string> ReadFile(const std::string& path) {
   return ss.str();
 }
 
-Result<json> ParseJsonFile(const std::string& path) {
-  CACHET_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+Result<json> ParseJsonText(std::string_view text, const std::string& origin) {
   try {
     return Result<json>(json::parse(text));
   } catch (const json::exception& e) {
-    return DataLoss(path + ": malformed JSON: " + e.what());
+    return DataLoss(origin + ": malformed JSON: " + e.what());
   }
+}
+
+Result<json> ParseJsonFile(const std::string& path) {
+  CACHET_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  return ParseJsonText(text, path);
 }
 
 // Field `key` of `obj`, or null when absent; a JSON null counts as absent.
@@ -206,11 +210,19 @@ class BpeLoader {
     return LoadRoot(root);
   }
 
+  // From tokenizer.json's text: as Load, but no side files are read (BOS from the
+  // post_processor only).
+  Result<std::unique_ptr<Tokenizer>> LoadText(std::string_view text) {
+    side_files_ = false;
+    CACHET_ASSIGN_OR_RETURN(json root, ParseJsonText(text, f_.file()));
+    return LoadRoot(root);
+  }
+
   // From an in-memory tokenizer.json-shaped object (GGUF metadata): no side files are read, the
   // special ids are given.
   Result<std::unique_ptr<Tokenizer>> LoadInMemory(const json& root, int32_t bos, int32_t eos,
                                                   bool add_bos) {
-    side_files_ = false;
+    side_files_ = special_ids_ = false;
     CACHET_ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> t, LoadRoot(root));
     BpeTokenizer& b = static_cast<BpeTokenizer&>(*t);
     b.bos_id_ = bos >= 0 && bos < b.vocab_size() ? bos : -1;
@@ -229,7 +241,7 @@ class BpeLoader {
     CACHET_RETURN_IF_ERROR(LoadModel(root));
     CACHET_RETURN_IF_ERROR(LoadAddedTokens(root));
     if (const json* d = Find(root, "decoder")) CACHET_RETURN_IF_ERROR(CheckDecoder(*d, "decoder"));
-    if (side_files_) CACHET_RETURN_IF_ERROR(LoadSpecialIds(root));
+    if (special_ids_) CACHET_RETURN_IF_ERROR(LoadSpecialIds(root));
     return std::unique_ptr<Tokenizer>(std::move(tok_));
   }
 
@@ -501,7 +513,7 @@ class BpeLoader {
     const std::filesystem::path dir = std::filesystem::path(f_.file()).parent_path();
     std::error_code ec;
     const std::string cfg_path = (dir / "tokenizer_config.json").string();
-    if (std::filesystem::exists(cfg_path, ec)) {
+    if (side_files_ && std::filesystem::exists(cfg_path, ec)) {
       CACHET_ASSIGN_OR_RETURN(json cfg, ParseJsonFile(cfg_path));
       JsonFile cf(cfg_path);
       if (!cfg.is_object()) return cf.WrongType("(root)", "an object", cfg);
@@ -525,7 +537,8 @@ class BpeLoader {
     }
     if (t.bos_id_ < 0 && template_bos) t.bos_id_ = *template_bos;
     const std::string model_cfg_path = (dir / "config.json").string();
-    if ((t.bos_id_ < 0 || t.eos_id_ < 0) && std::filesystem::exists(model_cfg_path, ec)) {
+    if (side_files_ && (t.bos_id_ < 0 || t.eos_id_ < 0) &&
+        std::filesystem::exists(model_cfg_path, ec)) {
       CACHET_ASSIGN_OR_RETURN(json cfg, ParseJsonFile(model_cfg_path));
       JsonFile cf(model_cfg_path);
       for (auto [key, out] :
@@ -547,7 +560,8 @@ class BpeLoader {
   }
 
   JsonFile f_;
-  bool side_files_ = true;  // tokenizer_config.json / config.json next to the file
+  bool side_files_ = true;   // tokenizer_config.json / config.json next to the file
+  bool special_ids_ = true;  // BOS / EOS / add_bos from the post_processor and side files
   std::unique_ptr<BpeTokenizer> tok_;
   StringMap<int32_t> names_;  // vocab strings as written in the file, and added tokens -> id
 };
@@ -557,6 +571,15 @@ Result<std::unique_ptr<Tokenizer>> Tokenizer::FromHfJson(const std::string& json
     return BpeLoader(json_path).Load();
   } catch (const std::exception& e) {  // e.g. bad_alloc: keep exceptions out of callers
     return Internal(json_path + ": " + e.what());
+  }
+}
+
+Result<std::unique_ptr<Tokenizer>> BpeTokenizerFromJsonText(std::string_view text,
+                                                            const std::string& origin) {
+  try {
+    return BpeLoader(origin).LoadText(text);
+  } catch (const std::exception& e) {
+    return Internal(origin + ": " + e.what());
   }
 }
 
