@@ -22,14 +22,16 @@ if [ "${CACHET_TSAN:-0}" = "1" ]; then
   TSAN_TESTS='^(ThreadPool|Runtime|BatchForward|BatchDeterminism)\.|^server_'
   scripts/build.sh build-tsan -DCACHET_TSAN=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo
   # Every report stops its process (halt_on_error) and is written to build-tsan/tsan/, printed
-  # below: a server's report would otherwise be cut short in the test's log tail. No
-  # suppressions are needed (nor wanted for Cachet's own code).
+  # below: a server's report would otherwise be cut short in the test's log tail. Suppressions:
+  # third-party libraries built without TSan only (tests/tsan_suppressions.txt says why).
   reports="$PWD/build-tsan/tsan"
   rm -rf "$reports"
   mkdir -p "$reports"
+  tsan="halt_on_error=1 second_deadlock_stack=1 log_path=$reports/report"
+  tsan+=" suppressions=$PWD/tests/tsan_suppressions.txt"
   status=0
-  (cd build-tsan && TSAN_OPTIONS="halt_on_error=1 second_deadlock_stack=1 log_path=$reports/report" \
-     ctest --output-on-failure -j "$(nproc)" -R "$TSAN_TESTS") || status=$?
+  (cd build-tsan && TSAN_OPTIONS="$tsan" ctest --output-on-failure -j "$(nproc)" -R "$TSAN_TESTS") ||
+    status=$?
   for r in "$reports"/report*; do
     [ -e "$r" ] || continue
     echo "--- ThreadSanitizer: $r" >&2
