@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs missing dependencies, builds, and runs the whole test suite (ctest).
 # CACHET_SANITIZE=1 ./test.sh also builds and tests an ASan+UBSan configuration in build-asan/.
+# CACHET_TSAN=1 ./test.sh also builds a ThreadSanitizer configuration in build-tsan/ and runs the
+# tests where threads meet (see TSAN_TESTS below). Both may be set.
 set -euo pipefail
 cd "$(dirname "$0")"
 scripts/install-deps.sh
@@ -10,4 +12,31 @@ if [ "${CACHET_SANITIZE:-0}" = "1" ]; then
   scripts/build.sh build-asan -DCACHET_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo
   (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
      ctest --output-on-failure -j "$(nproc)")
+fi
+if [ "${CACHET_TSAN:-0}" = "1" ]; then
+  # The thread pool (ThreadPool.*), the Runtime's scheduler thread against its callers
+  # (Runtime.*), batched forward steps split over pool threads (BatchForward.*,
+  # BatchDeterminism.*), and `cachet serve` with httplib's handler threads, the scheduler and the
+  # signal thread, driven by concurrent clients (the `server` label: server_*). The rest of the
+  # suite is single-threaded or repeats these code paths, at TSan's 5-15x slowdown.
+  TSAN_TESTS='^(ThreadPool|Runtime|BatchForward|BatchDeterminism)\.|^server_'
+  scripts/build.sh build-tsan -DCACHET_TSAN=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo
+  # Every report stops its process (halt_on_error) and is written to build-tsan/tsan/, printed
+  # below: a server's report would otherwise be cut short in the test's log tail. Suppressions:
+  # third-party libraries built without TSan only (tests/tsan_suppressions.txt says why).
+  reports="$PWD/build-tsan/tsan"
+  rm -rf "$reports"
+  mkdir -p "$reports"
+  tsan="halt_on_error=1 second_deadlock_stack=1 log_path=$reports/report"
+  tsan+=" suppressions=$PWD/tests/tsan_suppressions.txt"
+  status=0
+  (cd build-tsan && TSAN_OPTIONS="$tsan" ctest --output-on-failure -j "$(nproc)" -R "$TSAN_TESTS") ||
+    status=$?
+  for r in "$reports"/report*; do
+    [ -e "$r" ] || continue
+    echo "--- ThreadSanitizer: $r" >&2
+    cat "$r" >&2
+    status=1
+  done
+  exit "$status"
 fi

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets of tests/fuzz/ (gguf: the GGUF parser; chat_template: chat template
-# recognition and rendering; server_request: the server's request parsers and response writers)
-# with clang's libFuzzer, ASan and UBSan into build-fuzz/, and runs each for SECONDS (default 60)
-# from generated seed files. Usage: scripts/fuzz.sh [SECONDS [TARGET...]]
+# recognition and rendering; server_request: the server's request parsers and response writers;
+# safetensors: the safetensors header and tensor table; tokenizer_json: the tokenizer.json loader,
+# then encoding and decoding with what it loaded) with clang's libFuzzer, ASan and UBSan into
+# build-fuzz/, and runs each for SECONDS (default 60) from generated seed files (some derived from
+# models/kvtiny). Usage: scripts/fuzz.sh [SECONDS [TARGET...]]
 # (default: every target). Exits non-zero on any crash, sanitizer report, leak or timeout. Needs
 # clang, libclang-rt-14-dev and lld.
 set -euo pipefail
@@ -18,6 +20,10 @@ declare -A srcs=(
   [chat_template]="src/runtime/chat_template.cc src/util/status.cc"
   [server_request]="src/server/request.cc src/server/response.cc src/runtime/chat_template.cc
           src/kv/press/press.cc src/kv/codecs/codec.cc src/util/dtype.cc src/util/status.cc"
+  [safetensors]="src/model/safetensors.cc src/util/mmap_file.cc src/util/dtype.cc src/util/status.cc"
+  [tokenizer_json]="src/model/bpe_tokenizer.cc src/model/tokenizer.cc src/model/sp_tokenizer.cc
+          src/model/gguf.cc src/model/gguf_model.cc src/model/gguf_tokenizer.cc src/model/config.cc
+          src/util/dtype.cc src/util/status.cc src/util/mmap_file.cc"
 )
 # Link flags of a target. press.cc holds the press parser next to the presses, which need the
 # whole KV cache: lld drops the functions nothing reaches, and what only they need (GNU ld keeps
@@ -26,7 +32,7 @@ declare -A ldflags=(
   [server_request]="-fuse-ld=lld -Wl,--gc-sections"
 )
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(gguf chat_template server_request)
+[ ${#targets[@]} -gt 0 ] || targets=(gguf chat_template server_request safetensors tokenizer_json)
 for t in "${targets[@]}"; do
   [ -n "${srcs[$t]:-}" ] || { echo "fuzz: unknown target $t (known: ${!srcs[*]})" >&2; exit 2; }
   mkdir -p "$out/corpus-$t"

@@ -278,6 +278,21 @@ TEST(ModelLoadingErrors, MalformedConfig) {
   EXPECT_NE(e.find("hidden_size"), std::string::npos) << e;
 }
 
+// An unsupported hidden_act is shown cut short: dumping it whole recursed once per nesting level
+// (a few MB of "[[[[" crashed the loader).
+TEST(ModelLoadingErrors, DeeplyNestedConfigValue) {
+  json config = MakeTinyModel("llama", "F32", 1).config;
+  config.erase("hidden_act");
+  std::string text = config.dump();
+  text.pop_back();
+  text += ", \"hidden_act\": " + std::string(200000, '[') + std::string(200000, ']') + "}";
+  auto r = ModelConfig::FromJson(text, "config.json");
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("config.json: unsupported hidden_act [[[[...]]]]"),
+            std::string::npos)
+      << r.status().message();
+}
+
 TEST(ModelLoadingErrors, MissingTensor) {
   TempDir dir;
   TinyModel m = MakeTinyModel("llama", "F32", 1);

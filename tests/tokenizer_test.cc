@@ -385,6 +385,74 @@ TEST(TokenizerErrors, NameTheFileAndJsonPath) {
   EXPECT_NE(m.find(dir.file("tokenizer_config.json") + ": bos_token"), std::string::npos) << m;
 }
 
+// Nesting and step counts a file could use to recurse the loader or the encoder off the stack (a
+// few MB of JSON crashed them) are errors that name the JSON path; values shown in errors are cut
+// short instead of dumped whole (json::dump recursed as deep as the value).
+TEST(TokenizerErrors, DeepOrLongStructuresAreErrorsNotCrashes) {
+  TempDir dir;
+  const std::string file = dir.file("tokenizer.json");
+  const std::string model = R"("model": {"vocab": {"a": 0, "b": 1, "ab": 2}, "merges": ["a b"]})";
+  constexpr int kDeep = 200000;  // far beyond any stack when each level takes a frame
+  auto nest = [](const std::string& open, const std::string& leaf, const std::string& close) {
+    std::string s;
+    s.reserve((open.size() + close.size()) * kDeep + leaf.size());
+    for (int i = 0; i < kDeep; ++i) s += open;
+    s += leaf;
+    for (int i = 0; i < kDeep; ++i) s += close;
+    return s;
+  };
+
+  std::string m = LoadError(
+      dir, "{" + model + R"(, "decoder": )" +
+               nest(R"({"type": "Sequence", "decoders": [)", R"({"type": "Fuse"})", "]}") + "}");
+  EXPECT_NE(m.find(file + ": decoder.decoders[0]"), std::string::npos) << m;
+  EXPECT_NE(m.find("nested more than 8 levels"), std::string::npos) << m;
+
+  m = LoadError(dir, "{" + model + R"(, "pre_tokenizer": )" +
+                         nest(R"({"type": "Sequence", "pretokenizers": [)",
+                              R"({"type": "ByteLevel"})", "]}") +
+                         "}");
+  EXPECT_NE(m.find(file + ": pre_tokenizer.pretokenizers[0]"), std::string::npos) << m;
+  EXPECT_NE(m.find("nested more than 8 levels"), std::string::npos) << m;
+
+  // Flat, but one recursion level per step when encoding.
+  std::string steps;
+  for (int i = 0; i < 100000; ++i) {
+    steps += std::string(i ? "," : "") +
+             R"({"type": "Split", "pattern": {"String": "x"}, "behavior": "Isolated"})";
+  }
+  m = LoadError(dir, "{" + model + R"(, "pre_tokenizer": {"type": "Sequence", "pretokenizers": [)" +
+                         steps + "]}}");
+  EXPECT_NE(m.find(file + ": pre_tokenizer.pretokenizers[64]: more than 64 pre-tokenizer steps"),
+            std::string::npos)
+      << m;
+
+  // A post_processor nested too deep is ignored like any other it does not know: no BOS.
+  WriteFile(dir.path() / "tokenizer.json",
+            "{" + model + R"(, "post_processor": )" +
+                nest(R"({"type": "Sequence", "processors": [)", R"({"type": "ByteLevel"})", "]}") +
+                "}");
+  auto r = Tokenizer::FromHfJson(file);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r.value()->bos_id(), -1);
+  EXPECT_EQ(r.value()->Encode("ab"), (Ids{2}));
+
+  // Values shown in errors.
+  m = LoadError(dir, R"({"model": {"vocab": {"a": )" + nest("[", "", "]") + R"(}, "merges": []}})");
+  EXPECT_NE(
+      m.find(file + ": model.vocab[\"a\"]: expected a token id in [0, 2^24), got [[[[...]]]]"),
+      std::string::npos)
+      << m;
+  m = LoadError(dir, R"({"model": {"vocab": {"a": 0}, "merges": [)" + nest("[", "1", "]") + "]}}");
+  EXPECT_NE(m.find(file + ": model.merges[0]: expected \"left right\" or [left, right], got [[["),
+            std::string::npos)
+      << m;
+  m = LoadError(dir, R"({"model": {"vocab": {"a": 0}, "merges": [[")" + std::string(100000, 'a') +
+                         R"(", 5]]}})");
+  EXPECT_NE(m.find("model.merges[0]"), std::string::npos) << m;
+  EXPECT_LT(m.size(), 1000u) << "an error message as long as the value";
+}
+
 TEST(TokenizerErrors, MissingFiles) {
   TempDir dir;
   auto r = Tokenizer::Load(dir.path().string());

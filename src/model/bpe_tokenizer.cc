@@ -18,6 +18,8 @@
 #include <optional>
 #include <sstream>
 
+#include "util/json_excerpt.h"
+
 namespace cachet {
 namespace {
 
@@ -31,6 +33,11 @@ using tokenizer_internal::Utf8Step;
 constexpr char kGpt2Regex[] =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 constexpr int64_t kMaxId = 1 << 24;  // bounds allocations driven by a corrupt file
+// Bounds on what a file can make the loader and the encoder recurse through (one stack frame
+// each): Sequence nesting (pre-tokenizers, decoders, post-processors) and pre-tokenizer steps
+// (encoding recurses once per step). Real tokenizers use 1-2 levels and at most a handful of steps.
+constexpr int kMaxNesting = 8;
+constexpr size_t kMaxPreTokenizerSteps = 64;
 
 const unsigned char* U(std::string_view s) {
   return reinterpret_cast<const unsigned char*>(s.data());
@@ -104,13 +111,17 @@ Result<std::string> ReadFile(const std::string& path) {
   return ss.str();
 }
 
-Result<json> ParseJsonFile(const std::string& path) {
-  CACHET_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+Result<json> ParseJsonText(std::string_view text, const std::string& origin) {
   try {
     return Result<json>(json::parse(text));
   } catch (const json::exception& e) {
-    return DataLoss(path + ": malformed JSON: " + e.what());
+    return DataLoss(origin + ": malformed JSON: " + e.what());
   }
+}
+
+Result<json> ParseJsonFile(const std::string& path) {
+  CACHET_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  return ParseJsonText(text, path);
 }
 
 // Field `key` of `obj`, or null when absent; a JSON null counts as absent.
@@ -170,7 +181,7 @@ class JsonFile {
   }
   Result<int32_t> Id(const json& v, const std::string& path) const {
     if (!v.is_number_integer() || v.get<int64_t>() < 0 || v.get<int64_t>() >= kMaxId) {
-      return Invalid(path, "expected a token id in [0, 2^24), got " + v.dump());
+      return Invalid(path, "expected a token id in [0, 2^24), got " + JsonExcerpt(v));
     }
     return static_cast<int32_t>(v.get<int64_t>());
   }
@@ -206,11 +217,19 @@ class BpeLoader {
     return LoadRoot(root);
   }
 
+  // From tokenizer.json's text: as Load, but no side files are read (BOS from the
+  // post_processor only).
+  Result<std::unique_ptr<Tokenizer>> LoadText(std::string_view text) {
+    side_files_ = false;
+    CACHET_ASSIGN_OR_RETURN(json root, ParseJsonText(text, f_.file()));
+    return LoadRoot(root);
+  }
+
   // From an in-memory tokenizer.json-shaped object (GGUF metadata): no side files are read, the
   // special ids are given.
   Result<std::unique_ptr<Tokenizer>> LoadInMemory(const json& root, int32_t bos, int32_t eos,
                                                   bool add_bos) {
-    side_files_ = false;
+    side_files_ = special_ids_ = false;
     CACHET_ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> t, LoadRoot(root));
     BpeTokenizer& b = static_cast<BpeTokenizer&>(*t);
     b.bos_id_ = bos >= 0 && bos < b.vocab_size() ? bos : -1;
@@ -224,12 +243,14 @@ class BpeLoader {
     if (!root.is_object()) return f_.WrongType("(root)", "an object", root);
     CACHET_RETURN_IF_ERROR(LoadNormalizer(root));
     if (const json* pt = Find(root, "pre_tokenizer")) {
-      CACHET_RETURN_IF_ERROR(AddPreTokenizer(*pt, "pre_tokenizer"));
+      CACHET_RETURN_IF_ERROR(AddPreTokenizer(*pt, "pre_tokenizer", 0));
     }
     CACHET_RETURN_IF_ERROR(LoadModel(root));
     CACHET_RETURN_IF_ERROR(LoadAddedTokens(root));
-    if (const json* d = Find(root, "decoder")) CACHET_RETURN_IF_ERROR(CheckDecoder(*d, "decoder"));
-    if (side_files_) CACHET_RETURN_IF_ERROR(LoadSpecialIds(root));
+    if (const json* d = Find(root, "decoder")) {
+      CACHET_RETURN_IF_ERROR(CheckDecoder(*d, "decoder", 0));
+    }
+    if (special_ids_) CACHET_RETURN_IF_ERROR(LoadSpecialIds(root));
     return std::unique_ptr<Tokenizer>(std::move(tok_));
   }
 
@@ -242,17 +263,26 @@ class BpeLoader {
     return OkStatus();
   }
 
-  Status AddPreTokenizer(const json& pt, const std::string& path) {
+  Status AddPreTokenizer(const json& pt, const std::string& path, int depth) {
     if (!pt.is_object()) return f_.WrongType(path, "an object", pt);
     CACHET_ASSIGN_OR_RETURN(std::string type, f_.String(pt, "type", path));
     if (type == "Sequence") {
+      if (depth >= kMaxNesting) {
+        return f_.Invalid(
+            path, "Sequence nested more than " + std::to_string(kMaxNesting) + " levels deep");
+      }
       CACHET_ASSIGN_OR_RETURN(const json* list, f_.Array(pt, "pretokenizers", path));
       for (size_t i = 0; i < list->size(); ++i) {
-        CACHET_RETURN_IF_ERROR(AddPreTokenizer((*list)[i], Index(path + ".pretokenizers", i)));
+        CACHET_RETURN_IF_ERROR(
+            AddPreTokenizer((*list)[i], Index(path + ".pretokenizers", i), depth + 1));
       }
       return OkStatus();
     }
     if (type != "Split" && type != "ByteLevel") return f_.Unsupported(Join(path, "type"), type);
+    if (tok_->steps_.size() >= kMaxPreTokenizerSteps) {
+      return f_.Invalid(
+          path, "more than " + std::to_string(kMaxPreTokenizerSteps) + " pre-tokenizer steps");
+    }
     // Later steps would see text in ByteLevel's alphabet, which the encoder never materializes.
     if (tok_->byte_level_) return f_.Unsupported(Join(path, "type"), type + " after ByteLevel");
     // Owned by the tokenizer from here on, so that an error below still frees its regex.
@@ -324,7 +354,7 @@ class BpeLoader {
       const json* v = Find(m, key);
       if (v && !(v->is_string() && v->get<std::string>().empty())) {
         return f_.Unsupported(Join("model", key),
-                              v->is_string() ? v->get<std::string>() : v->dump());
+                              v->is_string() ? v->get<std::string>() : JsonExcerpt(*v));
       }
     }
     BpeTokenizer& t = *tok_;
@@ -388,7 +418,7 @@ class BpeLoader {
         const std::string& s = e.get_ref<const std::string&>();
         const size_t sp = s.find(' ');
         if (sp == std::string::npos || s.find(' ', sp + 1) != std::string::npos) {
-          return f_.Invalid(path, "expected \"left right\", got " + e.dump());
+          return f_.Invalid(path, "expected \"left right\", got " + JsonExcerpt(e));
         }
         a = s.substr(0, sp);
         b = s.substr(sp + 1);
@@ -396,11 +426,11 @@ class BpeLoader {
         a = e[0].get<std::string>();
         b = e[1].get<std::string>();
       } else {
-        return f_.Invalid(path, "expected \"left right\" or [left, right], got " + e.dump());
+        return f_.Invalid(path, "expected \"left right\" or [left, right], got " + JsonExcerpt(e));
       }
       auto ia = names_.find(a), ib = names_.find(b), iab = names_.find(a + b);
       if (ia == names_.end() || ib == names_.end() || iab == names_.end()) {
-        return f_.Invalid(path, "merge " + e.dump() + " uses a token not in model.vocab");
+        return f_.Invalid(path, "merge " + JsonExcerpt(e) + " uses a token not in model.vocab");
       }
       // emplace keeps the first (lowest-rank) occurrence of a duplicated pair.
       t.merges_.emplace(PairKey(ia->second, ib->second),
@@ -445,12 +475,16 @@ class BpeLoader {
     return OkStatus();
   }
 
-  Status CheckDecoder(const json& d, const std::string& path) {
+  Status CheckDecoder(const json& d, const std::string& path, int depth) {
     CACHET_ASSIGN_OR_RETURN(std::string type, f_.String(d, "type", path));
     if (type == "Sequence") {
+      if (depth >= kMaxNesting) {
+        return f_.Invalid(
+            path, "Sequence nested more than " + std::to_string(kMaxNesting) + " levels deep");
+      }
       CACHET_ASSIGN_OR_RETURN(const json* list, f_.Array(d, "decoders", path));
       for (size_t i = 0; i < list->size(); ++i) {
-        CACHET_RETURN_IF_ERROR(CheckDecoder((*list)[i], Index(path + ".decoders", i)));
+        CACHET_RETURN_IF_ERROR(CheckDecoder((*list)[i], Index(path + ".decoders", i), depth + 1));
       }
       return OkStatus();
     }
@@ -463,16 +497,17 @@ class BpeLoader {
   }
 
   // The first SpecialToken of a TemplateProcessing "single" template (possibly inside a
-  // Sequence post-processor): the BOS the reference tokenizer prepends.
-  std::optional<int32_t> TemplateBos(const json* pp) {
+  // Sequence post-processor): the BOS the reference tokenizer prepends. Like other shapes it does
+  // not know, it ignores Sequences nested deeper than kMaxNesting.
+  std::optional<int32_t> TemplateBos(const json* pp, int depth = 0) {
     if (!pp || !pp->is_object()) return std::nullopt;
     const json* type = Find(*pp, "type");
     if (!type || !type->is_string()) return std::nullopt;
     if (*type == "Sequence") {
       const json* list = Find(*pp, "processors");
-      if (!list || !list->is_array()) return std::nullopt;
+      if (!list || !list->is_array() || depth >= kMaxNesting) return std::nullopt;
       for (const json& p : *list) {
-        if (auto id = TemplateBos(&p)) return id;
+        if (auto id = TemplateBos(&p, depth + 1)) return id;
       }
       return std::nullopt;
     }
@@ -501,7 +536,7 @@ class BpeLoader {
     const std::filesystem::path dir = std::filesystem::path(f_.file()).parent_path();
     std::error_code ec;
     const std::string cfg_path = (dir / "tokenizer_config.json").string();
-    if (std::filesystem::exists(cfg_path, ec)) {
+    if (side_files_ && std::filesystem::exists(cfg_path, ec)) {
       CACHET_ASSIGN_OR_RETURN(json cfg, ParseJsonFile(cfg_path));
       JsonFile cf(cfg_path);
       if (!cfg.is_object()) return cf.WrongType("(root)", "an object", cfg);
@@ -514,7 +549,7 @@ class BpeLoader {
         }
         auto it = names_.find(content->get_ref<const std::string&>());
         if (it == names_.end()) {
-          return cf.Invalid(key, content->dump() + " is not a token of " + f_.file());
+          return cf.Invalid(key, JsonExcerpt(*content) + " is not a token of " + f_.file());
         }
         *out = it->second;
       }
@@ -525,7 +560,8 @@ class BpeLoader {
     }
     if (t.bos_id_ < 0 && template_bos) t.bos_id_ = *template_bos;
     const std::string model_cfg_path = (dir / "config.json").string();
-    if ((t.bos_id_ < 0 || t.eos_id_ < 0) && std::filesystem::exists(model_cfg_path, ec)) {
+    if (side_files_ && (t.bos_id_ < 0 || t.eos_id_ < 0) &&
+        std::filesystem::exists(model_cfg_path, ec)) {
       CACHET_ASSIGN_OR_RETURN(json cfg, ParseJsonFile(model_cfg_path));
       JsonFile cf(model_cfg_path);
       for (auto [key, out] :
@@ -547,7 +583,8 @@ class BpeLoader {
   }
 
   JsonFile f_;
-  bool side_files_ = true;  // tokenizer_config.json / config.json next to the file
+  bool side_files_ = true;   // tokenizer_config.json / config.json next to the file
+  bool special_ids_ = true;  // BOS / EOS / add_bos from the post_processor and side files
   std::unique_ptr<BpeTokenizer> tok_;
   StringMap<int32_t> names_;  // vocab strings as written in the file, and added tokens -> id
 };
@@ -557,6 +594,15 @@ Result<std::unique_ptr<Tokenizer>> Tokenizer::FromHfJson(const std::string& json
     return BpeLoader(json_path).Load();
   } catch (const std::exception& e) {  // e.g. bad_alloc: keep exceptions out of callers
     return Internal(json_path + ": " + e.what());
+  }
+}
+
+Result<std::unique_ptr<Tokenizer>> BpeTokenizerFromJsonText(std::string_view text,
+                                                            const std::string& origin) {
+  try {
+    return BpeLoader(origin).LoadText(text);
+  } catch (const std::exception& e) {
+    return Internal(origin + ": " + e.what());
   }
 }
 

@@ -81,6 +81,12 @@ using StringMap = std::unordered_map<std::string, V, StringHash, std::equal_to<>
 
 class BpeLoader;
 
+// tokenizer.json's text, loaded as Tokenizer::FromHfJson loads the file, except that no side file
+// (tokenizer_config.json, config.json) is read: BOS comes from the post_processor alone. origin
+// names the source in errors. For tests/fuzz/tokenizer_json_fuzz.cc.
+Result<std::unique_ptr<Tokenizer>> BpeTokenizerFromJsonText(std::string_view text,
+                                                            const std::string& origin);
+
 // A BPE tokenizer from an in-memory object shaped like tokenizer.json (model, pre_tokenizer,
 // added_tokens, decoder), with the given BOS/EOS ids (-1: none): how GGUF vocabularies are loaded.
 // No file is read; origin names the source in errors.

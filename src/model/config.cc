@@ -3,6 +3,7 @@
 
 #include "cachet/model_config.h"
 #include "model/gguf_model.h"
+#include "util/json_excerpt.h"
 #include "util/mmap_file.h"
 
 namespace cachet {
@@ -61,7 +62,7 @@ Result<ModelConfig> ParseConfig(const std::string& text, const std::string& wher
                          "' (supported: llama, mistral, qwen2, qwen3)");
   }
   if (j.contains("hidden_act") && j["hidden_act"] != "silu") {
-    return Unimplemented(where + ": unsupported hidden_act " + j["hidden_act"].dump());
+    return Unimplemented(where + ": unsupported hidden_act " + JsonExcerpt(j["hidden_act"]));
   }
   CACHET_RETURN_IF_ERROR(GetNumber(j, "vocab_size", &c.vocab_size, true, where));
   CACHET_RETURN_IF_ERROR(GetNumber(j, "hidden_size", &c.hidden_size, true, where));

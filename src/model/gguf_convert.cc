@@ -15,6 +15,7 @@
 #include "model/gguf_convert_internal.h"
 #include "model/gguf_model.h"
 #include "model/safetensors.h"
+#include "util/json_excerpt.h"
 #include "util/mmap_file.h"
 #include "util/thread_pool.h"
 
@@ -67,7 +68,7 @@ Result<std::string> PreTokenizerName(const json& root, const std::string& path) 
       if (re == kLlama3Regex) return std::string("llama-bpe");
     }
   }
-  return Unimplemented(path + ": pre_tokenizer " + pt.dump().substr(0, 200) +
+  return Unimplemented(path + ": pre_tokenizer " + JsonExcerpt(pt, 200) +
                        " has no llama.cpp pre-tokenizer name (supported: GPT-2 ByteLevel, the "
                        "Qwen2 and Llama-3 Split regexes)");
 }
@@ -116,7 +117,7 @@ Status AddBpeVocab(const std::string& path, int vocab_size, GgufWriter& w) {
     } else if (e.is_array() && e.size() == 2) {
       merges.push_back(e[0].get<std::string>() + " " + e[1].get<std::string>());
     } else {
-      return InvalidArgument(path + ": bad merge " + e.dump());
+      return InvalidArgument(path + ": bad merge " + JsonExcerpt(e));
     }
   }
   w.SetString("tokenizer.ggml.model", "gpt2");

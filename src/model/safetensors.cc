@@ -40,11 +40,10 @@ bool FileExists(const std::string& p) {
 
 }  // namespace
 
-Status TensorStore::AddFile(const std::string& path) {
-  if (origin_.empty()) origin_ = path;
-  CACHET_ASSIGN_OR_RETURN(MappedFile file, MappedFile::Open(path));
-  const uint8_t* base = file.data();
-  const size_t size = file.size();
+Result<std::map<std::string, TensorInfo>> ParseSafetensors(std::span<const uint8_t> bytes,
+                                                           const std::string& path) {
+  const uint8_t* base = bytes.data();
+  const size_t size = bytes.size();
   if (size < 8) return DataLoss(path + ": file too small for a safetensors header");
   uint64_t header_len;
   std::memcpy(&header_len, base, 8);
@@ -58,8 +57,7 @@ Status TensorStore::AddFile(const std::string& path) {
 
   const uint8_t* data_start = base + 8 + header_len;
   const uint64_t data_size = size - 8 - header_len;
-  const int file_index = static_cast<int>(files_.size());
-  std::map<std::string, TensorInfo> added;
+  std::map<std::string, TensorInfo> tensors;
   for (auto& [name, t] : j.items()) {
     if (name == "__metadata__") continue;
     const std::string where = path + ": tensor '" + name + "'";
@@ -97,11 +95,23 @@ Status TensorStore::AddFile(const std::string& path) {
       return DataLoss(where + ": data is not aligned to its element size");
     }
     info.n_bytes = end - begin;
-    info.file = file_index;
-    if (tensors_.count(name) || added.count(name)) {
-      return InvalidArgument(where + ": tensor appears in more than one file");
+    tensors.emplace(name, std::move(info));
+  }
+  return tensors;
+}
+
+Status TensorStore::AddFile(const std::string& path) {
+  if (origin_.empty()) origin_ = path;
+  CACHET_ASSIGN_OR_RETURN(MappedFile file, MappedFile::Open(path));
+  using Table = std::map<std::string, TensorInfo>;
+  CACHET_ASSIGN_OR_RETURN(Table added, ParseSafetensors(std::span(file.data(), file.size()), path));
+  const int file_index = static_cast<int>(files_.size());
+  for (auto& [name, info] : added) {
+    if (tensors_.count(name)) {
+      return InvalidArgument(path + ": tensor '" + name +
+                             "': tensor appears in more than one file");
     }
-    added.emplace(name, std::move(info));
+    info.file = file_index;
   }
   files_.push_back(std::move(file));
   tensors_.merge(added);

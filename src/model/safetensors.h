@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <map>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,15 @@ struct TensorInfo {
 
   int64_t numel() const;
 };
+
+// The tensor table of one safetensors file held in memory: an 8-byte little-endian header length,
+// the JSON header, then the data section. Every entry is validated (dtype, shape, data_offsets
+// inside the data section and matching the shape, element alignment) before any tensor byte is
+// touched; each TensorInfo::data points into `bytes` (file 0). `name` names the file in errors
+// (DataLoss for a corrupt header, Unimplemented for an unsupported dtype). TensorStore::AddFile
+// parses its mapping with it; tests/fuzz/safetensors_fuzz.cc fuzzes it.
+Result<std::map<std::string, TensorInfo>> ParseSafetensors(std::span<const uint8_t> bytes,
+                                                           const std::string& name);
 
 class TensorStore {
  public:

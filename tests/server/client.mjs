@@ -3,7 +3,8 @@
 //   node client.mjs GROUP BASE_URL   (GROUP: api, stream, errors, load)
 // Environment: CACHET (the binary, to compare with `cachet run`), THREADS, API_KEY (errors group).
 import assert from "node:assert/strict";
-import { execFileSync } from "node:child_process";
+import { execFile } from "node:child_process";
+import { promisify } from "node:util";
 import OpenAI from "openai";
 
 const [group, base] = process.argv.slice(2);
@@ -170,7 +171,10 @@ if (group === "api") {
     else assert.equal(c.finish_reason, "stop");
     const again = await greedy(PROMPT, 16);
     assert.equal(again.choices[0].text, c.text);
-    const cli = execFileSync(
+    // Not execFileSync: a blocked event loop keeps fetch's idle keep-alive sockets past the
+    // server's keep-alive timeout (5 s; a sanitizer build's `cachet run` takes longer), and the
+    // next request fails on a socket the server has closed.
+    const { stdout: cli } = await promisify(execFile)(
       process.env.CACHET,
       ["run", "-q", "-t", process.env.THREADS ?? "2", "--temp", "0", "-n", "16", "-p", PROMPT],
       { encoding: "utf8" },
