@@ -56,6 +56,12 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o) {
   app.add_option("--disk-cache-mib", o.disk_cache_mib,
                  "Size cap of --disk-cache in MiB (0 = 4096); least recently used runs go first")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--redis", o.redis_url,
+                 "Keep cached prompt prefixes in Redis too (under --disk-cache, if given), shared "
+                 "by every process pointed at it: redis://host[:port][/db], or a Redis Cluster's "
+                 "nodes comma-separated. Runs expire after 24 h; writes are queued in the "
+                 "background and dropped rather than delaying a request; a failing server is "
+                 "skipped until it recovers");
 }
 
 void AddSamplingFlags(CLI::App& app, GenerateOptions& o) {

@@ -56,14 +56,15 @@ struct KvStats {
   int64_t evicted_blocks = 0;
   int64_t evicted_pages = 0;
   int64_t cold_bytes_used = 0;  // in the cold pools of demoting presses (not in bytes_used)
-  // The prefix cache's tiers below RAM (--disk-cache), top first.
+  // The prefix cache's tiers below RAM (--disk-cache, --redis), top first.
   struct Tier {
-    std::string name;              // "disk"
+    std::string name;              // "disk", "redis"
     int64_t hits = 0, misses = 0;  // runs (of up to 256 tokens) looked up
     int64_t corrupt = 0, errors = 0;
     int64_t rejected = 0;       // runs found but not served (damaged, another model or layout)
     int64_t loaded_tokens = 0;  // prompt tokens served from the tier
     int64_t bytes_read = 0, bytes_written = 0, bytes_held = 0, entries = 0;
+    int64_t dropped = 0;  // runs not stored: Redis's write queue full, or its server failing
   };
   std::vector<Tier> tiers;
 
@@ -90,6 +91,11 @@ struct EngineOptions {
   // (0: 4096 MiB); least recently used runs go first.
   std::string disk_cache_dir = "";
   int64_t disk_cache_mib = 0;
+  // A Redis tier under the prefix cache (and under the disk tier, if any), shared by every
+  // process and machine pointed at it: "redis://host[:port][/db]", or a Redis Cluster's nodes
+  // comma-separated. Writes never block a request (a bounded background queue drops instead);
+  // a failing server makes lookups misses until it recovers. Empty: none.
+  std::string redis_url = "";
 };
 
 // MiB of a KV pool that holds `sequences` sequences of n_tokens tokens each in f32 pages (the
@@ -229,7 +235,7 @@ class Engine {
   std::unique_ptr<Tokenizer> tokenizer_;
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<PagePool> kv_pool_;
-  std::unique_ptr<tiers::KvTiers> tiers_;  // null without --disk-cache
+  std::unique_ptr<tiers::KvTiers> tiers_;  // null without --disk-cache or --redis
   std::unique_ptr<PrefixTree> prefix_;     // null when the prefix cache is off
   std::vector<std::pair<std::string, std::unique_ptr<PagePool>>> cold_pools_;
 };

@@ -12,6 +12,7 @@
 #include "kv/press/press.h"
 #include "kv/tiers/disk_tier.h"
 #include "kv/tiers/kv_tiers.h"
+#include "kv/tiers/redis_tier.h"
 #include "model/transformer.h"
 #include "runtime/sampler.h"
 #include "util/mmap_file.h"
@@ -122,6 +123,8 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
     e->prefix_ =
         std::make_unique<PrefixTree>(*e->kv_pool_, XXH3_64bits(identity.data(), identity.size()));
   }
+  // The tiers under the prefix cache, nearest first: the local disk, then a shared Redis.
+  std::vector<std::unique_ptr<tiers::Tier>> stack;
   if (!o.disk_cache_dir.empty()) {
     if (!e->prefix_)
       return InvalidArgument("--disk-cache needs the prefix cache (drop --no-prefix-cache)");
@@ -130,8 +133,19 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
     d.dir = o.disk_cache_dir;
     d.capacity_bytes = uint64_t(o.disk_cache_mib > 0 ? o.disk_cache_mib : 4096) << 20;
     CACHET_ASSIGN_OR_RETURN(std::unique_ptr<tiers::DiskTier> disk, tiers::DiskTier::Open(d));
-    std::vector<std::unique_ptr<tiers::Tier>> stack;
     stack.push_back(std::move(disk));
+  }
+  if (!o.redis_url.empty()) {
+    if (!e->prefix_)
+      return InvalidArgument("--redis needs the prefix cache (drop --no-prefix-cache)");
+    CACHET_ASSIGN_OR_RETURN(const tiers::RedisUrl url, tiers::ParseRedisUrl(o.redis_url));
+    tiers::RedisTierOptions r;
+    r.nodes = url.nodes;
+    r.db = url.db;
+    CACHET_ASSIGN_OR_RETURN(std::unique_ptr<tiers::RedisTier> redis, tiers::RedisTier::Open(r));
+    stack.push_back(std::move(redis));
+  }
+  if (!stack.empty()) {
     e->tiers_ = std::make_unique<tiers::KvTiers>(*e->kv_pool_, TierNamespaceOf(*e->model_, layout),
                                                  std::move(stack));
     e->prefix_->set_tiers(e->tiers_.get());
@@ -232,6 +246,7 @@ KvStats Engine::kv_stats() const {
       t.bytes_written = r.stats.bytes_written;
       t.bytes_held = r.stats.bytes_held;
       t.entries = r.stats.entries;
+      t.dropped = r.stats.dropped;
       s.tiers.push_back(std::move(t));
     }
   }
@@ -281,7 +296,7 @@ std::string KvStats::ToString() const {
       << " MiB; hits " << t.hits << ", misses " << t.misses << ", corrupt " << t.corrupt
       << ", errors " << t.errors << ", rejected " << t.rejected << "; served " << t.loaded_tokens
       << " tokens; read " << t.bytes_read * mib << " MiB, wrote " << t.bytes_written * mib
-      << " MiB\n";
+      << " MiB, dropped " << t.dropped << " runs\n";
   }
   return o.str();
 }

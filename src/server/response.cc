@@ -389,7 +389,7 @@ std::string MetricsText(const RuntimeMetrics& m, const KvStats& kv, std::string_
     w.Sample("kv_bytes", static_cast<double>(bytes), "codec=\"" + LabelValue(codec) + "\"");
   }
   w.Head("prompt_tokens_by_source_total", "counter",
-         "Prompt tokens by where their KV came from: compute, ram (prefix cache), disk.");
+         "Prompt tokens by where their KV came from: compute, ram (prefix cache), disk, redis.");
   for (const auto& [source, n] : m.prompt_tokens_by_source) {
     w.Sample("prompt_tokens_by_source_total", static_cast<double>(n),
              "source=\"" + LabelValue(source) + "\"");
@@ -401,7 +401,8 @@ std::string MetricsText(const RuntimeMetrics& m, const KvStats& kv, std::string_
       {"errors", &KvStats::Tier::errors},
       {"rejected", &KvStats::Tier::rejected},
       {"bytes_read", &KvStats::Tier::bytes_read},
-      {"bytes_written", &KvStats::Tier::bytes_written}};
+      {"bytes_written", &KvStats::Tier::bytes_written},
+      {"dropped", &KvStats::Tier::dropped}};
   for (const auto& [name, field] : tier_counters) {
     const std::string metric = std::string("kv_tier_") + name + "_total";
     if (m.kv_tiers.empty()) break;

@@ -27,6 +27,7 @@ struct TierStats {
   int64_t entries = 0;        // entries the tier knows it holds now
   int64_t bytes_held = 0;     // their bytes
   int64_t evicted = 0;        // entries removed to stay under the tier's cap
+  int64_t dropped = 0;        // runs Put accepted but never stored (a full write queue, a failure)
 };
 
 class Tier {
@@ -36,7 +37,9 @@ class Tier {
 
   // The stored runs of keys, in order; nullopt for a miss. A tier checks what it returns is an
   // intact run stored under that key (CheckRun); whether it is the run the caller wants
-  // (namespace, tokens) is DecodeRun's to say.
+  // (namespace, tokens) is DecodeRun's to say. The keys are a chain (each run's key chains from
+  // the one before), used only up to its first gap, so a tier may return nothing past the first
+  // key it does not hold (the Redis tier does not fetch them).
   virtual std::vector<std::optional<std::string>> Get(std::span<const RunKey> keys) = 0;
   // Stores runs (EncodeRun's bytes under their key). A key already held is kept, not rewritten:
   // keys are content addresses. Malformed input (bytes that are not an intact run of that key)
