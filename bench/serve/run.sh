@@ -1,0 +1,289 @@
+#!/usr/bin/env bash
+# The serving benchmark (issue 14; docs/BENCHMARKS.md, "Serving: `cachet serve` vs llama-server"):
+# `cachet serve` next to llama.cpp's own `llama-server` (built by bench/serve/setup.sh from the
+# llama.cpp source bundled in node-llama-cpp 3.21.1) on the same GGUF, thread count, KV type
+# (f16), KV capacity and load, on loopback. Not a unit test.
+#
+# usage: bench/serve/run.sh [--model kvtiny|tinyllama-q4k|PATH.gguf[,...]] [--clients 1,4,16,32]
+#          [--engines cachet,llama] [--workloads shared,unique] [--requests N] [--max-tokens N]
+#          [--prompt-tokens N] [--unique-tokens N] [--threads N] [--time-limit S] [--out DIR]
+#
+# For each model and workload both servers are started afresh on free loopback ports (Cachet:
+# `cachet serve -m GGUF --port 0 -np NP -c SLOT --kv-mem NP*SLOT tokens --ctk f16 --ctv f16 -t T`;
+# llama-server: `-m GGUF --port P -np NP -c NP*SLOT -t T --cont-batching`, so both hold KV for NP
+# sequences of SLOT tokens; NP = the largest client count), waited for (/health), warmed up with
+# one request of the workload, and then driven by bench/serve/load.mjs at each client count in
+# turn, the engines alternating which goes first. RSS (VmRSS of /proc/PID/status) is sampled after
+# the warm-up, before and after every run, and at the end. Servers are stopped on every exit path.
+#
+# Options (defaults): --model (kvtiny,tinyllama-q4k: kvtiny is models/kvtiny written to an f16
+#   GGUF by `cachet convert`; tinyllama-q4k the synthetic TinyLlama-1.1B-shaped q4_k GGUF of
+#   `cachet convert --synthetic tinyllama-1.1b --type q4_k --seed 1`, as bench/peers makes it),
+#   --clients (1,4,16,32), --engines (cachet,llama), --workloads (shared,unique), --requests per
+#   client (2), --max-tokens (32), --prompt-tokens of the shared system prompt (2000),
+#   --unique-tokens of each unique prompt (= --prompt-tokens), --threads (nproc), --time-limit per
+#   run in seconds (120; requests still running 30 s later are aborted and counted), --out
+#   (build/serve).
+# Environment: CACHET (build/bin/cachet, built when missing), LLAMA_SERVER (a llama-server binary;
+#   default: bench/serve/setup.sh builds one into build/serve-peer), SYNTH_DIR (build/synthetic:
+#   where the synthetic GGUF is written once and reused), MODEL_PARAMS_<NAME> (per-model overrides
+#   of the options above, e.g. MODEL_PARAMS_tinyllama_q4k="--unique-tokens 512").
+# Writes OUT/runs.jsonl (one JSON line per run), the server logs, and OUT/table.md (printed).
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+
+log() { echo "bench/serve: $*" >&2; }
+die() {
+  log "$*"
+  exit 1
+}
+
+models="kvtiny,tinyllama-q4k"
+clients="1,4,16,32"
+engines="cachet,llama"
+workloads="shared,unique"
+requests=2
+max_tokens=32
+prompt_tokens=2000
+unique_tokens=""
+threads="$(nproc)"
+time_limit=120
+out="$root/build/serve"
+parse() {
+  while [ $# -gt 0 ]; do
+    case "$1" in
+      --model | --models) models="$2" ;;
+      --clients) clients="$2" ;;
+      --engines) engines="$2" ;;
+      --workloads) workloads="$2" ;;
+      --requests) requests="$2" ;;
+      --max-tokens) max_tokens="$2" ;;
+      --prompt-tokens) prompt_tokens="$2" ;;
+      --unique-tokens) unique_tokens="$2" ;;
+      --threads) threads="$2" ;;
+      --time-limit) time_limit="$2" ;;
+      --out) out="$2" ;;
+      -h | --help)
+        sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
+        exit 0
+        ;;
+      *) die "unknown option '$1' (--help lists them)" ;;
+    esac
+    [ $# -ge 2 ] || die "option '$1' needs a value"
+    shift 2
+  done
+}
+parse "$@"
+mkdir -p "$out"
+out="$(cd "$out" && pwd)"
+command -v node >/dev/null || die "node (Node.js >= 18) is missing: apt-get install nodejs"
+command -v curl >/dev/null || die "curl is missing: apt-get install curl"
+
+cachet="${CACHET:-$root/build/bin/cachet}"
+if [ ! -x "$cachet" ]; then
+  log "building Cachet (scripts/build.sh)"
+  "$root/scripts/build.sh" >&2 || die "building Cachet failed"
+fi
+llama=""
+if [[ ",$engines," == *,llama,* ]]; then
+  llama="${LLAMA_SERVER:-}"
+  if [ -z "$llama" ]; then
+    llama="$("$here/setup.sh" "$root/build/serve-peer")" || die "bench/serve/setup.sh failed"
+  fi
+  [ -x "$llama" ] || die "llama-server '$llama' is not executable"
+fi
+
+synth="${SYNTH_DIR:-$root/build/synthetic}"
+model_path() {  # name -> GGUF path (written on first use)
+  local f
+  case "$1" in
+    kvtiny)
+      f="$out/kvtiny-f16.gguf"
+      if [ ! -f "$f" ]; then
+        log "writing $f (cachet convert models/kvtiny --type f16)"
+        "$cachet" convert "$root/models/kvtiny" "$f.tmp" --type f16 >/dev/null ||
+          die "cachet convert of models/kvtiny failed"
+        mv "$f.tmp" "$f"
+      fi
+      ;;
+    tinyllama-q4k)
+      f="$synth/tinyllama-1.1b-q4_k.gguf"
+      if [ ! -f "$f" ]; then
+        mkdir -p "$synth"
+        log "writing $f (cachet convert --synthetic tinyllama-1.1b --type q4_k --seed 1)"
+        "$cachet" convert --synthetic tinyllama-1.1b "$f.tmp" --type q4_k --seed 1 >&2 ||
+          die "cachet convert --synthetic tinyllama-1.1b failed"
+        mv "$f.tmp" "$f"
+      fi
+      ;;
+    *)
+      f="$1"
+      [ -f "$f" ] || die "model '$1': not kvtiny, tinyllama-q4k or a GGUF file"
+      ;;
+  esac
+  echo "$f"
+}
+
+free_port() {
+  node -e 'const s = require("net").createServer();
+    s.listen(0, "127.0.0.1", () => { console.log(s.address().port); s.close(); });'
+}
+rss_kib() {  # pid -> VmRSS in KiB (0 when the process is gone)
+  sed -n 's/^VmRSS: *\([0-9]*\) kB/\1/p' "/proc/$1/status" 2>/dev/null || echo 0
+}
+
+# Running servers: engine -> pid, port.
+declare -A pid_of port_of
+stop_server() {  # engine: SIGTERM, then SIGKILL after 30 s
+  local p="${pid_of[$1]:-}"
+  [ -n "$p" ] || return 0
+  unset "pid_of[$1]"
+  kill -TERM "$p" 2>/dev/null || return 0
+  for _ in $(seq 300); do
+    kill -0 "$p" 2>/dev/null || { wait "$p" 2>/dev/null || true; return 0; }
+    sleep 0.1
+  done
+  log "$1 (pid $p) did not stop within 30 s of SIGTERM; killing it"
+  kill -KILL "$p" 2>/dev/null || true
+  wait "$p" 2>/dev/null || true
+}
+cleanup() {
+  local e
+  for e in "${!pid_of[@]}"; do stop_server "$e"; done
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# Starts engine $1 on model $2 with NP sequences of SLOT tokens; sets pid_of / port_of.
+start_server() {
+  local engine="$1" model="$2" np="$3" slot="$4" logf="$5" port=""
+  : >"$logf"
+  case "$engine" in
+    cachet)
+      # The pool: NP sequences of SLOT tokens in f16, as llama-server's KV cache below.
+      local kv_mib=$(((np * slot * kv_bytes_f16 + (1 << 20) - 1) >> 20))
+      "$cachet" serve -m "$model" --host 127.0.0.1 --port 0 -np "$np" -c "$slot" \
+        --kv-mem "$kv_mib" --ctk f16 --ctv f16 -t "$threads" 2>"$logf" &
+      pid_of[$engine]=$!
+      for _ in $(seq 1200); do  # 120 s to load
+        port="$(sed -n 's|.*listening on http://127\.0\.0\.1:\([0-9]*\).*|\1|p' "$logf" | head -n 1)"
+        [ -n "$port" ] && break
+        kill -0 "${pid_of[$engine]}" 2>/dev/null || break
+        sleep 0.1
+      done
+      [ -n "$port" ] || { tail -n 20 "$logf" >&2; die "cachet serve did not start (log: $logf)"; }
+      ;;
+    llama)
+      port="$(free_port)"
+      "$llama" -m "$model" --host 127.0.0.1 --port "$port" -np "$np" -c $((np * slot)) \
+        -t "$threads" --cont-batching -ctk f16 -ctv f16 >"$logf" 2>&1 &
+      pid_of[$engine]=$!
+      ;;
+    *) die "unknown engine '$engine' (cachet, llama)" ;;
+  esac
+  port_of[$engine]="$port"
+  for _ in $(seq 1200); do  # /health answers 200 once the model is loaded
+    if ! kill -0 "${pid_of[$engine]}" 2>/dev/null; then
+      tail -n 20 "$logf" >&2
+      die "$engine exited before it was ready (log: $logf)"
+    fi
+    curl -sf -o /dev/null "http://127.0.0.1:$port/health" && return 0
+    sleep 0.1
+  done
+  die "$engine: /health did not answer 200 within 120 s (log: $logf)"
+}
+
+runs="$out/runs.jsonl"
+: >"$runs"
+IFS=',' read -r -a model_list <<<"$models"
+IFS=',' read -r -a client_list <<<"$clients"
+IFS=',' read -r -a engine_list <<<"$engines"
+IFS=',' read -r -a workload_list <<<"$workloads"
+np=1
+for c in "${client_list[@]}"; do [ "$c" -gt "$np" ] && np="$c"; done
+
+log "$(nproc) cores ($(lscpu | sed -n 's/^Model name: *//p')), load $(cut -d' ' -f1-3 /proc/loadavg)"
+log "cachet: $cachet; llama-server: ${llama:-(not run)}"
+defaults=(--clients "$clients" --engines "$engines" --workloads "$workloads" --requests "$requests"
+  --max-tokens "$max_tokens" --prompt-tokens "$prompt_tokens" --threads "$threads"
+  --time-limit "$time_limit")
+[ -n "$unique_tokens" ] && defaults+=(--unique-tokens "$unique_tokens")
+unique_default="$unique_tokens"
+for name in "${model_list[@]}"; do
+  # Per-model overrides (MODEL_PARAMS_tinyllama_q4k="--unique-tokens 512"), then back again.
+  unique_tokens="$unique_default"
+  parse "${defaults[@]}"
+  var="MODEL_PARAMS_$(basename "$name" .gguf | tr -c 'A-Za-z0-9_\n' '_')"
+  if [ -n "${!var:-}" ]; then
+    log "$name: $var=${!var}"
+    read -r -a extra <<<"${!var}"
+    parse "${extra[@]}"
+  fi
+  uniq_tokens="${unique_tokens:-$prompt_tokens}"
+  model="$(model_path "$name")"
+  # Bytes per token of Cachet's f16 pool, from `cachet inspect`: K and V of every layer and KV
+  # head, plus each page's 4-byte token positions (one per token and (layer, KV head) table).
+  inspect="$("$cachet" inspect -m "$model" 2>/dev/null)" || die "cachet inspect -m $model failed"
+  kvb="$(sed -n 's/^KV bytes\/token.* f16\/bf16 \([0-9][0-9]*\).*/\1/p' <<<"$inspect")"
+  n_layers="$(sed -n 's/^layers  *\([0-9][0-9]*\).*/\1/p' <<<"$inspect")"
+  n_kv="$(sed -n 's/^heads (q \/ kv)  *[0-9][0-9]* \/ \([0-9][0-9]*\).*/\1/p' <<<"$inspect")"
+  [ -n "$kvb" ] && [ -n "$n_layers" ] && [ -n "$n_kv" ] ||
+    die "cannot read the KV bytes per token, layers and KV heads of $model from cachet inspect"
+  kv_bytes_f16=$((kvb + 4 * n_layers * n_kv))
+  # A sequence: the longer prompt, the question, the output and a margin, in 256-token steps.
+  longest=$((prompt_tokens > uniq_tokens ? prompt_tokens : uniq_tokens))
+  slot=$(((longest + 64 + max_tokens + 128 + 255) / 256 * 256))
+  for workload in "${workload_list[@]}"; do
+    tag="$(basename "$name" .gguf)-$workload"
+    log "$tag: $model; NP $np, $slot tokens per sequence; clients $clients; $requests requests" \
+      "per client, $max_tokens tokens each; prompt ~$prompt_tokens (shared) / ~$uniq_tokens" \
+      "(unique) tokens; $threads threads"
+    declare -A rss_start=()
+    for e in "${engine_list[@]}"; do
+      start_server "$e" "$model" "$np" "$slot" "$out/$tag-$e.log"
+    done
+    load=(--workload "$workload" --requests "$requests" --max-tokens "$max_tokens"
+      --prompt-tokens "$prompt_tokens" --unique-tokens "$uniq_tokens"
+      --time-limit "$time_limit" --grace 30)
+    for e in "${engine_list[@]}"; do
+      w="$(timeout 600 node "$here/load.mjs" --url "http://127.0.0.1:${port_of[$e]}" \
+        --clients 1 --warmup "${load[@]}")" || die "$tag: the warm-up of $e failed: $w"
+      log "$tag: $e warmed up: $w"
+      rss_start[$e]="$(rss_kib "${pid_of[$e]}")"
+    done
+    i=0
+    for c in "${client_list[@]}"; do
+      order=("${engine_list[@]}")
+      if [ $((i % 2)) = 1 ]; then  # alternate which engine goes first
+        order=()
+        for ((k = ${#engine_list[@]} - 1; k >= 0; --k)); do order+=("${engine_list[$k]}"); done
+      fi
+      for e in "${order[@]}"; do
+        before="$(rss_kib "${pid_of[$e]}")"
+        loadavg="$(cut -d' ' -f1 /proc/loadavg)"
+        r="$(timeout $((time_limit + 90)) node "$here/load.mjs" --url \
+          "http://127.0.0.1:${port_of[$e]}" --clients "$c" --label "$e" "${load[@]}")" ||
+          die "$tag: load.mjs failed against $e at $c clients"
+        kill -0 "${pid_of[$e]}" 2>/dev/null || die "$tag: $e died during the run (log: $out/$tag-$e.log)"
+        after="$(rss_kib "${pid_of[$e]}")"
+        printf '{"model":"%s","workload":"%s","engine":"%s","clients":%s,"threads":%s,"np":%s,"slot":%s,"loadavg":%s,"rss_start_kib":%s,"rss_before_kib":%s,"rss_after_kib":%s,"result":%s}\n' \
+          "$(basename "$name" .gguf)" "$workload" "$e" "$c" "$threads" "$np" "$slot" "$loadavg" \
+          "${rss_start[$e]}" "$before" "$after" "$r" >>"$runs"
+        log "$tag: $e, $c clients: $(node -e 'const r = JSON.parse(process.argv[1]);
+          console.log(`${r.agg_tok_s} tok/s, decode ${r.decode_tok_s}, TTFT p50 ${r.ttft_ms.p50} ms,` +
+            ` ITL p50 ${r.itl_ms.p50} ms, errors ${r.errors}, aborted ${r.aborted}, ${r.wall_s} s`)' "$r")"
+      done
+      i=$((i + 1))
+    done
+    for e in "${engine_list[@]}"; do
+      printf '{"model":"%s","workload":"%s","engine":"%s","end":true,"rss_start_kib":%s,"rss_end_kib":%s}\n' \
+        "$(basename "$name" .gguf)" "$workload" "$e" "${rss_start[$e]}" \
+        "$(rss_kib "${pid_of[$e]}")" >>"$runs"
+      stop_server "$e"
+    done
+  done
+done
+
+node "$here/table.mjs" "$runs" >"$out/table.md"
+cat "$out/table.md"
