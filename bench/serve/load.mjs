@@ -25,11 +25,16 @@
 // as `aborted`, not as errors).
 //
 // Prints one JSON object on stdout: the configuration, and
-//   agg_tok_s     completion tokens of all requests / wall time of the run;
+//   agg_tok_s     completion tokens of all requests (those of a request that failed or was
+//                 aborted after some tokens included) / wall time of the run;
 //   decode_tok_s  tokens after each request's first / the time during which at least one request
 //                 was between its first and last token (the union of those intervals);
-//   ttft_ms, itl_ms, e2e_ms {p50, p99, mean, n}; requests, completed, errors, aborted,
-//   prompt_tokens and cached_tokens (means), completion_tokens (total), error_samples.
+//   ttft_ms, itl_ms {p50, p99, mean, n} over every request that delivered tokens; e2e_ms over
+//   completed ones; requests, completed, errors, aborted, prompt_tokens and cached_tokens (means
+//   over completed requests), completion_tokens (total), error_samples (distinct messages).
+// A one-line summary goes to stderr.
+// Request r of client c gets prompt number --first-prompt + c * --requests + r (default 1), so
+// that successive runs against one server can be given prompts none of them repeats.
 // --warmup sends one request of the workload (question 0 / prompt 0) and prints its JSON only.
 import http from "node:http";
 
@@ -46,6 +51,7 @@ const questionTokens = int("question-tokens", 24);
 const timeLimit = num("time-limit", 120);
 const grace = num("grace", 30);
 const seed = int("seed", 1);
+const firstPrompt = int("first-prompt", 1);
 const model = args.model;  // optional: the "model" field
 const label = args.label ?? "";
 
@@ -242,10 +248,8 @@ async function main() {
   const systemWords = workload === "shared" ? await wordsFor(seed, promptTokens) : 0;
   const questionWords = workload === "shared" ? await wordsFor(seed + 7, questionTokens) : 0;
   const uniqueWords = workload === "unique" ? await wordsFor(seed + 11, uniqueTokens) : 0;
-  const system =
-    workload === "shared"
-      ? `You are a helpful assistant. Read the notes and answer.\nNotes: ${words(seed, systemWords)}\n`
-      : "";
+  const notes = words(seed, systemWords);
+  const system = `You are a helpful assistant. Read the notes and answer.\nNotes: ${notes}\n`;
   const promptOf = (k) =>
     workload === "shared"
       ? `${system}Question ${k}: ${words(seed * 1000003 + k + 1, questionWords)}?\nAnswer:`
@@ -266,8 +270,9 @@ async function main() {
   await Promise.all(
     Array.from({ length: clients }, async (_, c) => {
       for (let r = 0; r < requests && performance.now() < deadline; ++r) {
-        // Prompt 0 was the warm-up's; every measured request has its own question / prompt.
-        results.push(await completion(promptOf(1 + c * requests + r), controller.signal));
+        // Prompt 0 is the warm-up's; every measured request has its own question / prompt
+        // (--first-prompt keeps runs against one server from repeating each other's).
+        results.push(await completion(promptOf(firstPrompt + c * requests + r), controller.signal));
       }
     }),
   );
@@ -286,13 +291,16 @@ async function main() {
   const errors = [];
   for (const m of results) {
     if (m.error) errors.push(m.error);
-    if (m.aborted || m.error) continue;
-    ++completed;
+    if (!m.aborted && !m.error) {
+      ++completed;
+      prompt += m.usage?.prompt_tokens ?? 0;
+      cached += m.usage?.prompt_tokens_details?.cached_tokens ?? 0;
+      e2e.push(m.end - m.start);
+    }
+    // Tokens a request delivered count even when it then failed or was aborted: they were
+    // generated within the wall time.
     const n = m.usage?.completion_tokens ?? m.chunks.length;
     tokens += n;
-    prompt += m.usage?.prompt_tokens ?? 0;
-    cached += m.usage?.prompt_tokens_details?.cached_tokens ?? 0;
-    e2e.push(m.end - m.start);
     if (m.chunks.length === 0) continue;
     ttft.push(m.chunks[0] - m.start);
     for (let i = 1; i < m.chunks.length; ++i) itl.push(m.chunks[i] - m.chunks[i - 1]);
@@ -311,30 +319,35 @@ async function main() {
   }
   if (cur) decodeTime += cur[1] - cur[0];
   const r1 = (v) => Math.round(v * 10) / 10;
-  console.log(
-    JSON.stringify({
-      label,
-      workload,
-      clients,
-      requests_per_client: requests,
-      max_tokens: maxTokens,
-      time_limit_s: timeLimit,
-      requests: results.length,
-      completed,
-      errors: errors.length,
-      aborted: results.filter((m) => m.aborted).length,
-      wall_s: Math.round(wall * 1000) / 1000,
-      completion_tokens: tokens,
-      agg_tok_s: r1(tokens / wall),
-      decode_tok_s: decodeTime > 0 ? r1(afterFirst / (decodeTime / 1000)) : null,
-      ttft_ms: summary(ttft),
-      itl_ms: summary(itl),
-      e2e_ms: summary(e2e),
-      prompt_tokens_mean: completed ? Math.round(prompt / completed) : null,
-      cached_tokens_mean: completed ? Math.round(cached / completed) : null,
-      calibrate_s: Math.round(calibrate_s * 100) / 100,
-      error_samples: [...new Set(errors)].slice(0, 3),
-    }),
+  const result = {
+    label,
+    workload,
+    clients,
+    requests_per_client: requests,
+    max_tokens: maxTokens,
+    time_limit_s: timeLimit,
+    requests: results.length,
+    completed,
+    errors: errors.length,
+    aborted: results.filter((m) => m.aborted).length,
+    wall_s: Math.round(wall * 1000) / 1000,
+    completion_tokens: tokens,
+    agg_tok_s: r1(tokens / wall),
+    decode_tok_s: decodeTime > 0 ? r1(afterFirst / (decodeTime / 1000)) : null,
+    ttft_ms: summary(ttft),
+    itl_ms: summary(itl),
+    e2e_ms: summary(e2e),
+    prompt_tokens_mean: completed ? Math.round(prompt / completed) : null,
+    cached_tokens_mean: completed ? Math.round(cached / completed) : null,
+    calibrate_s: Math.round(calibrate_s * 100) / 100,
+    error_samples: [...new Set(errors)].slice(0, 3),
+  };
+  console.log(JSON.stringify(result));
+  console.error(
+    `bench/serve/load.mjs: ${label ? `${label}, ` : ""}${workload}, ${clients} clients: ` +
+      `${result.agg_tok_s} tok/s, decode ${result.decode_tok_s} tok/s, TTFT p50 ` +
+      `${result.ttft_ms.p50} ms, ITL p50 ${result.itl_ms.p50} ms, ${result.completed} done, ` +
+      `${result.errors} errors, ${result.aborted} aborted, ${result.wall_s} s`,
   );
   process.exit(0);
 }

@@ -6,28 +6,41 @@
 #
 # usage: bench/serve/run.sh [--model kvtiny|tinyllama-q4k|PATH.gguf[,...]] [--clients 1,4,16,32]
 #          [--engines cachet,llama] [--workloads shared,unique] [--requests N] [--max-tokens N]
-#          [--prompt-tokens N] [--unique-tokens N] [--threads N] [--time-limit S] [--out DIR]
+#          [--prompt-tokens N] [--unique-tokens N] [--unique-requests N] [--threads N]
+#          [--time-limit S] [--grace S] [--pause S] [--out DIR]
 #
 # For each model and workload both servers are started afresh on free loopback ports (Cachet:
-# `cachet serve -m GGUF --port 0 -np NP -c SLOT --kv-mem NP*SLOT tokens --ctk f16 --ctv f16 -t T`;
-# llama-server: `-m GGUF --port P -np NP -c NP*SLOT -t T --cont-batching`, so both hold KV for NP
-# sequences of SLOT tokens; NP = the largest client count), waited for (/health), warmed up with
-# one request of the workload, and then driven by bench/serve/load.mjs at each client count in
-# turn, the engines alternating which goes first. RSS (VmRSS of /proc/PID/status) is sampled after
-# the warm-up, before and after every run, and at the end. Servers are stopped on every exit path.
+# `cachet serve -m GGUF --port 0 -np NP -c SLOT --kv-mem (NP*SLOT tokens) --ctk f16 --ctv f16
+# -t T`; llama-server: `-m GGUF --port P -np NP -c NP*SLOT -t T --cont-batching -ctk f16 -ctv f16`,
+# so both hold KV for NP sequences of SLOT tokens; NP = the largest client count, SLOT = the
+# longest prompt + question + output + 128, in 256s), waited for (/health), warmed up with one
+# request of the workload (for `shared`: the system prompt is in both servers' caches), and then
+# driven by bench/serve/load.mjs at each client count in turn (each run with prompts of its own),
+# the engines alternating which goes first, with --pause seconds before each run. RSS (VmRSS,
+# /proc/PID/status) is sampled after the warm-up, before and after every run. Servers are stopped
+# on every exit path.
 #
-# Options (defaults): --model (kvtiny,tinyllama-q4k: kvtiny is models/kvtiny written to an f16
-#   GGUF by `cachet convert`; tinyllama-q4k the synthetic TinyLlama-1.1B-shaped q4_k GGUF of
-#   `cachet convert --synthetic tinyllama-1.1b --type q4_k --seed 1`, as bench/peers makes it),
-#   --clients (1,4,16,32), --engines (cachet,llama), --workloads (shared,unique), --requests per
-#   client (2), --max-tokens (32), --prompt-tokens of the shared system prompt (2000),
-#   --unique-tokens of each unique prompt (= --prompt-tokens), --threads (nproc), --time-limit per
-#   run in seconds (120; requests still running 30 s later are aborted and counted), --out
-#   (build/serve).
+# Options, and their defaults:
+#   --model        kvtiny,tinyllama-q4k. kvtiny: models/kvtiny written to an f16 GGUF by
+#                  `cachet convert`; tinyllama-q4k: the synthetic TinyLlama-1.1B-shaped q4_k GGUF
+#                  of `cachet convert --synthetic tinyllama-1.1b --type q4_k --seed 1` (as
+#                  bench/peers makes it); or a GGUF file
+#   --clients 1,4,16,32   --engines cachet,llama   --workloads shared,unique
+#   --requests N          per client, one after the other (2)
+#   --max-tokens N        per request, ignore_eos (kvtiny 64, otherwise 32)
+#   --prompt-tokens N     of the shared system prompt (2000)
+#   --unique-tokens N     of each prompt of the unique workload (kvtiny: --prompt-tokens,
+#                         otherwise 512: a 1.1B model prefills ~200-400 tok/s on 2 cores)
+#   --unique-requests N   per client in the unique workload (kvtiny: --requests, otherwise 1)
+#   --threads N           both engines (nproc)
+#   --time-limit S        per run: no request starts later (120)
+#   --grace S             requests still running that much later are aborted and counted (60)
+#   --pause S             before each run (3: llama.cpp's threads poll for a while after work)
+#   --out DIR             build/serve
+# Options given on the command line win over the per-model defaults above.
 # Environment: CACHET (build/bin/cachet, built when missing), LLAMA_SERVER (a llama-server binary;
 #   default: bench/serve/setup.sh builds one into build/serve-peer), SYNTH_DIR (build/synthetic:
-#   where the synthetic GGUF is written once and reused), MODEL_PARAMS_<NAME> (per-model overrides
-#   of the options above, e.g. MODEL_PARAMS_tinyllama_q4k="--unique-tokens 512").
+#   where the synthetic GGUF is written once and reused).
 # Writes OUT/runs.jsonl (one JSON line per run), the server logs, and OUT/table.md (printed).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -39,19 +52,9 @@ die() {
   exit 1
 }
 
-models="kvtiny,tinyllama-q4k"
-clients="1,4,16,32"
-engines="cachet,llama"
-workloads="shared,unique"
-requests=2
-max_tokens=32
-prompt_tokens=2000
-unique_tokens=""
-threads="$(nproc)"
-time_limit=120
-out="$root/build/serve"
-parse() {
+parse() {  # options -> variables
   while [ $# -gt 0 ]; do
+    [ $# -ge 2 ] || [ "$1" = -h ] || [ "$1" = --help ] || die "option '$1' needs a value"
     case "$1" in
       --model | --models) models="$2" ;;
       --clients) clients="$2" ;;
@@ -61,8 +64,11 @@ parse() {
       --max-tokens) max_tokens="$2" ;;
       --prompt-tokens) prompt_tokens="$2" ;;
       --unique-tokens) unique_tokens="$2" ;;
+      --unique-requests) unique_requests="$2" ;;
       --threads) threads="$2" ;;
       --time-limit) time_limit="$2" ;;
+      --grace) grace="$2" ;;
+      --pause) pause="$2" ;;
       --out) out="$2" ;;
       -h | --help)
         sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'
@@ -70,13 +76,41 @@ parse() {
         ;;
       *) die "unknown option '$1' (--help lists them)" ;;
     esac
-    [ $# -ge 2 ] || die "option '$1' needs a value"
     shift 2
   done
 }
-parse "$@"
+defaults() {  # model name: the defaults, then the model's, then the command line's
+  models="kvtiny,tinyllama-q4k"
+  clients="1,4,16,32"
+  engines="cachet,llama"
+  workloads="shared,unique"
+  requests=2
+  max_tokens=32
+  prompt_tokens=2000
+  unique_tokens=""
+  unique_requests=""
+  threads="$(nproc)"
+  time_limit=120
+  grace=60
+  pause=3
+  out="$root/build/serve"
+  case "${1:-}" in
+    "") ;;
+    kvtiny) max_tokens=64 ;;
+    *)
+      unique_tokens=512
+      unique_requests=1
+      ;;
+  esac
+  parse "${cli[@]}"
+  unique_tokens="${unique_tokens:-$prompt_tokens}"
+  unique_requests="${unique_requests:-$requests}"
+}
+cli=("$@")
+defaults ""
 mkdir -p "$out"
 out="$(cd "$out" && pwd)"
+out_dir="$out"  # defaults() resets $out: the absolute path stays here
 command -v node >/dev/null || die "node (Node.js >= 18) is missing: apt-get install nodejs"
 command -v curl >/dev/null || die "curl is missing: apt-get install curl"
 
@@ -130,7 +164,9 @@ free_port() {
     s.listen(0, "127.0.0.1", () => { console.log(s.address().port); s.close(); });'
 }
 rss_kib() {  # pid -> VmRSS in KiB (0 when the process is gone)
-  sed -n 's/^VmRSS: *\([0-9]*\) kB/\1/p' "/proc/$1/status" 2>/dev/null || echo 0
+  local v
+  v="$(awk '$1 == "VmRSS:" { print $2 }' "/proc/$1/status" 2>/dev/null)"
+  echo "${v:-0}"
 }
 
 # Running servers: engine -> pid, port.
@@ -167,7 +203,7 @@ start_server() {
         --kv-mem "$kv_mib" --ctk f16 --ctv f16 -t "$threads" 2>"$logf" &
       pid_of[$engine]=$!
       for _ in $(seq 1200); do  # 120 s to load
-        port="$(sed -n 's|.*listening on http://127\.0\.0\.1:\([0-9]*\).*|\1|p' "$logf" | head -n 1)"
+        port="$(sed -n 's|.*listening on http://127\.0\.0\.1:\([0-9]*\).*|\1|p' "$logf")"
         [ -n "$port" ] && break
         kill -0 "${pid_of[$engine]}" 2>/dev/null || break
         sleep 0.1
@@ -196,31 +232,27 @@ start_server() {
 
 runs="$out/runs.jsonl"
 : >"$runs"
+record() {  # KEY=VALUE...: one line of runs.jsonl (a VALUE that is not JSON is a string)
+  node -e 'const o = {};
+    for (const a of process.argv.slice(1)) {
+      const k = a.slice(0, a.indexOf("="));
+      const v = a.slice(a.indexOf("=") + 1);
+      try { o[k] = JSON.parse(v); } catch { o[k] = v; }
+    }
+    console.log(JSON.stringify(o));' "$@" >>"$runs"
+}
 IFS=',' read -r -a model_list <<<"$models"
-IFS=',' read -r -a client_list <<<"$clients"
-IFS=',' read -r -a engine_list <<<"$engines"
-IFS=',' read -r -a workload_list <<<"$workloads"
-np=1
-for c in "${client_list[@]}"; do [ "$c" -gt "$np" ] && np="$c"; done
-
-log "$(nproc) cores ($(lscpu | sed -n 's/^Model name: *//p')), load $(cut -d' ' -f1-3 /proc/loadavg)"
+cpu="$(lscpu | sed -n 's/^Model name: *//p')"
+log "$(nproc) cores ($cpu), load $(cut -d' ' -f1-3 /proc/loadavg)"
 log "cachet: $cachet; llama-server: ${llama:-(not run)}"
-defaults=(--clients "$clients" --engines "$engines" --workloads "$workloads" --requests "$requests"
-  --max-tokens "$max_tokens" --prompt-tokens "$prompt_tokens" --threads "$threads"
-  --time-limit "$time_limit")
-[ -n "$unique_tokens" ] && defaults+=(--unique-tokens "$unique_tokens")
-unique_default="$unique_tokens"
 for name in "${model_list[@]}"; do
-  # Per-model overrides (MODEL_PARAMS_tinyllama_q4k="--unique-tokens 512"), then back again.
-  unique_tokens="$unique_default"
-  parse "${defaults[@]}"
-  var="MODEL_PARAMS_$(basename "$name" .gguf | tr -c 'A-Za-z0-9_\n' '_')"
-  if [ -n "${!var:-}" ]; then
-    log "$name: $var=${!var}"
-    read -r -a extra <<<"${!var}"
-    parse "${extra[@]}"
-  fi
-  uniq_tokens="${unique_tokens:-$prompt_tokens}"
+  defaults "$name"
+  out="$out_dir"
+  IFS=',' read -r -a client_list <<<"$clients"
+  IFS=',' read -r -a engine_list <<<"$engines"
+  IFS=',' read -r -a workload_list <<<"$workloads"
+  np=1
+  for c in "${client_list[@]}"; do [ "$c" -gt "$np" ] && np="$c"; done
   model="$(model_path "$name")"
   # Bytes per token of Cachet's f16 pool, from `cachet inspect`: K and V of every layer and KV
   # head, plus each page's 4-byte token positions (one per token and (layer, KV head) table).
@@ -232,20 +264,23 @@ for name in "${model_list[@]}"; do
     die "cannot read the KV bytes per token, layers and KV heads of $model from cachet inspect"
   kv_bytes_f16=$((kvb + 4 * n_layers * n_kv))
   # A sequence: the longer prompt, the question, the output and a margin, in 256-token steps.
-  longest=$((prompt_tokens > uniq_tokens ? prompt_tokens : uniq_tokens))
+  longest=$((prompt_tokens > unique_tokens ? prompt_tokens : unique_tokens))
   slot=$(((longest + 64 + max_tokens + 128 + 255) / 256 * 256))
   for workload in "${workload_list[@]}"; do
-    tag="$(basename "$name" .gguf)-$workload"
-    log "$tag: $model; NP $np, $slot tokens per sequence; clients $clients; $requests requests" \
-      "per client, $max_tokens tokens each; prompt ~$prompt_tokens (shared) / ~$uniq_tokens" \
+    mname="$(basename "$name" .gguf)"
+    tag="$mname-$workload"
+    n_req="$requests"
+    [ "$workload" = unique ] && n_req="$unique_requests"
+    log "$tag: $model; NP $np, $slot tokens per sequence; clients $clients; ${n_req} requests" \
+      "per client, $max_tokens tokens each; prompt ~$prompt_tokens (shared) / ~$unique_tokens" \
       "(unique) tokens; $threads threads"
     declare -A rss_start=()
     for e in "${engine_list[@]}"; do
       start_server "$e" "$model" "$np" "$slot" "$out/$tag-$e.log"
     done
-    load=(--workload "$workload" --requests "$requests" --max-tokens "$max_tokens"
-      --prompt-tokens "$prompt_tokens" --unique-tokens "$uniq_tokens"
-      --time-limit "$time_limit" --grace 30)
+    load=(--workload "$workload" --requests "$n_req" --max-tokens "$max_tokens"
+      --prompt-tokens "$prompt_tokens" --unique-tokens "$unique_tokens"
+      --time-limit "$time_limit" --grace "$grace")
     for e in "${engine_list[@]}"; do
       w="$(timeout 600 node "$here/load.mjs" --url "http://127.0.0.1:${port_of[$e]}" \
         --clients 1 --warmup "${load[@]}")" || die "$tag: the warm-up of $e failed: $w"
@@ -253,6 +288,7 @@ for name in "${model_list[@]}"; do
       rss_start[$e]="$(rss_kib "${pid_of[$e]}")"
     done
     i=0
+    first=1  # prompt numbers: every run of this server gets its own (the warm-up's is 0)
     for c in "${client_list[@]}"; do
       order=("${engine_list[@]}")
       if [ $((i % 2)) = 1 ]; then  # alternate which engine goes first
@@ -260,26 +296,25 @@ for name in "${model_list[@]}"; do
         for ((k = ${#engine_list[@]} - 1; k >= 0; --k)); do order+=("${engine_list[$k]}"); done
       fi
       for e in "${order[@]}"; do
+        sleep "$pause"
         before="$(rss_kib "${pid_of[$e]}")"
         loadavg="$(cut -d' ' -f1 /proc/loadavg)"
-        r="$(timeout $((time_limit + 90)) node "$here/load.mjs" --url \
-          "http://127.0.0.1:${port_of[$e]}" --clients "$c" --label "$e" "${load[@]}")" ||
+        r="$(timeout $((time_limit + grace + 60)) node "$here/load.mjs" --url \
+          "http://127.0.0.1:${port_of[$e]}" --clients "$c" --label "$e" --first-prompt "$first" \
+          "${load[@]}")" ||
           die "$tag: load.mjs failed against $e at $c clients"
-        kill -0 "${pid_of[$e]}" 2>/dev/null || die "$tag: $e died during the run (log: $out/$tag-$e.log)"
-        after="$(rss_kib "${pid_of[$e]}")"
-        printf '{"model":"%s","workload":"%s","engine":"%s","clients":%s,"threads":%s,"np":%s,"slot":%s,"loadavg":%s,"rss_start_kib":%s,"rss_before_kib":%s,"rss_after_kib":%s,"result":%s}\n' \
-          "$(basename "$name" .gguf)" "$workload" "$e" "$c" "$threads" "$np" "$slot" "$loadavg" \
-          "${rss_start[$e]}" "$before" "$after" "$r" >>"$runs"
-        log "$tag: $e, $c clients: $(node -e 'const r = JSON.parse(process.argv[1]);
-          console.log(`${r.agg_tok_s} tok/s, decode ${r.decode_tok_s}, TTFT p50 ${r.ttft_ms.p50} ms,` +
-            ` ITL p50 ${r.itl_ms.p50} ms, errors ${r.errors}, aborted ${r.aborted}, ${r.wall_s} s`)' "$r")"
+        kill -0 "${pid_of[$e]}" 2>/dev/null ||
+          die "$tag: $e died during the run (log: $out/$tag-$e.log)"
+        record model="$mname" workload="$workload" engine="$e" clients="$c" threads="$threads" \
+          np="$np" slot="$slot" loadavg="$loadavg" rss_start_kib="${rss_start[$e]}" \
+          rss_before_kib="$before" rss_after_kib="$(rss_kib "${pid_of[$e]}")" result="$r"
       done
       i=$((i + 1))
+      first=$((first + c * n_req))
     done
     for e in "${engine_list[@]}"; do
-      printf '{"model":"%s","workload":"%s","engine":"%s","end":true,"rss_start_kib":%s,"rss_end_kib":%s}\n' \
-        "$(basename "$name" .gguf)" "$workload" "$e" "${rss_start[$e]}" \
-        "$(rss_kib "${pid_of[$e]}")" >>"$runs"
+      record model="$mname" workload="$workload" engine="$e" end=true \
+        rss_start_kib="${rss_start[$e]}" rss_end_kib="$(rss_kib "${pid_of[$e]}")"
       stop_server "$e"
     done
   done

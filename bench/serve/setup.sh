@@ -80,6 +80,7 @@ cmake -S "$src" -B "$src/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=O
   die "cmake configure failed (log: $out/cmake-configure.log)"
 echo "bench/serve/setup.sh: building llama-server (-j$(nproc); several minutes)" >&2
 cmake --build "$src/build" --config Release --target llama-server -j"$(nproc)" \
-  >"$out/cmake-build.log" 2>&1 || die "cmake build of llama-server failed (log: $out/cmake-build.log)"
+  >"$out/cmake-build.log" 2>&1 ||
+  die "cmake build of llama-server failed (log: $out/cmake-build.log)"
 [ -x "$server" ] || die "the build finished but $server is missing"
 echo "$server"

@@ -37,7 +37,8 @@ for (const g of groups) {
   const res = first.result;
   const desc =
     workload === "shared"
-      ? `one ~${res.prompt_tokens_mean ?? "?"}-token prompt per request, a shared system prompt + a distinct question`
+      ? `prompts of ~${res.prompt_tokens_mean ?? "?"} tokens: one shared system prompt + a ` +
+        "distinct question"
       : `distinct prompts of ~${res.prompt_tokens_mean ?? "?"} tokens, no shared prefix`;
   out.push(`### ${model}, ${workload} workload`);
   out.push("");
