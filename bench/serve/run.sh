@@ -7,7 +7,7 @@
 # usage: bench/serve/run.sh [--model kvtiny|tinyllama-q4k|PATH.gguf[,...]] [--clients 1,4,16,32]
 #          [--engines cachet,llama] [--workloads shared,unique] [--requests N] [--max-tokens N]
 #          [--prompt-tokens N] [--unique-tokens N] [--unique-requests N] [--threads N]
-#          [--time-limit S] [--grace S] [--pause S] [--out DIR]
+#          [--repeat C] [--time-limit S] [--grace S] [--pause S] [--out DIR]
 #
 # For each model and workload both servers are started afresh on free loopback ports (Cachet:
 # `cachet serve -m GGUF --port 0 -np NP -c SLOT --kv-mem (NP*SLOT tokens) --ctk f16 --ctv f16
@@ -16,9 +16,12 @@
 # longest prompt + question + output + 128, in 256s), waited for (/health), warmed up with one
 # request of the workload (for `shared`: the system prompt is in both servers' caches), and then
 # driven by bench/serve/load.mjs at each client count in turn (each run with prompts of its own),
-# the engines alternating which goes first, with --pause seconds before each run. RSS (VmRSS,
-# /proc/PID/status) is sampled after the warm-up, before and after every run. Servers are stopped
-# on every exit path.
+# the engines alternating which goes first, with --pause seconds before each run; then the
+# --repeat client count once more, to see whether memory stays flat: RSS (VmRSS, /proc/PID/status)
+# is sampled after the warm-up and before and after every run, and a server that leaked would grow
+# in the repeat, which needs no more KV than the largest run before it (both servers' KV memory
+# is touched as it is first used, so RSS rises until the largest run). Servers are stopped on
+# every exit path.
 #
 # Options, and their defaults:
 #   --model        kvtiny,tinyllama-q4k. kvtiny: models/kvtiny written to an f16 GGUF by
@@ -32,6 +35,7 @@
 #   --unique-tokens N     of each prompt of the unique workload (kvtiny: --prompt-tokens,
 #                         otherwise 512: a 1.1B model prefills ~200-400 tok/s on 2 cores)
 #   --unique-requests N   per client in the unique workload (kvtiny: --requests, otherwise 1)
+#   --repeat C            the client count run again at the end (16; 0: none)
 #   --threads N           both engines (nproc)
 #   --time-limit S        per run: no request starts later (120)
 #   --grace S             requests still running that much later are aborted and counted (60)
@@ -40,7 +44,9 @@
 # Options given on the command line win over the per-model defaults above.
 # Environment: CACHET (build/bin/cachet, built when missing), LLAMA_SERVER (a llama-server binary;
 #   default: bench/serve/setup.sh builds one into build/serve-peer), SYNTH_DIR (build/synthetic:
-#   where the synthetic GGUF is written once and reused).
+#   where the synthetic GGUF is written once and reused), LLAMA_ENV (environment assignments for
+#   llama-server only, e.g. "OMP_WAIT_POLICY=passive": its OpenMP threads spin at barriers by
+#   default, which costs it dearly on a machine that other work keeps busy; recorded in the table).
 # Writes OUT/runs.jsonl (one JSON line per run), the server logs, and OUT/table.md (printed).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -65,6 +71,7 @@ parse() {  # options -> variables
       --prompt-tokens) prompt_tokens="$2" ;;
       --unique-tokens) unique_tokens="$2" ;;
       --unique-requests) unique_requests="$2" ;;
+      --repeat) repeat="$2" ;;
       --threads) threads="$2" ;;
       --time-limit) time_limit="$2" ;;
       --grace) grace="$2" ;;
@@ -89,6 +96,7 @@ defaults() {  # model name: the defaults, then the model's, then the command lin
   prompt_tokens=2000
   unique_tokens=""
   unique_requests=""
+  repeat=16
   threads="$(nproc)"
   time_limit=120
   grace=60
@@ -197,8 +205,6 @@ start_server() {
   : >"$logf"
   case "$engine" in
     cachet)
-      # The pool: NP sequences of SLOT tokens in f16, as llama-server's KV cache below.
-      local kv_mib=$(((np * slot * kv_bytes_f16 + (1 << 20) - 1) >> 20))
       "$cachet" serve -m "$model" --host 127.0.0.1 --port 0 -np "$np" -c "$slot" \
         --kv-mem "$kv_mib" --ctk f16 --ctv f16 -t "$threads" 2>"$logf" &
       pid_of[$engine]=$!
@@ -212,8 +218,9 @@ start_server() {
       ;;
     llama)
       port="$(free_port)"
-      "$llama" -m "$model" --host 127.0.0.1 --port "$port" -np "$np" -c $((np * slot)) \
-        -t "$threads" --cont-batching -ctk f16 -ctv f16 >"$logf" 2>&1 &
+      # shellcheck disable=SC2086  # LLAMA_ENV: words of VAR=VALUE
+      env ${LLAMA_ENV:-} "$llama" -m "$model" --host 127.0.0.1 --port "$port" -np "$np" \
+        -c $((np * slot)) -t "$threads" --cont-batching -ctk f16 -ctv f16 >"$logf" 2>&1 &
       pid_of[$engine]=$!
       ;;
     *) die "unknown engine '$engine' (cachet, llama)" ;;
@@ -266,6 +273,8 @@ for name in "${model_list[@]}"; do
   # A sequence: the longer prompt, the question, the output and a margin, in 256-token steps.
   longest=$((prompt_tokens > unique_tokens ? prompt_tokens : unique_tokens))
   slot=$(((longest + 64 + max_tokens + 128 + 255) / 256 * 256))
+  # Cachet's pool: NP sequences of SLOT tokens in f16, as llama-server's KV cache.
+  kv_mib=$(((np * slot * kv_bytes_f16 + (1 << 20) - 1) >> 20))
   for workload in "${workload_list[@]}"; do
     mname="$(basename "$name" .gguf)"
     tag="$mname-$workload"
@@ -289,7 +298,9 @@ for name in "${model_list[@]}"; do
     done
     i=0
     first=1  # prompt numbers: every run of this server gets its own (the warm-up's is 0)
-    for c in "${client_list[@]}"; do
+    runs_of=("${client_list[@]}")
+    [ "$repeat" -gt 0 ] && runs_of+=("$repeat")
+    for c in "${runs_of[@]}"; do
       order=("${engine_list[@]}")
       if [ $((i % 2)) = 1 ]; then  # alternate which engine goes first
         order=()
@@ -306,7 +317,8 @@ for name in "${model_list[@]}"; do
         kill -0 "${pid_of[$e]}" 2>/dev/null ||
           die "$tag: $e died during the run (log: $out/$tag-$e.log)"
         record model="$mname" workload="$workload" engine="$e" clients="$c" threads="$threads" \
-          np="$np" slot="$slot" loadavg="$loadavg" rss_start_kib="${rss_start[$e]}" \
+          np="$np" slot="$slot" kv_mib="$kv_mib" repeat="$((i >= ${#client_list[@]}))" \
+          loadavg="$loadavg" llama_env="${LLAMA_ENV:-}" rss_start_kib="${rss_start[$e]}" \
           rss_before_kib="$before" rss_after_kib="$(rss_kib "${pid_of[$e]}")" result="$r"
       done
       i=$((i + 1))

@@ -31,8 +31,12 @@ for (const g of groups) {
   const rows = runs.filter((r) => key(r) === g && !r.end);
   const ends = runs.filter((r) => key(r) === g && r.end);
   const engines = [...new Set(rows.map((r) => r.engine))];
-  const clients = [...new Set(rows.map((r) => r.clients))].sort((a, b) => a - b);
-  const get = (engine, c) => rows.find((r) => r.engine === engine && r.clients === c);
+  const clients = [...new Set(rows.filter((r) => !r.repeat).map((r) => r.clients))].sort(
+    (a, b) => a - b,
+  );
+  const repeats = [...new Set(rows.filter((r) => r.repeat).map((r) => r.clients))];
+  const get = (engine, c, repeat = false) =>
+    rows.find((r) => r.engine === engine && r.clients === c && !!r.repeat === repeat);
   const first = rows[0];
   const res = first.result;
   const desc =
@@ -45,9 +49,10 @@ for (const g of groups) {
   out.push(
     `${desc}; ${res.requests_per_client} requests per client, ${res.max_tokens} tokens each ` +
       `(ignore_eos); ${first.threads} threads; KV for ${first.np} sequences of ${first.slot} ` +
-      `tokens, f16. Cells: ${engines.join(" / ")}` +
+      `tokens, f16 (Cachet's pool: ${first.kv_mib} MiB). Cells: ${engines.join(" / ")}` +
       (engines.length > 1 ? ` (ratio ${engines[0]} / ${engines[1]})` : "") +
-      ".",
+      "." +
+      (first.llama_env && engines.includes("llama") ? ` llama-server ran with ${first.llama_env}.` : ""),
   );
   out.push("");
   out.push(
@@ -55,8 +60,9 @@ for (const g of groups) {
       "| errors | aborted | cached prompt tokens | RSS MiB before -> after | load |",
   );
   out.push("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
-  for (const c of clients) {
-    const rs = engines.map((e) => get(e, c));
+  const lines = [...clients.map((c) => [c, false]), ...repeats.map((c) => [c, true])];
+  for (const [c, repeat] of lines) {
+    const rs = engines.map((e) => get(e, c, repeat));
     const v = (f) => rs.map((r) => (r ? f(r) : undefined));
     const pair = (f) => {
       const [a, b] = v(f);
@@ -64,7 +70,7 @@ for (const g of groups) {
     };
     const join = (f) => v(f).map((x) => (x === undefined ? "-" : x)).join(" / ");
     out.push(
-      `| ${c} | ${pair((r) => r.result.agg_tok_s)} | ${pair((r) => r.result.decode_tok_s)} ` +
+      `| ${c}${repeat ? " again" : ""} | ${pair((r) => r.result.agg_tok_s)} | ${pair((r) => r.result.decode_tok_s)} ` +
         `| ${pair((r) => r.result.ttft_ms.p50)} | ${pair((r) => r.result.ttft_ms.p99)} ` +
         `| ${pair((r) => r.result.itl_ms.p50)} | ${pair((r) => r.result.itl_ms.p99)} ` +
         `| ${join((r) => r.result.errors)} | ${join((r) => r.result.aborted)} ` +
