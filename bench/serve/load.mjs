@@ -29,13 +29,16 @@
 //                 aborted after some tokens included) / wall time of the run;
 //   decode_tok_s  tokens after each request's first / the time during which at least one request
 //                 was between its first and last token (the union of those intervals);
-//   ttft_ms, itl_ms {p50, p99, mean, n} over every request that delivered tokens; e2e_ms over
+//   ttft_ms, itl_ms {p50, p99, mean, n} over every request that delivered tokens (TTFT also over
+//   those that ended without a token, with the time they ended as a lower bound: then `censored`
+//   counts them, and p50_lb / p99_lb say that the percentile is only a lower bound); e2e_ms over
 //   completed ones; requests, completed, errors, aborted, prompt_tokens and cached_tokens (means
 //   over completed requests), completion_tokens (total), error_samples (distinct messages).
 // A one-line summary goes to stderr.
 // Request r of client c gets prompt number --first-prompt + c * --requests + r (default 1), so
 // that successive runs against one server can be given prompts none of them repeats.
 // --warmup sends one request of the workload (question 0 / prompt 0) and prints its JSON only.
+import { setMaxListeners } from "node:events";
 import http from "node:http";
 
 const args = parseArgs(process.argv.slice(2));
@@ -176,14 +179,26 @@ function percentile(xs, p) {
   const hi = Math.ceil(rank);
   return s[lo] + (s[hi] - s[lo]) * (rank - lo);
 }
-function summary(xs) {
+// censored: samples that are only lower bounds (a request that never got its first token);
+// a percentile at or above the smallest of them is itself only a lower bound (p50_lb, p99_lb).
+function summary(xs, censored = []) {
   const round = (v) => (v === null ? null : Math.round(v * 100) / 100);
-  return {
-    p50: round(percentile(xs, 50)),
-    p99: round(percentile(xs, 99)),
-    mean: round(xs.length ? xs.reduce((a, b) => a + b, 0) / xs.length : null),
-    n: xs.length,
+  const all = [...xs, ...censored];
+  const p50 = percentile(all, 50);
+  const p99 = percentile(all, 99);
+  const floor = censored.length ? Math.min(...censored) : Infinity;
+  const out = {
+    p50: round(p50),
+    p99: round(p99),
+    mean: round(all.length ? all.reduce((a, b) => a + b, 0) / all.length : null),
+    n: all.length,
   };
+  if (censored.length) {
+    out.censored = censored.length;
+    out.p50_lb = p50 >= floor;
+    out.p99_lb = p99 >= floor;
+  }
+  return out;
 }
 
 // One streaming completion; resolves to its measurements (never rejects).
@@ -263,6 +278,7 @@ async function main() {
   }
 
   const controller = new AbortController();
+  setMaxListeners(0, controller.signal);  // one listener per request in flight
   const start = performance.now();
   const deadline = start + timeLimit * 1000;
   const killer = setTimeout(() => controller.abort(), (timeLimit + grace) * 1000);
@@ -280,6 +296,7 @@ async function main() {
   const wall = (performance.now() - start) / 1000;
 
   const ttft = [];
+  const ttftCensored = [];  // requests that ended (aborted, failed) before their first token
   const itl = [];
   const e2e = [];
   const spans = [];
@@ -301,7 +318,10 @@ async function main() {
     // generated within the wall time.
     const n = m.usage?.completion_tokens ?? m.chunks.length;
     tokens += n;
-    if (m.chunks.length === 0) continue;
+    if (m.chunks.length === 0) {
+      ttftCensored.push(m.end - m.start);
+      continue;
+    }
     ttft.push(m.chunks[0] - m.start);
     for (let i = 1; i < m.chunks.length; ++i) itl.push(m.chunks[i] - m.chunks[i - 1]);
     afterFirst += n - 1;
@@ -334,7 +354,7 @@ async function main() {
     completion_tokens: tokens,
     agg_tok_s: r1(tokens / wall),
     decode_tok_s: decodeTime > 0 ? r1(afterFirst / (decodeTime / 1000)) : null,
-    ttft_ms: summary(ttft),
+    ttft_ms: summary(ttft, ttftCensored),
     itl_ms: summary(itl),
     e2e_ms: summary(e2e),
     prompt_tokens_mean: completed ? Math.round(prompt / completed) : null,

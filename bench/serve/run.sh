@@ -34,11 +34,11 @@
 #   --prompt-tokens N     of the shared system prompt (2000)
 #   --unique-tokens N     of each prompt of the unique workload (kvtiny: --prompt-tokens,
 #                         otherwise 512: a 1.1B model prefills ~200-400 tok/s on 2 cores)
-#   --unique-requests N   per client in the unique workload (kvtiny: --requests, otherwise 1)
+#   --unique-requests N   per client in the unique workload (1)
 #   --repeat C            the client count run again at the end (16; 0: none)
 #   --threads N           both engines (nproc)
-#   --time-limit S        per run: no request starts later (120)
-#   --grace S             requests still running that much later are aborted and counted (60)
+#   --time-limit S        per run: no request starts later (60)
+#   --grace S             requests still running that much later are aborted and counted (20)
 #   --pause S             before each run (3: llama.cpp's threads poll for a while after work)
 #   --out DIR             build/serve
 # Options given on the command line win over the per-model defaults above.
@@ -95,24 +95,20 @@ defaults() {  # model name: the defaults, then the model's, then the command lin
   max_tokens=32
   prompt_tokens=2000
   unique_tokens=""
-  unique_requests=""
+  unique_requests=1
   repeat=16
   threads="$(nproc)"
-  time_limit=120
-  grace=60
+  time_limit=60
+  grace=20
   pause=3
   out="$root/build/serve"
   case "${1:-}" in
     "") ;;
     kvtiny) max_tokens=64 ;;
-    *)
-      unique_tokens=512
-      unique_requests=1
-      ;;
+    *) unique_tokens=512 ;;
   esac
   parse "${cli[@]}"
   unique_tokens="${unique_tokens:-$prompt_tokens}"
-  unique_requests="${unique_requests:-$requests}"
 }
 cli=("$@")
 defaults ""
@@ -170,6 +166,27 @@ model_path() {  # name -> GGUF path (written on first use)
 free_port() {
   node -e 'const s = require("net").createServer();
     s.listen(0, "127.0.0.1", () => { console.log(s.address().port); s.close(); });'
+}
+cpu_ticks() {  # pid -> user + system CPU time in clock ticks
+  awk '{ print $14 + $15 }' "/proc/$1/stat" 2>/dev/null || echo 0
+}
+# Waits until process $1 is idle (under 5% of a core over a second; 300 s at most) and prints the
+# seconds waited: a server still working on requests whose clients gave up (a run's time limit)
+# must not run into the next measurement.
+wait_idle() {
+  local t0=$SECONDS hz a b
+  hz="$(getconf CLK_TCK)"
+  while :; do
+    a="$(cpu_ticks "$1")"
+    sleep 1
+    b="$(cpu_ticks "$1")"
+    [ $((b - a)) -le $((hz / 20)) ] && break
+    if [ $((SECONDS - t0)) -ge 300 ]; then
+      log "pid $1 still busy after 300 s; going on"
+      break
+    fi
+  done
+  echo $((SECONDS - t0))
 }
 rss_kib() {  # pid -> VmRSS in KiB (0 when the process is gone)
   local v
@@ -294,6 +311,7 @@ for name in "${model_list[@]}"; do
       w="$(timeout 600 node "$here/load.mjs" --url "http://127.0.0.1:${port_of[$e]}" \
         --clients 1 --warmup "${load[@]}")" || die "$tag: the warm-up of $e failed: $w"
       log "$tag: $e warmed up: $w"
+      wait_idle "${pid_of[$e]}" >/dev/null
       rss_start[$e]="$(rss_kib "${pid_of[$e]}")"
     done
     i=0
@@ -316,9 +334,12 @@ for name in "${model_list[@]}"; do
           die "$tag: load.mjs failed against $e at $c clients"
         kill -0 "${pid_of[$e]}" 2>/dev/null ||
           die "$tag: $e died during the run (log: $out/$tag-$e.log)"
+        idle="$(wait_idle "${pid_of[$e]}")"
+        [ "$idle" -gt 1 ] && log "$tag: $e was busy for $idle s after the run"
         record model="$mname" workload="$workload" engine="$e" clients="$c" threads="$threads" \
           np="$np" slot="$slot" kv_mib="$kv_mib" repeat="$((i >= ${#client_list[@]}))" \
-          loadavg="$loadavg" llama_env="${LLAMA_ENV:-}" rss_start_kib="${rss_start[$e]}" \
+          loadavg="$loadavg" llama_env="${LLAMA_ENV:-}" idle_wait_s="$idle" \
+          planned=$((c * n_req)) rss_start_kib="${rss_start[$e]}" \
           rss_before_kib="$before" rss_after_kib="$(rss_kib "${pid_of[$e]}")" result="$r"
       done
       i=$((i + 1))
