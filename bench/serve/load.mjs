@@ -9,7 +9,9 @@
 //   shared: every prompt is one common system prompt of about --prompt-tokens tokens followed by
 //           a short distinct question (about --question-tokens tokens): the prefix-cache case;
 //   unique: every prompt is distinct words of about --unique-tokens tokens (default
-//           --prompt-tokens), the first ones drawn per request, so no two share a prefix.
+//           --prompt-tokens), the first ones drawn per request, so no two share a prefix;
+//   short:  the same with --short-tokens tokens (16): next to nothing to prefill or attend to,
+//           so the run is decode steps, batched as the server batches them.
 // Prompts are random words from a fixed list drawn by a seeded generator (--seed), so every engine
 // gets the same text; their length in tokens is calibrated once against the server's own
 // POST /tokenize (cachet serve and llama-server both have it), and each request's real count
@@ -47,9 +49,12 @@ const clients = int("clients", 1);
 const requests = int("requests", 2);
 const maxTokens = int("max-tokens", 32);
 const workload = args.workload ?? "shared";
-if (!["shared", "unique"].includes(workload)) die(`--workload: shared or unique, not ${workload}`);
+if (!["shared", "unique", "short"].includes(workload)) {
+  die(`--workload: shared, unique or short, not ${workload}`);
+}
 const promptTokens = int("prompt-tokens", 2000);
-const uniqueTokens = int("unique-tokens", promptTokens);
+const uniqueTokens =
+  workload === "short" ? int("short-tokens", 16) : int("unique-tokens", promptTokens);
 const questionTokens = int("question-tokens", 24);
 const timeLimit = num("time-limit", 120);
 const grace = num("grace", 30);
@@ -262,7 +267,7 @@ async function main() {
   // Calibrate the prompt lengths on this server's tokenizer.
   const systemWords = workload === "shared" ? await wordsFor(seed, promptTokens) : 0;
   const questionWords = workload === "shared" ? await wordsFor(seed + 7, questionTokens) : 0;
-  const uniqueWords = workload === "unique" ? await wordsFor(seed + 11, uniqueTokens) : 0;
+  const uniqueWords = workload !== "shared" ? await wordsFor(seed + 11, uniqueTokens) : 0;
   const notes = words(seed, systemWords);
   const system = `You are a helpful assistant. Read the notes and answer.\nNotes: ${notes}\n`;
   const promptOf = (k) =>

@@ -5,8 +5,9 @@
 # (f16), KV capacity and load, on loopback. Not a unit test.
 #
 # usage: bench/serve/run.sh [--model kvtiny|tinyllama-q4k|PATH.gguf[,...]] [--clients 1,4,16,32]
-#          [--engines cachet,llama] [--workloads shared,unique] [--requests N] [--max-tokens N]
-#          [--prompt-tokens N] [--unique-tokens N] [--unique-requests N] [--threads N]
+#          [--engines cachet,llama] [--workloads shared,unique,short] [--requests N]
+#          [--max-tokens N] [--prompt-tokens N] [--unique-tokens N] [--unique-requests N]
+#          [--short-tokens N] [--threads N]
 #          [--repeat C] [--time-limit S] [--grace S] [--pause S] [--out DIR]
 #
 # For each model and workload both servers are started afresh on free loopback ports (Cachet:
@@ -28,13 +29,17 @@
 #                  `cachet convert`; tinyllama-q4k: the synthetic TinyLlama-1.1B-shaped q4_k GGUF
 #                  of `cachet convert --synthetic tinyllama-1.1b --type q4_k --seed 1` (as
 #                  bench/peers makes it); or a GGUF file
-#   --clients 1,4,16,32   --engines cachet,llama   --workloads shared,unique
+#   --clients 1,4,16,32   --engines cachet,llama
+#   --workloads shared,unique,short   (bench/serve/load.mjs: a ~2k-token system prompt shared by
+#                         every request + a distinct question; distinct prompts; distinct prompts
+#                         of a few tokens, where a run is nearly all batched decode steps)
 #   --requests N          per client, one after the other (2)
 #   --max-tokens N        per request, ignore_eos (kvtiny 64, otherwise 32)
 #   --prompt-tokens N     of the shared system prompt (2000)
 #   --unique-tokens N     of each prompt of the unique workload (kvtiny: --prompt-tokens,
 #                         otherwise 512: a 1.1B model prefills ~200-400 tok/s on 2 cores)
-#   --unique-requests N   per client in the unique workload (1)
+#   --unique-requests N   per client in the unique and short workloads (1)
+#   --short-tokens N      of each prompt of the short workload (16)
 #   --repeat C            the client count run again at the end (16; 0: none)
 #   --threads N           both engines (nproc)
 #   --time-limit S        per run: no request starts later (60)
@@ -71,6 +76,7 @@ parse() {  # options -> variables
       --prompt-tokens) prompt_tokens="$2" ;;
       --unique-tokens) unique_tokens="$2" ;;
       --unique-requests) unique_requests="$2" ;;
+      --short-tokens) short_tokens="$2" ;;
       --repeat) repeat="$2" ;;
       --threads) threads="$2" ;;
       --time-limit) time_limit="$2" ;;
@@ -90,12 +96,13 @@ defaults() {  # model name: the defaults, then the model's, then the command lin
   models="kvtiny,tinyllama-q4k"
   clients="1,4,16,32"
   engines="cachet,llama"
-  workloads="shared,unique"
+  workloads="shared,unique,short"
   requests=2
   max_tokens=32
   prompt_tokens=2000
   unique_tokens=""
   unique_requests=1
+  short_tokens=16
   repeat=16
   threads="$(nproc)"
   time_limit=60
@@ -296,16 +303,17 @@ for name in "${model_list[@]}"; do
     mname="$(basename "$name" .gguf)"
     tag="$mname-$workload"
     n_req="$requests"
-    [ "$workload" = unique ] && n_req="$unique_requests"
+    [ "$workload" != shared ] && n_req="$unique_requests"
     log "$tag: $model; NP $np, $slot tokens per sequence; clients $clients; ${n_req} requests" \
-      "per client, $max_tokens tokens each; prompt ~$prompt_tokens (shared) / ~$unique_tokens" \
-      "(unique) tokens; $threads threads"
+      "per client, $max_tokens tokens each; prompts ~$prompt_tokens (shared) / ~$unique_tokens" \
+      "(unique) / ~$short_tokens (short) tokens; $threads threads"
     declare -A rss_start=()
     for e in "${engine_list[@]}"; do
       start_server "$e" "$model" "$np" "$slot" "$out/$tag-$e.log"
     done
     load=(--workload "$workload" --requests "$n_req" --max-tokens "$max_tokens"
       --prompt-tokens "$prompt_tokens" --unique-tokens "$unique_tokens"
+      --short-tokens "$short_tokens"
       --time-limit "$time_limit" --grace "$grace")
     for e in "${engine_list[@]}"; do
       w="$(timeout 600 node "$here/load.mjs" --url "http://127.0.0.1:${port_of[$e]}" \

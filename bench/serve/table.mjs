@@ -24,14 +24,17 @@ const val = (value, lb = false) => ({ value, lb });
 const show = (m) => (m ? `${m.lb ? ">=" : ""}${fmt(m.value)}` : "-");
 // a / b, and what kind of bound the ratio is: a lower bound on b makes it an upper bound.
 function ratioOf(a, b) {
-  if (!a || !b || !a.value || !b.value) return null;
+  if (!a || !b || a.value == null || b.value == null) return null;
+  if (b.value === 0) return a.value > 0 && !b.lb ? { r: Infinity, sign: "" } : null;
+  if (!a.value) return null;
   if (a.lb && b.lb) return { r: a.value / b.value, sign: "?" };
   return { r: a.value / b.value, sign: a.lb ? ">=" : b.lb ? "<=" : "" };
 }
+const showRatio = (q) => (q.r === Infinity ? "inf" : `${q.sign}${q.r.toFixed(2)}x`);
 const cell = (a, b) => {
   if (!a || !b) return show(a ?? b);
   const q = ratioOf(a, b);
-  return `${show(a)} / ${show(b)}${q ? ` (${q.sign}${q.r.toFixed(2)}x)` : ""}`;
+  return `${show(a)} / ${show(b)}${q ? ` (${showRatio(q)})` : ""}`;
 };
 
 const out = [];
@@ -49,11 +52,11 @@ for (const g of groups) {
     rows.find((r) => r.engine === engine && r.clients === c && !!r.repeat === repeat);
   const first = rows[0];
   const res = first.result;
+  const tokensOf = rows.find((r) => r.result.prompt_tokens_mean)?.result.prompt_tokens_mean;
   const desc =
     workload === "shared"
-      ? `prompts of ~${res.prompt_tokens_mean ?? "?"} tokens: one shared system prompt + a ` +
-        "distinct question"
-      : `distinct prompts of ~${res.prompt_tokens_mean ?? "?"} tokens, no shared prefix`;
+      ? `prompts of ~${tokensOf ?? "?"} tokens: one shared system prompt + a distinct question`
+      : `distinct prompts of ~${tokensOf ?? "?"} tokens, no shared prefix`;
   const llamaEnv =
     first.llama_env && engines.includes("llama")
       ? ` llama-server ran with ${first.llama_env}.`
@@ -85,7 +88,8 @@ for (const g of groups) {
       `| ${c}${repeat ? " again" : ""} ` +
         `| ${join((r) => `${r.result.completed}/${r.planned ?? r.result.requests}`)} ` +
         `| ${pair((r) => val(r.result.agg_tok_s))} | ${pair((r) => val(r.result.decode_tok_s))} ` +
-        `| ${pair((r) => val(t(r).p50, t(r).p50_lb))} | ${pair((r) => val(t(r).p99, t(r).p99_lb))} ` +
+        `| ${pair((r) => val(t(r).p50, t(r).p50_lb))} ` +
+        `| ${pair((r) => val(t(r).p99, t(r).p99_lb))} ` +
         `| ${pair((r) => val(r.result.itl_ms.p50))} | ${pair((r) => val(r.result.itl_ms.p99))} ` +
         `| ${join((r) => r.result.errors)} ` +
         `| ${join((r) => r.result.cached_tokens_mean ?? "-")} ` +
@@ -110,7 +114,8 @@ for (const g of groups) {
     if (x.errors) what.push(`errors: ${x.error_samples.join("; ")}`);
     if (r.idle_wait_s > 1) what.push(`busy for ${r.idle_wait_s} s after the run`);
     if (what.length) {
-      notes.push(`${r.engine}, ${r.clients} clients${r.repeat ? " again" : ""}: ${what.join(", ")}.`);
+      const run = `${r.engine}, ${r.clients} clients${r.repeat ? " again" : ""}`;
+      notes.push(`${run}: ${what.join(", ")}.`);
     }
   }
   out.push(...notes.map((n) => `- ${n}`));
@@ -124,14 +129,16 @@ for (const g of groups) {
   const line = (measure, target, q, met) =>
     targets.push(
       `| ${model} | ${workload} | ${measure} | ${target} | ` +
-        `${q ? `${q.sign}${q.r.toFixed(2)}x` : "-"} | ${q && met(q) ? "met" : "not met"} |`,
+        `${q ? showRatio(q) : "-"} | ${q && met(q) ? "met" : "not met"}` +
+        `${q?.r === Infinity ? " (llama-server: none)" : ""} |`,
     );
   for (const [name, f] of [
     ["agg tok/s", (r) => val(r.result.agg_tok_s)],
     ["decode tok/s", (r) => val(r.result.decode_tok_s)],
   ]) {
     if (c16 && l16) {
-      line(`${name} at 16 clients / llama-server's`, ">= 1.5x", ratioOf(f(c16), f(l16)), (q) => q.r >= 1.5);
+      const q = ratioOf(f(c16), f(l16));
+      line(`${name} at 16 clients / llama-server's`, ">= 1.5x", q, (x) => x.r >= 1.5);
     }
     if (c16 && c1) {
       line(
