@@ -291,8 +291,9 @@ for name in "${model_list[@]}"; do
   kvb="$(sed -n 's/^KV bytes\/token.* f16\/bf16 \([0-9][0-9]*\).*/\1/p' <<<"$inspect")"
   n_layers="$(sed -n 's/^layers  *\([0-9][0-9]*\).*/\1/p' <<<"$inspect")"
   n_kv="$(sed -n 's/^heads (q \/ kv)  *[0-9][0-9]* \/ \([0-9][0-9]*\).*/\1/p' <<<"$inspect")"
-  [ -n "$kvb" ] && [ -n "$n_layers" ] && [ -n "$n_kv" ] ||
+  if [ -z "$kvb" ] || [ -z "$n_layers" ] || [ -z "$n_kv" ]; then
     die "cannot read the KV bytes per token, layers and KV heads of $model from cachet inspect"
+  fi
   kv_bytes_f16=$((kvb + 4 * n_layers * n_kv))
   # A sequence: the longer prompt, the question, the output and a margin, in 256-token steps.
   longest=$((prompt_tokens > unique_tokens ? prompt_tokens : unique_tokens))
