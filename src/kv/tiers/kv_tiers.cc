@@ -149,29 +149,37 @@ void KvTiers::Store(std::span<const int32_t> tokens, uint64_t salt, int n_blocks
   std::vector<RunKey> keys;
   RunKeys(tokens, salt, n_blocks, &keys);
   if (stored_.size() > kMaxKnownRuns) stored_.clear();
+  // The runs not known to be stored, asked of every tier; each is packed and encoded at most
+  // once, whichever tiers lack it.
+  std::vector<size_t> unknown;
+  std::vector<RunKey> ask;
+  for (size_t r = 0; r < keys.size(); ++r) {
+    if (stored_.contains(keys[r])) continue;
+    unknown.push_back(r);
+    ask.push_back(keys[r]);
+  }
+  if (ask.empty()) return;
   const size_t pt = static_cast<size_t>(pool_.layout().page_tokens);
-  std::vector<std::pair<RunKey, std::string>> batch;
-  for (size_t t = 0; t < tiers_.size(); ++t) {
-    std::vector<RunKey> ask;
-    for (const RunKey& k : keys) {
-      if (!stored_.contains(k)) ask.push_back(k);
-    }
-    if (ask.empty()) break;
-    const std::vector<bool> held = tiers_[t]->Exists(ask);
-    batch.clear();
-    for (size_t r = 0; r < keys.size(); ++r) {
-      const auto it = std::find(ask.begin(), ask.end(), keys[r]);
-      if (it == ask.end() || held[it - ask.begin()]) continue;
+  std::vector<std::string> encoded(keys.size());
+  auto encode = [&](size_t r) -> const std::string& {
+    if (encoded[r].empty()) {
       const int b0 = static_cast<int>(r) * run_blocks_;
       const int n = std::min(run_blocks_, n_blocks - b0);
       const RunKey parent = r == 0 ? root_ : keys[r - 1];
       const std::string payload = Pack(b0, n, pages_of);
       const RunMeta meta{parent, salt, tokens.subspan(b0 * pt, n * pt)};
-      batch.emplace_back(
-          keys[r],
-          EncodeRun(ns_, meta,
-                    std::span(reinterpret_cast<const uint8_t*>(payload.data()), payload.size()),
-                    /*zstd=*/false));
+      encoded[r] = EncodeRun(
+          ns_, meta, std::span(reinterpret_cast<const uint8_t*>(payload.data()), payload.size()),
+          /*zstd=*/false);
+    }
+    return encoded[r];
+  };
+  std::vector<std::pair<RunKey, std::string>> batch;
+  for (size_t t = 0; t < tiers_.size(); ++t) {
+    const std::vector<bool> held = tiers_[t]->Exists(ask);
+    batch.clear();
+    for (size_t i = 0; i < unknown.size(); ++i) {
+      if (!held[i]) batch.emplace_back(ask[i], encode(unknown[i]));
     }
     if (!batch.empty() && tiers_[t]->Put(batch).ok()) {
       reports_[t].stored_runs += static_cast<int64_t>(batch.size());
