@@ -9,9 +9,15 @@ scripts/install-deps.sh
 scripts/build.sh build
 (cd build && ctest --output-on-failure -j "$(nproc)")
 if [ "${CACHET_SANITIZE:-0}" = "1" ]; then
+  # Left out under ASan (each runs in the Release build above): the llama.cpp side-by-side
+  # (peer_agreement: 106 CPU-s under ASan, mostly the peer's own run), and the golden replays that
+  # repeat with 2 threads and other chunkings what GoldenTest/0 checks (~110 CPU-s together).
+  # CI's 45-minute budget (a 2-core machine) cannot spare them.
+  ASAN_SKIP='^peer_agreement$|^Golden\.ChunkingAndPageSizeDoNotChangeLogits$'
+  ASAN_SKIP+='|^Threads/GoldenTest\.LogitsAndGreedyMatchReference/1$'
   scripts/build.sh build-asan -DCACHET_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo
   (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-     ctest --output-on-failure -j "$(nproc)")
+     ctest --output-on-failure -j "$(nproc)" -E "$ASAN_SKIP")
 fi
 if [ "${CACHET_TSAN:-0}" = "1" ]; then
   # The thread pool (ThreadPool.*), the Runtime's scheduler thread against its callers
