@@ -133,6 +133,17 @@ void BenchQuantMatMul(ThreadPool& pool, std::mt19937& rng) {
                   cachet::DTypeName(dtype), static_cast<long long>(rows),
                   static_cast<long long>(cols), int8 ? "int8" : "f32", t * 1e6,
                   rows * rb / t / 1e9);
+      // A continuous-batching decode step: n tokens, weights streamed from DRAM once for all.
+      for (int64_t n : {2, 4, 8, 16, 32}) {
+        const double tb = SecondsPerCall([&] {
+          run(Matrix{bytes.data() + (next++ % n_mats) * rows * rb, dtype, rows, cols}, n);
+        });
+        std::printf(
+            "  batch   %-4s %5lldx%-5lld n=%-4lld %-5s %9.2f us %7.1f GB/s %6.2f us/token\n",
+            cachet::DTypeName(dtype), static_cast<long long>(rows), static_cast<long long>(cols),
+            static_cast<long long>(n), int8 ? "int8" : "f32", tb * 1e6, rows * rb / tb / 1e9,
+            tb * 1e6 / n);
+      }
       for (int64_t n : {64, 512}) {
         const Matrix m{bytes.data(), dtype, 2048, cols};
         const double tp = SecondsPerCall([&] { run(m, n); }, 1.0);

@@ -98,7 +98,8 @@ double MaxDiff(const float* a, const float* b, int64_t n) {
 
 // Checks fn on w: every token's row, computed among n tokens, has the same bits as the same token
 // computed among m other tokens. Alone (n = 1) it must be the same bits too, unless int8_decode:
-// then within the rounding of f32 arithmetic over the dot product's terms (see
+// then batches of up to kInt8MaxDecodeTokens give each token its bits alone, larger ones their own
+// bits, within the rounding of f32 arithmetic over the dot product's terms of the first (see
 // MatMulRowDoesNotDependOnTheBatch).
 void CheckRowsIndependent(MatMulFn fn, const kernels::Matrix& w, bool int8_decode,
                           const std::string& what, std::mt19937& rng) {
@@ -114,11 +115,17 @@ void CheckRowsIndependent(MatMulFn fn, const kernels::Matrix& w, bool int8_decod
     const std::string desc = what + (b ? " bias" : "");
     const int64_t stride = w.rows + 3;
     const std::vector<float> all = Rows(fn, x, 0, n_tok, w, b, pool3);
-    // Other batches: the same tokens at other places in tiles of other sizes.
-    for (auto [first, n] : {std::pair<int64_t, int64_t>{0, 2}, {5, 3}, {7, 17}, {1, 40}}) {
+    // Other batches: the same tokens at other places in tiles of other sizes. int8: batches of
+    // up to kInt8MaxDecodeTokens take decode's path, so each token is what it is alone.
+    for (auto [first, n] :
+         {std::pair<int64_t, int64_t>{0, 2}, {5, 3}, {9, 6}, {3, 7}, {7, 17}, {1, 40}}) {
       const std::vector<float> part = Rows(fn, x, first, n, w, b, n % 2 ? pool1 : pool3);
+      const bool decode_path = int8_decode && n <= kernels::cpu::kInt8MaxDecodeTokens;
       for (int64_t t = 0; t < n; ++t) {
-        ASSERT_TRUE(SameBits(&part[t * stride], &all[(first + t) * stride], w.rows))
+        const std::vector<float> ref =
+            decode_path ? Rows(fn, x, first + t, 1, w, b, pool3) : std::vector<float>();
+        ASSERT_TRUE(SameBits(&part[t * stride],
+                             decode_path ? ref.data() : &all[(first + t) * stride], w.rows))
             << desc << ": token " << first + t << " among " << n << " tokens";
       }
     }
@@ -152,11 +159,12 @@ void CheckRowsIndependent(MatMulFn fn, const kernels::Matrix& w, bool int8_decod
 
 // f32, f16 and bf16 weights, and quantized ones through the f32 (dequantizing) kernels: a token's
 // row has the same bits alone as in any batch, on every SIMD target. The int8 kernels (q4_0, q8_0
-// and q4_K on AVX-512 VNNI) give the same bits in any batch of two or more tokens, and alone
-// differ only by rounding: decode accumulates a block's integer products in 16 i32 lanes, scales
-// each lane's partial sum and adds them over alternating block pairs (with q4_0 / q8_0's offsets
-// subtracted in the integers), while prefill scales each block's whole integer sum once, adds the
-// blocks in order and subtracts the offsets in floats.
+// and q4_K on AVX-512 VNNI) give a token the same bits in any batch of more than
+// kInt8MaxDecodeTokens, and alone or in a smaller batch (the matrix-vector path) its bits alone,
+// which differ from the first only by rounding: decode accumulates a block's integer products in 16
+// i32 lanes, scales each lane's partial sum and adds them over alternating block pairs (with q4_0 /
+// q8_0's offsets subtracted in the integers), while prefill scales each block's whole integer sum
+// once, adds the blocks in order and subtracts the offsets in floats.
 TEST(BatchDeterminism, MatMulRowDoesNotDependOnTheBatch) {
   std::mt19937 rng(14);
   for (int64_t target : KernelTargets()) {
@@ -225,13 +233,16 @@ int32_t ArgMax(const float* v, int n) {
   return static_cast<int32_t>(std::max_element(v, v + n) - v);
 }
 
-// What greedy decoding gave one sequence: each generated token and the logits it was chosen from;
-// whether every step the sequence took part in until then held two tokens or more, and whether the
-// LM head computed those logits beside other rows (int8 weights: no matrix-vector product).
+// Which path of the int8 kernels a step of n rows takes: 'd' the matrix-vector one, 'p' prefill.
+char Int8Path(int64_t n) { return n <= kernels::cpu::kInt8MaxDecodeTokens ? 'd' : 'p'; }
+
+// What greedy decoding gave one sequence: each generated token and the logits it was chosen from,
+// and with them the int8 path of every token the sequence computed until then and of the LM head's
+// product that gave the logits: two runs with the same paths give the same bits.
 struct Served {
   std::vector<int32_t> tokens;
   std::vector<std::vector<float>> logits;
-  std::vector<bool> multi;
+  std::vector<std::string> paths;
 };
 
 // kvtiny (the safetensors directory, bf16) or a GGUF of it, loaded once; prompts tokenized.
@@ -289,7 +300,10 @@ class BatchForward : public ::testing::Test {
     std::vector<float> logits(vocab);
     Status s = model.Forward(prompt, pos, seq, threads, logits.data(), false);
     EXPECT_TRUE(s.ok()) << s.ToString();
+    std::string paths(prompt.size(), Int8Path(static_cast<int64_t>(prompt.size())));
     for (int g = 0; g < kGenerate; ++g) {
+      if (g > 0) paths += Int8Path(1);
+      out.paths.push_back(paths + Int8Path(1));
       out.logits.push_back(logits);
       out.tokens.push_back(ArgMax(logits.data(), vocab));
       if (g + 1 == kGenerate) break;
@@ -327,7 +341,7 @@ class BatchForward : public ::testing::Test {
     std::vector<std::vector<int32_t>> pos(n_seq);
     std::vector<std::vector<int32_t>> next(n_seq, std::vector<int32_t>(1));
     std::vector<std::vector<float>> logits(n_seq, std::vector<float>(vocab));
-    std::vector<bool> multi(n_seq, true);
+    std::vector<std::string> paths(n_seq);
     for (int step = 0;; ++step) {
       std::vector<SeqChunk> entries;
       std::vector<size_t> owner;  // the sequence of each entry
@@ -371,11 +385,11 @@ class BatchForward : public ::testing::Test {
       for (const SeqChunk& e : entries) head_rows += e.logits != nullptr;
       for (size_t k = 0; k < entries.size(); ++k) {
         const size_t i = owner[k];
-        if (budget - left == 1) multi[i] = false;
+        paths[i].append(entries[k].tokens.size(), Int8Path(budget - left));
         if (entries[k].logits == nullptr) continue;
+        out[i].paths.push_back(paths[i] + Int8Path(head_rows));
         out[i].logits.push_back(logits[i]);
         out[i].tokens.push_back(ArgMax(logits[i].data(), vocab));
-        out[i].multi.push_back(multi[i] && head_rows > 1);
       }
     }
     return out;
@@ -420,20 +434,27 @@ class BatchForward : public ::testing::Test {
         }
         continue;
       }
-      // int8: the two schedules give the same bits wherever neither went through a matrix-vector
-      // product for the sequence (a step of one token, or an LM head of one row), with the same
-      // tokens before.
-      const Served& a = together[0][i];
-      const Served& b = together[1][i];
-      for (int g = 0; g < kGenerate && a.multi[g] && b.multi[g]; ++g) {
-        ASSERT_TRUE(SameBits(a.logits[g].data(), b.logits[g].data(), vocab))
-            << what << " sequence " << i << " token " << g << ": max diff "
-            << MaxDiff(a.logits[g].data(), b.logits[g].data(), vocab);
-        if (a.tokens[g] != b.tokens[g]) break;
-        ++exact;
+      // int8: any two of the runs (alone, either schedule) give a token the same bits wherever
+      // every token before it and its LM head row took the same paths, with the same tokens.
+      const Served alone = ServeAlone(model, layout, prompts[i], threads);
+      const Served* runs[] = {&alone, &together[0][i], &together[1][i]};
+      for (int x = 0; x < 3; ++x) {
+        for (int y = x + 1; y < 3; ++y) {
+          const Served& a = *runs[x];
+          const Served& b = *runs[y];
+          for (int g = 0; g < kGenerate; ++g) {
+            if (a.paths[g] == b.paths[g]) {
+              ASSERT_TRUE(SameBits(a.logits[g].data(), b.logits[g].data(), vocab))
+                  << what << " sequence " << i << " runs " << x << "/" << y << " token " << g
+                  << ": max diff " << MaxDiff(a.logits[g].data(), b.logits[g].data(), vocab);
+              ++exact;
+            }
+            if (a.tokens[g] != b.tokens[g]) break;
+          }
+        }
       }
     }
-    EXPECT_GE(exact, int8 ? 30 : 2 * 4 * kGenerate) << what;
+    EXPECT_GE(exact, int8 ? 40 : 2 * 4 * kGenerate) << what;
   }
 
   static TempDir* dir_;

@@ -243,7 +243,7 @@ TEST(QuantKernels, Int8MatMulMatchesReference) {
       for (int64_t cols : {be, 3 * be, 4 * be}) {
         QuantMatrix q = MakeMatrix(t, rows, cols, rng);
         const std::vector<float> bias = RandomVec(rows, rng);
-        for (int64_t n : {1, 2, 7, 133}) {
+        for (int64_t n : {1, 2, 6, 7, 19, 133}) {
           const std::vector<float> x = RandomVec(n * cols, rng);
           const int64_t stride = rows + 3;
           std::vector<float> expect(n * stride, 7.0f);
@@ -260,14 +260,16 @@ TEST(QuantKernels, Int8MatMulMatchesReference) {
                 ASSERT_EQ(got[i * stride + r], 7.0f) << what << ": wrote past rows";
               }
             }
-            // In a prefill (n > 1) a token's outputs do not depend on the tokens it is computed
-            // with: the last two tokens alone give the same bits.
-            if (n > 2) {
-              std::vector<float> two(2 * stride, 7.0f);
-              cpu::Int8MatMul(x.data() + (n - 2) * cols, 2, q.m, bias.data(), two.data(), stride,
-                              *pool);
+            // A token's outputs do not depend on the tokens it is computed with, within a path:
+            // the last kInt8MaxDecodeTokens + 1 tokens by prefill, the last token alone by decode.
+            const int64_t m = n > cpu::kInt8MaxDecodeTokens ? cpu::kInt8MaxDecodeTokens + 1 : 1;
+            std::vector<float> tail(m * stride, 7.0f);
+            cpu::Int8MatMul(x.data() + (n - m) * cols, m, q.m, bias.data(), tail.data(), stride,
+                            *pool);
+            for (int64_t i = 0; i < m; ++i) {
               for (int64_t r = 0; r < rows; ++r) {
-                ASSERT_EQ(two[stride + r], got[(n - 1) * stride + r]) << what << " row " << r;
+                ASSERT_EQ(tail[i * stride + r], got[(n - m + i) * stride + r])
+                    << what << " token " << n - m + i << " among the last " << m << ", row " << r;
               }
             }
           }

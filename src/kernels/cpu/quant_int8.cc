@@ -18,9 +18,10 @@
 // every lane, and eight vpdpbusd sum a whole block for 16 tokens before one scale. A tile is 4 rows
 // x 32 tokens; tokens go by chunks whose codes stay in L2.
 //
-// Each output's operation order depends only on its row and token, never on the thread count; a
-// token gives the same bits in a prefill chunk as alone in decode only within a path, so a prompt
-// is always prefilled by the prefill path (n > 1) and generated tokens by decode.
+// A call of up to kMaxDecodeTokens tokens (a step of a few decoding sequences) goes through decode,
+// each token by the matrix-vector rows, the weights still read from DRAM once; more go through
+// prefill. Each output's operation order depends only on its row, its token and the path, never on
+// the thread count or the other tokens: a token gets the same bits in any call of the same path.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -37,10 +38,14 @@ namespace {
 constexpr int kRows = 4;  // weight rows per prefill tile
 constexpr int64_t kMinParallelWeights = 1 << 16;
 constexpr int kLanes = 16;                  // tokens per prefill vector
-constexpr int kGroups = 2;                  // token vectors per prefill tile
 constexpr int64_t kPrefillRowBlock = 64;    // weight rows a prefill task owns
 constexpr int64_t kPrefillTokenChunk = 64;  // tokens whose codes a prefill task streams at once
 constexpr int64_t kPrefetchBytes = 1024;    // how far ahead of its reads decode prefetches a row
+// kInt8MaxDecodeTokens (kernels.h) goes by `kernels_bench 1 quant` (5632x2048 from DRAM, 1 thread):
+// decode at 240 us + 210-250 us per further token, prefill at 1450-1850 us for 2-16 tokens in 16
+// lanes and 2100-2800 us for 32.
+constexpr int64_t kMaxDecodeTokens = kInt8MaxDecodeTokens;
+constexpr int64_t kDecodeRowChunk = 16;  // rows decode takes through every token at once
 
 template <DType kType>
 constexpr int64_t BlockBytes() {  // bytes of a 32-value block (q4_K: its share of 144)
@@ -230,19 +235,23 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
   }
 }
 
+// Floats of scratch one token's decode activations take (codes, dx2, off2, d, s).
+int64_t DecodeActsFloats(int64_t cols) {
+  const int64_t nb = cols / kQ8Block, pairs = CeilDiv(nb, 2);
+  return RoundUp(cols, 64) / 4 + 32 * pairs + 2 * RoundUp(nb, 16);
+}
+
+// Lays out one token's activations for DecodeRows in buf (DecodeActsFloats(cols), 64-byte aligned).
 template <DType kType>
-CACHET_INT8_TARGET void Decode(const float* x, const Matrix& w, const float* bias, float* y,
-                               ThreadPool& pool) {
-  const int64_t nb = w.cols / kQ8Block, pairs = CeilDiv(nb, 2);
-  // Codes, then dx2 and off2 (16 per pair), then s: the calling thread's scratch, 64-byte aligned.
-  const int64_t code_floats = RoundUp(w.cols, 64) / 4;
-  float* buf = ThreadScratch(kScratchInt8Acts, code_floats + 32 * pairs + 2 * RoundUp(nb, 16));
+CACHET_INT8_TARGET DecodeActs PrepareDecodeActs(const float* x, int64_t cols, float* buf) {
+  const int64_t nb = cols / kQ8Block, pairs = CeilDiv(nb, 2);
+  const int64_t code_floats = RoundUp(cols, 64) / 4;
   int8_t* q = reinterpret_cast<int8_t*>(buf);
   float* dx2 = buf + code_floats;
   int32_t* off2 = reinterpret_cast<int32_t*>(dx2 + 16 * pairs);
   float* d = reinterpret_cast<float*>(off2 + 16 * pairs);
   float* s = d + RoundUp(nb, 16);
-  QuantizeQ8(x, w.cols, q, d, s);
+  QuantizeQ8(x, cols, q, d, s);
   for (int64_t b = 0; b < nb; ++b) {
     int32_t sum = 0;
     for (int j = 0; j < 32; ++j) sum += q[b * 32 + j];
@@ -266,7 +275,21 @@ CACHET_INT8_TARGET void Decode(const float* x, const Matrix& w, const float* bia
       std::memcpy(q + b * 32 + 32, tmp, 16);
     }
   }
-  const DecodeActs a{q, dx2, off2, s};
+  return DecodeActs{q, dx2, off2, s};
+}
+
+// n <= kMaxDecodeTokens tokens, each by DecodeRows, so each gets the bits it gets alone. The
+// weights still stream from DRAM once: a task takes kDecodeRowChunk rows at a time through every
+// token, and the later tokens read them from L1/L2.
+template <DType kType>
+CACHET_INT8_TARGET void Decode(const float* x, int64_t n, const Matrix& w, const float* bias,
+                               float* y, int64_t y_stride, ThreadPool& pool) {
+  const int64_t nb = w.cols / kQ8Block, per_token = DecodeActsFloats(w.cols);
+  float* buf = ThreadScratch(kScratchInt8Acts, n * per_token);
+  DecodeActs acts[kMaxDecodeTokens];
+  for (int64_t t = 0; t < n; ++t) {
+    acts[t] = PrepareDecodeActs<kType>(x + t * w.cols, w.cols, buf + t * per_token);
+  }
   const uint8_t* base = static_cast<const uint8_t*>(w.data);
   const int64_t row_bytes = DTypeRowBytes(kType, w.cols);
   const bool parallel = w.rows * w.cols >= kMinParallelWeights;
@@ -274,8 +297,13 @@ CACHET_INT8_TARGET void Decode(const float* x, const Matrix& w, const float* bia
   // A few contiguous row blocks per thread, so that the pool balances a slow core.
   const int64_t block = std::max<int64_t>(CeilDiv(w.rows, 4 * threads), 4);
   RunTasks(pool, CeilDiv(w.rows, block), parallel, [&](int64_t task) {
-    DecodeRows<kType>(base, row_bytes, nb, task * block, std::min(w.rows, (task + 1) * block), a,
-                      bias, y);
+    const int64_t r_end = std::min(w.rows, (task + 1) * block);
+    for (int64_t r0 = task * block; r0 < r_end; r0 += kDecodeRowChunk) {
+      const int64_t r1 = std::min(r_end, r0 + kDecodeRowChunk);
+      for (int64_t t = 0; t < n; ++t) {
+        DecodeRows<kType>(base, row_bytes, nb, r0, r1, acts[t], bias, y + t * y_stride);
+      }
+    }
   });
 }
 
@@ -293,12 +321,12 @@ struct PrefillActs {
   int64_t nb;
 };
 
-// acc[r][g] over all blocks for kRows rows and kGroups token groups.
-template <DType kType>
+// acc[r][g] over all blocks for kRows rows and kG token groups.
+template <DType kType, int kG>
 CACHET_INT8_TARGET void PrefillTile(const uint8_t* const* rows, const float* const* scales,
                                     const PrefillActs& a, int64_t g0, float* out) {
   const int64_t nb = a.nb;
-  __m512 acc[kRows][kGroups];
+  __m512 acc[kRows][kG];
   for (auto& row : acc) {
     for (__m512& v : row) v = _mm512_setzero_ps();
   }
@@ -307,23 +335,23 @@ CACHET_INT8_TARGET void PrefillTile(const uint8_t* const* rows, const float* con
     for (int r = 0; r < kRows; ++r) {
       _mm256_store_si256(reinterpret_cast<__m256i*>(codes[r]), Codes<kType>(rows[r], b));
     }
-    __m512i sum[kRows][kGroups];
+    __m512i sum[kRows][kG];
     for (auto& row : sum) {
       for (__m512i& v : row) v = _mm512_setzero_si512();
     }
     for (int k = 0; k < 8; ++k) {
-      __m512i x[kGroups];
-      for (int g = 0; g < kGroups; ++g) {
+      __m512i x[kG];
+      for (int g = 0; g < kG; ++g) {
         x[g] = _mm512_load_si512(a.q + (((g0 + g) * nb + b) * 8 + k) * 64);
       }
       for (int r = 0; r < kRows; ++r) {
         int32_t quad;
         std::memcpy(&quad, codes[r] + 4 * k, 4);
         const __m512i w = _mm512_set1_epi32(quad);
-        for (int g = 0; g < kGroups; ++g) sum[r][g] = _mm512_dpbusd_epi32(sum[r][g], w, x[g]);
+        for (int g = 0; g < kG; ++g) sum[r][g] = _mm512_dpbusd_epi32(sum[r][g], w, x[g]);
       }
     }
-    for (int g = 0; g < kGroups; ++g) {
+    for (int g = 0; g < kG; ++g) {
       const __m512 dx = _mm512_load_ps(a.dx + ((g0 + g) * nb + b) * 16);
       const __m512 s = _mm512_load_ps(a.s + ((g0 + g) * nb + b) * 16);
       for (int r = 0; r < kRows; ++r) {
@@ -335,15 +363,15 @@ CACHET_INT8_TARGET void PrefillTile(const uint8_t* const* rows, const float* con
     }
   }
   for (int r = 0; r < kRows; ++r) {
-    for (int g = 0; g < kGroups; ++g) _mm512_storeu_ps(out + (r * kGroups + g) * kLanes, acc[r][g]);
+    for (int g = 0; g < kG; ++g) _mm512_storeu_ps(out + (r * kG + g) * kLanes, acc[r][g]);
   }
 }
 
-template <DType kType>
+template <DType kType, int kG>
 CACHET_INT8_TARGET void Prefill(const float* x, int64_t n, const Matrix& w, const float* bias,
                                 float* y, int64_t y_stride, ThreadPool& pool) {
   const int64_t nb = w.cols / kQ8Block;
-  const int64_t groups = CeilDiv(n, kLanes * kGroups) * kGroups;
+  const int64_t groups = CeilDiv(n, kLanes * kG) * kG;
   // Codes (groups * nb * 512 bytes), then dx and s (groups * nb * 16 floats each).
   const int64_t code_floats = groups * nb * 128;
   float* buf = ThreadScratch(kScratchInt8Acts, code_floats + 2 * groups * nb * 16);
@@ -405,20 +433,30 @@ CACHET_INT8_TARGET void Prefill(const float* x, int64_t n, const Matrix& w, cons
           rows[i] = base + rr * row_bytes;
           sc[i] = scales + 2 * (rr - r_begin) * nb;
         }
-        for (int64_t g0 = c0; g0 < c1; g0 += kGroups) {
-          alignas(64) float out[kRows * kGroups * kLanes];
-          PrefillTile<kType>(rows, sc, a, g0, out);
+        for (int64_t g0 = c0; g0 < c1; g0 += kG) {
+          alignas(64) float out[kRows * kG * kLanes];
+          PrefillTile<kType, kG>(rows, sc, a, g0, out);
           for (int i = 0; i < nr; ++i) {
             const float b = bias != nullptr ? bias[r0 + i] : 0.0f;
-            for (int64_t j = 0; j < kGroups * kLanes; ++j) {
+            for (int64_t j = 0; j < kG * kLanes; ++j) {
               const int64_t t = g0 * kLanes + j;
-              if (t < n) y[t * y_stride + r0 + i] = out[i * kGroups * kLanes + j] + b;
+              if (t < n) y[t * y_stride + r0 + i] = out[i * kG * kLanes + j] + b;
             }
           }
         }
       }
     }
   });
+}
+
+// Which path takes n tokens: decode's matrix-vector rows while weights dominate (a batch of
+// decoding sequences), prefill's token lanes beyond, in tiles of 16 tokens up to 32, then 32.
+template <DType kType>
+void Dispatch(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
+              int64_t y_stride, ThreadPool& pool) {
+  if (n <= kMaxDecodeTokens) return Decode<kType>(x, n, w, bias, y, y_stride, pool);
+  if (n <= kLanes) return Prefill<kType, 1>(x, n, w, bias, y, y_stride, pool);
+  return Prefill<kType, 2>(x, n, w, bias, y, y_stride, pool);
 }
 
 }  // namespace
@@ -466,14 +504,11 @@ void Int8MatMul(const float* x, int64_t n, const Matrix& w, const float* bias, f
   if (n <= 0 || w.rows <= 0) return;
   switch (w.dtype) {
     case DType::kQ4_0:
-      return n == 1 ? Decode<DType::kQ4_0>(x, w, bias, y, pool)
-                    : Prefill<DType::kQ4_0>(x, n, w, bias, y, y_stride, pool);
+      return Dispatch<DType::kQ4_0>(x, n, w, bias, y, y_stride, pool);
     case DType::kQ8_0:
-      return n == 1 ? Decode<DType::kQ8_0>(x, w, bias, y, pool)
-                    : Prefill<DType::kQ8_0>(x, n, w, bias, y, y_stride, pool);
+      return Dispatch<DType::kQ8_0>(x, n, w, bias, y, y_stride, pool);
     case DType::kQ4_K:
-      return n == 1 ? Decode<DType::kQ4_K>(x, w, bias, y, pool)
-                    : Prefill<DType::kQ4_K>(x, n, w, bias, y, y_stride, pool);
+      return Dispatch<DType::kQ4_K>(x, n, w, bias, y, y_stride, pool);
     default:
       return ref::MatMul(x, n, w, bias, y, y_stride, pool);
   }
