@@ -2,7 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <map>
+#include <numeric>
+#include <random>
 
 namespace cachet {
 namespace {
@@ -59,6 +63,73 @@ TEST(Sampler, TopPAndMinPTruncate) {
     auto l = Logits();
     const int x = m.Sample(l, {});
     EXPECT_TRUE(x == 1 || x == 2) << x;
+  }
+}
+
+// The kept tokens and their probabilities as the filters define them, by sorting everything:
+// top_k, then softmax over those, min_p against the most likely, then the top_p prefix.
+std::map<int, double> Expected(const std::vector<float>& logits, const SamplingParams& p) {
+  std::vector<int> ids(logits.size());
+  std::iota(ids.begin(), ids.end(), 0);
+  std::sort(ids.begin(), ids.end(), [&](int a, int b) { return logits[a] > logits[b]; });
+  if (p.top_k > 0 && size_t(p.top_k) < ids.size()) ids.resize(p.top_k);
+  std::vector<double> pr;
+  double sum = 0;
+  for (int id : ids) sum += std::exp(double(logits[id] - logits[ids[0]]) / p.temperature);
+  for (int id : ids)
+    pr.push_back(std::exp(double(logits[id] - logits[ids[0]]) / p.temperature) / sum);
+  size_t n = ids.size();
+  if (p.min_p > 0)
+    n = std::count_if(pr.begin(), pr.end(), [&](double x) { return x >= p.min_p * pr[0]; });
+  if (p.top_p < 1) {
+    double cum = 0;
+    size_t keep = 0;
+    while (keep < n && cum < p.top_p) cum += pr[keep++];
+    n = keep;
+  }
+  std::map<int, double> out;
+  double total = 0;
+  for (size_t i = 0; i < n; ++i) total += pr[i];
+  for (size_t i = 0; i < n; ++i) out[ids[i]] = pr[i] / total;
+  return out;
+}
+
+// A large vocabulary, where the top_p prefix runs past the first 64 tokens sorted: each token's
+// frequency matches its probability under the filters, and no filtered-out token is drawn.
+TEST(Sampler, LargeVocabularyMatchesTheFiltersExactly) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> dist(0.0f, 1.5f);
+  std::vector<float> logits(1000);
+  for (float& l : logits) l = dist(rng);
+  struct Case {
+    float temperature, top_p, min_p;
+    int top_k;
+  } cases[] = {{1.0f, 0.9f, 0.0f, 0},    {0.7f, 0.5f, 0.0f, 0},    {1.0f, 1.0f, 0.05f, 0},
+               {0.8f, 0.95f, 0.05f, 40}, {1.3f, 0.3f, 0.01f, 300}, {1.0f, 1.0f, 0.0f, 0}};
+  for (const Case& c : cases) {
+    SamplingParams p;
+    p.temperature = c.temperature;
+    p.top_p = c.top_p;
+    p.min_p = c.min_p;
+    p.top_k = c.top_k;
+    const std::map<int, double> expect = Expected(logits, p);
+    Sampler s(p, static_cast<int>(logits.size()));
+    std::map<int, int> counts;
+    const int draws = 20000;
+    for (int i = 0; i < draws; ++i) {
+      std::vector<float> l = logits;
+      ++counts[s.Sample(l, {})];
+    }
+    const std::string what = "T " + std::to_string(c.temperature) + " top_p " +
+                             std::to_string(c.top_p) + " min_p " + std::to_string(c.min_p) +
+                             " top_k " + std::to_string(c.top_k) + " (" +
+                             std::to_string(expect.size()) + " kept)";
+    for (const auto& [id, n] : counts) ASSERT_TRUE(expect.count(id)) << what << ": drew " << id;
+    for (const auto& [id, q] : expect) {
+      const double mean = q * draws, sd = std::sqrt(draws * q * (1 - q));
+      const int got = counts.count(id) ? counts[id] : 0;
+      ASSERT_LE(std::abs(got - mean), 5 * sd + 1) << what << ": token " << id;
+    }
   }
 }
 

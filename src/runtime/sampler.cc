@@ -31,6 +31,8 @@ int32_t Sampler::Sample(std::span<float> logits, std::span<const int32_t> histor
   }
   if (p_.temperature <= 0.0f) return ArgMax(logits);
 
+  // Only what the filters keep is ever sorted: a vocabulary of 150k tokens sorted per token per
+  // sequence would cost a batched decode step milliseconds.
   cand_.clear();
   for (size_t i = 0; i < logits.size(); ++i) {
     cand_.push_back({logits[i] / p_.temperature, static_cast<int32_t>(i)});
@@ -39,43 +41,51 @@ int32_t Sampler::Sample(std::span<float> logits, std::span<const int32_t> histor
   size_t k = cand_.size();
   if (p_.top_k > 0 && static_cast<size_t>(p_.top_k) < k) {
     k = p_.top_k;
-    std::partial_sort(cand_.begin(), cand_.begin() + k, cand_.end(), by_logit);
+    std::nth_element(cand_.begin(), cand_.begin() + (k - 1), cand_.end(), by_logit);
     cand_.resize(k);
-  } else {
-    std::sort(cand_.begin(), cand_.end(), by_logit);
   }
-  // Softmax over the survivors (sorted, so cand_[0] holds the max).
+  // Softmax over the top k (unnormalized: exp(logit - max), and their sum).
+  float max = cand_[0].logit;
+  for (const Candidate& c : cand_) max = std::max(max, c.logit);
   probs_.resize(k);
   double sum = 0.0;
-  for (size_t i = 0; i < k; ++i) {
-    probs_[i] = std::exp(cand_[i].logit - cand_[0].logit);
-    sum += probs_[i];
-  }
-  for (size_t i = 0; i < k; ++i) probs_[i] = static_cast<float>(probs_[i] / sum);
+  for (size_t i = 0; i < k; ++i) sum += std::exp(static_cast<double>(cand_[i].logit - max));
+  // min_p: tokens at least min_p times as likely as the most likely one.
+  size_t n = k;
   if (p_.min_p > 0.0f) {
-    const float floor = p_.min_p * probs_[0];
-    size_t keep = 1;
-    while (keep < k && probs_[keep] >= floor) ++keep;
-    k = keep;
+    const float floor = max + std::log(p_.min_p);
+    n = std::partition(cand_.begin(), cand_.end(),
+                       [&](const Candidate& c) { return c.logit >= floor; }) -
+        cand_.begin();
   }
+  // top_p: the most likely tokens whose probabilities (over the top k) reach top_p, found by
+  // sorting a growing prefix rather than everything.
   if (p_.top_p < 1.0f) {
-    double cum = 0.0;
-    size_t keep = 0;
-    while (keep < k) {
-      cum += probs_[keep++];
-      if (cum >= p_.top_p) break;
+    for (size_t m = std::min<size_t>(n, 64);; m = std::min(n, 4 * m)) {
+      std::partial_sort(cand_.begin(), cand_.begin() + m, cand_.begin() + n, by_logit);
+      double cum = 0.0;
+      size_t keep = 0;
+      while (keep < m && cum < p_.top_p) {
+        cum += std::exp(static_cast<double>(cand_[keep++].logit - max)) / sum;
+      }
+      if (cum >= p_.top_p || m == n) {
+        n = keep;
+        break;
+      }
     }
-    k = keep;
   }
   double total = 0.0;
-  for (size_t i = 0; i < k; ++i) total += probs_[i];
+  for (size_t i = 0; i < n; ++i) {
+    probs_[i] = static_cast<float>(std::exp(static_cast<double>(cand_[i].logit - max)) / sum);
+    total += probs_[i];
+  }
   std::uniform_real_distribution<double> uni(0.0, total);
   double r = uni(rng_);
-  for (size_t i = 0; i < k; ++i) {
+  for (size_t i = 0; i < n; ++i) {
     r -= probs_[i];
     if (r <= 0.0) return cand_[i].id;
   }
-  return cand_[k - 1].id;
+  return cand_[n - 1].id;
 }
 
 }  // namespace cachet
