@@ -71,6 +71,20 @@ struct KvStats {
   std::string ToString() const;  // a few human-readable lines
 };
 
+// What a saved cache file (Session::Save) holds, read and checked without a model.
+struct SavedCacheInfo {
+  std::string codec_k, codec_v;  // the engine options it needs: kv_codec_k / kv_codec_v,
+  int page_tokens = 0;           // page_tokens, kv_sinks, kv_window
+  int sinks = 0, window = 0;
+  std::string cold_codec;   // demoted tokens' codec ("" for none)
+  std::string compression;  // as given to Save
+  int n_tokens = 0;         // tokens of the context it caches
+  int64_t held_rows = 0;    // token rows kept over all (layer, KV head) tables
+  int64_t page_bytes = 0;   // bytes of the pages stored
+  uint64_t model_hash = 0;  // of the model's weights (a sample of every tensor)
+};
+Result<SavedCacheInfo> ReadSavedCacheInfo(const std::string& path);
+
 // The model directory used when none is given (the embedded kvtiny).
 std::string DefaultModelDir();
 
@@ -147,6 +161,11 @@ class Session {
   std::unique_ptr<Session> Fork() const;
   // Offers this session's full pages to the prefix cache (Generate does it when it ends).
   void Publish();
+  // Saves the KV cache as it stands (compressed or not: evicted tokens stay gone, demoted ones
+  // cold, every page in its own codec) with the tokens and last logits to a file that
+  // Engine::LoadSession continues from, in this or another process (written to a temporary file,
+  // then renamed). compression: how it was made, for `cachet cache info` ("expected ratio 0.75").
+  Status Save(const std::string& path, std::string_view compression = {}) const;
 
   // Presses (kv/press). ObserveForPress makes the following Evals gather the attention weights
   // attention-based presses score by, for a prompt that ends at token position `end` (prefix
@@ -204,6 +223,11 @@ class Engine {
   // cache_salt isolates tenants: sessions of different salts never share cached pages, so one
   // tenant's cached prompt cannot speed up (and so leak through timing to) another's.
   std::unique_ptr<Session> NewSession(std::string_view cache_salt = {});
+  // A session continuing from a file Session::Save wrote. A file of another model or KV layout
+  // (codecs, page size, sinks, window) is FailedPrecondition naming what differs; a damaged one
+  // DataLoss; a pool without room for its pages ResourceExhausted. Nothing changes on error.
+  Result<std::unique_ptr<Session>> LoadSession(const std::string& path,
+                                               std::string_view cache_salt = {});
   // Tokenizes prompt (BOS added as the tokenizer says) and generates in a fresh session.
   Result<GenerateResult> Generate(std::string_view prompt, const GenerateOptions& options,
                                   const TextCallback& on_text = nullptr,

@@ -28,6 +28,14 @@ void PagedSequence::Clear() {
   n_tokens_ = 0;
 }
 
+void PagedSequence::Adopt(std::vector<BlockTable> tables, std::vector<BlockTable> cold_tables,
+                          int n_tokens) {
+  Clear();
+  tables_ = std::move(tables);
+  cold_tables_ = std::move(cold_tables);
+  n_tokens_ = n_tokens;
+}
+
 std::unique_ptr<PagedSequence> PagedSequence::Fork() const {
   auto child = std::make_unique<PagedSequence>(pool_);
   child->n_tokens_ = n_tokens_;

@@ -121,6 +121,17 @@ class PagedSequence final : public KvSequence {
     return table(layer, kv_head).quest.bounds();
   }
 
+  // Saving and loading (kv/sequence_file.h): the tables as they stand, and adopting tables whose
+  // pages (one reference each, held) came from a file; the sequence must be empty (Clear).
+  PagePool& pool() const { return pool_; }
+  const std::vector<BlockTable>& tables() const { return tables_; }
+  const std::vector<BlockTable>& cold_tables() const { return cold_tables_; }
+  PagePool* cold_pool() const { return cold_pool_; }
+  double cold_fetch() const { return cold_fetch_; }
+  int quest_pages() const { return quest_pages_; }
+  double quest_keep() const { return quest_keep_; }
+  void Adopt(std::vector<BlockTable> tables, std::vector<BlockTable> cold_tables, int n_tokens);
+
   int n_tokens() const { return n_tokens_; }  // tokens committed to the sequence
   const KvLayout& layout() const { return pool_.layout(); }
   int head_length(int layer, int kv_head) const { return table(layer, kv_head).n_tokens; }

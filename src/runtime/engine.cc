@@ -14,6 +14,7 @@
 #include "kv/tiers/kv_tiers.h"
 #include "kv/tiers/redis_tier.h"
 #include "model/transformer.h"
+#include "runtime/kv_namespace.h"
 #include "runtime/sampler.h"
 #include "util/mmap_file.h"
 #include "util/thread_pool.h"
@@ -30,8 +31,6 @@ double MsSince(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 }  // namespace
-
-namespace {
 
 // What a stored KV page depends on: the weights (a sample of each tensor's bytes, with the tensor
 // table: identical files give identical hashes wherever they live, and weights that differ
@@ -71,8 +70,6 @@ tiers::TierNamespace TierNamespaceOf(const Transformer& model, const KvLayout& l
                               std::to_string(r.original_max_position_embeddings);
   return ns;
 }
-
-}  // namespace
 
 Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
   std::unique_ptr<Engine> e(new Engine());

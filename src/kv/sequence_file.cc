@@ -1,0 +1,405 @@
+#include "kv/sequence_file.h"
+
+#include <xxhash.h>
+
+#include <cstring>
+
+#include "kv/codecs/codec.h"
+
+namespace cachet {
+namespace {
+
+constexpr char kMagic[4] = {'C', 'K', 'V', 'C'};
+constexpr uint8_t kRawPage = 0, kCodecPage = 1;
+// Bounds a file may declare: a corrupt or forged one must not make a reader allocate more.
+constexpr uint32_t kMaxString = 4096;
+constexpr uint32_t kMaxTokens = 1u << 24;
+constexpr uint32_t kMaxLogits = 1u << 24;
+constexpr uint32_t kMaxTables = 1u << 16;
+
+class Writer {
+ public:
+  template <class T>
+  void Put(T v) {
+    out_.append(reinterpret_cast<const char*>(&v), sizeof(T));
+  }
+  void PutString(std::string_view s) {
+    Put<uint32_t>(static_cast<uint32_t>(s.size()));
+    out_.append(s);
+  }
+  template <class T>
+  void PutVector(const std::vector<T>& v) {
+    Put<uint32_t>(static_cast<uint32_t>(v.size()));
+    Bytes(v.data(), v.size() * sizeof(T));
+  }
+  void Bytes(const void* p, size_t n) { out_.append(static_cast<const char*>(p), n); }
+  std::string& out() { return out_; }
+
+ private:
+  std::string out_;
+};
+
+// Reads with bounds checks; the first failure sticks and names the field.
+class Reader {
+ public:
+  explicit Reader(std::span<const uint8_t> b) : b_(b) {}
+  template <class T>
+  T Get(const char* what) {
+    T v{};
+    if (Need(sizeof(T), what)) std::memcpy(&v, b_.data() + at_, sizeof(T));
+    at_ += ok() ? sizeof(T) : 0;
+    return v;
+  }
+  std::string GetString(const char* what) {
+    const uint32_t n = Get<uint32_t>(what);
+    if (ok() && n > kMaxString) Fail(what, "longer than " + std::to_string(kMaxString) + " bytes");
+    if (!Need(n, what)) return {};
+    std::string s(reinterpret_cast<const char*>(b_.data() + at_), n);
+    at_ += n;
+    return s;
+  }
+  template <class T>
+  std::vector<T> GetVector(uint32_t max, const char* what) {
+    const uint32_t n = Get<uint32_t>(what);
+    if (ok() && n > max)
+      Fail(what, std::to_string(n) + " entries, more than " + std::to_string(max));
+    if (!Need(size_t{n} * sizeof(T), what)) return {};
+    std::vector<T> v(n);
+    std::memcpy(v.data(), b_.data() + at_, n * sizeof(T));
+    at_ += n * sizeof(T);
+    return v;
+  }
+  const uint8_t* Take(size_t n, const char* what) {
+    if (!Need(n, what)) return nullptr;
+    const uint8_t* p = b_.data() + at_;
+    at_ += n;
+    return p;
+  }
+  bool Need(size_t n, const char* what) {
+    if (!ok()) return false;
+    if (b_.size() - at_ < n) Fail(what, "the file ends first (truncated)");
+    return ok();
+  }
+  void Fail(const char* what, const std::string& why) {
+    if (ok()) status_ = DataLoss(std::string("saved cache: ") + what + ": " + why);
+  }
+  bool ok() const { return status_.ok(); }
+  size_t at() const { return at_; }
+  const Status& status() const { return status_; }
+
+ private:
+  std::span<const uint8_t> b_;
+  size_t at_ = 0;
+  Status status_;
+};
+
+void PutNamespace(Writer& w, const tiers::TierNamespace& ns) {
+  w.Put<uint64_t>(ns.model_hash);
+  w.PutString(ns.codec_k);
+  w.PutString(ns.codec_v);
+  w.Put<int32_t>(ns.page_tokens);
+  w.Put<int32_t>(ns.n_layers);
+  w.Put<int32_t>(ns.n_kv_heads);
+  w.Put<int32_t>(ns.head_dim);
+  w.Put<double>(ns.rope_theta);
+  w.PutString(ns.rope_scaling);
+  w.Put<int32_t>(ns.sinks);
+  w.Put<int32_t>(ns.window);
+  w.Put<uint32_t>(ns.payload_layout);
+}
+
+tiers::TierNamespace GetNamespace(Reader& r) {
+  tiers::TierNamespace ns;
+  ns.model_hash = r.Get<uint64_t>("model hash");
+  ns.codec_k = r.GetString("K codec");
+  ns.codec_v = r.GetString("V codec");
+  ns.page_tokens = r.Get<int32_t>("page tokens");
+  ns.n_layers = r.Get<int32_t>("layers");
+  ns.n_kv_heads = r.Get<int32_t>("KV heads");
+  ns.head_dim = r.Get<int32_t>("head dim");
+  ns.rope_theta = r.Get<double>("RoPE theta");
+  ns.rope_scaling = r.GetString("RoPE scaling");
+  ns.sinks = r.Get<int32_t>("sinks");
+  ns.window = r.Get<int32_t>("window");
+  ns.payload_layout = r.Get<uint32_t>("payload layout");
+  return ns;
+}
+
+// The layout a namespace describes (page sizes of both kinds), for reading pages without a model.
+Result<KvLayout> LayoutOf(const tiers::TierNamespace& ns) {
+  KvLayout l;
+  l.n_layers = ns.n_layers;
+  l.n_kv_heads = ns.n_kv_heads;
+  l.head_dim = ns.head_dim;
+  l.page_tokens = ns.page_tokens;
+  l.sinks = ns.sinks;
+  l.window = ns.window;
+  if (l.n_layers <= 0 || l.n_kv_heads <= 0 || l.head_dim <= 0 || l.page_tokens <= 0 ||
+      int64_t{l.n_layers} * l.n_kv_heads > kMaxTables || l.head_dim > 4096 ||
+      l.page_tokens > 4096) {
+    return DataLoss("saved cache: impossible layout (" + std::to_string(l.n_layers) + " layers, " +
+                    std::to_string(l.n_kv_heads) + " KV heads, head dim " +
+                    std::to_string(l.head_dim) + ", " + std::to_string(l.page_tokens) +
+                    "-token pages)");
+  }
+  auto k = codecs::ParseCodec(ns.codec_k);
+  auto v = codecs::ParseCodec(ns.codec_v);
+  if (!k.ok() || !v.ok()) {
+    return DataLoss("saved cache: unknown codec " + ns.codec_k + "/" + ns.codec_v);
+  }
+  l.codec_k = *k;
+  l.codec_v = *v;
+  return l;
+}
+
+KvLayout ColdLayoutOf(KvLayout l, codecs::Codec c) {
+  l.codec_k = l.codec_v = c;
+  l.sinks = l.window = 0;
+  return l;
+}
+
+size_t DataBytes(const KvLayout& l, bool codec_page) {
+  return codec_page ? l.codec_k_bytes() + l.codec_v_bytes() : l.raw_data_bytes();
+}
+
+struct Header {
+  SequenceFileInfo info;
+  SequenceImage image;
+  int32_t seq_tokens = 0;  // tokens committed to the sequence
+  uint32_t n_tables = 0, n_cold = 0;
+};
+
+// Checks the whole file and reads everything up to the tables.
+Result<Header> ParseHeader(Reader& r, std::span<const uint8_t> bytes) {
+  const uint8_t* magic = r.Take(4, "magic");
+  if (!r.ok() || std::memcmp(magic, kMagic, 4) != 0) {
+    return DataLoss("saved cache: not a Cachet cache file (no CKVC magic)");
+  }
+  // The checksum first: a damaged version field is damage, an intact one another format.
+  if (bytes.size() < 16) return DataLoss("saved cache: truncated");
+  uint64_t sum;
+  std::memcpy(&sum, bytes.data() + bytes.size() - 8, 8);
+  if (XXH3_64bits(bytes.data(), bytes.size() - 8) != sum) {
+    return DataLoss("saved cache: checksum mismatch (the file is damaged or truncated)");
+  }
+  const uint32_t version = r.Get<uint32_t>("version");
+  if (r.ok() && version != kSequenceFileVersion) {
+    return FailedPrecondition("saved cache: format version " + std::to_string(version) +
+                              ", this build reads version " + std::to_string(kSequenceFileVersion));
+  }
+  Header h;
+  h.info.ns = GetNamespace(r);
+  h.info.cold_codec = r.GetString("cold codec");
+  h.info.cold_fetch = r.Get<double>("cold fetch");
+  h.info.quest_pages = r.Get<int32_t>("quest pages");
+  h.info.quest_keep = r.Get<double>("quest keep");
+  h.image.compression = h.info.compression = r.GetString("compression");
+  h.image.tokens = r.GetVector<int32_t>(kMaxTokens, "tokens");
+  h.image.pending = r.GetVector<int32_t>(kMaxTokens, "pending tokens");
+  h.image.logits = r.GetVector<float>(kMaxLogits, "logits");
+  h.info.n_tokens = static_cast<int32_t>(h.image.tokens.size());
+  h.seq_tokens = r.Get<int32_t>("sequence tokens");
+  if (r.ok() && (h.seq_tokens < 0 || uint32_t(h.seq_tokens) > kMaxTokens)) {
+    r.Fail("sequence tokens", std::to_string(h.seq_tokens));
+  }
+  h.n_tables = r.Get<uint32_t>("tables");
+  h.n_cold = r.Get<uint32_t>("cold tables");
+  if (!r.ok()) return r.status();
+  return h;
+}
+
+// Walks the tables, checking their sizes and page kinds: fn.table(index, cold, tokens) for each,
+// fn.page(index, cold, codec, data, bytes, positions, bytes) for each of its pages.
+template <class Fn>
+Status WalkTables(Reader& r, const Header& h, const KvLayout& hot, const KvLayout* cold, Fn& fn) {
+  const uint32_t heads = static_cast<uint32_t>(hot.heads_total());
+  if (h.n_tables != heads || (h.n_cold != 0 && h.n_cold != heads) || (h.n_cold != 0) != !!cold) {
+    return DataLoss("saved cache: " + std::to_string(h.n_tables) + " tables and " +
+                    std::to_string(h.n_cold) + " cold ones for " + std::to_string(heads) +
+                    " (layer, KV head) pairs");
+  }
+  const size_t pos_bytes = hot.page_tokens * sizeof(int32_t);
+  for (uint32_t t = 0; t < h.n_tables + h.n_cold; ++t) {
+    const bool is_cold = t >= h.n_tables;
+    const KvLayout& l = is_cold ? *cold : hot;
+    const int32_t n_tokens = r.Get<int32_t>("table tokens");
+    const uint32_t n_pages = r.Get<uint32_t>("table pages");
+    if (!r.ok()) return r.status();
+    if (n_tokens < 0 || n_pages != (uint32_t(n_tokens) + l.page_tokens - 1) / l.page_tokens) {
+      return DataLoss("saved cache: table " + std::to_string(t) + " holds " +
+                      std::to_string(n_pages) + " pages for " + std::to_string(n_tokens) +
+                      " tokens");
+    }
+    fn.table(t, is_cold, n_tokens);
+    for (uint32_t p = 0; p < n_pages; ++p) {
+      const uint8_t kind = r.Get<uint8_t>("page kind");
+      if (r.ok() && (kind > kCodecPage || (kind == kCodecPage && l.plain()))) {
+        return DataLoss("saved cache: page " + std::to_string(p) + " of table " +
+                        std::to_string(t) + " has an impossible kind");
+      }
+      const size_t n = DataBytes(l, kind == kCodecPage);
+      const uint8_t* data = r.Take(n, "page data");
+      const uint8_t* pos = r.Take(pos_bytes, "page positions");
+      if (!r.ok()) return r.status();
+      fn.page(t, is_cold, kind == kCodecPage, data, n, pos, pos_bytes);
+    }
+  }
+  return r.status();
+}
+
+// Explains why a file's namespace is not the engine's, naming the flags that decide it.
+std::string Mismatch(const tiers::TierNamespace& file, const tiers::TierNamespace& engine) {
+  auto diff = [](const std::string& what, const std::string& a, const std::string& b) {
+    return a == b ? std::string() : "; " + what + " " + a + " (this engine: " + b + ")";
+  };
+  std::string d;
+  if (file.model_hash != engine.model_hash) {
+    d += "; another model (its weights differ from -m's)";
+  }
+  d += diff("K/V codecs (--ctk/--ctv)", file.codec_k + "/" + file.codec_v,
+            engine.codec_k + "/" + engine.codec_v);
+  d += diff("--page-tokens", std::to_string(file.page_tokens), std::to_string(engine.page_tokens));
+  d += diff("--kv-sinks", std::to_string(file.sinks), std::to_string(engine.sinks));
+  d += diff("--kv-window", std::to_string(file.window), std::to_string(engine.window));
+  d += diff("layers x KV heads x head dim",
+            std::to_string(file.n_layers) + "x" + std::to_string(file.n_kv_heads) + "x" +
+                std::to_string(file.head_dim),
+            std::to_string(engine.n_layers) + "x" + std::to_string(engine.n_kv_heads) + "x" +
+                std::to_string(engine.head_dim));
+  if (d.empty()) d = "; RoPE parameters or format details differ";
+  return "saved cache: made for another model or KV layout" + d;
+}
+
+}  // namespace
+
+std::string SaveSequence(const PagedSequence& seq, const tiers::TierNamespace& ns,
+                         const SequenceImage& image) {
+  Writer w;
+  w.Bytes(kMagic, 4);
+  w.Put<uint32_t>(kSequenceFileVersion);
+  PutNamespace(w, ns);
+  PagePool* cold = seq.cold_tables().empty() ? nullptr : seq.cold_pool();
+  w.PutString(cold ? codecs::CodecName(cold->layout().codec_k) : "");
+  w.Put<double>(seq.cold_fetch());
+  w.Put<int32_t>(seq.quest_pages());
+  w.Put<double>(seq.quest_keep());
+  w.PutString(image.compression);
+  w.PutVector(image.tokens);
+  w.PutVector(image.pending);
+  w.PutVector(image.logits);
+  w.Put<int32_t>(seq.n_tokens());
+  w.Put<uint32_t>(static_cast<uint32_t>(seq.tables().size()));
+  w.Put<uint32_t>(cold ? static_cast<uint32_t>(seq.cold_tables().size()) : 0);
+  auto put_table = [&](const BlockTable& t, const PagePool& pool) {
+    w.Put<int32_t>(t.n_tokens);
+    const size_t n_pages =
+        (size_t(t.n_tokens) + pool.layout().page_tokens - 1) / pool.layout().page_tokens;
+    w.Put<uint32_t>(static_cast<uint32_t>(n_pages));
+    for (size_t p = 0; p < n_pages; ++p) {
+      const int32_t page = t.pages[p];
+      const bool codec = IsCodecPage(page);
+      w.Put<uint8_t>(codec ? kCodecPage : kRawPage);
+      w.Bytes(pool.data(page), pool.data_bytes(codec));
+      w.Bytes(pool.positions(page), pool.layout().page_tokens * sizeof(int32_t));
+    }
+  };
+  // The sequence's pool is the one its tables' pages live in.
+  const PagePool& hot = seq.pool();
+  for (const BlockTable& t : seq.tables()) put_table(t, hot);
+  if (cold) {
+    for (const BlockTable& t : seq.cold_tables()) put_table(t, *cold);
+  }
+  w.Put<uint64_t>(XXH3_64bits(w.out().data(), w.out().size()));
+  return std::move(w.out());
+}
+
+Result<SequenceFileInfo> ReadSequenceInfo(std::span<const uint8_t> bytes) {
+  Reader r(bytes);
+  CACHET_ASSIGN_OR_RETURN(Header h, ParseHeader(r, bytes));
+  CACHET_ASSIGN_OR_RETURN(KvLayout hot, LayoutOf(h.info.ns));
+  KvLayout cold_layout;
+  if (!h.info.cold_codec.empty()) {
+    CACHET_ASSIGN_OR_RETURN(codecs::Codec c, codecs::ParseCodec(h.info.cold_codec));
+    cold_layout = ColdLayoutOf(hot, c);
+  }
+  struct {
+    SequenceFileInfo* info;
+    void table(uint32_t, bool, int32_t n) { info->held_rows += n; }
+    void page(uint32_t, bool, bool, const uint8_t*, size_t n, const uint8_t*, size_t pn) {
+      info->page_bytes += static_cast<int64_t>(n + pn);
+    }
+  } count{&h.info};
+  CACHET_RETURN_IF_ERROR(
+      WalkTables(r, h, hot, h.info.cold_codec.empty() ? nullptr : &cold_layout, count));
+  if (r.at() + 8 != bytes.size()) return DataLoss("saved cache: trailing bytes after the tables");
+  return h.info;
+}
+
+Status LoadSequence(std::span<const uint8_t> bytes, const tiers::TierNamespace& ns,
+                    const std::function<Result<PagePool*>(std::string_view codec)>& cold_pool_for,
+                    PagedSequence* seq, SequenceImage* image) {
+  if (seq->n_tokens() != 0 || seq->pages_held() != 0) {
+    return FailedPrecondition("a saved cache loads into an empty session only");
+  }
+  // Everything is checked, and pages counted, before one is allocated.
+  CACHET_ASSIGN_OR_RETURN(SequenceFileInfo info, ReadSequenceInfo(bytes));
+  if (tiers::NamespaceKey(info.ns) != tiers::NamespaceKey(ns)) {
+    return FailedPrecondition(Mismatch(info.ns, ns));
+  }
+  PagePool& hot = seq->pool();
+  PagePool* cold = nullptr;
+  if (!info.cold_codec.empty()) {
+    CACHET_ASSIGN_OR_RETURN(cold, cold_pool_for(info.cold_codec));
+  }
+  Reader r(bytes);
+  CACHET_ASSIGN_OR_RETURN(Header h, ParseHeader(r, bytes));
+  const Reader start = r;
+  // Pass 1: pages of each kind per pool.
+  struct Count {
+    int n[4] = {0, 0, 0, 0};  // hot raw, hot codec, cold raw, cold codec
+    void table(uint32_t, bool, int32_t) {}
+    void page(uint32_t, bool is_cold, bool is_codec, const uint8_t*, size_t, const uint8_t*,
+              size_t) {
+      ++n[(is_cold ? 2 : 0) + (is_codec ? 1 : 0)];
+    }
+  } c;
+  CACHET_RETURN_IF_ERROR(WalkTables(r, h, hot.layout(), cold ? &cold->layout() : nullptr, c));
+  std::vector<int32_t> raw, codec, cold_raw, cold_codec;
+  CACHET_RETURN_IF_ERROR(hot.Alloc(c.n[0], c.n[1], &raw, &codec));
+  if (cold) {
+    if (Status s = cold->Alloc(c.n[2], c.n[3], &cold_raw, &cold_codec); !s.ok()) {
+      for (int32_t p : raw) hot.Unref(p);
+      for (int32_t p : codec) hot.Unref(p);
+      return s;
+    }
+  }
+  // Pass 2: copy the pages in.
+  std::vector<BlockTable> tables(h.n_tables), cold_tables(h.n_cold);
+  struct Fill {
+    PagePool* pools[2];
+    std::vector<BlockTable>* tables[2];
+    std::vector<int32_t>* pages[4];
+    size_t next[4] = {0, 0, 0, 0};
+    BlockTable& Table(uint32_t t, bool is_cold) {
+      return (*tables[is_cold])[is_cold ? t - tables[0]->size() : t];
+    }
+    void table(uint32_t t, bool is_cold, int32_t n) { Table(t, is_cold).n_tokens = n; }
+    void page(uint32_t t, bool is_cold, bool is_codec, const uint8_t* data, size_t n,
+              const uint8_t* pos, size_t pn) {
+      const int which = (is_cold ? 2 : 0) + (is_codec ? 1 : 0);
+      const int32_t page = (*pages[which])[next[which]++];
+      std::memcpy(pools[is_cold]->data(page), data, n);
+      std::memcpy(pools[is_cold]->positions(page), pos, pn);
+      Table(t, is_cold).pages.push_back(page);
+    }
+  } fill{{&hot, cold}, {&tables, &cold_tables}, {&raw, &codec, &cold_raw, &cold_codec}};
+  r = start;
+  CACHET_RETURN_IF_ERROR(WalkTables(r, h, hot.layout(), cold ? &cold->layout() : nullptr, fill));
+  seq->Adopt(std::move(tables), std::move(cold_tables), h.seq_tokens);
+  if (cold) seq->set_cold_pool(cold, info.cold_fetch);
+  seq->set_quest(info.quest_pages, info.quest_keep);
+  *image = std::move(h.image);
+  return OkStatus();
+}
+
+}  // namespace cachet

@@ -1,0 +1,103 @@
+// Session::Save, Engine::LoadSession and ReadSavedCacheInfo: a session's KV cache as a file
+// (kv/sequence_file.h holds the format).
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+#include <iterator>
+
+#include "cachet/engine.h"
+#include "kv/codecs/codec.h"
+#include "kv/sequence_file.h"
+#include "runtime/kv_namespace.h"
+
+namespace cachet {
+namespace {
+
+Result<std::vector<uint8_t>> ReadWhole(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return NotFound("saved cache " + path + ": cannot open it");
+  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)),
+                             std::istreambuf_iterator<char>());
+  if (in.bad()) return DataLoss("saved cache " + path + ": read error");
+  return bytes;
+}
+
+Status Prefixed(const std::string& path, const Status& s) {
+  return Status(s.code(), path + ": " + s.message());
+}
+
+}  // namespace
+
+Status Session::Save(const std::string& path, std::string_view compression) const {
+  SequenceImage image;
+  image.tokens = tokens_;
+  image.pending = pending_;
+  image.logits = last_logits_;
+  image.compression = std::string(compression);
+  const std::string bytes =
+      SaveSequence(*seq_, TierNamespaceOf(*engine_.model_, seq_->layout()), image);
+  const std::string temp = path + ".tmp" + std::to_string(::getpid());
+  {
+    std::ofstream out(temp, std::ios::binary | std::ios::trunc);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    out.flush();
+    if (!out) {
+      std::remove(temp.c_str());
+      return Internal("saving the cache to " + path + ": cannot write " + temp);
+    }
+  }
+  if (std::rename(temp.c_str(), path.c_str()) != 0) {
+    std::remove(temp.c_str());
+    return Internal("saving the cache to " + path + ": cannot rename " + temp + " to it");
+  }
+  return OkStatus();
+}
+
+Result<std::unique_ptr<Session>> Engine::LoadSession(const std::string& path,
+                                                     std::string_view cache_salt) {
+  CACHET_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadWhole(path));
+  std::unique_ptr<Session> s = NewSession(cache_salt);
+  SequenceImage image;
+  const Status st = LoadSequence(
+      bytes, TierNamespaceOf(*model_, kv_pool_->layout()),
+      [this](std::string_view codec) { return ColdPool(codec); }, s->seq_.get(), &image);
+  if (!st.ok()) return Prefixed(path, st);
+  const int vocab = config().vocab_size;
+  for (const auto* ids : {&image.tokens, &image.pending}) {
+    for (int32_t t : *ids) {
+      if (t < 0 || t >= vocab) {
+        return DataLoss(path + ": token id " + std::to_string(t) + " is outside the vocabulary");
+      }
+    }
+  }
+  if (!image.logits.empty() && static_cast<int>(image.logits.size()) != vocab) {
+    return DataLoss(path + ": " + std::to_string(image.logits.size()) +
+                    " logits for a vocabulary of " + std::to_string(vocab));
+  }
+  s->tokens_ = std::move(image.tokens);
+  s->pending_ = std::move(image.pending);
+  s->last_logits_ = std::move(image.logits);
+  return s;
+}
+
+Result<SavedCacheInfo> ReadSavedCacheInfo(const std::string& path) {
+  CACHET_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadWhole(path));
+  auto r = ReadSequenceInfo(bytes);
+  if (!r.ok()) return Prefixed(path, r.status());
+  SavedCacheInfo info;
+  info.codec_k = r->ns.codec_k;
+  info.codec_v = r->ns.codec_v;
+  info.page_tokens = r->ns.page_tokens;
+  info.sinks = r->ns.sinks;
+  info.window = r->ns.window;
+  info.cold_codec = r->cold_codec;
+  info.compression = r->compression;
+  info.n_tokens = r->n_tokens;
+  info.held_rows = r->held_rows;
+  info.page_bytes = r->page_bytes;
+  info.model_hash = r->ns.model_hash;
+  return info;
+}
+
+}  // namespace cachet
