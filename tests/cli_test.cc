@@ -51,6 +51,42 @@ TEST(Cli, ChatKeepsTheConversationCached) {
   EXPECT_FALSE(r.out.empty());
 }
 
+// cache save / info / run --cache: a compressed context saved once answers later prompts; the
+// file's layout is adopted unless flags say otherwise, which is a clear error.
+TEST(Cli, CacheSaveInfoAndRunFromIt) {
+  testing::TempDir dir;
+  std::string doc;
+  for (int i = 0; i < 40; ++i)
+    doc +=
+        "The pass key of door " + std::to_string(i) + " is " + std::to_string(1000 + 7 * i) + ". ";
+  const std::string text = dir.Write("doc.txt", doc), ckv = dir.path() + "/doc.ckv";
+  RunResult r = RunCachet("cache save -t 1 -f " + text +
+                          " --press snapkv --ratio 0.75 --ctk q4_0 --ctv q4_0 -o " + ckv);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.err.find("KV q4_0/q4_0"), std::string::npos) << r.err;
+  r = RunCachet("cache info " + ckv);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.err.find("compression: snapkv ratio 0.750"), std::string::npos) << r.err;
+  const std::string run =
+      "run -t 1 --temp 0 -n 8 --cache " + ckv + " -p \" The pass key of door 3 is\"";
+  RunResult a = RunCachet(run), b = RunCachet(run);
+  ASSERT_EQ(a.status, 0) << a.err;
+  EXPECT_FALSE(a.out.empty());
+  EXPECT_EQ(a.out, b.out);
+  EXPECT_NE(a.err.find("cached tokens from " + ckv), std::string::npos) << a.err;
+  r = RunCachet(run + " --ctk f32");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("(this engine: f32/q4_0)"), std::string::npos) << r.err;
+  const std::string bytes = testing::ReadFile(ckv);
+  const std::string bad = dir.Write("bad.ckv", bytes.substr(0, bytes.size() / 2));
+  r = RunCachet("cache info " + bad);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("checksum mismatch"), std::string::npos) << r.err;
+  r = RunCachet("run --cache " + ckv + " --press snapkv -p x");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("excludes"), std::string::npos) << r.err;
+}
+
 TEST(Cli, OversizePromptIsAClearError) {
   RunResult r = RunCachet("run -t 1 -c 16 -p \"" + std::string(200, 'a') + " b c d e f\"");
   EXPECT_NE(r.status, 0);

@@ -237,6 +237,42 @@ void PrintLogitsOf(const EngineOptions& eo, const std::string& path) {
 
 }  // namespace
 
+std::string ReadPrompt(const std::string& text, const std::string& file) {
+  if (file.empty()) return text;
+  std::ifstream in(file, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+// run --cache: the saved context's session, then the prompt (no BOS) and the completion.
+void RunFromCache(const CLI::App& cmd, const std::string& path, const CommonOptions& opts,
+                  const std::string& prompt, const std::string& prompt_file, bool quiet,
+                  bool kv_stats, const std::string& salt) {
+  auto fail = [](const Status& s) {
+    std::fprintf(stderr, "\ncachet: %s\n", s.ToString().c_str());
+    throw CLI::RuntimeError(1);
+  };
+  auto info = ReadSavedCacheInfo(path);
+  if (!info.ok()) fail(info.status());
+  EngineOptions eo = opts.engine;
+  ApplySavedLayout(cmd, *info, eo);
+  auto engine = LoadEngine(eo);
+  if (!engine) throw CLI::RuntimeError(1);
+  auto session = engine->LoadSession(path, salt);
+  if (!session.ok()) fail(session.status());
+  const std::vector<int32_t> ids = engine->tokenizer().Encode(ReadPrompt(prompt, prompt_file));
+  auto r = (*session)->Generate(ids, opts.gen, PrintPiece);
+  if (!r.ok()) fail(r.status());
+  std::fputc('\n', stdout);
+  if (!quiet) {
+    std::fprintf(stderr, "[cachet] context: %d cached tokens from %s (%s)\n", info->n_tokens,
+                 path.c_str(), info->compression.c_str());
+    PrintStats(*r);
+  }
+  if (kv_stats) std::fputs(engine->kv_stats().ToString().c_str(), stderr);
+}
+
 void AddRun(CLI::App& app) {
   auto* cmd = app.add_subcommand("run",
                                  "Generate a completion of a prompt; only the completion "
@@ -280,15 +316,20 @@ void AddRun(CLI::App& app) {
                   "compare with another engine: bench/peers/llama_peer logits)")
       ->check(CLI::ExistingFile)
       ->excludes(p);
+  auto cache = std::make_shared<std::string>();
+  cmd->add_option("--cache", *cache,
+                  "Continue from a saved cache (cachet cache save): the prompt follows its "
+                  "context (no BOS), which is not computed again. Its KV layout (--ctk, --ctv, "
+                  "--page-tokens, --kv-sinks, --kv-window) is taken from the file unless given")
+      ->check(CLI::ExistingFile)
+      ->excludes("--logits-of")
+      ->excludes("--np")
+      ->excludes("--press");
   cmd->callback([=] {
     if (!logits_of->empty()) return PrintLogitsOf(opts->engine, *logits_of);
-    std::string text = *prompt;
-    if (!prompt_file->empty()) {
-      std::ifstream in(*prompt_file, std::ios::binary);
-      std::ostringstream ss;
-      ss << in.rdbuf();
-      text = ss.str();
-    }
+    if (!cache->empty())
+      return RunFromCache(*cmd, *cache, *opts, *prompt, *prompt_file, *quiet, *kv_stats, *salt);
+    const std::string text = ReadPrompt(*prompt, *prompt_file);
     auto engine = LoadEngine(opts->engine);
     if (!engine) throw CLI::RuntimeError(1);
     auto fail = [](const Status& s) {

@@ -29,5 +29,9 @@ void AddBench(CLI::App& app);
 void AddEval(CLI::App& app);
 void AddConvert(CLI::App& app);
 void AddServe(CLI::App& app);  // serve.cc
+void AddCache(CLI::App& app);  // cache.cc
+// The KV layout options a saved cache needs (codecs, page size, sinks, window), where cmd's
+// flags did not set them.
+void ApplySavedLayout(const CLI::App& cmd, const SavedCacheInfo& info, EngineOptions& o);
 
 }  // namespace cachet::cli

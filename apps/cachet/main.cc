@@ -20,6 +20,7 @@ int main(int argc, char** argv) {
   cachet::cli::AddEval(app);
   cachet::cli::AddConvert(app);
   cachet::cli::AddServe(app);
+  cachet::cli::AddCache(app);
   CLI11_PARSE(app, argc, argv);
   return 0;
 }

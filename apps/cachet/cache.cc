@@ -1,0 +1,112 @@
+// `cachet cache save|info`: a long context prefilled and compressed once, saved to a file that
+// `cachet run --cache` (and any later process with the same model) continues from.
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "commands.h"
+
+namespace cachet::cli {
+namespace {
+
+std::string ReadText(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+std::string Describe(const std::optional<press::PressOptions>& p) {
+  if (!p) return "none";
+  std::string s = press::PressSpec(*p);
+  if (p->quest) return s;
+  return s + (p->budget > 0 ? " budget " + std::to_string(p->budget)
+                            : " ratio " + std::to_string(p->ratio).substr(0, 5));
+}
+
+void PrintInfo(const std::string& path, const SavedCacheInfo& i) {
+  std::fprintf(stderr,
+               "%s: %d tokens, KV %s/%s in %d-token pages (sinks %d, window %d)%s; compression: "
+               "%s; %lld token rows held over all layers and KV heads; %.2f MiB of pages; model "
+               "hash %016llx\n",
+               path.c_str(), i.n_tokens, i.codec_k.c_str(), i.codec_v.c_str(), i.page_tokens,
+               i.sinks, i.window, i.cold_codec.empty() ? "" : (", cold " + i.cold_codec).c_str(),
+               i.compression.c_str(), static_cast<long long>(i.held_rows),
+               double(i.page_bytes) / (1 << 20), static_cast<unsigned long long>(i.model_hash));
+}
+
+}  // namespace
+
+void ApplySavedLayout(const CLI::App& cmd, const SavedCacheInfo& info, EngineOptions& o) {
+  auto unset = [&](const char* name) { return cmd.get_option(name)->count() == 0; };
+  if (unset("--ctk")) o.kv_codec_k = info.codec_k;
+  if (unset("--ctv")) o.kv_codec_v = info.codec_v;
+  if (unset("--page-tokens")) o.page_tokens = info.page_tokens;
+  if (unset("--kv-sinks")) o.kv_sinks = info.sinks;
+  if (unset("--kv-window")) o.kv_window = info.window;
+}
+
+void AddCache(CLI::App& app) {
+  auto* cache = app.add_subcommand(
+      "cache",
+      "Save a long context's KV cache, compressed once, for later questions (cachet run "
+      "--cache FILE): `cache save`, `cache info`");
+  cache->require_subcommand(1);
+
+  auto* save = cache->add_subcommand(
+      "save",
+      "Prefill a context (text, BOS added), compress it with --press and the KV codecs, and "
+      "save the cache to a file: any later process with the same model continues from it "
+      "(cachet run --cache FILE -p QUESTION) without computing the context again");
+  auto opts = std::make_shared<CommonOptions>();
+  auto text = std::make_shared<std::string>();
+  auto file = std::make_shared<std::string>();
+  auto out = std::make_shared<std::string>();
+  AddEngineFlags(*save, opts->engine);
+  AddPressFlags(*save, opts->gen);
+  auto* p = save->add_option("-p,--prompt", *text, "The context as text");
+  save->add_option("-f,--file", *file, "Read the context from a file")
+      ->check(CLI::ExistingFile)
+      ->excludes(p);
+  save->add_option("-o,--output", *out, "The cache file to write (e.g. doc.ckv)")->required();
+  save->callback([=] {
+    const std::string context = file->empty() ? *text : ReadText(*file);
+    EngineOptions eo = opts->engine;
+    eo.prefix_cache = false;  // the context is computed here, not looked up
+    auto engine = LoadEngine(eo);
+    if (!engine) throw CLI::RuntimeError(1);
+    const std::vector<int32_t> ids = engine->tokenizer().EncodePrompt(context);
+    auto session = engine->NewSession();
+    const auto t0 = std::chrono::steady_clock::now();
+    const auto& press = opts->gen.press;
+    Status s = press ? session->EvalPressed(ids, *press, nullptr) : session->Eval(ids, nullptr);
+    const double ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (s.ok()) s = session->Save(*out, Describe(press));
+    if (!s.ok()) {
+      std::fprintf(stderr, "cachet cache save: %s\n", s.ToString().c_str());
+      throw CLI::RuntimeError(1);
+    }
+    std::fprintf(stderr, "cachet: %zu context tokens prefilled%s in %.0f ms\n", ids.size(),
+                 press ? " and compressed" : "", ms);
+    auto info = ReadSavedCacheInfo(*out);
+    if (info.ok()) PrintInfo(*out, *info);
+  });
+
+  auto* info = cache->add_subcommand("info", "Check a saved cache file and describe it");
+  auto path = std::make_shared<std::string>();
+  info->add_option("FILE", *path, "A file `cachet cache save` wrote")
+      ->required()
+      ->check(CLI::ExistingFile);
+  info->callback([=] {
+    auto i = ReadSavedCacheInfo(*path);
+    if (!i.ok()) {
+      std::fprintf(stderr, "cachet cache info: %s\n", i.status().ToString().c_str());
+      throw CLI::RuntimeError(1);
+    }
+    PrintInfo(*path, *i);
+  });
+}
+
+}  // namespace cachet::cli
