@@ -6,8 +6,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <regex>
 #include <set>
+#include <sstream>
 
 #include "cachet/engine.h"
 #include "cachet/eval/harness.h"
@@ -468,6 +470,50 @@ TEST(EvalBaseline, PasskeyAt512FullCache) {
     EXPECT_GT(*r.ttft_ms, 0);
   }
   EXPECT_EQ((*rows)[0].correct, (*rows)[1].correct);  // full: both points are the same cache
+}
+
+// --reuse-cache: each compressed context saved and loaded again answers exactly what the one in
+// memory answered (predictions compared sample by sample), the rows say so and carry the file's
+// size, and a press's file is smaller than the full cache's.
+TEST(EvalBaseline, ReusedCacheAnswersAsTheCacheInMemory) {
+  auto engine = MakeEngine(1100);  // the prefilled context and a loaded copy at once
+  testing::TempDir dir;
+  SweepOptions o;
+  o.tasks = {TaskKind::kPasskey};
+  o.lengths = {512};
+  o.samples = 3;
+  o.progress = false;
+  o.model_name = "kvtiny";
+  Method full, pressed;
+  full.compress_at = pressed.compress_at = CompressAt::kContext;
+  pressed.press = "snapkv";
+  pressed.ratio = 0.75;
+  o.methods = {full, pressed};
+  o.predictions = dir.path() + "/memory.jsonl";
+  auto memory = RunTaskSweep(*engine, Gen(), o);
+  ASSERT_TRUE(memory.ok()) << memory.status().ToString();
+  o.predictions = dir.path() + "/reused.jsonl";
+  o.reuse_cache_dir = dir.path();
+  auto reused = RunTaskSweep(*engine, Gen(), o);
+  ASSERT_TRUE(reused.ok()) << reused.status().ToString();
+  ASSERT_EQ(reused->size(), 2u);
+  auto predictions = [](const std::string& path) {
+    std::vector<std::string> out;
+    std::istringstream in(testing::ReadFile(path));
+    for (std::string line; std::getline(in, line);) {
+      auto j = nlohmann::json::parse(line);
+      out.push_back(j["method"].get<std::string>() + ": " + j["prediction"].get<std::string>());
+    }
+    return out;
+  };
+  EXPECT_EQ(predictions(dir.path() + "/reused.jsonl"), predictions(dir.path() + "/memory.jsonl"));
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_FALSE((*memory)[i].reused_cache);
+    EXPECT_TRUE((*reused)[i].reused_cache);
+    EXPECT_EQ((*reused)[i].correct, (*memory)[i].correct);
+    ASSERT_TRUE((*reused)[i].cache_file_bytes.has_value());
+  }
+  EXPECT_LT(*(*reused)[1].cache_file_bytes, 0.4 * *(*reused)[0].cache_file_bytes);
 }
 
 // ---------------------------------------------------------------- reports

@@ -2,6 +2,7 @@
 // compression configuration, with memory and speed measured in the same run (docs/EVAL.md).
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -46,7 +47,21 @@ struct EvalOpts {
   bool prompts_only = false;
   std::string haystack;
   bool progress = true;
+  bool reuse_cache = false;
   double test_perturb_logits = 0;
+};
+
+// A private directory for --reuse-cache's files, removed with them at the end.
+struct TempCacheDir {
+  std::string path;
+  TempCacheDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "cachet-reuse-XXXXXX").string();
+    if (mkdtemp(tmpl.data()) != nullptr) path = tmpl;
+  }
+  ~TempCacheDir() {
+    std::error_code ec;
+    if (!path.empty()) std::filesystem::remove_all(path, ec);
+  }
 };
 
 [[noreturn]] void Fail(const std::string& message) {
@@ -192,6 +207,16 @@ void Run(const EvalOpts& o) {
     so.dump_prompts = o.dump_prompts;
     so.predictions = o.predictions;
     so.progress = o.progress;
+    std::unique_ptr<TempCacheDir> reuse_dir;
+    if (o.reuse_cache) {
+      if (std::find(o.compress_at.begin(), o.compress_at.end(), "context") == o.compress_at.end()) {
+        Fail(
+            "--reuse-cache scores a compressed context saved and loaded again: it needs "
+            "--compress-at context");
+      }
+      reuse_dir = std::make_unique<TempCacheDir>();
+      so.reuse_cache_dir = reuse_dir->path;
+    }
     rows = OrFail(RunTaskSweep(*engine, gen, so));
   }
   if (o.kl) {
@@ -299,6 +324,10 @@ void AddEval(CLI::App& app) {
                   "the question is appended)")
       ->delimiter(',')
       ->capture_default_str();
+  cmd->add_flag("--reuse-cache", o->reuse_cache,
+                "With --compress-at context: save each compressed context to a file and answer "
+                "the question from a session loaded from it, as a later request reusing the cache "
+                "would (TTFT then counts the load and the question; rows record the file size)");
   cmd->add_flag("--kl", o->kl,
                 "Measure KL divergence, top-1 agreement and perplexity on text against --kl-ref "
                 "instead of task accuracy");

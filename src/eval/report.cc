@@ -360,6 +360,8 @@ nlohmann::ordered_json RowToJson(const ResultRow& r) {
   j["prefill_tok_s"] = Opt(r.prefill_tok_s);
   j["decode_tok_s"] = Opt(r.decode_tok_s);
   j["ttft_ms"] = Opt(r.ttft_ms);
+  j["reused_cache"] = r.reused_cache;
+  j["cache_file_bytes"] = Opt(r.cache_file_bytes);
   j["threads"] = r.threads;
   j["cell_wall_s"] = r.wall_s;
   return j;
@@ -433,8 +435,9 @@ std::string MarkdownTable(const std::vector<ResultRow>& rows) {
     md << "| " << task << " | " << r.length << " | "
        << (r.status == "ok" ? Fmt("%.0f", r.prompt_tokens) : "-") << " | " << r.needles << " | "
        << r.depth << " | " << r.method.Label() << " | " << CompressAtName(r.method.compress_at)
-       << " | " << (r.status == "ok" ? Fmt("%.3f", *r.accuracy) : "unavailable: " + r.reason)
-       << " | " << r.samples << " | " << Cell(r.kv_bytes_prefill, "%.2f", kMiB) << " | "
+       << (r.reused_cache ? " (reused file)" : "") << " | "
+       << (r.status == "ok" ? Fmt("%.3f", *r.accuracy) : "unavailable: " + r.reason) << " | "
+       << r.samples << " | " << Cell(r.kv_bytes_prefill, "%.2f", kMiB) << " | "
        << Cell(r.kv_bytes_peak, "%.2f", kMiB) << " | " << Cell(r.peak_rss_bytes, "%.0f", kMiB)
        << " | " << Cell(r.prefill_tok_s, "%.0f") << " | " << Cell(r.decode_tok_s, "%.0f") << " | "
        << Cell(r.ttft_ms, "%.1f") << " |\n";

@@ -49,6 +49,9 @@ struct ResultRow {
   std::optional<double> kv_bits_held;
   std::optional<int64_t> kv_pool_high_water_bytes, peak_rss_bytes;
   std::optional<double> prefill_tok_s, decode_tok_s, ttft_ms;
+  // --reuse-cache: the question was answered from the saved, reloaded context; its file's bytes.
+  bool reused_cache = false;
+  std::optional<double> cache_file_bytes;
   int threads = 0;
   double wall_s = 0;
 };
@@ -67,6 +70,11 @@ struct SweepOptions {
   // sample and configuration with the prediction.
   std::string dump_prompts, predictions;
   bool progress = true;
+  // Non-empty: under compress_at context every method's compressed context is saved to a file
+  // in this directory (Session::Save) and the question is answered by a session loaded from it
+  // (Engine::LoadSession), as a later request or process reusing the cache would be; TTFT then
+  // counts the load and the question, not the prefill, and rows record the file's bytes.
+  std::string reuse_cache_dir;
 };
 
 // Runs every cell x sample; each sample is prefilled once (per compress_at) and forked for each
