@@ -728,6 +728,69 @@ TEST(RedisEngine, RuntimeReportsPromptTokensFromRedis) {
   EXPECT_EQ(m.kv_tiers[0].hits, 2);
 }
 
+// Redis at maxmemory. With eviction (allkeys-lru) runs disappear under the engines: a later
+// process finds only the recent ones and computes the rest; without it (noeviction) the server
+// refuses the writes, which the writing process counts as dropped. Either way every prompt's
+// logits are the cold run's.
+TEST(RedisEngine, MaxmemoryEvictsOrRefusesAndAnswersStayCold) {
+  for (const char* policy : {"allkeys-lru", "noeviction"}) {
+    SCOPED_TRACE(policy);
+    RedisServers s;
+    const std::string why = s.Start(1, false);
+    ASSERT_TRUE(why.empty()) << "redis-server: " << why;
+    // A 256-token run of kvtiny's f32 pages is 2 MiB: room for a few of the twelve written (the
+    // writer's pipelined SETs sit in Redis's query buffer, which counts against maxmemory too).
+    ASSERT_TRUE(s.Command(0, {"CONFIG", "SET", "maxmemory", "16mb"}));
+    ASSERT_TRUE(s.Command(0, {"CONFIG", "SET", "maxmemory-policy", policy}));
+    std::vector<std::vector<int32_t>> prompts;
+    std::vector<std::vector<float>> cold;
+    for (int i = 0; i < 6; ++i) {
+      std::vector<int32_t> p = PromptOf(600 + 40 * (i % 2));
+      p[1] = 100 + i;  // distinct from the first block on: no run is shared
+      prompts.push_back(p);
+      cold.push_back(Eval(RedisOptions(""), p).logits);
+    }
+    // One long-lived process writes all six prompts (twelve runs), then its queue drains.
+    auto writer = Engine::Create(RedisOptions(s.Url()));
+    ASSERT_TRUE(writer.ok());
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      std::vector<float> logits;
+      ASSERT_TRUE((*writer)->NewSession()->Eval(prompts[i], &logits).ok());
+      EXPECT_EQ(logits, cold[i]);
+    }
+    KvStats::Tier w;
+    for (int tries = 0; tries < 100; ++tries) {  // until the background writes are all answered
+      w = (*writer)->kv_stats().tiers.at(0);
+      if (w.bytes_written / (2 << 20) + w.dropped >= 12) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    // Fresh processes, the most recent prompt first: what Redis still holds is used, the rest
+    // computed, and the answers are the cold ones.
+    int64_t loaded = 0, misses = 0;
+    for (int i = 5; i >= 0; --i) {
+      const Outcome got = Eval(RedisOptions(s.Url()), prompts[i]);
+      ASSERT_EQ(got.logits, cold[i]) << "prompt " << i;
+      loaded += got.kv.tiers.at(0).loaded_tokens;
+      misses += got.kv.tiers.at(0).misses;
+    }
+    RedisReply stats = s.Command(0, {"INFO", "stats"});
+    ASSERT_TRUE(stats && stats->type == REDIS_REPLY_STRING);
+    const std::string st(stats->str, stats->len);
+    const size_t at = st.find("evicted_keys:");
+    ASSERT_NE(at, std::string::npos);
+    const long evicted = std::atol(st.c_str() + at + 13);
+    EXPECT_GT(misses, 0);  // twelve runs do not fit
+    if (std::string(policy) == "allkeys-lru") {
+      EXPECT_GT(evicted, 0);
+      EXPECT_GT(loaded, 0);  // the last prompt's runs were still there
+      EXPECT_EQ(w.dropped, 0);
+    } else {
+      EXPECT_EQ(evicted, 0);
+      EXPECT_GT(w.dropped, 0) << "bytes written " << w.bytes_written;  // OOM replies to SET
+    }
+  }
+}
+
 TEST(RedisEngine, BadOptionsAreClearErrors) {
   EngineOptions o = RedisOptions("redis://127.0.0.1:1");
   o.prefix_cache = false;
