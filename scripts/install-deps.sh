@@ -8,7 +8,7 @@ PACKAGES=(
   libhwy-dev nlohmann-json3-dev libonig-dev libsentencepiece-dev libcli11-dev libxxhash-dev
   libzstd-dev
   libcpp-httplib-dev
-  libhiredis-dev redis-server
+  libhiredis-dev redis-server haproxy
   libgtest-dev libgmock-dev libbenchmark-dev
   gnuplot-nox
   clang libclang-rt-14-dev lld
