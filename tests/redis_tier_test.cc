@@ -11,6 +11,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <set>
 #include <string>
@@ -789,6 +790,31 @@ TEST(RedisEngine, MaxmemoryEvictsOrRefusesAndAnswersStayCold) {
       EXPECT_GT(w.dropped, 0) << "bytes written " << w.bytes_written;  // OOM replies to SET
     }
   }
+}
+
+// `cachet bench --tier-ttft` with both tiers: TTFT from each source, and what each loaded.
+TEST(RedisEngine, BenchTierTtftReadsDiskAndRedis) {
+  RedisServers s;
+  const std::string why = s.Start(1, false);
+  ASSERT_TRUE(why.empty()) << "redis-server: " << why;
+  testing::TempDir disk;
+  const std::string cmd = std::string(CACHET_BINARY) +
+                          " bench --tier-ttft --ctx 300 --reps 1 --json -t 1 --disk-cache " +
+                          disk.path() + " --redis " + s.Url() + " 2>/dev/null";
+  FILE* p = popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  char buf[4096];
+  for (size_t n; (n = fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
+  ASSERT_EQ(pclose(p), 0) << out;
+  const auto j = nlohmann::json::parse(out);
+  for (const char* src : {"compute", "compute_and_store", "ram", "disk", "redis"}) {
+    ASSERT_TRUE(j["ttft_ms"].contains(src)) << out;
+    EXPECT_GT(j["ttft_ms"][src].get<double>(), 0.0) << src;
+  }
+  EXPECT_EQ(j["disk_tokens_loaded"].get<double>(), 288);  // 18 whole 16-token pages
+  EXPECT_EQ(j["redis_tokens_loaded"].get<double>(), 288);
+  EXPECT_GT(j["redis_bytes_read"].get<double>(), 0);
 }
 
 TEST(RedisEngine, BadOptionsAreClearErrors) {

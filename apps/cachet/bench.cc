@@ -283,18 +283,22 @@ nlohmann::json ServeCapacityBench(EngineOptions eo, int ctx, int n, int n_decode
 }
 
 // Time to first token of a ctx-token prompt by where its K/V comes from: computed (an engine
-// without tiers), the prefix cache in RAM (a second session of the engine that computed it), and
-// the disk tier (a new engine on the same directory: a restarted process). Each rep uses a
-// prompt of its own, new to every cache.
+// without tiers), the prefix cache in RAM (a second session of the engine that computed it), the
+// disk tier (a new engine on the same directory: a restarted process) and Redis (a new engine with
+// only --redis: another process or machine). Each rep uses a prompt of its own, new to every
+// cache; the engine that computes it is destroyed before the tiers are read, which waits for its
+// background Redis writes.
 nlohmann::json TierTtftBench(const EngineOptions& eo, int ctx, int reps) {
   EngineOptions plain = eo;
   plain.disk_cache_dir.clear();
+  plain.redis_url.clear();
   plain.n_ctx = std::max(plain.n_ctx, ctx + 8);
-  EngineOptions tiered = eo;
-  tiered.n_ctx = plain.n_ctx;
+  EngineOptions tiered = eo, disk_only = eo, redis_only = eo;
+  tiered.n_ctx = disk_only.n_ctx = redis_only.n_ctx = plain.n_ctx;
+  disk_only.redis_url.clear();
+  redis_only.disk_cache_dir.clear();
   auto cold = LoadEngine(plain);
-  auto writer = cold ? LoadEngine(tiered) : nullptr;
-  if (!writer) throw CLI::RuntimeError(1);
+  if (!cold) throw CLI::RuntimeError(1);
   const ModelConfig& c = cold->config();
   auto ms_since = [](Clock::time_point t0) {
     return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
@@ -309,7 +313,16 @@ nlohmann::json TierTtftBench(const EngineOptions& eo, int ctx, int reps) {
     }
     return ms_since(t0);
   };
-  std::vector<double> compute, store, ram, disk, disk_bytes, reused;
+  struct Source {
+    const char* name;
+    const EngineOptions* options;
+    std::vector<double> ttft, bytes, tokens;
+  };
+  std::vector<Source> sources;
+  if (!eo.disk_cache_dir.empty()) sources.push_back({"disk", &disk_only, {}, {}, {}});
+  if (!eo.redis_url.empty()) sources.push_back({"redis", &redis_only, {}, {}, {}});
+  std::vector<double> compute, store, ram;
+  std::string codec;
   ProgressBar progress("bench --tier-ttft", reps);
   for (int rep = 0; rep < reps; ++rep) {
     std::mt19937 rng(4242 + rep);
@@ -317,30 +330,42 @@ nlohmann::json TierTtftBench(const EngineOptions& eo, int ctx, int reps) {
     std::vector<int32_t> prompt(ctx);
     for (int32_t& t : prompt) t = dist(rng);
     compute.push_back(ttft(*cold, prompt));
-    store.push_back(ttft(*writer, prompt));  // computed, then written through to the tiers
-    ram.push_back(ttft(*writer, prompt));
-    auto restarted = LoadEngine(tiered);
-    if (!restarted) throw CLI::RuntimeError(1);
-    disk.push_back(ttft(*restarted, prompt));
-    const KvStats kv = restarted->kv_stats();
-    disk_bytes.push_back(double(kv.tiers.at(0).bytes_read));
-    reused.push_back(double(kv.tiers.at(0).loaded_tokens));
+    {
+      auto writer = LoadEngine(tiered);
+      if (!writer) throw CLI::RuntimeError(1);
+      store.push_back(ttft(*writer, prompt));  // computed, then written through to the tiers
+      ram.push_back(ttft(*writer, prompt));
+      codec = writer->kv_stats().codec;
+    }
+    for (Source& src : sources) {
+      auto reader = LoadEngine(*src.options);
+      if (!reader) throw CLI::RuntimeError(1);
+      src.ttft.push_back(ttft(*reader, prompt));
+      const KvStats kv = reader->kv_stats();
+      src.bytes.push_back(double(kv.tiers.at(0).bytes_read));
+      src.tokens.push_back(double(kv.tiers.at(0).loaded_tokens));
+    }
     progress.Add();
   }
   nlohmann::json out;
   out["ctx"] = ctx;
   out["threads"] = cold->threads();
-  out["codec"] = writer->kv_stats().codec;
+  out["codec"] = codec;
   const double base = Summarize(compute).median;
-  for (const auto& [name, v] :
-       {std::pair{"compute", &compute}, std::pair{"compute_and_store", &store},
-        std::pair{"ram", &ram}, std::pair{"disk", &disk}}) {
-    out["ttft_ms"][name] = Summarize(*v).median;
-    out["ttft_ratio"][name] = Summarize(*v).median / base;
+  auto put = [&](const std::string& name, const std::vector<double>& v) {
+    out["ttft_ms"][name] = Summarize(v).median;
+    out["ttft_ratio"][name] = Summarize(v).median / base;
+  };
+  put("compute", compute);
+  put("compute_and_store", store);
+  put("ram", ram);
+  for (const Source& src : sources) {
+    put(src.name, src.ttft);
+    const std::string n = src.name;
+    out[n + "_bytes_read"] = Summarize(src.bytes).median;
+    out[n + "_tokens_loaded"] = Summarize(src.tokens).median;
+    out[n + "_gb_s"] = Summarize(src.bytes).median / 1e9 / (Summarize(src.ttft).median / 1e3);
   }
-  out["disk_bytes_read"] = Summarize(disk_bytes).median;
-  out["disk_tokens_loaded"] = Summarize(reused).median;
-  out["disk_gb_s"] = Summarize(disk_bytes).median / 1e9 / (Summarize(disk).median / 1e3);
   return out;
 }
 
@@ -392,8 +417,9 @@ void AddBench(CLI::App& app) {
       ->check(CLI::Range(0.0, 1.0));
   cmd->add_flag("--tier-ttft", o->tier_ttft,
                 "Instead: time to first token of a prompt of the largest --ctx computed, from "
-                "the prefix cache in RAM, and from --disk-cache after a restart (a new engine), "
-                "with the bytes read and GB/s (JSON keys ttft_ms, ttft_ratio, disk_gb_s)");
+                "the prefix cache in RAM, from --disk-cache after a restart (a new engine) and "
+                "from --redis in another engine (as another process would), with the bytes read "
+                "and GB/s (JSON keys ttft_ms, ttft_ratio, disk_gb_s, redis_gb_s)");
   cmd->add_option("--serve-capacity", o->serve_capacity,
                   "Instead: submit N requests at once to the serving runtime (continuous "
                   "batching, prefix cache off), each a prompt of distinct random tokens that "
@@ -452,8 +478,8 @@ void AddBench(CLI::App& app) {
       return;
     }
     if (o->tier_ttft) {
-      if (o->engine.disk_cache_dir.empty()) {
-        std::fprintf(stderr, "cachet: --tier-ttft needs --disk-cache DIR\n");
+      if (o->engine.disk_cache_dir.empty() && o->engine.redis_url.empty()) {
+        std::fprintf(stderr, "cachet: --tier-ttft needs --disk-cache DIR and/or --redis URL\n");
         throw CLI::RuntimeError(1);
       }
       const int ctx = *std::max_element(o->ctx.begin(), o->ctx.end());
@@ -468,9 +494,13 @@ void AddBench(CLI::App& app) {
         std::printf("  %-18s TTFT %10.1f ms  %6.3fx compute\n", k.c_str(), v.get<double>(),
                     out["ttft_ratio"][k].get<double>());
       }
-      std::printf("disk: %.1f MiB read for %.0f tokens, %.2f GB/s\n",
-                  out["disk_bytes_read"].get<double>() / (1 << 20),
-                  out["disk_tokens_loaded"].get<double>(), out["disk_gb_s"].get<double>());
+      for (const char* tier : {"disk", "redis"}) {
+        const std::string t = tier;
+        if (!out.contains(t + "_gb_s")) continue;
+        std::printf("%s: %.1f MiB read for %.0f tokens, %.2f GB/s\n", tier,
+                    out[t + "_bytes_read"].get<double>() / (1 << 20),
+                    out[t + "_tokens_loaded"].get<double>(), out[t + "_gb_s"].get<double>());
+      }
       return;
     }
     EngineOptions eo = o->engine;
