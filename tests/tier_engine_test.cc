@@ -159,6 +159,30 @@ TEST(TierEngine, DamageOtherLayoutsAndSaltsAreMisses) {
   EXPECT_EQ(salted.logits, cold.logits);
 }
 
+// --tier-zstd: runs are stored compressed (f32 pages of text shrink), any engine reads them back
+// bit for bit, and a reader without the flag inflates them too.
+TEST(TierEngine, ZstdRunsAreSmallerAndReadBackExactly) {
+  testing::TempDir plain_dir, zstd_dir;
+  EngineOptions plain = Options(plain_dir.path()), packed = Options(zstd_dir.path());
+  packed.tier_zstd = true;
+  EngineOptions cold_options = plain;
+  cold_options.disk_cache_dir.clear();
+  const auto prompt = PromptOf(600);
+  const Outcome cold = Eval(cold_options, prompt);
+  const Outcome a = Eval(plain, prompt), b = Eval(packed, prompt);
+  EXPECT_EQ(b.logits, cold.logits);
+  ASSERT_EQ(a.kv.tiers.size(), 1u);
+  ASSERT_EQ(b.kv.tiers.size(), 1u);
+  EXPECT_LT(b.kv.tiers[0].bytes_written, a.kv.tiers[0].bytes_written * 95 / 100)
+      << a.kv.tiers[0].bytes_written;
+  EngineOptions reader = packed;
+  reader.tier_zstd = false;  // what was stored decides, not the reader's flag
+  const Outcome again = Eval(reader, prompt);
+  EXPECT_EQ(again.logits, cold.logits);
+  EXPECT_EQ(Served(again.kv), 592);
+  EXPECT_EQ(again.kv.tiers[0].corrupt, 0);
+}
+
 TEST(TierEngine, BadOptionsAreClearErrors) {
   testing::TempDir dir;
   EngineOptions o = Options(dir.path());

@@ -61,7 +61,8 @@ struct World {
     ns.n_layers = kLayers;
     ns.n_kv_heads = kHeads;
     ns.head_dim = kDim;
-    tiers = std::make_unique<tiers::KvTiers>(pool, ns, std::move(stack), /*run_blocks=*/2);
+    tiers = std::make_unique<tiers::KvTiers>(pool, ns, std::move(stack), /*zstd=*/true,
+                                             /*run_blocks=*/2);
     tree = std::make_unique<PrefixTree>(pool, 1);
     tree->set_tiers(tiers.get());
   }

@@ -56,6 +56,9 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o) {
   app.add_option("--disk-cache-mib", o.disk_cache_mib,
                  "Size cap of --disk-cache in MiB (0 = 4096); least recently used runs go first")
       ->check(CLI::NonNegativeNumber);
+  app.add_flag("--tier-zstd", o.tier_zstd,
+               "Compress the runs --disk-cache and --redis store with zstd (level 1): about half "
+               "the bytes for f32/f16 pages, little for quantized ones; readers inflate any run");
   app.add_option("--redis", o.redis_url,
                  "Keep cached prompt prefixes in Redis too (under --disk-cache, if given), shared "
                  "by every process pointed at it: redis://host[:port][/db], or a Redis Cluster's "

@@ -110,6 +110,10 @@ struct EngineOptions {
   // comma-separated. Writes never block a request (a bounded background queue drops instead);
   // a failing server makes lookups misses until it recovers. Empty: none.
   std::string redis_url = "";
+  // Compress the runs stored in the tiers with zstd (level 1; a run it does not shrink is stored
+  // as is): about half the bytes of f32/f16 pages on disk and over the network, little for
+  // quantized codes, at the cost of compressing on store and inflating on load.
+  bool tier_zstd = false;
 };
 
 // MiB of a KV pool that holds `sequences` sequences of n_tokens tokens each in f32 pages (the

@@ -144,7 +144,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
   }
   if (!stack.empty()) {
     e->tiers_ = std::make_unique<tiers::KvTiers>(*e->kv_pool_, TierNamespaceOf(*e->model_, layout),
-                                                 std::move(stack));
+                                                 std::move(stack), o.tier_zstd);
     e->prefix_->set_tiers(e->tiers_.get());
   }
   return e;

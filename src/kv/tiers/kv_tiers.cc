@@ -13,10 +13,11 @@ constexpr uint8_t kRawPage = 0, kCodecPage = 1;
 }  // namespace
 
 KvTiers::KvTiers(PagePool& pool, TierNamespace ns, std::vector<std::unique_ptr<Tier>> tiers,
-                 int run_blocks)
+                 bool zstd, int run_blocks)
     : pool_(pool),
       ns_(std::move(ns)),
       tiers_(std::move(tiers)),
+      zstd_(zstd),
       run_blocks_(std::max(1, run_blocks)) {
   ns_.payload_layout = kPayloadLayout;
   root_ = NamespaceKey(ns_);
@@ -170,7 +171,7 @@ void KvTiers::Store(std::span<const int32_t> tokens, uint64_t salt, int n_blocks
       const RunMeta meta{parent, salt, tokens.subspan(b0 * pt, n * pt)};
       encoded[r] = EncodeRun(
           ns_, meta, std::span(reinterpret_cast<const uint8_t*>(payload.data()), payload.size()),
-          /*zstd=*/false);
+          zstd_);
     }
     return encoded[r];
   };

@@ -43,8 +43,9 @@ class KvTiers {
   // Bumped whenever the payload's packing changes (TierNamespace::payload_layout).
   static constexpr uint32_t kPayloadLayout = 1;
 
+  // zstd: runs are stored compressed (EncodeRun).
   KvTiers(PagePool& pool, TierNamespace ns, std::vector<std::unique_ptr<Tier>> tiers,
-          int run_blocks = kDefaultRunBlocks);
+          bool zstd = false, int run_blocks = kDefaultRunBlocks);
 
   // Blocks [from_block, to_block) of tokens (to_block * page_tokens <= tokens.size()) as far as
   // the tiers hold them in order: appends one page per (layer, KV head) per block loaded to
@@ -76,6 +77,7 @@ class KvTiers {
   TierNamespace ns_;
   RunKey root_;  // NamespaceKey(ns_): the parent of a sequence's first run
   std::vector<std::unique_ptr<Tier>> tiers_;
+  bool zstd_;
   int run_blocks_;
   std::vector<TierReport> reports_;
   // Runs known to be held by every tier (written or seen by this process), so that publishing
