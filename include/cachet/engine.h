@@ -30,7 +30,8 @@ class PressObserver;
 }
 namespace tiers {
 class KvTiers;
-}
+struct TierNamespace;
+}  // namespace tiers
 
 // A snapshot of the KV cache's accounting.
 struct KvStats {
@@ -264,7 +265,9 @@ class Engine {
   std::unique_ptr<ThreadPool> pool_;
   std::unique_ptr<PagePool> kv_pool_;
   std::unique_ptr<tiers::KvTiers> tiers_;  // null without --disk-cache or --redis
-  std::unique_ptr<PrefixTree> prefix_;     // null when the prefix cache is off
+  // What stored pages depend on (model content hash, layout): saved caches are checked against it.
+  std::unique_ptr<tiers::TierNamespace> kv_namespace_;
+  std::unique_ptr<PrefixTree> prefix_;  // null when the prefix cache is off
   std::vector<std::pair<std::string, std::unique_ptr<PagePool>>> cold_pools_;
 };
 

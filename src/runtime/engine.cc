@@ -142,9 +142,10 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
     CACHET_ASSIGN_OR_RETURN(std::unique_ptr<tiers::RedisTier> redis, tiers::RedisTier::Open(r));
     stack.push_back(std::move(redis));
   }
+  e->kv_namespace_ = std::make_unique<tiers::TierNamespace>(TierNamespaceOf(*e->model_, layout));
   if (!stack.empty()) {
-    e->tiers_ = std::make_unique<tiers::KvTiers>(*e->kv_pool_, TierNamespaceOf(*e->model_, layout),
-                                                 std::move(stack), o.tier_zstd);
+    e->tiers_ = std::make_unique<tiers::KvTiers>(*e->kv_pool_, *e->kv_namespace_, std::move(stack),
+                                                 o.tier_zstd);
     e->prefix_->set_tiers(e->tiers_.get());
   }
   return e;

@@ -9,7 +9,6 @@
 #include "cachet/engine.h"
 #include "kv/codecs/codec.h"
 #include "kv/sequence_file.h"
-#include "runtime/kv_namespace.h"
 
 namespace cachet {
 namespace {
@@ -35,8 +34,7 @@ Status Session::Save(const std::string& path, std::string_view compression) cons
   image.pending = pending_;
   image.logits = last_logits_;
   image.compression = std::string(compression);
-  const std::string bytes =
-      SaveSequence(*seq_, TierNamespaceOf(*engine_.model_, seq_->layout()), image);
+  const std::string bytes = SaveSequence(*seq_, *engine_.kv_namespace_, image);
   const std::string temp = path + ".tmp" + std::to_string(::getpid());
   {
     std::ofstream out(temp, std::ios::binary | std::ios::trunc);
@@ -60,8 +58,8 @@ Result<std::unique_ptr<Session>> Engine::LoadSession(const std::string& path,
   std::unique_ptr<Session> s = NewSession(cache_salt);
   SequenceImage image;
   const Status st = LoadSequence(
-      bytes, TierNamespaceOf(*model_, kv_pool_->layout()),
-      [this](std::string_view codec) { return ColdPool(codec); }, s->seq_.get(), &image);
+      bytes, *kv_namespace_, [this](std::string_view codec) { return ColdPool(codec); },
+      s->seq_.get(), &image);
   if (!st.ok()) return Prefixed(path, st);
   const int vocab = config().vocab_size;
   for (const auto* ids : {&image.tokens, &image.pending}) {
