@@ -760,10 +760,13 @@ TEST(RedisEngine, MaxmemoryEvictsOrRefusesAndAnswersStayCold) {
       EXPECT_EQ(logits, cold[i]);
     }
     KvStats::Tier w;
-    for (int tries = 0; tries < 100; ++tries) {  // until the background writes are all answered
-      w = (*writer)->kv_stats().tiers.at(0);
-      if (w.bytes_written / (2 << 20) + w.dropped >= 12) break;
+    int64_t last = -1;
+    for (int tries = 0, still = 0; tries < 200 && still < 4; ++tries) {  // writes answered
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      w = (*writer)->kv_stats().tiers.at(0);
+      const int64_t now = w.bytes_written + w.dropped;
+      still = now > 0 && now == last ? still + 1 : 0;
+      last = now;
     }
     // Fresh processes, the most recent prompt first: what Redis still holds is used, the rest
     // computed, and the answers are the cold ones.
