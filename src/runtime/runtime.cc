@@ -3,6 +3,8 @@
 // publishes; none touches a session.
 #include <future>
 #include <mutex>
+#include <string>
+#include <vector>
 
 #include "cachet/serving.h"
 #include "runtime/engine_access.h"
@@ -24,14 +26,17 @@ Result<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& options) 
   CACHET_ASSIGN_OR_RETURN(impl->engine, Engine::Create(eo));
   impl->vocab = impl->engine->config().vocab_size;
   impl->heads_total = int64_t{impl->engine->config().n_layers} * impl->engine->config().n_kv_heads;
+  std::string cache_dir = options.cache_dir;
+  if (cache_dir.empty() && !eo.disk_cache_dir.empty()) cache_dir = eo.disk_cache_dir + "/caches";
+  impl->caches = std::make_unique<CacheRegistry>(cache_dir);
   impl->Publish();
   Impl* raw = impl.get();
   impl->thread = std::thread([raw] { raw->Loop(); });
   return std::unique_ptr<Runtime>(new Runtime(std::move(impl)));
 }
 
-Result<uint64_t> Runtime::Submit(CompletionRequest request, EventCallback on_event) {
-  Impl& m = *impl_;
+Status Runtime::Impl::Check(const CompletionRequest& request) const {
+  const Impl& m = *this;
   if (request.prompt.empty()) return InvalidArgument("prompt: empty");
   for (size_t i = 0; i < request.prompt.size(); ++i) {
     if (request.prompt[i] < 0 || request.prompt[i] >= m.vocab) {
@@ -41,6 +46,10 @@ Result<uint64_t> Runtime::Submit(CompletionRequest request, EventCallback on_eve
     }
   }
   if (request.max_tokens < 1) return InvalidArgument("max_tokens: must be >= 1");
+  if (request.press && !request.cache_id.empty()) {
+    return InvalidArgument(
+        "kv_press: not with cache_id (the cache was compressed when it was made)");
+  }
   if (request.press) {
     const press::PressOptions& p = *request.press;
     if (!(p.ratio >= 0 && p.ratio < 1) || p.budget < 0) {
@@ -64,9 +73,11 @@ Result<uint64_t> Runtime::Submit(CompletionRequest request, EventCallback on_eve
                            std::to_string(EngineAccess::kv_pool(*m.engine).capacity_pages()) +
                            " (--kv-mem)");
   }
-  auto q = std::make_unique<Impl::Request>();
-  q->r = std::move(request);
-  q->on_event = std::move(on_event);
+  return OkStatus();
+}
+
+Result<uint64_t> Runtime::Impl::Queue(std::unique_ptr<Request> q) {
+  Impl& m = *this;
   q->tokens = q->r.prompt;
   q->n_prompt = static_cast<int>(q->tokens.size());
   q->arrival = Clock::now();
@@ -84,6 +95,69 @@ Result<uint64_t> Runtime::Submit(CompletionRequest request, EventCallback on_eve
   return id;
 }
 
+void Runtime::Impl::OnScheduler(const std::function<void()>& fn) {
+  Impl& m = *this;
+  std::promise<void> done;
+  {
+    std::lock_guard<std::mutex> lock(m.mu);
+    m.commands.push_back([&] {
+      fn();
+      done.set_value();
+    });
+  }
+  m.cv.notify_all();
+  done.get_future().wait();
+}
+
+Result<uint64_t> Runtime::Submit(CompletionRequest request, EventCallback on_event) {
+  CACHET_RETURN_IF_ERROR(impl_->Check(request));
+  auto q = std::make_unique<Impl::Request>();
+  q->r = std::move(request);
+  q->on_event = std::move(on_event);
+  return impl_->Queue(std::move(q));
+}
+
+Result<uint64_t> Runtime::CreateCache(KvCacheRequest request, CacheCallback on_done) {
+  auto q = std::make_unique<Impl::Request>();
+  q->r.prompt = std::move(request.prompt);
+  q->r.max_tokens = 1;
+  q->r.cache_salt = std::move(request.cache_salt);
+  q->r.press = std::move(request.press);
+  CACHET_RETURN_IF_ERROR(impl_->Check(q->r));
+  q->note = std::move(request.note);
+  q->on_cache = std::move(on_done);
+  return impl_->Queue(std::move(q));
+}
+
+Result<KvCacheInfo> Runtime::FindCache(const std::string& id, const std::string& cache_salt) {
+  CacheRegistry& caches = *impl_->caches;
+  if (auto info = caches.Resident(id, cache_salt)) return *info;
+  if (!caches.has_dir() || !IsCacheId(id)) {
+    return NotFound("cache_id: no cache '" + id + "' (it was never made, was deleted, or has " +
+                    "another cache_salt)");
+  }
+  Status loaded;
+  impl_->OnScheduler([&] {
+    loaded = caches.Get(*impl_->engine, id, cache_salt).status();
+    impl_->Publish();
+  });
+  CACHET_RETURN_IF_ERROR(loaded);
+  if (auto info = caches.Resident(id, cache_salt)) return *info;
+  return NotFound("cache_id: the cache '" + id + "' was deleted as it was loaded");
+}
+
+Status Runtime::DeleteCache(const std::string& id, const std::string& cache_salt) {
+  Status s;
+  impl_->OnScheduler([&] {
+    s = impl_->caches->Remove(id, cache_salt);
+    impl_->Publish();
+  });
+  return s;
+}
+
+std::vector<KvCacheInfo> Runtime::ListCaches(const std::string& cache_salt) const {
+  return impl_->caches->List(cache_salt);
+}
 void Runtime::Cancel(uint64_t id) {
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
@@ -103,17 +177,10 @@ KvStats Runtime::kv_stats() const {
 }
 
 void Runtime::ClearPrefixCache() {
-  std::promise<void> done;
-  {
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    impl_->commands.push_back([&] {
-      impl_->engine->ClearPrefixCache();
-      impl_->Publish();
-      done.set_value();
-    });
-  }
-  impl_->cv.notify_all();
-  done.get_future().wait();
+  impl_->OnScheduler([&] {
+    impl_->engine->ClearPrefixCache();
+    impl_->Publish();
+  });
 }
 
 const Tokenizer& Runtime::tokenizer() const { return impl_->engine->tokenizer(); }

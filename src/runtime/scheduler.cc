@@ -106,7 +106,7 @@ void Runtime::Impl::Finish(Request& q, std::string reason, Status error, bool fl
   if (q.decoder && flush) q.pending.text += q.held + q.decoder->Flush();
   q.held.clear();
   if (q.session) {
-    if (opt.publish_prefixes && !q.r.press) q.session->Publish();
+    if (Publishes(q)) q.session->Publish();
     q.session.reset();
   }
   {
@@ -114,7 +114,12 @@ void Runtime::Impl::Finish(Request& q, std::string reason, Status error, bool fl
     ++metrics.requests_finished;
     Observe(metrics.e2e, Seconds(Clock::now() - q.arrival));
   }
-  Publish();  // the snapshot the final event's reader sees
+  Publish();         // the snapshot the final event's reader sees
+  if (q.on_cache) {  // CreateCache's: no text, only why there is no cache
+    q.on_cache(error.ok() ? FailedPrecondition("the cache was cancelled before it was made")
+                          : std::move(error));
+    return;
+  }
   q.pending.finished = true;
   q.pending.finish_reason = std::move(reason);
   q.pending.error = std::move(error);
@@ -123,12 +128,27 @@ void Runtime::Impl::Finish(Request& q, std::string reason, Status error, bool fl
 }
 
 void Runtime::Impl::TakeIncoming() {
-  std::lock_guard<std::mutex> lock(mu);
-  for (auto& q : incoming) {
+  std::deque<std::unique_ptr<Request>> fresh;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    fresh.swap(incoming);
+  }
+  // Outside the lock: attaching a cache may load it from disk.
+  for (auto& q : fresh) {
     q->salt = EngineAccess::SaltOf(q->r.cache_salt);
+    if (!q->r.cache_id.empty()) {
+      if (Status s = AttachCache(*q); !s.ok()) {
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          --queued;
+        }
+        Finish(*q, "error", s);
+        continue;
+      }
+    }
     waiting.push_back(std::move(q));
   }
-  incoming.clear();
+  std::lock_guard<std::mutex> lock(mu);
   for (uint64_t id : cancels) {
     auto is = [id](const auto& q) { return q->id == id; };
     if (auto it = std::find_if(waiting.begin(), waiting.end(), is); it != waiting.end()) {
@@ -141,6 +161,40 @@ void Runtime::Impl::TakeIncoming() {
     }
   }
   cancels.clear();
+}
+
+Status Runtime::Impl::AttachCache(Request& q) {
+  CACHET_ASSIGN_OR_RETURN(std::shared_ptr<Session> base,
+                          caches->Get(*engine, q.r.cache_id, q.r.cache_salt));
+  const std::vector<int32_t>& context = base->tokens();
+  const int64_t total = static_cast<int64_t>(context.size() + q.tokens.size());
+  if (total >= engine->n_ctx()) {
+    return OutOfRange("prompt: " + std::to_string(q.tokens.size()) + " tokens after the cache's " +
+                      std::to_string(context.size()) + " leave no room in the context of " +
+                      std::to_string(engine->n_ctx()));
+  }
+  q.tokens.insert(q.tokens.begin(), context.begin(), context.end());
+  q.context = static_cast<int>(context.size());
+  q.n_prompt = static_cast<int>(total);
+  q.cached = q.context;
+  q.base = std::move(base);
+  return OkStatus();
+}
+
+void Runtime::Impl::KeepAsCache(Request& q) {
+  // The last token's logits go with it: a copy loaded elsewhere may continue with no prompt.
+  EngineAccess::last_logits(*q.session) = q.logits;
+  Result<KvCacheInfo> info =
+      caches->Add(std::move(q.session), q.r.cache_salt,
+                  q.r.press ? press::DescribePress(*q.r.press) : "none", std::move(q.note));
+  if (!info.ok()) return Finish(q, "error", info.status());
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    ++metrics.requests_finished;
+    Observe(metrics.e2e, Seconds(Clock::now() - q.arrival));
+  }
+  Publish();  // the cache counted before its creator hears of it
+  q.on_cache(info);
 }
 
 // Pages (every layer and KV head) that `tokens` tokens fill.
@@ -164,6 +218,9 @@ int64_t Runtime::Impl::Kept(const Request& q) {
 // (plus a partial page per table: per-head budgets differ); after_press: only the latter.
 int64_t Runtime::Impl::PeakPages(const Request& q, int cached, bool after_press) const {
   const int64_t n = static_cast<int64_t>(q.tokens.size());
+  // A fork holds its cache's pages already: it takes pages for its own tokens and a copy of each
+  // table's partly filled last page.
+  if (q.base) return Pages(n - q.context + 1) + heads_total;
   if (!q.r.press) return Pages(n - cached + 1);
   const int64_t after =
       Pages(Kept(q) + n - q.n_prompt + 1) + EngineAccess::kv_pool(*engine).layout().heads_total();
@@ -175,6 +232,7 @@ int64_t Runtime::Impl::PeakPages(const Request& q, int cached, bool after_press)
 // are still prefilling must not take the pages their prompts were admitted with.
 int64_t Runtime::Impl::Outstanding(const Request& q) const {
   if (q.evaluated + 1 >= static_cast<int>(q.tokens.size())) return 0;  // decoding
+  if (q.base) return Pages(static_cast<int64_t>(q.tokens.size()) - q.evaluated + 1) + heads_total;
   const bool pressed = q.r.press && q.evaluated >= q.n_prompt;
   const int64_t held = EngineAccess::kv(*q.session).pages_held();
   return std::max<int64_t>(0, PeakPages(q, 0, pressed) - held);
@@ -182,7 +240,7 @@ int64_t Runtime::Impl::Outstanding(const Request& q) const {
 
 int Runtime::Impl::Cached(const Request& q) const {
   PrefixTree* tree = EngineAccess::prefix(*engine);
-  if (tree == nullptr || q.r.press) return 0;
+  if (tree == nullptr || q.r.press || q.base) return 0;
   return tree->Match(q.tokens, q.salt, static_cast<int>(q.tokens.size()) - 1);
 }
 
@@ -191,12 +249,12 @@ int Runtime::Impl::Cached(const Request& q) const {
 // choices of one request): that prompt is published when it is done, and q then reuses it
 // instead of computing the same blocks beside it.
 bool Runtime::Impl::AwaitsSharedPrefill(const Request& q, int cached) const {
-  if (q.r.press || EngineAccess::prefix(*engine) == nullptr || !opt.publish_prefixes) {
+  if (!Publishes(q) || EngineAccess::prefix(*engine) == nullptr) {
     return false;
   }
   const int pt = EngineAccess::kv_pool(*engine).layout().page_tokens;
   for (const auto& r : running) {
-    if (r->r.press || r->salt != q.salt || r->evaluated >= r->n_prompt) continue;
+    if (!Publishes(*r) || r->salt != q.salt || r->evaluated >= r->n_prompt) continue;
     const size_t n = std::min<size_t>(q.tokens.size() - 1, r->n_prompt);
     const auto end = q.tokens.begin() + static_cast<std::ptrdiff_t>(n);
     const int shared = static_cast<int>(
@@ -225,8 +283,10 @@ void Runtime::Impl::Admit() {
     int64_t available = pool.free_pages() + (tree != nullptr ? tree->ReclaimablePages() : 0);
     for (const auto& r : running) available -= Outstanding(*r);
     if (PeakPages(q, best_cached) > available && !running.empty()) break;
-    q.session = engine->NewSession(q.r.cache_salt);
-    if (q.r.press) {
+    q.session = q.base ? q.base->Fork() : engine->NewSession(q.r.cache_salt);
+    if (q.base) {
+      q.evaluated = q.context;  // the cache's pages: no prefix lookup, no press
+    } else if (q.r.press) {
       // Observed up to the end of the prompt: a preempted request recomputes its prompt, is
       // pressed there again, then recomputes the tokens it had generated.
       q.session->PrepareForPress(*q.r.press, q.n_prompt);
@@ -279,7 +339,7 @@ void Runtime::Impl::Preempt() {
 // so the prefix cache gets the conversation up to the stop, which a follow-up prompt repeats,
 // and not blocks holding the stop string's tokens, which it would not.
 void Runtime::Impl::TruncateAtStop(Request& q, size_t text_end) {
-  if (!q.session || !opt.publish_prefixes || q.r.press) return;  // nothing will be published
+  if (!q.session || !Publishes(q)) return;  // nothing will be published
   StreamDecoder replay(engine->tokenizer());
   size_t len = 0;
   int kept = 0;
@@ -422,7 +482,7 @@ bool Runtime::Impl::Step() {
     q.evaluated += e.n;
     // The prompt's full pages go to the prefix cache now, not when the request ends, so that
     // requests waiting on it (AwaitsSharedPrefill) and any that share it reuse them at once.
-    if (prompt_done && opt.publish_prefixes && !q.r.press) q.session->Publish();
+    if (prompt_done && Publishes(q)) q.session->Publish();
   }
   {
     std::lock_guard<std::mutex> lock(mu);
@@ -442,7 +502,12 @@ bool Runtime::Impl::Step() {
       press_evicted_tokens += (pr->tokens_before - pr->tokens_after) / heads_total;
     }
     if (q.evaluated != static_cast<int>(q.tokens.size())) continue;  // mid-prompt
-    if (!Sample(q)) done.push_back(&q);
+    if (q.on_cache) {
+      KeepAsCache(q);
+      done.push_back(&q);
+    } else if (!Sample(q)) {
+      done.push_back(&q);
+    }
   }
   std::erase_if(running, [&](const auto& q) {
     return std::find(done.begin(), done.end(), q.get()) != done.end();
@@ -453,8 +518,12 @@ bool Runtime::Impl::Step() {
 // Snapshots for other threads.
 void Runtime::Impl::Publish() {
   const KvStats s = engine->kv_stats();
+  const int n_caches = caches->count();
+  const int64_t cache_bytes = caches->bytes();
   std::lock_guard<std::mutex> lock(mu);
   kv = s;
+  metrics.kv_caches = n_caches;
+  metrics.kv_cache_bytes = cache_bytes;
   // Finished requests (no session) may still be in `running` until the step ends.
   metrics.running = static_cast<int>(std::count_if(
       running.begin(), running.end(), [](const auto& q) { return q->session != nullptr; }));

@@ -16,6 +16,7 @@
 
 #include "cachet/serving.h"
 #include "cachet/tokenizer.h"
+#include "runtime/cache_registry.h"
 #include "runtime/sampler.h"
 
 namespace cachet {
@@ -44,6 +45,13 @@ struct Runtime::Impl {
     Clock::time_point arrival, last_token;
     bool first_token_seen = false;
     int64_t admitted_order = 0;
+    // A cache_id request: the kept cache it forks at each admission, and its tokens (the first
+    // `context` of `tokens`).
+    std::shared_ptr<Session> base;
+    int context = 0;
+    // Set for CreateCache: the session is kept once its prompt is prefilled (and pressed); no text.
+    CacheCallback on_cache;
+    std::string note;  // KvCacheRequest::note
   };
 
   RuntimeOptions opt;
@@ -63,6 +71,7 @@ struct Runtime::Impl {
   RuntimeMetrics metrics;
   KvStats kv;
   std::vector<int64_t> tier_tokens;  // prompt tokens each tier served
+  std::unique_ptr<CacheRegistry> caches;
 
   // Scheduler thread only.
   std::deque<std::unique_ptr<Request>> waiting;
@@ -73,11 +82,27 @@ struct Runtime::Impl {
 
   ~Impl();
 
+  // Other threads (runtime.cc). Check: what Submit and CreateCache refuse before anything is
+  // queued. Queue: sets the request's arrival and id and queues it (ResourceExhausted when the
+  // queue is full). OnScheduler: runs fn on the scheduler thread before its next step, and waits.
+  Status Check(const CompletionRequest& request) const;
+  Result<uint64_t> Queue(std::unique_ptr<Request> q);
+  void OnScheduler(const std::function<void()>& fn);
+
   // Final event, and the request's pages back to the pool (offered to the prefix cache first).
   // Text held back for stop strings goes out unless a stop string ended the text.
   void Finish(Request& q, std::string reason, Status error = OkStatus(), bool flush = true);
 
   void TakeIncoming();
+  // A cache_id request's cache, and its tokens before the prompt (an error: nothing changes).
+  Status AttachCache(Request& q);
+  // A CreateCache request whose context is done: its session becomes the cache.
+  void KeepAsCache(Request& q);
+  // Whether q's pages go to the prefix cache. Not a pressed request's (its pages lack tokens) nor
+  // a cache_id request's (the cache may be pressed; its forks share its pages anyway).
+  bool Publishes(const Request& q) const {
+    return opt.publish_prefixes && !q.r.press && q.base == nullptr;
+  }
 
   // Pages (every layer and KV head) that `tokens` tokens fill.
   int64_t Pages(int64_t tokens) const;
