@@ -18,11 +18,7 @@ std::string ReadText(const std::string& path) {
 }
 
 std::string Describe(const std::optional<press::PressOptions>& p) {
-  if (!p) return "none";
-  std::string s = press::PressSpec(*p);
-  if (p->quest) return s;
-  return s + (p->budget > 0 ? " budget " + std::to_string(p->budget)
-                            : " ratio " + std::to_string(p->ratio).substr(0, 5));
+  return p ? press::DescribePress(*p) : "none";
 }
 
 void PrintInfo(const std::string& path, const SavedCacheInfo& i) {

@@ -43,7 +43,8 @@ void AddServe(CLI::App& app) {
   auto* cmd = app.add_subcommand(
       "serve",
       "OpenAI-compatible HTTP server: /v1/completions, /v1/chat/completions (streaming), "
-      "/v1/models, /health, /metrics, /tokenize, /detokenize, /v1/cache/reset; requests are "
+      "/v1/models, /health, /metrics, /tokenize, /detokenize, /v1/cache/reset, /v1/caches (a "
+      "context prefilled and pressed once, continued by requests with cache_id); requests are "
       "batched continuously over one KV pool and prefix cache (docs/SERVER.md)");
   auto o = std::make_shared<ServeOptions>();
   AddEngineFlags(*cmd, o->runtime.engine);

@@ -67,6 +67,9 @@ const char* ScorerName(Scorer s);
 // *options and leaves the others.
 Status ParsePressSpec(std::string_view spec, PressOptions* options);
 std::string PressSpec(const PressOptions& options);  // the inverse
+// The spec with its amount, as saved caches record it: "snapkv ratio 0.750", "h2o budget 128",
+// "quest".
+std::string DescribePress(const PressOptions& options);
 
 // What Compress decided, for reports and tests.
 struct PressResult {

@@ -1,6 +1,7 @@
 // `cachet serve`'s HTTP side (cpp-httplib): OpenAI's /v1/completions, /v1/chat/completions (SSE
 // streaming) and /v1/models, plus /health, /metrics (Prometheus), llama.cpp's /tokenize and
-// /detokenize, and /v1/cache/reset, over one Runtime (include/cachet/serving.h).
+// /detokenize, /v1/cache/reset, and saved caches (/v1/caches: a context prefilled and pressed once
+// that requests continue with `cache_id`), over one Runtime (include/cachet/serving.h).
 //
 // Threads: cpp-httplib's handler threads parse a body into a typed request (request.h), prepare
 // it (prepare.h) and Submit it to the Runtime, one Runtime request per choice (`n`). Each HTTP

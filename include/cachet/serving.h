@@ -28,6 +28,10 @@ struct RuntimeOptions {
   int batch_tokens = 512;        // --batch-tokens: tokens per step (decode tokens + prompt chunks)
   int max_waiting = 256;         // queued requests beyond which Submit fails (ResourceExhausted)
   bool publish_prefixes = true;  // offer finished requests' pages to the prefix cache
+  // Where kept caches (CreateCache) are also saved, <cache_dir>/<id>.ckv with <id>.json beside
+  // it, and looked up when not resident, so that a restarted runtime with the same model and KV
+  // layout finds them. Empty: <engine.disk_cache_dir>/caches when that is set, else RAM only.
+  std::string cache_dir;
 };
 
 struct CompletionRequest {
@@ -39,7 +43,32 @@ struct CompletionRequest {
   int top_logprobs = -1;                     // -1: no logprobs; n >= 0: the token's and the top n
   std::string cache_salt;                    // tenant isolation in the prefix cache
   std::optional<press::PressOptions> press;  // applied after the prompt, before the first token
+  // Continue from this kept cache (CreateCache's id; empty: none): the prompt follows its context,
+  // in a fork of its session (its pages shared, never copied). Its salt must be cache_salt, and
+  // press unset (the cache was compressed when it was made).
+  std::string cache_id;
 };
+
+// A context prefilled (and pressed) once and kept by the Runtime for requests to continue from.
+struct KvCacheRequest {
+  std::vector<int32_t> prompt;               // the context, BOS included as the caller wants
+  std::string cache_salt;                    // the cache answers to this salt only
+  std::optional<press::PressOptions> press;  // applied once the context is prefilled
+  std::string note;                          // the caller's, kept with the cache and its file
+};
+
+struct KvCacheInfo {
+  std::string id;           // "kvc-" and 32 random hex digits (nothing of the content)
+  int64_t created = 0;      // Unix time
+  int tokens = 0;           // of the context
+  int64_t held_rows = 0;    // token rows kept over every (layer, KV head) table
+  int64_t bytes = 0;        // of the KV pages it holds
+  std::string compression;  // "snapkv ratio 0.750", or "none"
+  std::string note;
+};
+
+// Called on the scheduler thread with the new cache, or why it was not made.
+using CacheCallback = std::function<void(const Result<KvCacheInfo>&)>;
 
 struct TokenLogprob {
   int32_t token = 0;
@@ -92,6 +121,8 @@ struct RuntimeMetrics {
   // tier below it ("disk").
   std::vector<std::pair<std::string, int64_t>> prompt_tokens_by_source;
   std::vector<KvStats::Tier> kv_tiers;  // each tier's own counters
+  int kv_caches = 0;                    // kept caches resident
+  int64_t kv_cache_bytes = 0;           // bytes of their pages (shared with requests on them)
   Histogram ttft, inter_token, e2e;
 };
 
@@ -108,6 +139,17 @@ class Runtime {
   // Stops a request at the next step boundary and frees its pages; its final event has
   // finish_reason "cancelled". Unknown or finished ids are ignored.
   void Cancel(uint64_t id);
+
+  // Kept caches. CreateCache queues the context as a request's prompt (the same admission and
+  // pool; Cancel takes its id) and keeps its session once it is prefilled and pressed; errors
+  // (nothing queued) are Submit's. FindCache and DeleteCache answer NotFound alike for an id that
+  // does not exist and one of another salt, so a tenant learns nothing of another's ids.
+  // FindCache loads a cache from cache_dir when it is not resident; DeleteCache frees its pages
+  // (requests running on it keep theirs until they end) and removes its files.
+  Result<uint64_t> CreateCache(KvCacheRequest request, CacheCallback on_done);
+  Result<KvCacheInfo> FindCache(const std::string& id, const std::string& cache_salt);
+  Status DeleteCache(const std::string& id, const std::string& cache_salt);
+  std::vector<KvCacheInfo> ListCaches(const std::string& cache_salt) const;  // resident ones
 
   RuntimeMetrics Metrics() const;
   KvStats kv_stats() const;

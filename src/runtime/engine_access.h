@@ -29,6 +29,7 @@ class EngineAccess {
   static PagedSequence& kv(Session& s) { return *s.seq_; }
   static const PagedSequence& kv(const Session& s) { return *s.seq_; }
   static std::vector<int32_t>& tokens(Session& s) { return s.tokens_; }
+  static std::vector<float>& last_logits(Session& s) { return s.last_logits_; }
   static uint64_t salt(const Session& s) { return s.salt_; }
 };
 

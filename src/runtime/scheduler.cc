@@ -15,13 +15,13 @@
 // a stop string ends drops the stop string's tokens from its session before its pages are offered
 // to the prefix cache. Other threads only queue requests and commands and read snapshots the
 // scheduler publishes after each step.
+#include "runtime/scheduler.h"
+
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <deque>
-#include <future>
 #include <mutex>
 #include <thread>
 #include <unordered_set>
@@ -36,8 +36,6 @@
 #include "runtime/sampler.h"
 
 namespace cachet {
-
-using Clock = std::chrono::steady_clock;
 
 // The scheduler drives sessions token by token through batched steps, below Session's API.
 namespace {
@@ -93,588 +91,497 @@ size_t HeldBack(std::string_view text, const std::vector<std::string>& stops) {
 
 }  // namespace
 
-struct Runtime::Impl {
-  struct Request {
-    uint64_t id = 0;
-    uint64_t salt = 0;  // the cache salt's key, as sessions hash it
-    CompletionRequest r;
-    EventCallback on_event;
-    std::unique_ptr<Session> session;  // null while waiting
-    std::vector<int32_t> tokens;       // prompt, then every sampled token
-    int n_prompt = 0;
-    int evaluated = 0;  // tokens whose K/V the session holds
-    int cached = 0;     // prompt tokens reused from the prefix cache (first admission)
-    bool ever_admitted = false;
-    std::unique_ptr<Sampler> sampler;
-    std::unique_ptr<StreamDecoder> decoder;
-    std::string held;    // decoded text not yet sent (a stop string may be starting)
-    size_t decoded = 0;  // bytes of text the decoder gave so far (sent or held)
-    std::vector<float> logits;
-    std::vector<float> raw_logits;  // a copy for logprobs, reused
-    TokenEvent pending;             // what the next event carries
-    Clock::time_point arrival, last_token;
-    bool first_token_seen = false;
-    int64_t admitted_order = 0;
-  };
-
-  RuntimeOptions opt;
-  std::unique_ptr<Engine> engine;
-  int vocab = 0;
-  int64_t heads_total = 1;           // layers x KV heads
-  int64_t press_evicted_tokens = 0;  // scheduler thread only; Publish snapshots it
-
-  std::mutex mu;  // guards the fields below up to `metrics`
-  std::condition_variable cv;
-  std::deque<std::unique_ptr<Request>> incoming;
-  std::unordered_set<uint64_t> cancels;
-  std::vector<std::function<void()>> commands;  // run on the scheduler thread
-  bool stop = false;
-  uint64_t next_id = 1;
-  int queued = 0;  // incoming + waiting, for max_waiting
-  RuntimeMetrics metrics;
-  KvStats kv;
-  std::vector<int64_t> tier_tokens;  // prompt tokens each tier served
-
-  // Scheduler thread only.
-  std::deque<std::unique_ptr<Request>> waiting;
-  std::vector<std::unique_ptr<Request>> running;
-  int64_t admissions = 0;
-  std::thread thread;
-
-  ~Impl() {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      stop = true;
-    }
-    cv.notify_all();
-    if (thread.joinable()) thread.join();
-  }
-
-  // Final event, and the request's pages back to the pool (offered to the prefix cache first).
-  // Text held back for stop strings goes out unless a stop string ended the text.
-  void Finish(Request& q, std::string reason, Status error = OkStatus(), bool flush = true) {
-    if (q.decoder && flush) q.pending.text += q.held + q.decoder->Flush();
-    q.held.clear();
-    if (q.session) {
-      if (opt.publish_prefixes && !q.r.press) q.session->Publish();
-      q.session.reset();
-    }
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      ++metrics.requests_finished;
-      Observe(metrics.e2e, Seconds(Clock::now() - q.arrival));
-    }
-    Publish();  // the snapshot the final event's reader sees
-    q.pending.finished = true;
-    q.pending.finish_reason = std::move(reason);
-    q.pending.error = std::move(error);
-    q.pending.usage = {q.n_prompt, q.cached, static_cast<int>(q.tokens.size()) - q.n_prompt};
-    q.on_event(q.pending);
-  }
-
-  void TakeIncoming() {
+Runtime::Impl::~Impl() {
+  {
     std::lock_guard<std::mutex> lock(mu);
-    for (auto& q : incoming) {
-      q->salt = EngineAccess::SaltOf(q->r.cache_salt);
-      waiting.push_back(std::move(q));
-    }
-    incoming.clear();
-    for (uint64_t id : cancels) {
-      auto is = [id](const auto& q) { return q->id == id; };
-      if (auto it = std::find_if(waiting.begin(), waiting.end(), is); it != waiting.end()) {
-        cancel_now.push_back(std::move(*it));
-        waiting.erase(it);
-        --queued;
-      } else if (auto r = std::find_if(running.begin(), running.end(), is); r != running.end()) {
-        cancel_now.push_back(std::move(*r));
-        running.erase(r);
-      }
-    }
-    cancels.clear();
+    stop = true;
   }
-  std::vector<std::unique_ptr<Request>> cancel_now;
+  cv.notify_all();
+  if (thread.joinable()) thread.join();
+}
 
-  // Pages (every layer and KV head) that `tokens` tokens fill.
-  int64_t Pages(int64_t tokens) const {
-    const KvLayout& lay = EngineAccess::kv_pool(*engine).layout();
-    return (tokens + lay.page_tokens - 1) / lay.page_tokens * lay.heads_total();
+// Final event, and the request's pages back to the pool (offered to the prefix cache first).
+// Text held back for stop strings goes out unless a stop string ended the text.
+void Runtime::Impl::Finish(Request& q, std::string reason, Status error, bool flush) {
+  if (q.decoder && flush) q.pending.text += q.held + q.decoder->Flush();
+  q.held.clear();
+  if (q.session) {
+    if (Publishes(q)) q.session->Publish();
+    q.session.reset();
   }
-
-  // Tokens per (layer, KV head) that a pressed request keeps of its prompt (Quest keeps them all).
-  static int64_t Kept(const Request& q) {
-    const press::PressOptions& o = *q.r.press;
-    if (o.quest) return q.n_prompt;
-    const int64_t kept =
-        o.budget > 0 ? o.budget : std::llround((1.0 - o.ratio) * static_cast<double>(q.n_prompt));
-    return std::min<int64_t>(kept, q.n_prompt);
-  }
-
-  // The most pages request q holds while its tokens are (re)computed, the first sampled one
-  // included, with `cached` of them already held from the prefix cache. A pressed request holds
-  // its whole prompt until the press, then what the press kept plus the tokens after the prompt
-  // (plus a partial page per table: per-head budgets differ); after_press: only the latter.
-  int64_t PeakPages(const Request& q, int cached, bool after_press = false) const {
-    const int64_t n = static_cast<int64_t>(q.tokens.size());
-    if (!q.r.press) return Pages(n - cached + 1);
-    const int64_t after =
-        Pages(Kept(q) + n - q.n_prompt + 1) + EngineAccess::kv_pool(*engine).layout().heads_total();
-    return after_press ? after : std::max(Pages(q.n_prompt + 1), after);
-  }
-
-  // Pages a running request has yet to take before it decodes (the rest of its prompt, or of what
-  // a preempted request recomputes). Admission keeps them free: a request admitted while others
-  // are still prefilling must not take the pages their prompts were admitted with.
-  int64_t Outstanding(const Request& q) const {
-    if (q.evaluated + 1 >= static_cast<int>(q.tokens.size())) return 0;  // decoding
-    const bool pressed = q.r.press && q.evaluated >= q.n_prompt;
-    const int64_t held = EngineAccess::kv(*q.session).pages_held();
-    return std::max<int64_t>(0, PeakPages(q, 0, pressed) - held);
-  }
-
-  int Cached(const Request& q) const {
-    PrefixTree* tree = EngineAccess::prefix(*engine);
-    if (tree == nullptr || q.r.press) return 0;
-    return tree->Match(q.tokens, q.salt, static_cast<int>(q.tokens.size()) - 1);
-  }
-
-  // Whether q should wait for a running request that is computing a prompt sharing at least one
-  // more block with q's than the prefix cache holds now (requests on one system prompt, the `n`
-  // choices of one request): that prompt is published when it is done, and q then reuses it
-  // instead of computing the same blocks beside it.
-  bool AwaitsSharedPrefill(const Request& q, int cached) const {
-    if (q.r.press || EngineAccess::prefix(*engine) == nullptr || !opt.publish_prefixes) {
-      return false;
-    }
-    const int pt = EngineAccess::kv_pool(*engine).layout().page_tokens;
-    for (const auto& r : running) {
-      if (r->r.press || r->salt != q.salt || r->evaluated >= r->n_prompt) continue;
-      const size_t n = std::min<size_t>(q.tokens.size() - 1, r->n_prompt);
-      const auto end = q.tokens.begin() + static_cast<std::ptrdiff_t>(n);
-      const int shared = static_cast<int>(
-          std::mismatch(q.tokens.begin(), end, r->tokens.begin()).first - q.tokens.begin());
-      if (shared / pt * pt >= cached + pt) return true;
-    }
-    return false;
-  }
-
-  void Admit() {
-    constexpr size_t kLookahead = 8;  // FCFS among the next few, a longer cached prefix first
-    while (!waiting.empty() && static_cast<int>(running.size()) < opt.max_sequences) {
-      size_t best = 0;
-      int best_cached = -1;
-      for (size_t i = 0; i < std::min(kLookahead, waiting.size()); ++i) {
-        const int c = Cached(*waiting[i]);
-        if (c > best_cached && !AwaitsSharedPrefill(*waiting[i], c)) {
-          best = i;
-          best_cached = c;
-        }
-      }
-      if (best_cached < 0) break;  // each waits for a prompt being computed: admit it after
-      Request& q = *waiting[best];
-      const PagePool& pool = EngineAccess::kv_pool(*engine);
-      PrefixTree* tree = EngineAccess::prefix(*engine);
-      int64_t available = pool.free_pages() + (tree != nullptr ? tree->ReclaimablePages() : 0);
-      for (const auto& r : running) available -= Outstanding(*r);
-      if (PeakPages(q, best_cached) > available && !running.empty()) break;
-      q.session = engine->NewSession(q.r.cache_salt);
-      if (q.r.press) {
-        // Observed up to the end of the prompt: a preempted request recomputes its prompt, is
-        // pressed there again, then recomputes the tokens it had generated.
-        q.session->PrepareForPress(*q.r.press, q.n_prompt);
-      } else if (tree != nullptr) {
-        Session& s = *q.session;
-        std::vector<int> from_tier;
-        const int reused =
-            tree->Lookup(q.tokens, EngineAccess::salt(s), static_cast<int>(q.tokens.size()) - 1,
-                         EngineAccess::kv(s), &from_tier);
-        EngineAccess::tokens(s).assign(q.tokens.begin(), q.tokens.begin() + reused);
-        q.evaluated = reused;
-        if (!q.ever_admitted) q.cached = reused;
-        std::lock_guard<std::mutex> lock(mu);
-        metrics.prefix_query_tokens += static_cast<int64_t>(q.tokens.size());
-        metrics.prefix_hit_tokens += reused;
-        if (tier_tokens.size() < from_tier.size()) tier_tokens.resize(from_tier.size(), 0);
-        for (size_t t = 0; t < from_tier.size(); ++t) tier_tokens[t] += from_tier[t];
-      }
-      if (!q.ever_admitted) {
-        q.sampler = std::make_unique<Sampler>(q.r.sampling, vocab);
-        q.decoder = std::make_unique<StreamDecoder>(engine->tokenizer());
-        q.logits.resize(vocab);
-        q.ever_admitted = true;
-      }
-      q.admitted_order = admissions++;
-      running.push_back(std::move(waiting[best]));
-      waiting.erase(waiting.begin() + static_cast<std::ptrdiff_t>(best));
-      std::lock_guard<std::mutex> lock(mu);
-      --queued;
-    }
-  }
-
-  // Drops the newest running request's session and queues it again (front) for recompute.
-  void Preempt() {
-    auto newest = std::max_element(
-        running.begin(), running.end(),
-        [](const auto& a, const auto& b) { return a->admitted_order < b->admitted_order; });
-    std::unique_ptr<Request> q = std::move(*newest);
-    running.erase(newest);
-    q->session.reset();
-    q->evaluated = 0;
-    waiting.push_front(std::move(q));
+  {
     std::lock_guard<std::mutex> lock(mu);
-    ++metrics.preemptions;
-    ++queued;
+    ++metrics.requests_finished;
+    Observe(metrics.e2e, Seconds(Clock::now() - q.arrival));
   }
-
-  // A request that a stop string ended, before Finish publishes its pages: its session keeps only
-  // the tokens whose text lies wholly before the stop string (text_end bytes of generated text),
-  // so the prefix cache gets the conversation up to the stop, which a follow-up prompt repeats,
-  // and not blocks holding the stop string's tokens, which it would not.
-  void TruncateAtStop(Request& q, size_t text_end) {
-    if (!q.session || !opt.publish_prefixes || q.r.press) return;  // nothing will be published
-    StreamDecoder replay(engine->tokenizer());
-    size_t len = 0;
-    int kept = 0;
-    for (size_t i = q.n_prompt; i < q.tokens.size(); ++i) {
-      len += replay.Push(q.tokens[i]).size();
-      if (len > text_end) break;
-      if (!replay.holding()) kept = static_cast<int>(i) + 1 - q.n_prompt;  // its bytes all out
-    }
-    Session& s = *q.session;
-    if (q.n_prompt + kept < s.n_tokens()) {
-      // Can only fail for want of a raw page to unseal a page into (staged layouts): the pages
-      // are then published as they are.
-      (void)s.Truncate(q.n_prompt + kept);
-    }
+  Publish();         // the snapshot the final event's reader sees
+  if (q.on_cache) {  // CreateCache's: no text, only why there is no cache
+    q.on_cache(error.ok() ? FailedPrecondition("the cache was cancelled before it was made")
+                          : std::move(error));
+    return;
   }
+  q.pending.finished = true;
+  q.pending.finish_reason = std::move(reason);
+  q.pending.error = std::move(error);
+  q.pending.usage = {q.n_prompt, q.cached, static_cast<int>(q.tokens.size()) - q.n_prompt};
+  q.on_event(q.pending);
+}
 
-  // Samples request q's next token from its logits; returns false when the request is done.
-  bool Sample(Request& q) {
-    const Tokenizer& tok = engine->tokenizer();
-    // Logprobs come from the logits as the model gave them: the sampler's repetition penalty
-    // rewrites its input in place.
-    const bool logprobs = q.r.top_logprobs >= 0;
-    if (logprobs) q.raw_logits.assign(q.logits.begin(), q.logits.end());
-    const int32_t next = q.sampler->Sample(q.logits, q.tokens);
-    const Clock::time_point now = Clock::now();
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      if (!q.first_token_seen) {
-        Observe(metrics.ttft, Seconds(now - q.arrival));
-      } else {
-        Observe(metrics.inter_token, Seconds(now - q.last_token));
-      }
-    }
-    q.first_token_seen = true;
-    q.last_token = now;
-    if (q.r.stop_at_eos && next == tok.eos_id()) {
-      Finish(q, "stop");
-      return false;
-    }
-    q.tokens.push_back(next);
-    q.pending.tokens.push_back(next);
-    if (logprobs) q.pending.logprobs.push_back(Logprobs(q.raw_logits, next, q.r.top_logprobs));
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      ++metrics.generation_tokens;
-    }
-    const std::string piece = q.decoder->Push(next);
-    q.decoded += piece.size();
-    q.held += piece;
-    // The earliest stop string ends the text before it.
-    size_t cut = std::string::npos;
-    for (const std::string& s : q.r.stop) {
-      if (!s.empty()) cut = std::min(cut, q.held.find(s));
-    }
-    if (cut != std::string::npos) {
-      q.pending.text += q.held.substr(0, cut);
-      TruncateAtStop(q, q.decoded - q.held.size() + cut);
-      Finish(q, "stop", OkStatus(), /*flush=*/false);
-      return false;
-    }
-    const size_t keep = HeldBack(q.held, q.r.stop);
-    q.pending.text += q.held.substr(0, q.held.size() - keep);
-    q.held.erase(0, q.held.size() - keep);
-    const int generated = static_cast<int>(q.tokens.size()) - q.n_prompt;
-    if (generated >= q.r.max_tokens || static_cast<int>(q.tokens.size()) >= engine->n_ctx()) {
-      Finish(q, "length");
-      return false;
-    }
-    q.on_event(q.pending);
-    q.pending = TokenEvent();
-    return true;
-  }
-
-  // One batched step; false when there was nothing to do.
-  bool Step() {
-    TakeIncoming();
-    for (auto& q : cancel_now) Finish(*q, "cancelled");
-    cancel_now.clear();
-    Admit();
-    if (running.empty()) return false;
-
-    struct Entry {
-      Request* q;
-      int n;
-    };
-    std::vector<Entry> entries;
-    std::vector<SeqChunk> chunks;
-    std::vector<std::vector<int32_t>> positions;
-    for (;;) {
-      // Decoding requests first (one token each), then prompt chunks, oldest first.
-      std::vector<Request*> order;
-      for (auto& q : running) order.push_back(q.get());
-      std::stable_sort(order.begin(), order.end(), [](Request* a, Request* b) {
-        const bool da = a->evaluated + 1 == static_cast<int>(a->tokens.size());
-        const bool db = b->evaluated + 1 == static_cast<int>(b->tokens.size());
-        return da != db ? da : a->admitted_order < b->admitted_order;
-      });
-      int budget = std::min(opt.batch_tokens, EngineAccess::model(*engine).max_batch());
-      entries.clear();
-      chunks.clear();
-      positions.assign(order.size(), {});
-      for (size_t i = 0; i < order.size() && budget > 0; ++i) {
-        Request& q = *order[i];
-        const int left = static_cast<int>(q.tokens.size()) - q.evaluated;
-        int n = std::min(left, budget);
-        // A pressed request's chunk stops at the end of its prompt, where the press runs.
-        if (q.r.press && q.evaluated < q.n_prompt) n = std::min(n, q.n_prompt - q.evaluated);
-        if (n <= 0) continue;
-        budget -= n;
-        auto& pos = positions[i];
-        pos.resize(n);
-        for (int j = 0; j < n; ++j) pos[j] = q.evaluated + j;
-        SeqChunk c;
-        c.kv = &EngineAccess::kv(*q.session);
-        c.tokens = std::span<const int32_t>(q.tokens).subspan(q.evaluated, n);
-        c.positions = pos;
-        c.logits = n == left ? q.logits.data() : nullptr;
-        chunks.push_back(c);
-        entries.push_back({&q, n});
-      }
-      Status s = EngineAccess::model(*engine).ForwardBatch(chunks, EngineAccess::threads(*engine));
-      if (s.ok()) break;
-      if (s.code() == StatusCode::kResourceExhausted && running.size() > 1) {
-        Preempt();
-        continue;
-      }
-      // Nothing else to free: the request alone does not fit (or the step is broken).
-      std::unique_ptr<Request> q = std::move(running.front());
-      running.erase(running.begin());
-      Finish(*q, "error", s);
-      return true;
-    }
-    int64_t prompt_tokens = 0;
-    for (const Entry& e : entries) {
-      Request& q = *e.q;
-      auto& held = EngineAccess::tokens(*q.session);
-      held.insert(held.end(), q.tokens.begin() + q.evaluated, q.tokens.begin() + q.evaluated + e.n);
-      const bool prompt_done = q.evaluated < q.n_prompt && q.evaluated + e.n >= q.n_prompt;
-      if (q.evaluated < q.n_prompt) prompt_tokens += std::min(e.n, q.n_prompt - q.evaluated);
-      q.evaluated += e.n;
-      // The prompt's full pages go to the prefix cache now, not when the request ends, so that
-      // requests waiting on it (AwaitsSharedPrefill) and any that share it reuse them at once.
-      if (prompt_done && opt.publish_prefixes && !q.r.press) q.session->Publish();
-    }
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      metrics.prompt_tokens += prompt_tokens;
-    }
-    std::vector<Request*> done;
-    for (const Entry& e : entries) {
-      Request& q = *e.q;
-      if (q.r.press && q.evaluated == q.n_prompt) {  // the step reached the end of the prompt
-        auto pr = q.session->Compress(*q.r.press);
-        if (!pr.ok()) {
-          Finish(q, "error", pr.status());
-          done.push_back(&q);
-          continue;
-        }
-        // Tokens per (layer, KV head) the press evicted, on average (per-head budgets differ).
-        press_evicted_tokens += (pr->tokens_before - pr->tokens_after) / heads_total;
-      }
-      if (q.evaluated != static_cast<int>(q.tokens.size())) continue;  // mid-prompt
-      if (!Sample(q)) done.push_back(&q);
-    }
-    std::erase_if(running, [&](const auto& q) {
-      return std::find(done.begin(), done.end(), q.get()) != done.end();
-    });
-    return true;
-  }
-
-  // Snapshots for other threads.
-  void Publish() {
-    const KvStats s = engine->kv_stats();
+void Runtime::Impl::TakeIncoming() {
+  std::deque<std::unique_ptr<Request>> fresh;
+  {
     std::lock_guard<std::mutex> lock(mu);
-    kv = s;
-    // Finished requests (no session) may still be in `running` until the step ends.
-    metrics.running = static_cast<int>(std::count_if(
-        running.begin(), running.end(), [](const auto& q) { return q->session != nullptr; }));
-    metrics.waiting = queued;
-    // Cached pages no request uses are free for the taking (evicted on demand), as vLLM counts.
-    metrics.kv_usage =
-        s.pages_total > 0 ? double(s.pages_used - s.pages_reclaimable) / s.pages_total : 0;
-    metrics.kv_bytes_by_codec = s.bytes_by_codec;
-    // Pressed out of requests' caches, and dropped from the prefix cache under pressure.
-    metrics.kv_evicted_tokens = press_evicted_tokens + s.evicted_blocks * s.page_tokens;
-    // Prompt tokens by where their K/V came from: computed, the prefix cache in RAM, its tiers.
-    int64_t from_tiers = 0;
-    metrics.prompt_tokens_by_source = {{"compute", metrics.prompt_tokens}, {"ram", 0}};
-    for (size_t t = 0; t < s.tiers.size(); ++t) {
-      const int64_t n = t < tier_tokens.size() ? tier_tokens[t] : 0;
-      metrics.prompt_tokens_by_source.emplace_back(s.tiers[t].name, n);
-      from_tiers += n;
-    }
-    metrics.prompt_tokens_by_source[1].second = metrics.prefix_hit_tokens - from_tiers;
-    metrics.kv_tiers = s.tiers;
+    fresh.swap(incoming);
   }
-
-  void Loop() {
-    for (;;) {
-      std::vector<std::function<void()>> cmds;
-      {
-        std::unique_lock<std::mutex> lock(mu);
-        cv.wait(lock, [&] {
-          return stop || !incoming.empty() || !cancels.empty() || !commands.empty() ||
-                 !running.empty() || (!waiting.empty());
-        });
-        if (stop) break;
-        cmds.swap(commands);
-      }
-      for (auto& c : cmds) c();
-      const bool worked = Step();
-      Publish();
-      if (!worked && running.empty() && !waiting.empty()) {
-        // Waiting requests that cannot be admitted with nothing running: fail the first.
-        std::unique_ptr<Request> q = std::move(waiting.front());
-        waiting.pop_front();
+  // Outside the lock: attaching a cache may load it from disk.
+  for (auto& q : fresh) {
+    q->salt = EngineAccess::SaltOf(q->r.cache_salt);
+    if (!q->r.cache_id.empty()) {
+      if (Status s = AttachCache(*q); !s.ok()) {
         {
           std::lock_guard<std::mutex> lock(mu);
           --queued;
         }
-        Finish(*q, "error",
-               ResourceExhausted("the KV pool cannot hold the prompt beside the "
-                                 "prefix cache's pages in use"));
+        Finish(*q, "error", s);
+        continue;
       }
     }
-    for (auto& q : running) Finish(*q, "cancelled");
-    for (auto& q : waiting) Finish(*q, "cancelled");
+    waiting.push_back(std::move(q));
+  }
+  std::lock_guard<std::mutex> lock(mu);
+  for (uint64_t id : cancels) {
+    auto is = [id](const auto& q) { return q->id == id; };
+    if (auto it = std::find_if(waiting.begin(), waiting.end(), is); it != waiting.end()) {
+      cancel_now.push_back(std::move(*it));
+      waiting.erase(it);
+      --queued;
+    } else if (auto r = std::find_if(running.begin(), running.end(), is); r != running.end()) {
+      cancel_now.push_back(std::move(*r));
+      running.erase(r);
+    }
+  }
+  cancels.clear();
+}
+
+Status Runtime::Impl::AttachCache(Request& q) {
+  CACHET_ASSIGN_OR_RETURN(std::shared_ptr<Session> base,
+                          caches->Get(*engine, q.r.cache_id, q.r.cache_salt));
+  const std::vector<int32_t>& context = base->tokens();
+  const int64_t total = static_cast<int64_t>(context.size() + q.tokens.size());
+  if (total >= engine->n_ctx()) {
+    return OutOfRange("prompt: " + std::to_string(q.tokens.size()) + " tokens after the cache's " +
+                      std::to_string(context.size()) + " leave no room in the context of " +
+                      std::to_string(engine->n_ctx()));
+  }
+  q.tokens.insert(q.tokens.begin(), context.begin(), context.end());
+  q.context = static_cast<int>(context.size());
+  q.n_prompt = static_cast<int>(total);
+  q.cached = q.context;
+  q.base = std::move(base);
+  return OkStatus();
+}
+
+void Runtime::Impl::KeepAsCache(Request& q) {
+  // The last token's logits go with it: a copy loaded elsewhere may continue with no prompt.
+  EngineAccess::last_logits(*q.session) = q.logits;
+  Result<KvCacheInfo> info =
+      caches->Add(std::move(q.session), q.r.cache_salt,
+                  q.r.press ? press::DescribePress(*q.r.press) : "none", std::move(q.note));
+  if (!info.ok()) return Finish(q, "error", info.status());
+  {
     std::lock_guard<std::mutex> lock(mu);
-    for (auto& q : incoming) {
-      q->pending.finished = true;
-      q->pending.finish_reason = "cancelled";
-      q->on_event(q->pending);
-    }
+    ++metrics.requests_finished;
+    Observe(metrics.e2e, Seconds(Clock::now() - q.arrival));
   }
-};
-
-Runtime::Runtime(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-Runtime::~Runtime() = default;
-
-Result<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& options) {
-  if (options.max_sequences < 1) return InvalidArgument("-np must be >= 1");
-  if (options.batch_tokens < 1) return InvalidArgument("--batch-tokens must be >= 1");
-  if (options.max_waiting < 0) return InvalidArgument("max_waiting must be >= 0");
-  auto impl = std::make_unique<Impl>();
-  impl->opt = options;
-  EngineOptions eo = options.engine;
-  eo.ubatch = std::max(eo.ubatch, options.batch_tokens);  // one step is one ForwardBatch
-  CACHET_ASSIGN_OR_RETURN(impl->engine, Engine::Create(eo));
-  impl->vocab = impl->engine->config().vocab_size;
-  impl->heads_total = int64_t{impl->engine->config().n_layers} * impl->engine->config().n_kv_heads;
-  impl->Publish();
-  Impl* raw = impl.get();
-  impl->thread = std::thread([raw] { raw->Loop(); });
-  return std::unique_ptr<Runtime>(new Runtime(std::move(impl)));
+  Publish();  // the cache counted before its creator hears of it
+  q.on_cache(info);
 }
 
-Result<uint64_t> Runtime::Submit(CompletionRequest request, EventCallback on_event) {
-  Impl& m = *impl_;
-  if (request.prompt.empty()) return InvalidArgument("prompt: empty");
-  for (size_t i = 0; i < request.prompt.size(); ++i) {
-    if (request.prompt[i] < 0 || request.prompt[i] >= m.vocab) {
-      return InvalidArgument("prompt: token id " + std::to_string(request.prompt[i]) +
-                             " at index " + std::to_string(i) + " is outside the vocabulary [0, " +
-                             std::to_string(m.vocab) + ")");
+// Pages (every layer and KV head) that `tokens` tokens fill.
+int64_t Runtime::Impl::Pages(int64_t tokens) const {
+  const KvLayout& lay = EngineAccess::kv_pool(*engine).layout();
+  return (tokens + lay.page_tokens - 1) / lay.page_tokens * lay.heads_total();
+}
+
+// Tokens per (layer, KV head) that a pressed request keeps of its prompt (Quest keeps them all).
+int64_t Runtime::Impl::Kept(const Request& q) {
+  const press::PressOptions& o = *q.r.press;
+  if (o.quest) return q.n_prompt;
+  const int64_t kept =
+      o.budget > 0 ? o.budget : std::llround((1.0 - o.ratio) * static_cast<double>(q.n_prompt));
+  return std::min<int64_t>(kept, q.n_prompt);
+}
+
+// The most pages request q holds while its tokens are (re)computed, the first sampled one
+// included, with `cached` of them already held from the prefix cache. A pressed request holds
+// its whole prompt until the press, then what the press kept plus the tokens after the prompt
+// (plus a partial page per table: per-head budgets differ); after_press: only the latter.
+int64_t Runtime::Impl::PeakPages(const Request& q, int cached, bool after_press) const {
+  const int64_t n = static_cast<int64_t>(q.tokens.size());
+  // A fork holds its cache's pages already: it takes pages for its own tokens and a copy of each
+  // table's partly filled last page.
+  if (q.base) return Pages(n - q.context + 1) + heads_total;
+  if (!q.r.press) return Pages(n - cached + 1);
+  const int64_t after =
+      Pages(Kept(q) + n - q.n_prompt + 1) + EngineAccess::kv_pool(*engine).layout().heads_total();
+  return after_press ? after : std::max(Pages(q.n_prompt + 1), after);
+}
+
+// Pages a running request has yet to take before it decodes (the rest of its prompt, or of what
+// a preempted request recomputes). Admission keeps them free: a request admitted while others
+// are still prefilling must not take the pages their prompts were admitted with.
+int64_t Runtime::Impl::Outstanding(const Request& q) const {
+  if (q.evaluated + 1 >= static_cast<int>(q.tokens.size())) return 0;  // decoding
+  if (q.base) return Pages(static_cast<int64_t>(q.tokens.size()) - q.evaluated + 1) + heads_total;
+  const bool pressed = q.r.press && q.evaluated >= q.n_prompt;
+  const int64_t held = EngineAccess::kv(*q.session).pages_held();
+  return std::max<int64_t>(0, PeakPages(q, 0, pressed) - held);
+}
+
+int Runtime::Impl::Cached(const Request& q) const {
+  PrefixTree* tree = EngineAccess::prefix(*engine);
+  if (tree == nullptr || q.r.press || q.base) return 0;
+  return tree->Match(q.tokens, q.salt, static_cast<int>(q.tokens.size()) - 1);
+}
+
+// Whether q should wait for a running request that is computing a prompt sharing at least one
+// more block with q's than the prefix cache holds now (requests on one system prompt, the `n`
+// choices of one request): that prompt is published when it is done, and q then reuses it
+// instead of computing the same blocks beside it.
+bool Runtime::Impl::AwaitsSharedPrefill(const Request& q, int cached) const {
+  if (!Publishes(q) || EngineAccess::prefix(*engine) == nullptr) {
+    return false;
+  }
+  const int pt = EngineAccess::kv_pool(*engine).layout().page_tokens;
+  for (const auto& r : running) {
+    if (!Publishes(*r) || r->salt != q.salt || r->evaluated >= r->n_prompt) continue;
+    const size_t n = std::min<size_t>(q.tokens.size() - 1, r->n_prompt);
+    const auto end = q.tokens.begin() + static_cast<std::ptrdiff_t>(n);
+    const int shared = static_cast<int>(
+        std::mismatch(q.tokens.begin(), end, r->tokens.begin()).first - q.tokens.begin());
+    if (shared / pt * pt >= cached + pt) return true;
+  }
+  return false;
+}
+
+void Runtime::Impl::Admit() {
+  constexpr size_t kLookahead = 8;  // FCFS among the next few, a longer cached prefix first
+  while (!waiting.empty() && static_cast<int>(running.size()) < opt.max_sequences) {
+    size_t best = 0;
+    int best_cached = -1;
+    for (size_t i = 0; i < std::min(kLookahead, waiting.size()); ++i) {
+      const int c = Cached(*waiting[i]);
+      if (c > best_cached && !AwaitsSharedPrefill(*waiting[i], c)) {
+        best = i;
+        best_cached = c;
+      }
     }
-  }
-  if (request.max_tokens < 1) return InvalidArgument("max_tokens: must be >= 1");
-  if (request.press) {
-    const press::PressOptions& p = *request.press;
-    if (!(p.ratio >= 0 && p.ratio < 1) || p.budget < 0) {
-      return InvalidArgument("press: the ratio must be in [0, 1) and the budget >= 0");
+    if (best_cached < 0) break;  // each waits for a prompt being computed: admit it after
+    Request& q = *waiting[best];
+    const PagePool& pool = EngineAccess::kv_pool(*engine);
+    PrefixTree* tree = EngineAccess::prefix(*engine);
+    int64_t available = pool.free_pages() + (tree != nullptr ? tree->ReclaimablePages() : 0);
+    for (const auto& r : running) available -= Outstanding(*r);
+    if (PeakPages(q, best_cached) > available && !running.empty()) break;
+    q.session = q.base ? q.base->Fork() : engine->NewSession(q.r.cache_salt);
+    if (q.base) {
+      q.evaluated = q.context;  // the cache's pages: no prefix lookup, no press
+    } else if (q.r.press) {
+      // Observed up to the end of the prompt: a preempted request recomputes its prompt, is
+      // pressed there again, then recomputes the tokens it had generated.
+      q.session->PrepareForPress(*q.r.press, q.n_prompt);
+    } else if (tree != nullptr) {
+      Session& s = *q.session;
+      std::vector<int> from_tier;
+      const int reused =
+          tree->Lookup(q.tokens, EngineAccess::salt(s), static_cast<int>(q.tokens.size()) - 1,
+                       EngineAccess::kv(s), &from_tier);
+      EngineAccess::tokens(s).assign(q.tokens.begin(), q.tokens.begin() + reused);
+      q.evaluated = reused;
+      if (!q.ever_admitted) q.cached = reused;
+      std::lock_guard<std::mutex> lock(mu);
+      metrics.prefix_query_tokens += static_cast<int64_t>(q.tokens.size());
+      metrics.prefix_hit_tokens += reused;
+      if (tier_tokens.size() < from_tier.size()) tier_tokens.resize(from_tier.size(), 0);
+      for (size_t t = 0; t < from_tier.size(); ++t) tier_tokens[t] += from_tier[t];
     }
-    if (p.decode_every > 0) {
-      return InvalidArgument("press: pressing again while decoding (decode_every) is not served");
+    if (!q.ever_admitted) {
+      q.sampler = std::make_unique<Sampler>(q.r.sampling, vocab);
+      q.decoder = std::make_unique<StreamDecoder>(engine->tokenizer());
+      q.logits.resize(vocab);
+      q.ever_admitted = true;
     }
+    q.admitted_order = admissions++;
+    running.push_back(std::move(waiting[best]));
+    waiting.erase(waiting.begin() + static_cast<std::ptrdiff_t>(best));
+    std::lock_guard<std::mutex> lock(mu);
+    --queued;
   }
-  const int n_ctx = m.engine->n_ctx();
-  if (static_cast<int64_t>(request.prompt.size()) >= n_ctx) {
-    return InvalidArgument("prompt: " + std::to_string(request.prompt.size()) +
-                           " tokens leave no room in the context of " + std::to_string(n_ctx));
+}
+
+// Drops the newest running request's session and queues it again (front) for recompute.
+void Runtime::Impl::Preempt() {
+  auto newest = std::max_element(running.begin(), running.end(), [](const auto& a, const auto& b) {
+    return a->admitted_order < b->admitted_order;
+  });
+  std::unique_ptr<Request> q = std::move(*newest);
+  running.erase(newest);
+  q->session.reset();
+  q->evaluated = 0;
+  waiting.push_front(std::move(q));
+  std::lock_guard<std::mutex> lock(mu);
+  ++metrics.preemptions;
+  ++queued;
+}
+
+// A request that a stop string ended, before Finish publishes its pages: its session keeps only
+// the tokens whose text lies wholly before the stop string (text_end bytes of generated text),
+// so the prefix cache gets the conversation up to the stop, which a follow-up prompt repeats,
+// and not blocks holding the stop string's tokens, which it would not.
+void Runtime::Impl::TruncateAtStop(Request& q, size_t text_end) {
+  if (!q.session || !Publishes(q)) return;  // nothing will be published
+  StreamDecoder replay(engine->tokenizer());
+  size_t len = 0;
+  int kept = 0;
+  for (size_t i = q.n_prompt; i < q.tokens.size(); ++i) {
+    len += replay.Push(q.tokens[i]).size();
+    if (len > text_end) break;
+    if (!replay.holding()) kept = static_cast<int>(i) + 1 - q.n_prompt;  // its bytes all out
   }
-  const KvLayout& lay = EngineAccess::kv_pool(*m.engine).layout();
-  const int64_t pages = (static_cast<int64_t>(request.prompt.size()) + lay.page_tokens) /
-                        lay.page_tokens * lay.heads_total();
-  if (pages > EngineAccess::kv_pool(*m.engine).capacity_pages()) {
-    return InvalidArgument("prompt: " + std::to_string(request.prompt.size()) + " tokens need " +
-                           std::to_string(pages) + " KV pages; the pool holds " +
-                           std::to_string(EngineAccess::kv_pool(*m.engine).capacity_pages()) +
-                           " (--kv-mem)");
+  Session& s = *q.session;
+  if (q.n_prompt + kept < s.n_tokens()) {
+    // Can only fail for want of a raw page to unseal a page into (staged layouts): the pages
+    // are then published as they are.
+    (void)s.Truncate(q.n_prompt + kept);
   }
-  auto q = std::make_unique<Impl::Request>();
-  q->r = std::move(request);
-  q->on_event = std::move(on_event);
-  q->tokens = q->r.prompt;
-  q->n_prompt = static_cast<int>(q->tokens.size());
-  q->arrival = Clock::now();
-  uint64_t id;
+}
+
+// Samples request q's next token from its logits; returns false when the request is done.
+bool Runtime::Impl::Sample(Request& q) {
+  const Tokenizer& tok = engine->tokenizer();
+  // Logprobs come from the logits as the model gave them: the sampler's repetition penalty
+  // rewrites its input in place.
+  const bool logprobs = q.r.top_logprobs >= 0;
+  if (logprobs) q.raw_logits.assign(q.logits.begin(), q.logits.end());
+  const int32_t next = q.sampler->Sample(q.logits, q.tokens);
+  const Clock::time_point now = Clock::now();
   {
-    std::lock_guard<std::mutex> lock(m.mu);
-    if (m.queued >= m.opt.max_waiting) {
-      return ResourceExhausted("too many requests waiting (" + std::to_string(m.queued) + ")");
+    std::lock_guard<std::mutex> lock(mu);
+    if (!q.first_token_seen) {
+      Observe(metrics.ttft, Seconds(now - q.arrival));
+    } else {
+      Observe(metrics.inter_token, Seconds(now - q.last_token));
     }
-    id = q->id = m.next_id++;
-    ++m.queued;
-    m.incoming.push_back(std::move(q));
   }
-  m.cv.notify_all();
-  return id;
-}
-
-void Runtime::Cancel(uint64_t id) {
-  {
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    impl_->cancels.insert(id);
+  q.first_token_seen = true;
+  q.last_token = now;
+  if (q.r.stop_at_eos && next == tok.eos_id()) {
+    Finish(q, "stop");
+    return false;
   }
-  impl_->cv.notify_all();
-}
-
-RuntimeMetrics Runtime::Metrics() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->metrics;
-}
-
-KvStats Runtime::kv_stats() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->kv;
-}
-
-void Runtime::ClearPrefixCache() {
-  std::promise<void> done;
+  q.tokens.push_back(next);
+  q.pending.tokens.push_back(next);
+  if (logprobs) q.pending.logprobs.push_back(Logprobs(q.raw_logits, next, q.r.top_logprobs));
   {
-    std::lock_guard<std::mutex> lock(impl_->mu);
-    impl_->commands.push_back([&] {
-      impl_->engine->ClearPrefixCache();
-      impl_->Publish();
-      done.set_value();
+    std::lock_guard<std::mutex> lock(mu);
+    ++metrics.generation_tokens;
+  }
+  const std::string piece = q.decoder->Push(next);
+  q.decoded += piece.size();
+  q.held += piece;
+  // The earliest stop string ends the text before it.
+  size_t cut = std::string::npos;
+  for (const std::string& s : q.r.stop) {
+    if (!s.empty()) cut = std::min(cut, q.held.find(s));
+  }
+  if (cut != std::string::npos) {
+    q.pending.text += q.held.substr(0, cut);
+    TruncateAtStop(q, q.decoded - q.held.size() + cut);
+    Finish(q, "stop", OkStatus(), /*flush=*/false);
+    return false;
+  }
+  const size_t keep = HeldBack(q.held, q.r.stop);
+  q.pending.text += q.held.substr(0, q.held.size() - keep);
+  q.held.erase(0, q.held.size() - keep);
+  const int generated = static_cast<int>(q.tokens.size()) - q.n_prompt;
+  if (generated >= q.r.max_tokens || static_cast<int>(q.tokens.size()) >= engine->n_ctx()) {
+    Finish(q, "length");
+    return false;
+  }
+  q.on_event(q.pending);
+  q.pending = TokenEvent();
+  return true;
+}
+
+// One batched step; false when there was nothing to do.
+bool Runtime::Impl::Step() {
+  TakeIncoming();
+  for (auto& q : cancel_now) Finish(*q, "cancelled");
+  cancel_now.clear();
+  Admit();
+  if (running.empty()) return false;
+
+  struct Entry {
+    Request* q;
+    int n;
+  };
+  std::vector<Entry> entries;
+  std::vector<SeqChunk> chunks;
+  std::vector<std::vector<int32_t>> positions;
+  for (;;) {
+    // Decoding requests first (one token each), then prompt chunks, oldest first.
+    std::vector<Request*> order;
+    for (auto& q : running) order.push_back(q.get());
+    std::stable_sort(order.begin(), order.end(), [](Request* a, Request* b) {
+      const bool da = a->evaluated + 1 == static_cast<int>(a->tokens.size());
+      const bool db = b->evaluated + 1 == static_cast<int>(b->tokens.size());
+      return da != db ? da : a->admitted_order < b->admitted_order;
     });
+    int budget = std::min(opt.batch_tokens, EngineAccess::model(*engine).max_batch());
+    entries.clear();
+    chunks.clear();
+    positions.assign(order.size(), {});
+    for (size_t i = 0; i < order.size() && budget > 0; ++i) {
+      Request& q = *order[i];
+      const int left = static_cast<int>(q.tokens.size()) - q.evaluated;
+      int n = std::min(left, budget);
+      // A pressed request's chunk stops at the end of its prompt, where the press runs.
+      if (q.r.press && q.evaluated < q.n_prompt) n = std::min(n, q.n_prompt - q.evaluated);
+      if (n <= 0) continue;
+      budget -= n;
+      auto& pos = positions[i];
+      pos.resize(n);
+      for (int j = 0; j < n; ++j) pos[j] = q.evaluated + j;
+      SeqChunk c;
+      c.kv = &EngineAccess::kv(*q.session);
+      c.tokens = std::span<const int32_t>(q.tokens).subspan(q.evaluated, n);
+      c.positions = pos;
+      c.logits = n == left ? q.logits.data() : nullptr;
+      chunks.push_back(c);
+      entries.push_back({&q, n});
+    }
+    Status s = EngineAccess::model(*engine).ForwardBatch(chunks, EngineAccess::threads(*engine));
+    if (s.ok()) break;
+    if (s.code() == StatusCode::kResourceExhausted && running.size() > 1) {
+      Preempt();
+      continue;
+    }
+    // Nothing else to free: the request alone does not fit (or the step is broken).
+    std::unique_ptr<Request> q = std::move(running.front());
+    running.erase(running.begin());
+    Finish(*q, "error", s);
+    return true;
   }
-  impl_->cv.notify_all();
-  done.get_future().wait();
+  int64_t prompt_tokens = 0;
+  for (const Entry& e : entries) {
+    Request& q = *e.q;
+    auto& held = EngineAccess::tokens(*q.session);
+    held.insert(held.end(), q.tokens.begin() + q.evaluated, q.tokens.begin() + q.evaluated + e.n);
+    const bool prompt_done = q.evaluated < q.n_prompt && q.evaluated + e.n >= q.n_prompt;
+    if (q.evaluated < q.n_prompt) prompt_tokens += std::min(e.n, q.n_prompt - q.evaluated);
+    q.evaluated += e.n;
+    // The prompt's full pages go to the prefix cache now, not when the request ends, so that
+    // requests waiting on it (AwaitsSharedPrefill) and any that share it reuse them at once.
+    if (prompt_done && Publishes(q)) q.session->Publish();
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    metrics.prompt_tokens += prompt_tokens;
+  }
+  std::vector<Request*> done;
+  for (const Entry& e : entries) {
+    Request& q = *e.q;
+    if (q.r.press && q.evaluated == q.n_prompt) {  // the step reached the end of the prompt
+      auto pr = q.session->Compress(*q.r.press);
+      if (!pr.ok()) {
+        Finish(q, "error", pr.status());
+        done.push_back(&q);
+        continue;
+      }
+      // Tokens per (layer, KV head) the press evicted, on average (per-head budgets differ).
+      press_evicted_tokens += (pr->tokens_before - pr->tokens_after) / heads_total;
+    }
+    if (q.evaluated != static_cast<int>(q.tokens.size())) continue;  // mid-prompt
+    if (q.on_cache) {
+      KeepAsCache(q);
+      done.push_back(&q);
+    } else if (!Sample(q)) {
+      done.push_back(&q);
+    }
+  }
+  std::erase_if(running, [&](const auto& q) {
+    return std::find(done.begin(), done.end(), q.get()) != done.end();
+  });
+  return true;
 }
 
-const Tokenizer& Runtime::tokenizer() const { return impl_->engine->tokenizer(); }
-const ModelConfig& Runtime::config() const { return impl_->engine->config(); }
-int Runtime::n_ctx() const { return impl_->engine->n_ctx(); }
+// Snapshots for other threads.
+void Runtime::Impl::Publish() {
+  const KvStats s = engine->kv_stats();
+  const int n_caches = caches->count();
+  const int64_t cache_bytes = caches->bytes();
+  std::lock_guard<std::mutex> lock(mu);
+  kv = s;
+  metrics.kv_caches = n_caches;
+  metrics.kv_cache_bytes = cache_bytes;
+  // Finished requests (no session) may still be in `running` until the step ends.
+  metrics.running = static_cast<int>(std::count_if(
+      running.begin(), running.end(), [](const auto& q) { return q->session != nullptr; }));
+  metrics.waiting = queued;
+  // Cached pages no request uses are free for the taking (evicted on demand), as vLLM counts.
+  metrics.kv_usage =
+      s.pages_total > 0 ? double(s.pages_used - s.pages_reclaimable) / s.pages_total : 0;
+  metrics.kv_bytes_by_codec = s.bytes_by_codec;
+  // Pressed out of requests' caches, and dropped from the prefix cache under pressure.
+  metrics.kv_evicted_tokens = press_evicted_tokens + s.evicted_blocks * s.page_tokens;
+  // Prompt tokens by where their K/V came from: computed, the prefix cache in RAM, its tiers.
+  int64_t from_tiers = 0;
+  metrics.prompt_tokens_by_source = {{"compute", metrics.prompt_tokens}, {"ram", 0}};
+  for (size_t t = 0; t < s.tiers.size(); ++t) {
+    const int64_t n = t < tier_tokens.size() ? tier_tokens[t] : 0;
+    metrics.prompt_tokens_by_source.emplace_back(s.tiers[t].name, n);
+    from_tiers += n;
+  }
+  metrics.prompt_tokens_by_source[1].second = metrics.prefix_hit_tokens - from_tiers;
+  metrics.kv_tiers = s.tiers;
+}
+
+void Runtime::Impl::Loop() {
+  for (;;) {
+    std::vector<std::function<void()>> cmds;
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      cv.wait(lock, [&] {
+        return stop || !incoming.empty() || !cancels.empty() || !commands.empty() ||
+               !running.empty() || (!waiting.empty());
+      });
+      if (stop) break;
+      cmds.swap(commands);
+    }
+    for (auto& c : cmds) c();
+    const bool worked = Step();
+    Publish();
+    if (!worked && running.empty() && !waiting.empty()) {
+      // Waiting requests that cannot be admitted with nothing running: fail the first.
+      std::unique_ptr<Request> q = std::move(waiting.front());
+      waiting.pop_front();
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        --queued;
+      }
+      Finish(*q, "error",
+             ResourceExhausted("the KV pool cannot hold the prompt beside the "
+                               "prefix cache's pages in use"));
+    }
+  }
+  for (auto& q : running) Finish(*q, "cancelled");
+  for (auto& q : waiting) Finish(*q, "cancelled");
+  std::lock_guard<std::mutex> lock(mu);
+  for (auto& q : incoming) {
+    q->pending.finished = true;
+    q->pending.finish_reason = "cancelled";
+    q->on_event(q->pending);
+  }
+}
 
 }  // namespace cachet

@@ -6,8 +6,85 @@
 
 namespace cachet::server {
 
+namespace {
+
+// A context of n tokens (after `before` already held) against the model's window and its pool.
+Status CheckLength(const std::string& field, int64_t before, int64_t n, const ServedModel& model) {
+  const std::string after = before > 0 ? " after the cache's " + std::to_string(before) : "";
+  if (before + n >= model.n_ctx) {
+    return OutOfRange(field + ": the prompt is " + std::to_string(n) + " tokens" + after +
+                      "; this model's context holds " + std::to_string(model.n_ctx) +
+                      " and at least one must be left to generate");
+  }
+  if (model.pool_pages > 0 && model.page_tokens > 0) {
+    const int64_t pages = (n + model.page_tokens) / model.page_tokens * model.heads_total;
+    if (pages > model.pool_pages) {
+      return InvalidArgument(field + ": the prompt is " + std::to_string(n) +
+                             " tokens, which need " + std::to_string(pages) +
+                             " KV pages; the server's pool has " +
+                             std::to_string(model.pool_pages) + " (--kv-mem)");
+    }
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+Result<std::vector<int32_t>> ChatAfterCache(const ServedModel& model, const KvCacheInfo& cache,
+                                            std::span<const ChatMessage> messages) {
+  auto context = ParseChatNote(cache.note);
+  if (!context.ok()) return InvalidArgument("cache_id: " + context.status().message());
+  const ChatTemplate& t = model.chat_template;
+  if (context->empty()) {
+    Result<std::string> text = RenderChat(t, messages, /*add_generation_prompt=*/true);
+    if (!text.ok()) return InvalidArgument("messages: " + text.status().message());
+    std::string_view rest = *text;
+    if (!t.bos_token.empty() && rest.starts_with(t.bos_token))
+      rest.remove_prefix(t.bos_token.size());
+    return EncodeChatPrompt(*model.tokenizer, rest, /*first=*/false);
+  }
+  Result<std::string> before = RenderChat(t, *context, /*add_generation_prompt=*/false);
+  if (!before.ok()) return InvalidArgument("cache_id: " + before.status().message());
+  std::vector<ChatMessage> all = *context;
+  all.insert(all.end(), messages.begin(), messages.end());
+  Result<std::string> text = RenderChat(t, all, /*add_generation_prompt=*/true);
+  if (!text.ok()) {
+    return InvalidArgument("messages: after the cache's " + std::to_string(context->size()) +
+                           " messages: " + text.status().message());
+  }
+  if (!std::string_view(*text).starts_with(*before)) {
+    return InvalidArgument("messages: the " + std::string(ChatFamilyName(t.family)) +
+                           " chat template renders the cache's messages differently when these "
+                           "follow them, so they cannot continue from it");
+  }
+  return EncodeChatPrompt(*model.tokenizer, std::string_view(*text).substr(before->size()),
+                          /*first=*/false);
+}
+
+Result<KvCacheRequest> PrepareCache(const ParsedCacheRequest& parsed, const ServedModel& model) {
+  KvCacheRequest r;
+  const bool chat = !parsed.messages.empty();
+  const std::string field = chat ? "messages" : "prompt";
+  if (chat) {
+    Result<std::string> text =
+        RenderChat(model.chat_template, parsed.messages, /*add_generation_prompt=*/false);
+    if (!text.ok()) return InvalidArgument("messages: " + text.status().message());
+    r.prompt = EncodeChatPrompt(*model.tokenizer, *text, /*first=*/true);
+    r.note = ChatNote(parsed.messages);
+  } else if (parsed.prompt_text) {
+    r.prompt = model.tokenizer->EncodePrompt(*parsed.prompt_text);
+  } else {
+    r.prompt = parsed.prompt_ids;
+  }
+  if (r.prompt.empty()) return InvalidArgument(field + ": empty (no tokens)");
+  CACHET_RETURN_IF_ERROR(CheckLength(field, 0, static_cast<int64_t>(r.prompt.size()), model));
+  r.cache_salt = parsed.cache_salt;
+  r.press = parsed.press;
+  return r;
+}
+
 Result<PreparedRequest> Prepare(const ParsedRequest& parsed, const ServedModel& model,
-                                uint64_t default_seed) {
+                                uint64_t default_seed, const KvCacheInfo* cache) {
   PreparedRequest p;
   p.endpoint = parsed.endpoint;
   p.n = parsed.n;
@@ -18,34 +95,26 @@ Result<PreparedRequest> Prepare(const ParsedRequest& parsed, const ServedModel& 
 
   const bool chat = parsed.endpoint == Endpoint::kChat;
   const std::string prompt_field = chat ? "messages" : "prompt";
-  if (chat) {
+  if (chat && cache != nullptr) {
+    CACHET_ASSIGN_OR_RETURN(r.prompt, ChatAfterCache(model, *cache, parsed.messages));
+  } else if (chat) {
     Result<std::string> text =
         RenderChat(model.chat_template, parsed.messages, /*add_generation_prompt=*/true);
     if (!text.ok()) return InvalidArgument("messages: " + text.status().message());
     r.prompt = EncodeChatPrompt(*model.tokenizer, *text, /*first=*/true);
   } else if (parsed.prompt_text) {
-    r.prompt = model.tokenizer->EncodePrompt(*parsed.prompt_text);
+    // After a cache the prompt follows its context: no BOS.
+    r.prompt = cache != nullptr ? model.tokenizer->Encode(*parsed.prompt_text)
+                                : model.tokenizer->EncodePrompt(*parsed.prompt_text);
   } else {
     r.prompt = parsed.prompt_ids;
   }
   if (r.prompt.empty()) return InvalidArgument(prompt_field + ": empty (no tokens)");
   const int64_t n_prompt = static_cast<int64_t>(r.prompt.size());
-  if (n_prompt >= model.n_ctx) {
-    return OutOfRange(prompt_field + ": the prompt is " + std::to_string(n_prompt) +
-                      " tokens; this model's context holds " + std::to_string(model.n_ctx) +
-                      " and at least one must be left to generate");
-  }
-  if (model.pool_pages > 0 && model.page_tokens > 0) {
-    const int64_t pages = (n_prompt + model.page_tokens) / model.page_tokens * model.heads_total;
-    if (pages > model.pool_pages) {
-      return InvalidArgument(prompt_field + ": the prompt is " + std::to_string(n_prompt) +
-                             " tokens, which need " + std::to_string(pages) +
-                             " KV pages; the server's pool has " +
-                             std::to_string(model.pool_pages) + " (--kv-mem)");
-    }
-  }
+  const int context = cache != nullptr ? cache->tokens : 0;
+  CACHET_RETURN_IF_ERROR(CheckLength(prompt_field, context, n_prompt, model));
 
-  const int room = model.n_ctx - static_cast<int>(n_prompt);
+  const int room = model.n_ctx - context - static_cast<int>(n_prompt);
   r.max_tokens = parsed.max_tokens.value_or(chat ? room : kDefaultCompletionTokens);
   r.sampling = parsed.sampling;
   r.sampling.seed = parsed.seed.value_or(default_seed);
@@ -61,6 +130,7 @@ Result<PreparedRequest> Prepare(const ParsedRequest& parsed, const ServedModel& 
   r.top_logprobs = parsed.logprobs;
   r.cache_salt = parsed.cache_salt;
   r.press = parsed.press;
+  r.cache_id = parsed.cache_id;
   return p;
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -43,9 +44,26 @@ struct PreparedRequest {
   bool include_usage = false;
 };
 
-// default_seed: the seed of a request that names none.
+// default_seed: the seed of a request that names none. cache: the kept cache parsed.cache_id
+// names (FindCache), whose context the prompt follows: a text prompt is then tokenized without
+// BOS, and chat messages are rendered after the cache's own (ChatAfterCache); the context and
+// the prompt together must leave room in the context window.
 Result<PreparedRequest> Prepare(const ParsedRequest& parsed, const ServedModel& model,
-                                uint64_t default_seed);
+                                uint64_t default_seed, const KvCacheInfo* cache = nullptr);
+
+// The tokens of chat messages that follow a cache's context. For a cache made from messages, the
+// conversation (the cache's messages, then these) is rendered with the generation prompt and
+// must begin with the cache's own rendering, which is dropped: the template's BOS and system
+// preamble are in the cache once. A template that renders the cache's messages otherwise once
+// more follow (llama2 folds the system message into the first user turn; turns must alternate)
+// is an InvalidArgument naming `messages`. For a cache made from a prompt, the messages are
+// rendered alone, without the BOS text the template opens with.
+Result<std::vector<int32_t>> ChatAfterCache(const ServedModel& model, const KvCacheInfo& cache,
+                                            std::span<const ChatMessage> messages);
+
+// POST /v1/caches: the context tokenized (a prompt with BOS as completions get it; messages
+// rendered without a generation prompt) and checked against the context window and the pool.
+Result<KvCacheRequest> PrepareCache(const ParsedCacheRequest& parsed, const ServedModel& model);
 
 // The Runtime request of choice `index` (seed + index: n samples differ unless greedy).
 CompletionRequest ChoiceRequest(const PreparedRequest& p, int index);

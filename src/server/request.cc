@@ -439,11 +439,79 @@ Result<ParsedRequest> ParseRequest(std::string_view text, Endpoint endpoint,
   CACHET_RETURN_IF_ERROR(GetString(body, "cache_salt", &salt));
   if (salt) r.cache_salt = std::move(*salt);
   CACHET_RETURN_IF_ERROR(ParsePress(body, &r.press));
+  std::optional<std::string> cache_id;
+  CACHET_RETURN_IF_ERROR(GetString(body, "cache_id", &cache_id));
+  if (cache_id) {
+    if (cache_id->empty()) return Bad("cache_id", "empty");
+    if (r.press) {
+      return Bad("kv_press", "not with cache_id: the cache was compressed when it was made");
+    }
+    r.cache_id = std::move(*cache_id);
+  }
 
   CACHET_RETURN_IF_ERROR(RejectUnsupported(body, endpoint, r.n));
   std::optional<std::string> user;  // accepted, unused
   CACHET_RETURN_IF_ERROR(GetString(body, "user", &user));
   return r;
+}
+
+Result<ParsedCacheRequest> ParseCacheRequest(std::string_view text, const ParseLimits& limits) {
+  CACHET_ASSIGN_OR_RETURN(json body, ParseObject(text));
+  std::optional<std::string> model;
+  CACHET_RETURN_IF_ERROR(GetString(body, "model", &model));
+  if (model && !model->empty() && !limits.model_name.empty() && *model != limits.model_name) {
+    return NotFound("model: the model '" + *model + "' does not exist; this server serves '" +
+                    limits.model_name + "'");
+  }
+  const bool has_prompt = Field(body, "prompt") != nullptr;
+  const bool has_messages = Field(body, "messages") != nullptr;
+  if (has_prompt == has_messages) {
+    return Bad(has_prompt ? "messages" : "prompt",
+               has_prompt ? "give prompt or messages, not both"
+                          : "required: the context as a prompt (text) or as chat messages");
+  }
+  ParsedRequest r;
+  if (has_prompt) {
+    CACHET_RETURN_IF_ERROR(ParsePrompt(body, limits.vocab_size, &r));
+  } else {
+    CACHET_RETURN_IF_ERROR(ParseMessages(body, &r));
+  }
+  ParsedCacheRequest c;
+  c.prompt_text = std::move(r.prompt_text);
+  c.prompt_ids = std::move(r.prompt_ids);
+  c.messages = std::move(r.messages);
+  std::optional<std::string> salt;
+  CACHET_RETURN_IF_ERROR(GetString(body, "cache_salt", &salt));
+  if (salt) c.cache_salt = std::move(*salt);
+  CACHET_RETURN_IF_ERROR(ParsePress(body, &c.press));
+  return c;
+}
+
+std::string ChatNote(std::span<const ChatMessage> messages) {
+  if (messages.empty()) return "";
+  json list = json::array();
+  for (const ChatMessage& m : messages) {
+    list.push_back({{"role", ChatRoleName(m.role)}, {"content", m.content}});
+  }
+  return json{{"messages", std::move(list)}}.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+Result<std::vector<ChatMessage>> ParseChatNote(std::string_view note) {
+  std::vector<ChatMessage> out;
+  if (note.empty()) return out;
+  const json j = json::parse(note, nullptr, /*allow_exceptions=*/false);
+  const json* ms = j.is_object() ? Field(j, "messages") : nullptr;
+  if (ms == nullptr || !ms->is_array()) return InvalidArgument("the cache's note is not a chat");
+  for (const json& m : *ms) {
+    const json* role = m.is_object() ? Field(m, "role") : nullptr;
+    const json* content = m.is_object() ? Field(m, "content") : nullptr;
+    if (role == nullptr || !role->is_string() || content == nullptr || !content->is_string()) {
+      return InvalidArgument("the cache's note holds a malformed message");
+    }
+    CACHET_ASSIGN_OR_RETURN(ChatRole r, ParseChatRole(role->get<std::string>()));
+    out.push_back({r, content->get<std::string>()});
+  }
+  return out;
 }
 
 Result<TokenizeRequest> ParseTokenizeRequest(std::string_view text) {

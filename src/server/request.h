@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -57,6 +58,8 @@ struct ParsedRequest {
   bool ignore_eos = false;                   // vLLM's extension: generate past EOS
   std::string cache_salt;                    // prefix-cache namespace; empty: the shared one
   std::optional<press::PressOptions> press;  // kv_press: {name, ratio | budget}
+  // Continue from this kept cache (POST /v1/caches); never with press.
+  std::string cache_id;
 };
 
 // The body of POST /v1/completions or /v1/chat/completions. Unknown fields are ignored (as vLLM
@@ -65,6 +68,23 @@ struct ParsedRequest {
 // their neutral value, never silently dropped.
 Result<ParsedRequest> ParseRequest(std::string_view body, Endpoint endpoint,
                                    const ParseLimits& limits);
+
+// POST /v1/caches: a context to prefill (and press) once and keep. Exactly one of prompt_text,
+// prompt_ids (completions' `prompt`) and messages (chat's, rendered without a generation prompt).
+struct ParsedCacheRequest {
+  std::optional<std::string> prompt_text;
+  std::vector<int32_t> prompt_ids;
+  std::vector<ChatMessage> messages;
+  std::string cache_salt;
+  std::optional<press::PressOptions> press;
+};
+Result<ParsedCacheRequest> ParseCacheRequest(std::string_view body, const ParseLimits& limits);
+
+// What the server keeps with a cache made from messages (KvCacheInfo::note), so that chat requests
+// on it render its conversation and theirs together; "" for a cache made from a prompt.
+std::string ChatNote(std::span<const ChatMessage> messages);
+// The messages of a note (none for ""); a note that is not one is InvalidArgument.
+Result<std::vector<ChatMessage>> ParseChatNote(std::string_view note);
 
 // POST /tokenize (llama.cpp server): {"content": text, "add_special": false,
 // "parse_special": true, "with_pieces": false}.

@@ -129,7 +129,7 @@ ApiError ApiErrorFromStatus(const Status& status) {
       break;
     case StatusCode::kNotFound:
       e.http_status = 404;
-      e.code = "model_not_found";
+      e.code = e.param == "cache_id" ? "cache_not_found" : "model_not_found";
       break;
     case StatusCode::kResourceExhausted:
       e.http_status = 503;
@@ -281,6 +281,30 @@ std::string DetokenizeJson(std::string_view content) {
 }
 
 namespace {
+json CacheObject(const KvCacheInfo& c) {
+  return {{"id", c.id},
+          {"object", "kv_cache"},
+          {"created", c.created},
+          {"tokens", c.tokens},
+          {"held_rows", c.held_rows},
+          {"bytes", c.bytes},
+          {"compression", c.compression}};
+}
+}  // namespace
+
+std::string CacheJson(const KvCacheInfo& cache) { return Dump(CacheObject(cache)); }
+
+std::string CacheListJson(std::span<const KvCacheInfo> caches) {
+  json data = json::array();
+  for (const KvCacheInfo& c : caches) data.push_back(CacheObject(c));
+  return Dump({{"object", "list"}, {"data", std::move(data)}});
+}
+
+std::string CacheDeletedJson(std::string_view id) {
+  return Dump({{"id", id}, {"object", "kv_cache.deleted"}, {"deleted", true}});
+}
+
+namespace {
 
 std::string LabelValue(std::string_view v) {
   std::string out;
@@ -421,6 +445,10 @@ std::string MetricsText(const RuntimeMetrics& m, const KvStats& kv, std::string_
   w.Gauge("kv_pages_reclaimable",
           "KV pages held only by the prefix cache (no request uses them): freed on demand.",
           kv.pages_reclaimable);
+  w.Gauge("kv_caches", "Kept KV caches (POST /v1/caches) resident in the pool.", m.kv_caches);
+  w.Gauge("kv_cache_bytes",
+          "Bytes of the KV pages kept caches hold (shared with the requests running on them).",
+          static_cast<double>(m.kv_cache_bytes));
   w.Histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
               m.ttft);
   w.Histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",

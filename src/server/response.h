@@ -27,9 +27,9 @@ struct ApiError {
 };
 
 // A Status as the client sees it: InvalidArgument 400; OutOfRange 400 with code
-// context_length_exceeded; NotFound 404 model_not_found; ResourceExhausted 503 (the queue is
-// full: retry later); others 500. A message of the form "field: ..." (the parser's and the
-// Runtime's convention) names the field, which becomes `param`.
+// context_length_exceeded; NotFound 404 model_not_found (cache_not_found when it names cache_id);
+// ResourceExhausted 503 (the queue is full: retry later); others 500. A message of the form "field:
+// ..." (the parser's and the Runtime's convention) names the field, which becomes `param`.
 ApiError ApiErrorFromStatus(const Status& status);
 ApiError UnauthorizedError();  // 401, code invalid_api_key
 std::string ErrorJson(const ApiError& error);
@@ -97,6 +97,12 @@ std::string ModelJson(std::string_view model, int64_t created, int n_ctx);
 std::string TokenizeJson(std::span<const int32_t> ids, bool with_pieces,
                          const TokenText& token_text);
 std::string DetokenizeJson(std::string_view content);
+// /v1/caches: {"id", "object": "kv_cache", "created", "tokens", "held_rows", "bytes",
+// "compression"}; the list {"object": "list", "data": [...]}; a deletion {"id", "object":
+// "kv_cache.deleted", "deleted": true} (OpenAI's shape for deleted objects).
+std::string CacheJson(const KvCacheInfo& cache);
+std::string CacheListJson(std::span<const KvCacheInfo> caches);
+std::string CacheDeletedJson(std::string_view id);
 
 // /metrics: Prometheus' text exposition format (version 0.0.4), vLLM's metric names under the
 // `cachet:` prefix, each with the label model_name, plus the KV pool's page counts.

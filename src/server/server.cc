@@ -14,6 +14,7 @@
 #include <exception>
 #include <filesystem>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <unordered_set>
 #include <vector>
@@ -184,6 +185,7 @@ struct Server::Impl {
   }
 
   void Routes();
+  void CreateCache(const httplib::Request& req, httplib::Response& res);
   void Generate(const httplib::Request& req, httplib::Response& res, Endpoint endpoint);
   // client_fd: the connection's socket, watched so that a client that leaves cancels the request
   // (-1: not watched).
@@ -198,7 +200,14 @@ void Server::Impl::Generate(const httplib::Request& req, httplib::Response& res,
   if (stopping) return SendError(res, Stopping());
   Result<ParsedRequest> parsed = ParseRequest(req.body, endpoint, limits);
   if (!parsed.ok()) return SendError(res, parsed.status());
-  Result<PreparedRequest> prepared = Prepare(parsed.value(), model, NextSeed());
+  std::optional<KvCacheInfo> cache;
+  if (!parsed->cache_id.empty()) {
+    Result<KvCacheInfo> found = runtime.FindCache(parsed->cache_id, parsed->cache_salt);
+    if (!found.ok()) return SendError(res, found.status());
+    cache = std::move(found).value();
+  }
+  Result<PreparedRequest> prepared =
+      Prepare(parsed.value(), model, NextSeed(), cache ? &*cache : nullptr);
   if (!prepared.ok()) return SendError(res, prepared.status());
   const PreparedRequest& p = prepared.value();
 
@@ -246,6 +255,54 @@ void Server::Impl::Generate(const httplib::Request& req, httplib::Response& res,
         CancelAll(*ex);  // nothing if every choice finished
         Unregister(ex);
       });
+}
+
+// POST /v1/caches: the context is queued like a prompt and the answer waits until it is prefilled
+// and pressed. A client that leaves meanwhile cancels it (and a cache made just as it left is
+// deleted: nobody has its id).
+void Server::Impl::CreateCache(const httplib::Request& req, httplib::Response& res) {
+  if (stopping) return SendError(res, Stopping());
+  Result<ParsedCacheRequest> parsed = ParseCacheRequest(req.body, limits);
+  if (!parsed.ok()) return SendError(res, parsed.status());
+  Result<KvCacheRequest> prepared = PrepareCache(*parsed, model);
+  if (!prepared.ok()) return SendError(res, prepared.status());
+  struct Outcome {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::optional<Result<KvCacheInfo>> result;
+  };
+  auto out = std::make_shared<Outcome>();
+  Result<uint64_t> id =
+      runtime.CreateCache(std::move(prepared).value(), [out](const Result<KvCacheInfo>& r) {
+        {
+          std::lock_guard<std::mutex> lock(out->mu);
+          out->result = r;
+        }
+        out->cv.notify_all();
+      });
+  if (!id.ok()) return SendError(res, id.status());
+  auto ex = std::make_shared<Exchange>();  // so that Stop cancels it
+  ex->ids.push_back(*id);
+  Register(ex);
+  const int fd = ConnectionSocket(req, bound_port);
+  bool client_gone = false;
+  std::unique_lock<std::mutex> lock(out->mu);
+  while (!out->cv.wait_for(lock, kClientCheck, [&] { return out->result.has_value(); })) {
+    if (!client_gone && fd >= 0 && PeerClosed(fd)) {
+      client_gone = true;
+      runtime.Cancel(*id);
+    }
+  }
+  Result<KvCacheInfo> result = *out->result;
+  lock.unlock();
+  Unregister(ex);
+  if (client_gone) {
+    if (result.ok()) (void)runtime.DeleteCache(result.value().id, parsed->cache_salt);
+    res.status = 499;
+    return;
+  }
+  if (!result.ok()) return stopping ? SendError(res, Stopping()) : SendError(res, result.status());
+  res.set_content(CacheJson(result.value()), kJson);
 }
 
 // A non-streamed response: waits for every choice's last event. A client that closes the
@@ -411,6 +468,24 @@ void Server::Impl::Routes() {
     Result<std::vector<int32_t>> ids = ParseDetokenizeRequest(req.body, model.vocab_size);
     if (!ids.ok()) return SendError(res, ids.status());
     res.set_content(DetokenizeJson(model.tokenizer->Decode(ids.value())), kJson);
+  });
+  http.Post("/v1/caches",
+            [this](const httplib::Request& req, httplib::Response& res) { CreateCache(req, res); });
+  // Tenants name their salt as a query parameter: another salt's caches are not there for them.
+  http.Get("/v1/caches", [this](const httplib::Request& req, httplib::Response& res) {
+    res.set_content(CacheListJson(runtime.ListCaches(req.get_param_value("cache_salt"))), kJson);
+  });
+  http.Get(R"(/v1/caches/([^/]+))", [this](const httplib::Request& req, httplib::Response& res) {
+    Result<KvCacheInfo> c = runtime.FindCache(req.matches[1], req.get_param_value("cache_salt"));
+    if (!c.ok()) return SendError(res, c.status());
+    res.set_content(CacheJson(*c), kJson);
+  });
+  http.Delete(R"(/v1/caches/([^/]+))", [this](const httplib::Request& req, httplib::Response& res) {
+    const std::string id = req.matches[1];
+    if (Status s = runtime.DeleteCache(id, req.get_param_value("cache_salt")); !s.ok()) {
+      return SendError(res, s);
+    }
+    res.set_content(CacheDeletedJson(id), kJson);
   });
   http.Post("/v1/cache/reset", [this](const httplib::Request&, httplib::Response& res) {
     runtime.ClearPrefixCache();

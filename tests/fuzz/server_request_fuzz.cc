@@ -1,5 +1,5 @@
 // libFuzzer target for the server's request parsers (src/server/request.h): the input is a request
-// body as a client would send it, parsed for both endpoints and for /tokenize and /detokenize.
+// body as a client would send it, parsed for both endpoints, /v1/caches, /tokenize and /detokenize.
 // Checks, besides ASan/UBSan: what parses satisfies the limits it was parsed under (n, logprobs,
 // stop strings, token ids), and every error becomes valid OpenAI-style error JSON naming a field
 // only when the message starts with one; the response writers take the input as generated text
@@ -35,6 +35,7 @@ void WriteSeeds(const std::string& dir) {
           "max_completion_tokens": 4, "logprobs": true, "top_logprobs": 2,
           "kv_press": {"name": "snapkv+ada", "ratio": 0.5}, "cache_salt": "a"})",
       R"({"content": "a b c", "add_special": true, "with_pieces": true, "tokens": [5, 6]})",
+      R"({"prompt": "doc", "cache_id": "kvc-0", "cache_salt": "t"})",
       R"({"prompt": [[1, 2]], "top_p": 0.5, "top_k": -1, "min_p": 0.1, "ignore_eos": true,
           "kv_press": {"name": "knorm+demote:rot3+qjl", "budget": 4}})",
   };
@@ -115,6 +116,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   if (cachet::Result<TokenizeRequest> t = ParseTokenizeRequest(body); !t.ok()) {
     CheckError(t.status());
+  }
+  // POST /v1/caches: exactly one form of the context when it parses.
+  if (cachet::Result<ParsedCacheRequest> c = ParseCacheRequest(body, limits); c.ok()) {
+    const int forms =
+        (c->prompt_text ? 1 : 0) + (c->prompt_ids.empty() ? 0 : 1) + (c->messages.empty() ? 0 : 1);
+    if (forms != 1) Fail("cache request: not exactly one context", std::string(body));
+  } else {
+    CheckError(c.status());
   }
   if (cachet::Result<std::vector<int32_t>> d = ParseDetokenizeRequest(body, kVocab); d.ok()) {
     for (int32_t id : d.value()) {

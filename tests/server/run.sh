@@ -8,7 +8,8 @@
 # usage: tests/server/run.sh CACHET_BINARY WORK_DIR GROUP
 #   GROUP: api (completions, chat, n, stop, logprobs, cached_tokens, tokenize, metrics),
 #          stream (SSE shapes), errors (every bad input, 401, 503), load (concurrency,
-#          disconnects). Environment: THREADS (2), CLIENT_TIMEOUT (240 s).
+#          disconnects), caches (/v1/caches with --disk-cache: caches.mjs, then a restarted
+#          server finds the cache). Environment: THREADS (2), CLIENT_TIMEOUT (240 s).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 cachet="${1:?usage: tests/server/run.sh CACHET_BINARY WORK_DIR GROUP}"
@@ -26,16 +27,19 @@ case "$group" in
   # One running request and one waiting: the third is refused (503). A key on every endpoint.
   errors) args+=(-np 1 --max-waiting 1 --api-key test-key-1234) ;;
   load) args+=(-np 4) ;;
+  caches)
+    rm -rf "$work/disk-caches"
+    args+=(-np 4 --disk-cache "$work/disk-caches")
+    ;;
   *)
-    echo "tests/server/run.sh: unknown group '$group' (api, stream, errors, load)" >&2
+    echo "tests/server/run.sh: unknown group '$group' (api, stream, errors, load, caches)" >&2
     exit 2
     ;;
 esac
 
 log="$work/server-$group.log"
 : >"$log"
-"$cachet" serve "${args[@]}" 2>"$log" &
-pid=$!
+pid=""
 
 stop_server() {  # SIGTERM, then SIGKILL after 30 s
   kill -TERM "$pid" 2>/dev/null || return 0
@@ -48,7 +52,7 @@ stop_server() {  # SIGTERM, then SIGKILL after 30 s
 }
 cleanup() {
   local rc=$?
-  if kill -0 "$pid" 2>/dev/null; then stop_server; fi
+  if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then stop_server; fi
   if [ "$rc" -ne 0 ]; then
     echo "--- server log ($log), last lines:" >&2
     tail -n 40 "$log" >&2 || true
@@ -56,35 +60,58 @@ cleanup() {
 }
 trap cleanup EXIT
 
-port=""
-for _ in $(seq 600); do  # 60 s for the model to load
-  port="$(sed -n 's|.*listening on http://127\.0\.0\.1:\([0-9]*\).*|\1|p' "$log" | head -n 1)"
-  [ -n "$port" ] && break
-  if ! kill -0 "$pid" 2>/dev/null; then
-    echo "tests/server/run.sh: the server exited before listening" >&2
-    exit 1
-  fi
-  sleep 0.1
-done
-[ -n "$port" ] || { echo "tests/server/run.sh: no 'listening on' line within 60 s" >&2; exit 1; }
-
-CACHET="$cachet" THREADS="$threads" API_KEY="test-key-1234" \
-  timeout "${CLIENT_TIMEOUT:-240}" node "$here/client.mjs" "$group" "http://127.0.0.1:$port"
+# Starts the server (its log appended to $log) and sets $port.
+start_server() {
+  local from
+  from="$(wc -l <"$log")"
+  "$cachet" serve "${args[@]}" 2>>"$log" &
+  pid=$!
+  port=""
+  for _ in $(seq 600); do  # 60 s for the model to load
+    port="$(tail -n +"$((from + 1))" "$log" |
+      sed -n 's|.*listening on http://127\.0\.0\.1:\([0-9]*\).*|\1|p' | head -n 1)"
+    [ -n "$port" ] && break
+    if ! kill -0 "$pid" 2>/dev/null; then
+      echo "tests/server/run.sh: the server exited before listening" >&2
+      exit 1
+    fi
+    sleep 0.1
+  done
+  [ -n "$port" ] || { echo "tests/server/run.sh: no 'listening on' line within 60 s" >&2; exit 1; }
+}
 
 # A clean shutdown is part of the test: exit status 0 after SIGTERM.
-kill -TERM "$pid"
-status=0
-for _ in $(seq 300); do
-  kill -0 "$pid" 2>/dev/null || break
-  sleep 0.1
-done
-if kill -0 "$pid" 2>/dev/null; then
-  echo "tests/server/run.sh: the server did not stop within 30 s of SIGTERM" >&2
-  exit 1
-fi
-wait "$pid" || status=$?
-if [ "$status" -ne 0 ]; then
-  echo "tests/server/run.sh: the server exited with status $status after SIGTERM" >&2
-  exit 1
+stop_cleanly() {
+  kill -TERM "$pid"
+  local status=0
+  for _ in $(seq 300); do
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  if kill -0 "$pid" 2>/dev/null; then
+    echo "tests/server/run.sh: the server did not stop within 30 s of SIGTERM" >&2
+    exit 1
+  fi
+  wait "$pid" || status=$?
+  if [ "$status" -ne 0 ]; then
+    echo "tests/server/run.sh: the server exited with status $status after SIGTERM" >&2
+    exit 1
+  fi
+}
+
+client() {  # client.mjs or caches.mjs GROUP, against the running server
+  local script=client.mjs
+  case "$1" in caches | caches_restart) script=caches.mjs ;; esac
+  CACHET="$cachet" THREADS="$threads" API_KEY="test-key-1234" WORK="$work" \
+    timeout "${CLIENT_TIMEOUT:-240}" node "$here/$script" "$1" "http://127.0.0.1:$port"
+}
+
+start_server
+client "$group"
+stop_cleanly
+if [ "$group" = caches ]; then  # the same --disk-cache: the cache made before is found
+  start_server
+  client caches_restart
+  stop_cleanly
 fi
 echo "tests/server/run.sh: $group passed; the server stopped cleanly" >&2

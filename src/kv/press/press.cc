@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <numeric>
 #include <random>
@@ -198,6 +199,15 @@ std::string PressSpec(const PressOptions& o) {
   if (o.during_prefill) s += "+chunked";
   if (!o.demote.empty()) s += "+demote:" + o.demote;
   return s;
+}
+
+std::string DescribePress(const PressOptions& o) {
+  const std::string spec = PressSpec(o);
+  if (o.quest) return spec;
+  if (o.budget > 0) return spec + " budget " + std::to_string(o.budget);
+  char ratio[32];
+  std::snprintf(ratio, sizeof(ratio), " ratio %.3f", o.ratio);
+  return spec + ratio;
 }
 
 uint32_t GatheringsFor(const PressOptions& o) { return o.quest ? 0 : ScorerGatherings(o.scorer); }
