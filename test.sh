@@ -21,12 +21,13 @@ if [ "${CACHET_SANITIZE:-0}" = "1" ]; then
 fi
 if [ "${CACHET_TSAN:-0}" = "1" ]; then
   # The thread pool (ThreadPool.*), the Runtime's scheduler thread against its callers
-  # (Runtime.*, whose batched forward steps split over pool threads), BatchDeterminism.*, and
+  # (Runtime.*, whose batched forward steps split over pool threads; RuntimeCaches.*, the saved
+  # caches the scheduler keeps for the server), BatchDeterminism.*, and
   # `cachet serve` with httplib's handler threads, the scheduler and the signal thread, driven by
   # concurrent clients (the `server` label: server_*). The rest of the suite is single-threaded or
   # repeats these code paths, at TSan's 5-15x slowdown: BatchForward.* runs the same pool tasks
   # as Runtime.* for 2.5 minutes more, which CI's 45-minute budget cannot spare.
-  TSAN_TESTS='^(ThreadPool|Runtime|BatchDeterminism)\.|^server_'
+  TSAN_TESTS='^(ThreadPool|Runtime|RuntimeCaches|BatchDeterminism)\.|^server_'
   scripts/build.sh build-tsan -DCACHET_TSAN=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo
   # Every report stops its process (halt_on_error) and is written to build-tsan/tsan/, printed
   # below: a server's report would otherwise be cut short in the test's log tail. Suppressions:
