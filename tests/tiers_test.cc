@@ -19,6 +19,7 @@
 
 #include "kv/tiers/disk_tier.h"
 #include "kv/tiers/format.h"
+#include "kv/tiers/kv_tiers.h"
 #include "test_util.h"
 
 namespace cachet::tiers {
@@ -899,6 +900,72 @@ TEST(DiskTier, RandomizedAgainstAModel) {
       ASSERT_EQ(FilesUnder(dir.path()), want) << "step " << step;
     }
   }
+}
+
+// ---------------------------------------------------------------- KvTiers over a lossy tier
+
+// Runs in memory; Put drops everything while `drop` is set (a full write queue, Redis refusing).
+class MemoryTier : public Tier {
+ public:
+  std::string_view name() const override { return "memory"; }
+  std::vector<std::optional<std::string>> Get(std::span<const RunKey> keys) override {
+    std::vector<std::optional<std::string>> out;
+    for (const RunKey& k : keys) {
+      auto it = runs.find(k.Hex());
+      out.push_back(it == runs.end() ? std::nullopt : std::optional<std::string>(it->second));
+    }
+    return out;
+  }
+  Status Put(std::span<const std::pair<RunKey, std::string>> batch) override {
+    if (!drop) {
+      for (const auto& [k, v] : batch) runs.emplace(k.Hex(), v);
+    }
+    return OkStatus();  // accepted: the loss shows only later, as with a background queue
+  }
+  std::vector<bool> Exists(std::span<const RunKey> keys) override {
+    std::vector<bool> out;
+    for (const RunKey& k : keys) out.push_back(runs.contains(k.Hex()));
+    return out;
+  }
+  void Erase(const RunKey& k) override { runs.erase(k.Hex()); }
+  TierStats stats() const override { return {}; }
+  std::map<std::string, std::string> runs;
+  bool drop = false;
+};
+
+// A run the tier lost after taking it (dropped, evicted, expired) is stored again by a later
+// publish once the memo of stored runs is older than the recheck interval; before that it is not
+// asked about (publishing a prefix again packs nothing).
+TEST(KvTiersStore, LostRunsAreStoredAgainAfterTheRecheckInterval) {
+  const KvLayout lay{1, 1, 8, 4};
+  PagePool pool(lay, 1 << 20);
+  std::vector<int32_t> pages;
+  ASSERT_TRUE(pool.Alloc(4, &pages).ok());
+  for (int32_t p : pages) std::fill_n(pool.positions(p), 4, 0);
+  TierNamespace ns = Ns();
+  ns.page_tokens = 4;
+  ns.n_layers = ns.n_kv_heads = 1;
+  ns.head_dim = 8;
+  auto owned = std::make_unique<MemoryTier>();
+  MemoryTier* mem = owned.get();
+  std::vector<std::unique_ptr<Tier>> stack;
+  stack.push_back(std::move(owned));
+  KvTiers tiers(pool, ns, std::move(stack), /*zstd=*/false, /*run_blocks=*/2);
+  std::vector<int32_t> tokens(16);
+  for (int i = 0; i < 16; ++i) tokens[i] = 10 + i;
+  const auto pages_of = [&](int b) { return std::span<const int32_t>(&pages[b], 1); };
+  mem->drop = true;
+  tiers.Store(tokens, 0, 4, pages_of);
+  EXPECT_TRUE(mem->runs.empty());
+  mem->drop = false;
+  tiers.Store(tokens, 0, 4, pages_of);  // within the interval: taken to be stored
+  EXPECT_TRUE(mem->runs.empty());
+  tiers.set_recheck(std::chrono::steady_clock::duration::zero());
+  tiers.Store(tokens, 0, 4, pages_of);
+  EXPECT_EQ(mem->runs.size(), 2u);  // two runs of two blocks
+  mem->runs.clear();                // evicted under the process
+  tiers.Store(tokens, 0, 4, pages_of);
+  EXPECT_EQ(mem->runs.size(), 2u);
 }
 
 }  // namespace

@@ -139,7 +139,7 @@ int KvTiers::Load(std::span<const int32_t> tokens, uint64_t salt, int from_block
     source->insert(source->end(), n_blocks - skip, from[i]);
     report.loaded_tokens += static_cast<int64_t>(n_blocks - skip) * pt;
     loaded += n_blocks - skip;
-    stored_.insert(keys[r]);
+    stored_[keys[r]] = std::chrono::steady_clock::now();
   }
   return loaded;
 }
@@ -154,8 +154,10 @@ void KvTiers::Store(std::span<const int32_t> tokens, uint64_t salt, int n_blocks
   // once, whichever tiers lack it.
   std::vector<size_t> unknown;
   std::vector<RunKey> ask;
+  const auto now = std::chrono::steady_clock::now();
   for (size_t r = 0; r < keys.size(); ++r) {
-    if (stored_.contains(keys[r])) continue;
+    const auto it = stored_.find(keys[r]);
+    if (it != stored_.end() && now - it->second < recheck_) continue;
     unknown.push_back(r);
     ask.push_back(keys[r]);
   }
@@ -186,8 +188,9 @@ void KvTiers::Store(std::span<const int32_t> tokens, uint64_t salt, int n_blocks
       reports_[t].stored_runs += static_cast<int64_t>(batch.size());
     }
   }
-  // Held by every tier now (or refused by one, which retrying each publish would not fix).
-  stored_.insert(keys.begin(), keys.end());
+  // Held by every tier now, or refused or dropped by one: asked again after recheck_, not at
+  // every publish.
+  for (const RunKey& k : keys) stored_[k] = now;
 }
 
 std::vector<TierReport> KvTiers::Report() const {

@@ -15,11 +15,13 @@
 // precision) makes a run of another layout a miss, never a wrong page.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <span>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -60,6 +62,8 @@ class KvTiers {
   void Store(std::span<const int32_t> tokens, uint64_t salt, int n_blocks, const PagesOf& pages_of);
 
   int tiers() const { return static_cast<int>(tiers_.size()); }
+  // How long a run stored (or loaded) is taken to be still held without asking (default 60 s).
+  void set_recheck(std::chrono::steady_clock::duration d) { recheck_ = d; }
   std::vector<TierReport> Report() const;
 
  private:
@@ -80,9 +84,12 @@ class KvTiers {
   bool zstd_;
   int run_blocks_;
   std::vector<TierReport> reports_;
-  // Runs known to be held by every tier (written or seen by this process), so that publishing
-  // the same prefix again packs nothing. Cleared when it grows past a bound.
-  std::unordered_set<RunKey, RunKeyHash> stored_;
+  // Runs known to be held by every tier (written or seen by this process) and since when, so
+  // that publishing the same prefix again packs nothing. A tier may lose a run after that (a
+  // dropped background write, Redis evicting or expiring it, the disk cap), so a run older than
+  // recheck_ is asked about again. Cleared when it grows past a bound.
+  std::unordered_map<RunKey, std::chrono::steady_clock::time_point, RunKeyHash> stored_;
+  std::chrono::steady_clock::duration recheck_ = std::chrono::seconds(60);
 };
 
 }  // namespace cachet::tiers
