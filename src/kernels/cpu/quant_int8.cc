@@ -16,7 +16,7 @@
 // float ops per 32 products. So its lanes are tokens instead: activations are laid out 16 tokens
 // at a time (lane j holds four consecutive codes of token j), four weight codes are broadcast to
 // every lane, and eight vpdpbusd sum a whole block for 16 tokens before one scale. A tile is 4 rows
-// x 32 tokens; tokens go by chunks whose codes stay in L2.
+// x 32 tokens (x 16 for an odd last group); tokens go by chunks whose codes stay in L2.
 //
 // A call of up to kMaxDecodeTokens tokens (a step of a few decoding sequences) goes through decode,
 // each token by the matrix-vector rows, the weights still read from DRAM once; more go through
@@ -387,11 +387,11 @@ CACHET_INT8_TARGET void PrefillTile(const uint8_t* const* rows, const float* con
   }
 }
 
-template <DType kType, int kG>
+template <DType kType>
 CACHET_INT8_TARGET void Prefill(const float* x, int64_t n, const Matrix& w, const float* bias,
                                 float* y, int64_t y_stride, ThreadPool& pool) {
   const int64_t nb = w.cols / kQ8Block;
-  const int64_t groups = CeilDiv(n, kLanes * kG) * kG;
+  const int64_t groups = CeilDiv(n, kLanes);
   // Codes (groups * nb * 512 bytes), then dx and s (groups * nb * 16 floats each).
   const int64_t code_floats = groups * nb * 128;
   float* buf = ThreadScratch(kScratchInt8Acts, code_floats + 2 * groups * nb * 16);
@@ -463,16 +463,24 @@ CACHET_INT8_TARGET void Prefill(const float* x, int64_t n, const Matrix& w, cons
           rows[i] = base + rr * row_bytes;
           sc[i] = scales + 2 * (rr - r_begin) * nb;
         }
-        for (int64_t g0 = c0; g0 < c1; g0 += kG) {
-          alignas(64) float out[kRows * kG * kLanes];
-          PrefillTile<kType, kG>(rows, sc, a, g0, out);
+        // Two token groups per tile (each weight quad broadcast serves 32 tokens), a last odd
+        // group alone: a lane's operations are the same in either tile, so its bits are too.
+        for (int64_t g0 = c0; g0 < c1;) {
+          const int g = c1 - g0 >= 2 ? 2 : 1;
+          alignas(64) float out[kRows * 2 * kLanes];
+          if (g == 2) {
+            PrefillTile<kType, 2>(rows, sc, a, g0, out);
+          } else {
+            PrefillTile<kType, 1>(rows, sc, a, g0, out);
+          }
           for (int i = 0; i < nr; ++i) {
             const float b = bias != nullptr ? bias[r0 + i] : 0.0f;
-            for (int64_t j = 0; j < kG * kLanes; ++j) {
+            for (int64_t j = 0; j < g * kLanes; ++j) {
               const int64_t t = g0 * kLanes + j;
-              if (t < n) y[t * y_stride + r0 + i] = out[i * kG * kLanes + j] + b;
+              if (t < n) y[t * y_stride + r0 + i] = out[i * g * kLanes + j] + b;
             }
           }
+          g0 += g;
         }
       }
     }
@@ -480,13 +488,12 @@ CACHET_INT8_TARGET void Prefill(const float* x, int64_t n, const Matrix& w, cons
 }
 
 // Which path takes n tokens: decode's matrix-vector rows while weights dominate (a batch of
-// decoding sequences), prefill's token lanes beyond, in tiles of 16 tokens up to 32, then 32.
+// decoding sequences), prefill's token lanes beyond (padded to a multiple of 16).
 template <DType kType>
 void Dispatch(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
               int64_t y_stride, ThreadPool& pool) {
   if (n <= kMaxDecodeTokens) return Decode<kType>(x, n, w, bias, y, y_stride, pool);
-  if (n <= kLanes) return Prefill<kType, 1>(x, n, w, bias, y, y_stride, pool);
-  return Prefill<kType, 2>(x, n, w, bias, y, y_stride, pool);
+  return Prefill<kType>(x, n, w, bias, y, y_stride, pool);
 }
 
 }  // namespace
