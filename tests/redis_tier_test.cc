@@ -294,9 +294,11 @@ TEST(RedisTier, ChainLookupStopsAtTheFirstMiss) {
   EXPECT_FALSE(got[2].has_value());
   EXPECT_FALSE(got[3].has_value());  // held, but past the gap: not fetched
   EXPECT_FALSE(got[4].has_value());
-  // One pipelined EXISTS over the chain, then GETs of the held prefix only.
+  // One pipelined EXISTS over the chain, then GETEXs (reads that renew the TTL) of the held
+  // prefix only.
   EXPECT_EQ(Calls(s, 0, "exists"), 5);
-  EXPECT_EQ(Calls(s, 0, "get"), 2);
+  EXPECT_EQ(Calls(s, 0, "getex"), 2);
+  EXPECT_EQ(Calls(s, 0, "get"), 0);
   const TierStats st = tier->stats();
   EXPECT_EQ(st.hits, 2);
   EXPECT_EQ(st.misses, 3);
@@ -304,7 +306,7 @@ TEST(RedisTier, ChainLookupStopsAtTheFirstMiss) {
   ASSERT_EQ(s.Command(0, {"CONFIG", "RESETSTAT"})->type, REDIS_REPLY_STATUS);
   const std::vector<RunKey> tail = {chain[2].key, chain[3].key};
   EXPECT_EQ(tier->Get(tail), (std::vector<std::optional<std::string>>(2)));
-  EXPECT_EQ(Calls(s, 0, "get"), 0);
+  EXPECT_EQ(Calls(s, 0, "getex"), 0);
 }
 
 TEST(RedisTier, ValuesCarryTheTtl) {
@@ -320,6 +322,10 @@ TEST(RedisTier, ValuesCarryTheTtl) {
   const int64_t pttl = Integer(s.Command(0, {"PTTL", tier->KeyOf(r.key)}));
   EXPECT_GT(pttl, 50000);
   EXPECT_LE(pttl, 60000);
+  // A hit renews the TTL (GETEX): a prefix in use does not expire under its readers.
+  ASSERT_TRUE(s.Command(0, {"PEXPIRE", tier->KeyOf(r.key), "5000"}));
+  ASSERT_TRUE(tier->Get(std::vector<RunKey>{r.key})[0].has_value());
+  EXPECT_GT(Integer(s.Command(0, {"PTTL", tier->KeyOf(r.key)})), 50000);
   // A short TTL: the run is gone once it passes.
   o.ttl_ms = 150;
   auto brief = OpenTier(o);

@@ -664,8 +664,22 @@ std::vector<std::optional<std::string>> RedisTier::Get(std::span<const RunKey> k
       }
     }
     if (held > 0) {
-      commands("GET", held);
-      std::vector<Reply> got = Execute(*fg_, cmds);
+      const std::string ttl = std::to_string(options_.ttl_ms);
+      auto fetch = [&] {
+        cmds.clear();
+        for (size_t i = 0; i < held; ++i) {
+          cmds.push_back(getex_ ? Command{{"GETEX", names[i], "PX", ttl}}
+                                : Command{{"GET", names[i]}});
+        }
+        return Execute(*fg_, cmds);
+      };
+      std::vector<Reply> got = fetch();
+      if (getex_ && got[0] && got[0]->type == REDIS_REPLY_ERROR &&
+          std::string_view(got[0]->str, got[0]->len).find("unknown command") !=
+              std::string_view::npos) {
+        getex_ = false;
+        got = fetch();
+      }
       for (size_t i = 0; i < held && got[i] && got[i]->type == REDIS_REPLY_STRING; ++i) {
         const std::string_view value(got[i]->str, got[i]->len);
         const Result<RunHeader> h = CheckRun(value);

@@ -163,6 +163,9 @@ class RedisTier final : public Tier {
   bool probing_ = true;  // Open is telling a cluster from a server: no SELECT yet
 
   mutable std::mutex fg_mu_;  // the callers' connections
+  // Hits are read with GETEX ... PX ttl, so a prefix in use does not expire under its readers;
+  // a server without GETEX (before Redis 6.2) turns it off for plain GET.
+  bool getex_ = true;  // under fg_mu_
   std::unique_ptr<Conns> fg_;
   std::unique_ptr<Conns> bg_;  // the writer's (only its thread uses them)
 
