@@ -6,6 +6,7 @@ import assert from "node:assert/strict";
 import { execFile } from "node:child_process";
 import { promisify } from "node:util";
 import OpenAI from "openai";
+import { runChecks } from "./harness.mjs";
 
 const [group, base] = process.argv.slice(2);
 const apiKey = group === "errors" ? process.env.API_KEY : "unused";
@@ -748,20 +749,4 @@ if (group === "load") {
 
 // ---------------------------------------------------------------- run
 
-if (checks.length === 0) {
-  console.error(`client.mjs: unknown group '${group}'`);
-  process.exit(2);
-}
-let failed = 0;
-for (const { name, fn } of checks) {
-  const t0 = Date.now();
-  try {
-    await fn();
-    console.log(`ok    ${group}: ${name} (${Date.now() - t0} ms)`);
-  } catch (e) {
-    ++failed;
-    console.log(`FAIL  ${group}: ${name}\n      ${(e && e.stack) || e}`);
-  }
-}
-console.log(`${group}: ${checks.length - failed} of ${checks.length} checks passed`);
-process.exit(failed ? 1 : 0);
+await runChecks("client.mjs", group, checks);
