@@ -15,6 +15,9 @@ if [ "${CACHET_SANITIZE:-0}" = "1" ]; then
   # CI's 45-minute budget (a 2-core machine) cannot spare them.
   ASAN_SKIP='^peer_agreement$|^Golden\.ChunkingAndPageSizeDoNotChangeLogits$'
   ASAN_SKIP+='|^Threads/GoldenTest\.LogitsAndGreedyMatchReference/1$'
+  # Redis at maxmemory (Redis's behaviour; the engine's side of dropped writes is tested by
+  # RedisTier.FullWriteQueueDropsInsteadOfWaiting): 113 s under ASan for 3.5 s in Release.
+  ASAN_SKIP+='|^RedisEngine\.MaxmemoryEvictsOrRefusesAndAnswersStayCold$'
   scripts/build.sh build-asan -DCACHET_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo
   (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
      ctest --output-on-failure -j "$(nproc)" -E "$ASAN_SKIP")

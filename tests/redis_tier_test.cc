@@ -745,19 +745,19 @@ TEST(RedisEngine, MaxmemoryEvictsOrRefusesAndAnswersStayCold) {
     RedisServers s;
     const std::string why = s.Start(1, false);
     ASSERT_TRUE(why.empty()) << "redis-server: " << why;
-    // A 256-token run of kvtiny's f32 pages is 2 MiB: room for a few of the twelve written (the
+    // A 256-token run of kvtiny's f32 pages is 2 MiB: room for a few of the eight written (the
     // writer's pipelined SETs sit in Redis's query buffer, which counts against maxmemory too).
-    ASSERT_TRUE(s.Command(0, {"CONFIG", "SET", "maxmemory", "16mb"}));
+    ASSERT_TRUE(s.Command(0, {"CONFIG", "SET", "maxmemory", "10mb"}));
     ASSERT_TRUE(s.Command(0, {"CONFIG", "SET", "maxmemory-policy", policy}));
     std::vector<std::vector<int32_t>> prompts;
     std::vector<std::vector<float>> cold;
-    for (int i = 0; i < 6; ++i) {
-      std::vector<int32_t> p = PromptOf(600 + 40 * (i % 2));
+    for (int i = 0; i < 4; ++i) {
+      std::vector<int32_t> p = PromptOf(520 + 8 * (i % 2));
       p[1] = 100 + i;  // distinct from the first block on: no run is shared
       prompts.push_back(p);
       cold.push_back(Eval(RedisOptions(""), p).logits);
     }
-    // One long-lived process writes all six prompts (twelve runs), then its queue drains.
+    // One long-lived process writes all four prompts (eight runs), then its queue drains.
     auto writer = Engine::Create(RedisOptions(s.Url()));
     ASSERT_TRUE(writer.ok());
     for (size_t i = 0; i < prompts.size(); ++i) {
@@ -777,7 +777,7 @@ TEST(RedisEngine, MaxmemoryEvictsOrRefusesAndAnswersStayCold) {
     // Fresh processes, the most recent prompt first: what Redis still holds is used, the rest
     // computed, and the answers are the cold ones.
     int64_t loaded = 0, misses = 0;
-    for (int i = 5; i >= 0; --i) {
+    for (int i = 3; i >= 0; --i) {
       const Outcome got = Eval(RedisOptions(s.Url()), prompts[i]);
       ASSERT_EQ(got.logits, cold[i]) << "prompt " << i;
       loaded += got.kv.tiers.at(0).loaded_tokens;
@@ -789,7 +789,7 @@ TEST(RedisEngine, MaxmemoryEvictsOrRefusesAndAnswersStayCold) {
     const size_t at = st.find("evicted_keys:");
     ASSERT_NE(at, std::string::npos);
     const long evicted = std::atol(st.c_str() + at + 13);
-    EXPECT_GT(misses, 0);  // twelve runs do not fit
+    EXPECT_GT(misses, 0);  // eight runs do not fit
     if (std::string(policy) == "allkeys-lru") {
       EXPECT_GT(evicted, 0);
       EXPECT_GT(loaded, 0);  // the last prompt's runs were still there

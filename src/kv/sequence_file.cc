@@ -32,7 +32,9 @@ class Writer {
     Put<uint32_t>(static_cast<uint32_t>(v.size()));
     Bytes(v.data(), v.size() * sizeof(T));
   }
-  void Bytes(const void* p, size_t n) { out_.append(static_cast<const char*>(p), n); }
+  void Bytes(const void* p, size_t n) {
+    if (n > 0) out_.append(static_cast<const char*>(p), n);
+  }
   std::string& out() { return out_; }
 
  private:
@@ -65,7 +67,7 @@ class Reader {
       Fail(what, std::to_string(n) + " entries, more than " + std::to_string(max));
     if (!Need(size_t{n} * sizeof(T), what)) return {};
     std::vector<T> v(n);
-    std::memcpy(v.data(), b_.data() + at_, n * sizeof(T));
+    if (n > 0) std::memcpy(v.data(), b_.data() + at_, n * sizeof(T));
     at_ += n * sizeof(T);
     return v;
   }
