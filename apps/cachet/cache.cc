@@ -2,20 +2,11 @@
 // `cachet run --cache` (and any later process with the same model) continues from.
 #include <chrono>
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 
 #include "commands.h"
 
 namespace cachet::cli {
 namespace {
-
-std::string ReadText(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 std::string Describe(const std::optional<press::PressOptions>& p) {
   return p ? press::DescribePress(*p) : "none";
@@ -67,7 +58,7 @@ void AddCache(CLI::App& app) {
       ->excludes(p);
   save->add_option("-o,--output", *out, "The cache file to write (e.g. doc.ckv)")->required();
   save->callback([=] {
-    const std::string context = file->empty() ? *text : ReadText(*file);
+    const std::string context = ReadPrompt(*text, *file);
     EngineOptions eo = opts->engine;
     eo.prefix_cache = false;  // the context is computed here, not looked up
     auto engine = LoadEngine(eo);

@@ -240,6 +240,11 @@ void PrintLogitsOf(const EngineOptions& eo, const std::string& path) {
 
 }  // namespace
 
+void Fail(const Status& s) {
+  std::fprintf(stderr, "\ncachet: %s\n", s.ToString().c_str());
+  throw CLI::RuntimeError(1);
+}
+
 std::string ReadPrompt(const std::string& text, const std::string& file) {
   if (file.empty()) return text;
   std::ifstream in(file, std::ios::binary);
@@ -252,21 +257,17 @@ std::string ReadPrompt(const std::string& text, const std::string& file) {
 void RunFromCache(const CLI::App& cmd, const std::string& path, const CommonOptions& opts,
                   const std::string& prompt, const std::string& prompt_file, bool quiet,
                   bool kv_stats, const std::string& salt) {
-  auto fail = [](const Status& s) {
-    std::fprintf(stderr, "\ncachet: %s\n", s.ToString().c_str());
-    throw CLI::RuntimeError(1);
-  };
   auto info = ReadSavedCacheInfo(path);
-  if (!info.ok()) fail(info.status());
+  if (!info.ok()) Fail(info.status());
   EngineOptions eo = opts.engine;
   ApplySavedLayout(cmd, *info, eo);
   auto engine = LoadEngine(eo);
   if (!engine) throw CLI::RuntimeError(1);
   auto session = engine->LoadSession(path, salt);
-  if (!session.ok()) fail(session.status());
+  if (!session.ok()) Fail(session.status());
   const std::vector<int32_t> ids = engine->tokenizer().Encode(ReadPrompt(prompt, prompt_file));
   auto r = (*session)->Generate(ids, opts.gen, PrintPiece);
-  if (!r.ok()) fail(r.status());
+  if (!r.ok()) Fail(r.status());
   std::fputc('\n', stdout);
   if (!quiet) {
     std::fprintf(stderr, "[cachet] context: %d cached tokens from %s (%s)\n", info->n_tokens,
@@ -335,10 +336,6 @@ void AddRun(CLI::App& app) {
     const std::string text = ReadPrompt(*prompt, *prompt_file);
     auto engine = LoadEngine(opts->engine);
     if (!engine) throw CLI::RuntimeError(1);
-    auto fail = [](const Status& s) {
-      std::fprintf(stderr, "\ncachet: %s\n", s.ToString().c_str());
-      throw CLI::RuntimeError(1);
-    };
     const std::vector<int32_t> prompt_ids = engine->tokenizer().EncodePrompt(text);
     const std::function<bool(std::string_view)> on_piece = *ids ? nullptr : PrintPiece;
     auto done = [&](const GenerateResult& r) {
@@ -351,7 +348,7 @@ void AddRun(CLI::App& app) {
     };
     if (*n_parallel == 1) {
       auto r = engine->Generate(text, opts->gen, on_piece, *salt);
-      if (!r.ok()) fail(r.status());
+      if (!r.ok()) Fail(r.status());
       done(*r);
     } else {
       // Prefill once; each completion forks the prompt's pages and diverges copy-on-write.
@@ -359,7 +356,7 @@ void AddRun(CLI::App& app) {
       const auto& press = opts->gen.press;
       const Status s = press ? prompt_session->EvalPressed(prompt_ids, *press, nullptr)
                              : prompt_session->Eval(prompt_ids, nullptr);
-      if (!s.ok()) fail(s);
+      if (!s.ok()) Fail(s);
       for (int i = 0; i < *n_parallel; ++i) {
         auto fork = prompt_session->Fork();
         GenerateOptions g = opts->gen;
@@ -367,7 +364,7 @@ void AddRun(CLI::App& app) {
         g.sampling.seed += i;
         if (!*quiet) std::fprintf(stderr, "--- completion %d of %d\n", i + 1, *n_parallel);
         auto r = fork->Generate({}, g, on_piece);
-        if (!r.ok()) fail(r.status());
+        if (!r.ok()) Fail(r.status());
         done(*r);
       }
     }
@@ -409,10 +406,6 @@ void AddChat(CLI::App& app) {
     ChatTemplate tmpl = std::move(chat_template).value();
     UseTokenizerSpecials(tok, &tmpl);
     const std::vector<std::string> stops = StopStrings(tmpl);
-    auto fail = [](const Status& s) {
-      std::fprintf(stderr, "\ncachet: %s\n", s.ToString().c_str());
-      throw CLI::RuntimeError(1);
-    };
     std::vector<ChatMessage> messages;
     if (!system->empty()) messages.push_back({ChatRole::kSystem, *system});
     auto session = engine->NewSession();
@@ -426,7 +419,7 @@ void AddChat(CLI::App& app) {
       if (line.empty()) continue;
       messages.push_back({ChatRole::kUser, line});
       auto prompt = RenderChat(tmpl, messages, /*add_generation_prompt=*/true);
-      if (!prompt.ok()) fail(prompt.status());
+      if (!prompt.ok()) Fail(prompt.status());
       // Each turn prefills only what the conversation adds to the text already cached. Where the
       // template rewrites earlier text (a reply cut short that it trims, say), a new session
       // starts over, and the prefix cache still serves the unchanged pages.
@@ -457,7 +450,7 @@ void AddChat(CLI::App& app) {
         PrintPiece(piece);
         return true;
       });
-      if (!r.ok()) fail(r.status());
+      if (!r.ok()) Fail(r.status());
       // The reply as the session holds it. At a stop string, only the tokens whose text comes
       // before it: the session drops the rest (those the stop string began in were evaluated; the
       // one that completed it was not), so the next turn's template text follows the reply.
@@ -476,7 +469,7 @@ void AddChat(CLI::App& app) {
         }
         const int dropped = static_cast<int>(r->tokens.size() - 1 - kept);  // evaluated ones
         if (dropped > 0) {
-          if (Status s = session->Truncate(session->n_tokens() - dropped); !s.ok()) fail(s);
+          if (Status s = session->Truncate(session->n_tokens() - dropped); !s.ok()) Fail(s);
         }
       } else {
         for (int32_t id : r->tokens) content += tok.TokenBytes(id);

@@ -19,6 +19,10 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o);
 void AddSamplingFlags(CLI::App& app, GenerateOptions& o);
 // --press, --ratio, --budget, --window, --sinks: evict after the prompt (kv/press).
 void AddPressFlags(CLI::App& app, GenerateOptions& o);
+// The text of -p, or of the -f file when one is given.
+std::string ReadPrompt(const std::string& text, const std::string& file);
+// Prints "cachet: <status>" to stderr and exits the command with status 1.
+[[noreturn]] void Fail(const Status& s);
 // Loads the engine or prints the error and returns null.
 std::unique_ptr<Engine> LoadEngine(const EngineOptions& o);
 

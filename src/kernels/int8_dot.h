@@ -35,14 +35,11 @@ inline bool HasInt8Path(DType t) {
 
 namespace int8_detail {
 
-// Reads an f16 scale in software; SIMD code passes its own (hardware) loader to BlockScales.
-struct SoftF16 {
-  static float Load(const uint8_t* p) {
-    uint16_t h;
-    std::memcpy(&h, p, 2);
-    return F16ToF32(h);
-  }
-};
+inline float LoadF16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return F16ToF32(h);
+}
 
 // Scale and min of sub-block j (0..7) of a q4_K super-block, as llama.cpp's get_scale_min_k4.
 inline void ScaleMinK4(int j, const uint8_t* q, int* d, int* m) {
@@ -58,9 +55,9 @@ inline void ScaleMinK4(int j, const uint8_t* q, int* d, int* m) {
 }  // namespace int8_detail
 
 // dw[b] and o[b] of every 32-value block of a weight row of nb blocks.
-template <DType kType, class F16 = int8_detail::SoftF16>
+template <DType kType>
 inline void BlockScales(const uint8_t* row, int64_t nb, float* dw, float* o) {
-  const auto LoadF16 = [](const uint8_t* p) { return F16::Load(p); };
+  using int8_detail::LoadF16;
   if constexpr (kType == DType::kQ4_0 || kType == DType::kQ8_0) {
     constexpr int64_t kBytes = kType == DType::kQ4_0 ? 18 : 34;
     constexpr float kOffset = kType == DType::kQ4_0 ? 8.0f : 128.0f;

@@ -44,7 +44,7 @@ class Writer {
 // Reads with bounds checks; the first failure sticks and names the field.
 class Reader {
  public:
-  explicit Reader(std::span<const uint8_t> b) : b_(b) {}
+  explicit Reader(std::span<const uint8_t> b, size_t at = 0) : b_(b), at_(at) {}
   template <class T>
   T Get(const char* what) {
     T v{};
@@ -315,26 +315,46 @@ std::string SaveSequence(const PagedSequence& seq, const tiers::TierNamespace& n
   return std::move(w.out());
 }
 
-Result<SequenceFileInfo> ReadSequenceInfo(std::span<const uint8_t> bytes) {
+namespace {
+
+// A file checked whole (header, checksum, every table, no trailing bytes) and its pages counted.
+struct Parsed {
+  Header h;
+  size_t tables_at = 0;         // where the tables start
+  int pages[4] = {0, 0, 0, 0};  // hot raw, hot codec, cold raw, cold codec
+};
+
+Result<Parsed> Parse(std::span<const uint8_t> bytes) {
+  Parsed p;
   Reader r(bytes);
-  CACHET_ASSIGN_OR_RETURN(Header h, ParseHeader(r, bytes));
-  CACHET_ASSIGN_OR_RETURN(KvLayout hot, LayoutOf(h.info.ns));
+  CACHET_ASSIGN_OR_RETURN(p.h, ParseHeader(r, bytes));
+  CACHET_ASSIGN_OR_RETURN(KvLayout hot, LayoutOf(p.h.info.ns));
   KvLayout cold_layout;
-  if (!h.info.cold_codec.empty()) {
-    CACHET_ASSIGN_OR_RETURN(codecs::Codec c, codecs::ParseCodec(h.info.cold_codec));
+  if (!p.h.info.cold_codec.empty()) {
+    CACHET_ASSIGN_OR_RETURN(codecs::Codec c, codecs::ParseCodec(p.h.info.cold_codec));
     cold_layout = ColdLayoutOf(hot, c);
   }
+  p.tables_at = r.at();
   struct {
-    SequenceFileInfo* info;
-    void table(uint32_t, bool, int32_t n) { info->held_rows += n; }
-    void page(uint32_t, bool, bool, const uint8_t*, size_t n, const uint8_t*, size_t pn) {
-      info->page_bytes += static_cast<int64_t>(n + pn);
+    Parsed* p;
+    void table(uint32_t, bool, int32_t n) { p->h.info.held_rows += n; }
+    void page(uint32_t, bool is_cold, bool is_codec, const uint8_t*, size_t n, const uint8_t*,
+              size_t pn) {
+      p->h.info.page_bytes += static_cast<int64_t>(n + pn);
+      ++p->pages[(is_cold ? 2 : 0) + (is_codec ? 1 : 0)];
     }
-  } count{&h.info};
+  } count{&p};
   CACHET_RETURN_IF_ERROR(
-      WalkTables(r, h, hot, h.info.cold_codec.empty() ? nullptr : &cold_layout, count));
+      WalkTables(r, p.h, hot, p.h.info.cold_codec.empty() ? nullptr : &cold_layout, count));
   if (r.at() + 8 != bytes.size()) return DataLoss("saved cache: trailing bytes after the tables");
-  return h.info;
+  return p;
+}
+
+}  // namespace
+
+Result<SequenceFileInfo> ReadSequenceInfo(std::span<const uint8_t> bytes) {
+  CACHET_ASSIGN_OR_RETURN(Parsed p, Parse(bytes));
+  return p.h.info;
 }
 
 Status LoadSequence(std::span<const uint8_t> bytes, const tiers::TierNamespace& ns,
@@ -343,35 +363,24 @@ Status LoadSequence(std::span<const uint8_t> bytes, const tiers::TierNamespace& 
   if (seq->n_tokens() != 0 || seq->pages_held() != 0) {
     return FailedPrecondition("a saved cache loads into an empty session only");
   }
-  // Everything is checked, and pages counted, before one is allocated.
-  CACHET_ASSIGN_OR_RETURN(SequenceFileInfo info, ReadSequenceInfo(bytes));
-  if (tiers::NamespaceKey(info.ns) != tiers::NamespaceKey(ns)) {
-    return FailedPrecondition(Mismatch(info.ns, ns));
+  // Everything is checked, and pages counted, before one is allocated. With the namespace the
+  // engine's, the file's layout (page sizes) is the pools'.
+  CACHET_ASSIGN_OR_RETURN(Parsed p, Parse(bytes));
+  const Header& h = p.h;
+  if (tiers::NamespaceKey(h.info.ns) != tiers::NamespaceKey(ns)) {
+    return FailedPrecondition(Mismatch(h.info.ns, ns));
   }
   PagePool& hot = seq->pool();
   PagePool* cold = nullptr;
-  if (!info.cold_codec.empty()) {
-    CACHET_ASSIGN_OR_RETURN(cold, cold_pool_for(info.cold_codec));
+  if (!h.info.cold_codec.empty()) {
+    CACHET_ASSIGN_OR_RETURN(cold, cold_pool_for(h.info.cold_codec));
   }
-  Reader r(bytes);
-  CACHET_ASSIGN_OR_RETURN(Header h, ParseHeader(r, bytes));
-  const Reader start = r;
-  // Pass 1: pages of each kind per pool.
-  struct Count {
-    int n[4] = {0, 0, 0, 0};  // hot raw, hot codec, cold raw, cold codec
-    void table(uint32_t, bool, int32_t) {}
-    void page(uint32_t, bool is_cold, bool is_codec, const uint8_t*, size_t, const uint8_t*,
-              size_t) {
-      ++n[(is_cold ? 2 : 0) + (is_codec ? 1 : 0)];
-    }
-  } c;
-  CACHET_RETURN_IF_ERROR(WalkTables(r, h, hot.layout(), cold ? &cold->layout() : nullptr, c));
   std::vector<int32_t> raw, codec, cold_raw, cold_codec;
-  CACHET_RETURN_IF_ERROR(hot.Alloc(c.n[0], c.n[1], &raw, &codec));
+  CACHET_RETURN_IF_ERROR(hot.Alloc(p.pages[0], p.pages[1], &raw, &codec));
   if (cold) {
-    if (Status s = cold->Alloc(c.n[2], c.n[3], &cold_raw, &cold_codec); !s.ok()) {
-      for (int32_t p : raw) hot.Unref(p);
-      for (int32_t p : codec) hot.Unref(p);
+    if (Status s = cold->Alloc(p.pages[2], p.pages[3], &cold_raw, &cold_codec); !s.ok()) {
+      for (int32_t pg : raw) hot.Unref(pg);
+      for (int32_t pg : codec) hot.Unref(pg);
       return s;
     }
   }
@@ -395,12 +404,12 @@ Status LoadSequence(std::span<const uint8_t> bytes, const tiers::TierNamespace& 
       Table(t, is_cold).pages.push_back(page);
     }
   } fill{{&hot, cold}, {&tables, &cold_tables}, {&raw, &codec, &cold_raw, &cold_codec}};
-  r = start;
+  Reader r(bytes, p.tables_at);
   CACHET_RETURN_IF_ERROR(WalkTables(r, h, hot.layout(), cold ? &cold->layout() : nullptr, fill));
   seq->Adopt(std::move(tables), std::move(cold_tables), h.seq_tokens);
-  if (cold) seq->set_cold_pool(cold, info.cold_fetch);
-  seq->set_quest(info.quest_pages, info.quest_keep);
-  *image = std::move(h.image);
+  if (cold) seq->set_cold_pool(cold, h.info.cold_fetch);
+  seq->set_quest(h.info.quest_pages, h.info.quest_keep);
+  *image = std::move(p.h.image);
   return OkStatus();
 }
 

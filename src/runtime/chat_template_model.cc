@@ -9,21 +9,14 @@
 #include "cachet/tokenizer.h"
 #include "model/gguf.h"
 #include "model/gguf_model.h"
+#include "util/mmap_file.h"
 
 namespace cachet {
 namespace {
 
-Result<std::string> ReadFile(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return NotFound(path.string() + ": cannot open");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 // tokenizer_config.json's "chat_template": a string, or a list of {"name", "template"}.
 Result<std::optional<std::string>> FromTokenizerConfig(const std::filesystem::path& path) {
-  CACHET_ASSIGN_OR_RETURN(std::string text, ReadFile(path));
+  CACHET_ASSIGN_OR_RETURN(std::string text, ReadTextFile(path.string()));
   const std::string where = path.string() + ": chat_template";
   const nlohmann::json j = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
   if (j.is_discarded()) return InvalidArgument(path.string() + ": not valid JSON");
@@ -65,7 +58,7 @@ Result<std::optional<std::string>> ReadChatTemplateText(const std::string& model
   std::error_code ec;
   // transformers >= 4.43 saves the template in its own file, which takes precedence.
   if (std::filesystem::exists(dir / "chat_template.jinja", ec)) {
-    CACHET_ASSIGN_OR_RETURN(std::string t, ReadFile(dir / "chat_template.jinja"));
+    CACHET_ASSIGN_OR_RETURN(std::string t, ReadTextFile((dir / "chat_template.jinja").string()));
     return std::optional<std::string>(std::move(t));
   }
   if (std::filesystem::exists(dir / "tokenizer_config.json", ec)) {

@@ -4,23 +4,14 @@
 
 #include <cstdio>
 #include <fstream>
-#include <iterator>
 
 #include "cachet/engine.h"
 #include "kv/codecs/codec.h"
 #include "kv/sequence_file.h"
+#include "util/mmap_file.h"
 
 namespace cachet {
 namespace {
-
-Result<std::vector<uint8_t>> ReadWhole(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return NotFound("saved cache " + path + ": cannot open it");
-  std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)),
-                             std::istreambuf_iterator<char>());
-  if (in.bad()) return DataLoss("saved cache " + path + ": read error");
-  return bytes;
-}
 
 Status Prefixed(const std::string& path, const Status& s) {
   return Status(s.code(), path + ": " + s.message());
@@ -54,7 +45,8 @@ Status Session::Save(const std::string& path, std::string_view compression) cons
 
 Result<std::unique_ptr<Session>> Engine::LoadSession(const std::string& path,
                                                      std::string_view cache_salt) {
-  CACHET_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadWhole(path));
+  CACHET_ASSIGN_OR_RETURN(const std::string file, ReadTextFile(path));
+  const std::span bytes(reinterpret_cast<const uint8_t*>(file.data()), file.size());
   std::unique_ptr<Session> s = NewSession(cache_salt);
   SequenceImage image;
   const Status st = LoadSequence(
@@ -80,8 +72,8 @@ Result<std::unique_ptr<Session>> Engine::LoadSession(const std::string& path,
 }
 
 Result<SavedCacheInfo> ReadSavedCacheInfo(const std::string& path) {
-  CACHET_ASSIGN_OR_RETURN(std::vector<uint8_t> bytes, ReadWhole(path));
-  auto r = ReadSequenceInfo(bytes);
+  CACHET_ASSIGN_OR_RETURN(const std::string file, ReadTextFile(path));
+  auto r = ReadSequenceInfo(std::span(reinterpret_cast<const uint8_t*>(file.data()), file.size()));
   if (!r.ok()) return Prefixed(path, r.status());
   SavedCacheInfo info;
   info.codec_k = r->ns.codec_k;

@@ -35,7 +35,7 @@ class MappedFile {
 // of the mapping, so that RSS does not count them twice.
 void ReleaseMappedRange(const void* p, size_t n);
 
-// Reads a whole (small) file, e.g. config.json.
+// Reads a whole file into memory (config.json, a saved KV cache); NotFound if it cannot be opened.
 Result<std::string> ReadTextFile(const std::string& path);
 
 }  // namespace cachet

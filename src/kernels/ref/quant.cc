@@ -30,7 +30,7 @@ namespace {
 
 // Block readers shared with the int8 path (kernels/int8_dot.h).
 using int8_detail::ScaleMinK4;
-float LoadF16(const uint8_t* p) { return int8_detail::SoftF16::Load(p); }
+using int8_detail::LoadF16;
 void StoreF16(uint8_t* p, float f) {
   const uint16_t h = F32ToF16(f);
   std::memcpy(p, &h, 2);
