@@ -551,11 +551,18 @@ void Runtime::Impl::Loop() {
     std::vector<std::function<void()>> cmds;
     {
       std::unique_lock<std::mutex> lock(mu);
-      cv.wait(lock, [&] {
+      const bool ready = cv.wait_for(lock, std::chrono::seconds(1), [&] {
         return stop || !incoming.empty() || !cancels.empty() || !commands.empty() ||
                !running.empty() || (!waiting.empty());
       });
       if (stop) break;
+      if (!ready) {
+        // Idle: refresh the snapshot once a second anyway, since the tiers' background writes
+        // (Redis) finish after the last step and their counters would otherwise stay stale.
+        lock.unlock();
+        Publish();
+        continue;
+      }
       cmds.swap(commands);
     }
     for (auto& c : cmds) c();
