@@ -406,6 +406,23 @@ TEST(GgufTokenizer, SpmMergesByScoreWithByteFallback) {
   EXPECT_TRUE((*t)->IsSpecial(2));
 }
 
+// Found by the gguf fuzzer: token types stored as floats out of int's range were converted
+// (undefined behaviour); now they are an error naming the entry.
+TEST(GgufTokenizer, TokenTypesThatAreNotIntegersAreErrors) {
+  TempDir dir;
+  GgufWriter w;
+  w.SetString("tokenizer.ggml.model", "llama");
+  w.SetStringArray("tokenizer.ggml.tokens", {"<unk>", "a", "b"});
+  w.SetF32Array("tokenizer.ggml.scores", {0, -1, -2});
+  w.SetF32Array("tokenizer.ggml.token_type", {2, -1.03846e34f, 1});
+  const std::string path = dir.path() + "/types.gguf";
+  ASSERT_TRUE(w.Write(path).ok());
+  auto t = Tokenizer::Load(path);
+  ASSERT_FALSE(t.ok());
+  EXPECT_NE(t.status().message().find("'tokenizer.ggml.token_type' entry 1"), std::string::npos)
+      << t.status().message();
+}
+
 TEST(GgufTokenizer, UnknownModelAndPreTokenizerAreErrors) {
   TempDir dir;
   GgufWriter w;

@@ -1,7 +1,9 @@
 // Kept caches of the serving runtime (Runtime::CreateCache, CompletionRequest::cache_id) on
 // kvtiny: requests on a pressed cache generate what a session loaded from its file generates in
-// process, hold its pages once, and the cache is found again by a restarted runtime; unknown
-// ids, other salts and a press on a cache are refused; deleting frees the pages and the files.
+// process, hold its pages once, and the cache is found again by a restarted runtime, or by
+// another runtime on the same Redis (a real redis-server on loopback); caches past the RAM cap
+// leave it and come back; unknown ids, other salts and a press on a cache are refused; deleting
+// frees the pages and the stored copies.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,6 +17,7 @@
 
 #include "cachet/engine.h"
 #include "cachet/serving.h"
+#include "redis_fixture.h"
 #include "test_util.h"
 
 namespace cachet {
@@ -271,6 +274,123 @@ TEST(RuntimeCaches, RestartedRuntimeFindsTheCacheOnDisk) {
   EXPECT_EQ(c.tokens, first);
   ASSERT_TRUE((*rt)->DeleteCache(id, "t").ok());
   EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
+}
+
+// What a request on cache id generates (greedy).
+std::vector<int32_t> Answer(Runtime& rt, const std::string& id, const std::string& salt,
+                            const std::vector<int32_t>& question) {
+  Collector c;
+  CompletionRequest req = OnCache(id, question, 12);
+  req.cache_salt = salt;
+  EXPECT_TRUE(rt.Submit(req, c.Callback()).ok());
+  c.Wait();
+  EXPECT_EQ(c.last.finish_reason, "length") << c.last.error.ToString();
+  return c.tokens;
+}
+
+TEST(RuntimeCaches, CachesPastTheRamCapLeaveItAndComeBackFromDisk) {
+  // One cache's bytes, from a runtime with the default cap.
+  int64_t one = 0;
+  {
+    auto probe = Runtime::Create(Options(""));
+    ASSERT_TRUE(probe.ok()) << probe.status().ToString();
+    auto info = Create(**probe, {(*probe)->tokenizer().EncodePrompt(kContext), "", {}, ""});
+    ASSERT_TRUE(info.ok()) << info.status().ToString();
+    one = info->bytes;
+  }
+  ASSERT_GT(one, 0);
+  RuntimeOptions o = Options("");
+  o.cache_mem_bytes = one * 3 / 2;  // room for one
+  {  // Without a store a second cache is refused, and nothing of it is kept.
+    auto rt = Runtime::Create(o);
+    ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+    const std::vector<int32_t> context = (*rt)->tokenizer().EncodePrompt(kContext);
+    ASSERT_TRUE(Create(**rt, {context, "", {}, ""}).ok());
+    const int pages = PagesInUse((*rt)->kv_stats());
+    auto second = Create(**rt, {context, "", {}, ""});
+    ASSERT_FALSE(second.ok());
+    EXPECT_EQ(second.status().code(), StatusCode::kResourceExhausted);
+    EXPECT_NE(second.status().message().find("--cache-mem-mib"), std::string::npos);
+    EXPECT_EQ((*rt)->Metrics().kv_caches, 1);
+    EXPECT_EQ(PagesInUse((*rt)->kv_stats()), pages);
+  }
+  testing::TempDir dir;
+  o.cache_dir = dir.path();
+  auto rt = Runtime::Create(o);
+  ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+  Runtime& r = **rt;
+  const std::vector<int32_t> question = r.tokenizer().Encode(" The dog");
+  auto a = Create(r, {r.tokenizer().EncodePrompt(kContext), "", {}, ""});
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  const std::vector<int32_t> first = Answer(r, a->id, "", question);
+  const int with_a = PagesInUse(r.kv_stats());
+  auto b = Create(r, {r.tokenizer().EncodePrompt(std::string(kContext) + " The end."), "", {}, ""});
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  // a left RAM for b: one cache's pages in use, a's stored copy still there.
+  EXPECT_EQ(r.Metrics().kv_caches, 1);
+  EXPECT_EQ(r.Metrics().kv_caches_unloaded, 1);
+  ASSERT_EQ(r.ListCaches("").size(), 1u);
+  EXPECT_EQ(r.ListCaches("")[0].id, b->id);
+  EXPECT_LT(PagesInUse(r.kv_stats()), with_a * 3 / 2);
+  // Asked for again, a comes back from disk (b leaves) and answers as before.
+  EXPECT_EQ(Answer(r, a->id, "", question), first);
+  EXPECT_EQ(r.Metrics().kv_caches_unloaded, 2);
+  ASSERT_EQ(r.ListCaches("").size(), 1u);
+  EXPECT_EQ(r.ListCaches("")[0].id, a->id);
+}
+
+TEST(RedisCaches, AnotherRuntimeOnTheSameRedisContinuesFromTheCache) {
+  testing::RedisServers redis;
+  ASSERT_EQ(redis.Start(1, /*cluster=*/false), "");
+  RuntimeOptions o = Options("");  // no directory: Redis is the only store
+  o.engine.redis_url = redis.Url();
+  auto a = Runtime::Create(o);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  auto b = Runtime::Create(o);  // another process or machine, as far as caches go
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  const std::vector<int32_t> context = (*a)->tokenizer().EncodePrompt(kContext);
+  const std::vector<int32_t> question = (*a)->tokenizer().Encode(" Where did the bird fly?");
+  auto info = Create(**a, {context, "t", SnapKv(0.5), "shared"});
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  const std::vector<int32_t> on_a = Answer(**a, info->id, "t", question);
+  ASSERT_EQ(on_a.size(), 12u);
+  testing::RedisReply keys = redis.Command(0, {"KEYS", "*" + info->id + "*"});
+  ASSERT_TRUE(keys);
+  EXPECT_EQ(keys->elements, 2u);  // its pages and its description
+
+  EXPECT_EQ((*b)->FindCache(info->id, "other").status().code(), StatusCode::kNotFound);
+  auto found = (*b)->FindCache(info->id, "t");
+  ASSERT_TRUE(found.ok()) << found.status().ToString();
+  EXPECT_EQ(found->compression, "snapkv ratio 0.500");
+  EXPECT_EQ(found->note, "shared");
+  EXPECT_EQ(found->held_rows, info->held_rows);
+  EXPECT_EQ(Answer(**b, info->id, "t", question), on_a);
+
+  // A damaged value is refused with a reason, never answered from.
+  ASSERT_TRUE(redis.Command(0, {"SETRANGE", "ckv:cache:{" + info->id + "}:kv", "200", "XXXX"}));
+  auto c = Runtime::Create(o);
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  auto damaged = (*c)->FindCache(info->id, "t");
+  EXPECT_EQ(damaged.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(damaged.status().message().find("cannot be loaded"), std::string::npos)
+      << damaged.status().ToString();
+
+  // Deleting on b removes the stored copies: a keeps its resident one, a new runtime finds none.
+  ASSERT_TRUE((*b)->DeleteCache(info->id, "t").ok());
+  keys = redis.Command(0, {"KEYS", "*" + info->id + "*"});
+  ASSERT_TRUE(keys);
+  EXPECT_EQ(keys->elements, 0u);
+  EXPECT_TRUE((*a)->FindCache(info->id, "t").ok());
+  EXPECT_EQ((*c)->FindCache(info->id, "t").status().code(), StatusCode::kNotFound);
+
+  // Redis gone: a lookup is Unavailable (retry later), not NotFound (the cache may well exist).
+  auto again = Create(**a, {context, "t", {}, ""});
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  redis.Kill(0);
+  EXPECT_EQ((*c)->FindCache(again->id, "t").status().code(), StatusCode::kUnavailable);
+  auto refused = Create(**a, {context, "t", {}, ""});  // nowhere to store it: nothing kept
+  EXPECT_EQ(refused.status().code(), StatusCode::kUnavailable);
+  EXPECT_EQ((*a)->Metrics().kv_caches, 2);
 }
 
 }  // namespace

@@ -35,6 +35,7 @@ struct ServeOptions {
   server::ServerOptions server;
   std::string chat_template;
   std::string alias;
+  int64_t cache_mem_mib = 0;
 };
 
 }  // namespace
@@ -68,6 +69,13 @@ void AddServe(CLI::App& app) {
                   "and Retry-After")
       ->default_val(256)
       ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--cache-mem-mib", o->cache_mem_mib,
+                  "MiB of KV pages that kept caches (POST /v1/caches) may hold in RAM; past it "
+                  "the least recently used leave RAM and are loaded again from --disk-cache or "
+                  "--redis when asked for (without either, a cache past it is refused). Default "
+                  "0: half of --kv-mem")
+      ->default_val(0)
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--api-key", o->server.api_key,
                   "Require \"Authorization: Bearer KEY\" on every endpoint but /health and "
                   "/metrics (401 otherwise); also read from $CACHET_API_KEY")
@@ -89,6 +97,7 @@ void AddServe(CLI::App& app) {
   cmd->add_flag("--log-requests", o->server.log_requests,
                 "Print one line per HTTP request (method, path, status) to stderr");
   cmd->callback([o] {
+    o->runtime.cache_mem_bytes = o->cache_mem_mib << 20;
     // Everything that can fail does so before the port is opened: the template first (before
     // the model loads), then the model and its tokenizer.
     const std::string path =

@@ -30,8 +30,13 @@ struct RuntimeOptions {
   bool publish_prefixes = true;  // offer finished requests' pages to the prefix cache
   // Where kept caches (CreateCache) are also saved, <cache_dir>/<id>.ckv with <id>.json beside
   // it, and looked up when not resident, so that a restarted runtime with the same model and KV
-  // layout finds them. Empty: <engine.disk_cache_dir>/caches when that is set, else RAM only.
+  // layout finds them. Empty: <engine.disk_cache_dir>/caches when that is set, else none. With
+  // engine.redis_url they are stored in Redis too, where other runtimes on it find them.
   std::string cache_dir;
+  // --cache-mem-mib: bytes of pages kept caches may hold in RAM (0: half the KV pool). Past it
+  // the least recently used leave RAM, to be loaded again from cache_dir or Redis on their next
+  // request; with neither, a cache that would pass it is refused.
+  int64_t cache_mem_bytes = 0;
 };
 
 struct CompletionRequest {
@@ -123,6 +128,7 @@ struct RuntimeMetrics {
   std::vector<KvStats::Tier> kv_tiers;  // each tier's own counters
   int kv_caches = 0;                    // kept caches resident
   int64_t kv_cache_bytes = 0;           // bytes of their pages (shared with requests on them)
+  int64_t kv_caches_unloaded = 0;       // times a cache left RAM for cache_mem_bytes
   Histogram ttft, inter_token, e2e;
 };
 
@@ -144,8 +150,8 @@ class Runtime {
   // pool; Cancel takes its id) and keeps its session once it is prefilled and pressed; errors
   // (nothing queued) are Submit's. FindCache and DeleteCache answer NotFound alike for an id that
   // does not exist and one of another salt, so a tenant learns nothing of another's ids.
-  // FindCache loads a cache from cache_dir when it is not resident; DeleteCache frees its pages
-  // (requests running on it keep theirs until they end) and removes its files.
+  // FindCache loads a cache from cache_dir or Redis when it is not resident; DeleteCache frees
+  // its pages (requests running on it keep theirs until they end) and removes its stored copies.
   Result<uint64_t> CreateCache(KvCacheRequest request, CacheCallback on_done);
   Result<KvCacheInfo> FindCache(const std::string& id, const std::string& cache_salt);
   Status DeleteCache(const std::string& id, const std::string& cache_salt);

@@ -17,6 +17,7 @@ enum class StatusCode {
   kUnimplemented,
   kFailedPrecondition,  // the operation needs a state the object is not in
   kInternal,
+  kUnavailable,  // a service it needs (Redis) did not answer: retry later
 };
 
 const char* StatusCodeName(StatusCode code);
@@ -51,6 +52,7 @@ inline Status FailedPrecondition(std::string m) {
   return {StatusCode::kFailedPrecondition, std::move(m)};
 }
 inline Status Internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
+inline Status Unavailable(std::string m) { return {StatusCode::kUnavailable, std::move(m)}; }
 
 template <class T>
 class [[nodiscard]] Result {

@@ -68,7 +68,15 @@ Result<Vocab> ReadVocab(const GgufFile& f, bool default_add_bos) {
                              std::to_string(types->nums.size()) + " entries for " +
                              std::to_string(n) + " tokens");
     }
-    for (size_t i = 0; i < n; ++i) v.types[i] = static_cast<int>(types->nums[i]);
+    for (size_t i = 0; i < n; ++i) {
+      const double t = types->nums[i];  // any numeric array is read as doubles
+      if (!(t >= -1e9 && t <= 1e9) || t != static_cast<double>(static_cast<int>(t))) {
+        return InvalidArgument(f.path() + ": metadata 'tokenizer.ggml.token_type' entry " +
+                               std::to_string(i) + " is not a token type (" + std::to_string(t) +
+                               ")");
+      }
+      v.types[i] = static_cast<int>(t);
+    }
   }
   for (auto [key, out] : {std::pair{"tokenizer.ggml.bos_token_id", &v.bos},
                           {"tokenizer.ggml.eos_token_id", &v.eos},

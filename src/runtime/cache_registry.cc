@@ -1,14 +1,16 @@
 #include "runtime/cache_registry.h"
 
+#include <unistd.h>
+
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
-#include <sstream>
 
 #include "runtime/engine_access.h"
+#include "util/mmap_file.h"
 
 namespace cachet {
 namespace {
@@ -33,6 +35,35 @@ std::string SaltHex(uint64_t salt) {
 Status Unknown(const std::string& id) {
   return NotFound("cache_id: no cache '" + id + "' (it was never made, was deleted, or has " +
                   "another cache_salt)");
+}
+
+// Redis names: the hash tag keeps a cache's two values on one cluster node.
+std::string RedisName(const std::string& id, std::string_view part) {
+  return "cache:{" + id + "}:" + std::string(part);
+}
+
+bool SaltMatches(const std::string& meta, uint64_t salt) {
+  const json side = json::parse(meta, nullptr, /*allow_exceptions=*/false);
+  return side.is_object() && side.contains("salt") && side["salt"].is_string() &&
+         side["salt"].get<std::string>() == SaltHex(salt);
+}
+
+Status WriteFile(const std::string& path, const std::string& bytes) {
+  const std::string temp = path + ".tmp" + std::to_string(::getpid());
+  {
+    std::ofstream out(temp, std::ios::binary | std::ios::trunc);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    out.flush();
+    if (!out) {
+      std::remove(temp.c_str());
+      return Internal("cannot write " + temp);
+    }
+  }
+  if (std::rename(temp.c_str(), path.c_str()) != 0) {
+    std::remove(temp.c_str());
+    return Internal("cannot rename " + temp + " to " + path);
+  }
+  return OkStatus();
 }
 
 int64_t HeldRows(const Session& s) {
@@ -67,8 +98,40 @@ bool IsCacheId(std::string_view id) {
   return true;
 }
 
+CacheRegistry::CacheRegistry(std::string dir, std::unique_ptr<tiers::RedisTier> redis,
+                             int64_t max_resident_bytes)
+    : dir_(std::move(dir)), redis_(std::move(redis)), max_resident_bytes_(max_resident_bytes) {}
+
 std::string CacheRegistry::PathOf(const std::string& id, std::string_view ext) const {
   return dir_ + "/" + id + std::string(ext);
+}
+
+Status CacheRegistry::Store(const std::string& id, const Stored& stored) {
+  if (!dir_.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(dir_, ec);
+    if (ec) return Internal("cannot create the cache directory " + dir_ + ": " + ec.message());
+    // The pages first: a lookup starts from the sidecar, so a crash between the two leaves
+    // nothing it would take.
+    CACHET_RETURN_IF_ERROR(WriteFile(PathOf(id, ".ckv"), stored.kv));
+    if (Status s = WriteFile(PathOf(id, ".json"), stored.meta); !s.ok()) {
+      std::remove(PathOf(id, ".ckv").c_str());
+      return s;
+    }
+  }
+  if (redis_) {
+    Status s = redis_->SetValue(RedisName(id, "kv"), stored.kv);
+    if (s.ok()) s = redis_->SetValue(RedisName(id, "meta"), stored.meta);
+    if (!s.ok()) {
+      (void)redis_->DeleteValue(RedisName(id, "kv"));
+      if (!dir_.empty()) {
+        std::remove(PathOf(id, ".json").c_str());
+        std::remove(PathOf(id, ".ckv").c_str());
+      }
+      return s;
+    }
+  }
+  return OkStatus();
 }
 
 Result<KvCacheInfo> CacheRegistry::Add(std::unique_ptr<Session> session,
@@ -77,33 +140,53 @@ Result<KvCacheInfo> CacheRegistry::Add(std::unique_ptr<Session> session,
   Entry e;
   e.salt = EngineAccess::SaltOf(cache_salt);
   e.info = Describe(*session, NewId(), std::time(nullptr), std::move(compression), std::move(note));
-  if (!dir_.empty()) {
-    std::error_code ec;
-    std::filesystem::create_directories(dir_, ec);
-    if (ec) return Internal("cannot create the cache directory " + dir_ + ": " + ec.message());
-    // The sidecar first: a .ckv without one is never loaded (a crash between the two leaves
-    // nothing a lookup would take).
-    const json side = {{"version", 1},
-                       {"salt", SaltHex(e.salt)},
-                       {"created", e.info.created},
-                       {"compression", e.info.compression},
-                       {"note", e.info.note}};
-    const std::string side_path = PathOf(e.info.id, ".json");
-    {
-      std::ofstream out(side_path, std::ios::trunc);
-      out << side.dump();
-      if (!out.flush()) return Internal("cannot write " + side_path);
-    }
-    if (Status s = session->Save(PathOf(e.info.id, ".ckv"), e.info.compression); !s.ok()) {
-      std::remove(side_path.c_str());
-      return s;
-    }
+  if (!has_store() && bytes() + e.info.bytes > max_resident_bytes_) {
+    return ResourceExhausted(
+        "kept caches: " + std::to_string((bytes() + e.info.bytes) >> 20) + " MiB with this one, " +
+        "over the " + std::to_string(max_resident_bytes_ >> 20) + " MiB they may hold in RAM " +
+        "(--cache-mem-mib); delete one, or give --disk-cache or --redis so that caches can leave " +
+        "RAM and come back");
+  }
+  if (has_store()) {
+    Stored stored;
+    stored.meta = json{
+        {"version", 1},
+        {"salt", SaltHex(e.salt)},
+        {"created", e.info.created},
+        {"compression", e.info.compression},
+        {"note",
+         e.info.note}}.dump();
+    stored.kv = EngineAccess::SaveBytes(*session, e.info.compression);
+    CACHET_RETURN_IF_ERROR(Store(e.info.id, stored));
   }
   e.session = std::move(session);
   const KvCacheInfo info = e.info;
-  std::lock_guard<std::mutex> lock(mu_);
-  entries_.emplace(info.id, std::move(e));
+  Keep(std::move(e));
   return info;
+}
+
+void CacheRegistry::Keep(Entry e) {
+  e.last_used = ++clock_;
+  const std::string id = e.info.id;
+  std::vector<std::shared_ptr<Session>> dropped;  // freed after the lock, still on this thread
+  std::lock_guard<std::mutex> lock(mu_);
+  entries_.insert_or_assign(id, std::move(e));
+  if (!has_store()) return;  // Add refused what would not fit
+  int64_t total = 0;
+  for (const auto& [key, entry] : entries_) total += entry.info.bytes;
+  while (total > max_resident_bytes_ && entries_.size() > 1) {
+    auto oldest = entries_.end();
+    for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+      if (it->first != id &&
+          (oldest == entries_.end() || it->second.last_used < oldest->second.last_used)) {
+        oldest = it;
+      }
+    }
+    total -= oldest->second.info.bytes;
+    dropped.push_back(std::move(oldest->second.session));
+    entries_.erase(oldest);
+    ++unloaded_;
+  }
 }
 
 Result<std::shared_ptr<Session>> CacheRegistry::Get(Engine& engine, const std::string& id,
@@ -112,39 +195,80 @@ Result<std::shared_ptr<Session>> CacheRegistry::Get(Engine& engine, const std::s
     std::lock_guard<std::mutex> lock(mu_);
     if (auto it = entries_.find(id); it != entries_.end()) {
       if (it->second.salt != EngineAccess::SaltOf(cache_salt)) return Unknown(id);
+      it->second.last_used = ++clock_;
       return it->second.session;
     }
   }
   return Load(engine, id, cache_salt);
 }
 
+Result<CacheRegistry::Stored> CacheRegistry::Fetch(const std::string& id, bool kv_too,
+                                                   std::string* from) {
+  if (!IsCacheId(id)) return Unknown(id);
+  if (!dir_.empty()) {
+    if (Result<std::string> meta = ReadTextFile(PathOf(id, ".json")); meta.ok()) {
+      Stored s;
+      s.meta = std::move(meta).value();
+      if (kv_too) {
+        CACHET_ASSIGN_OR_RETURN(s.kv, ReadTextFile(PathOf(id, ".ckv")));
+      }
+      *from = PathOf(id, ".ckv");
+      return s;
+    }
+  }
+  if (redis_) {
+    CACHET_ASSIGN_OR_RETURN(std::optional<std::string> meta,
+                            redis_->GetValue(RedisName(id, "meta")));
+    if (meta) {
+      Stored s;
+      s.meta = std::move(*meta);
+      if (kv_too) {
+        CACHET_ASSIGN_OR_RETURN(std::optional<std::string> kv,
+                                redis_->GetValue(RedisName(id, "kv")));
+        if (!kv) return DataLoss("Redis holds the description but not the pages (expired?)");
+        s.kv = std::move(*kv);
+      }
+      *from = "redis " + RedisName(id, "kv");
+      return s;
+    }
+  }
+  return Unknown(id);
+}
+
 Result<std::shared_ptr<Session>> CacheRegistry::Load(Engine& engine, const std::string& id,
                                                      std::string_view cache_salt) {
-  if (dir_.empty() || !IsCacheId(id)) return Unknown(id);
-  std::ifstream in(PathOf(id, ".json"));
-  if (!in) return Unknown(id);
-  std::stringstream text;
-  text << in.rdbuf();
-  const json side = json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
-  if (!side.is_object() || !side.contains("salt") || !side["salt"].is_string() ||
-      side["salt"].get<std::string>() != SaltHex(EngineAccess::SaltOf(cache_salt))) {
-    return Unknown(id);
+  const uint64_t salt = EngineAccess::SaltOf(cache_salt);
+  std::string from;
+  Result<Stored> stored = Fetch(id, /*kv_too=*/false, &from);
+  if (!stored.ok() && stored.status().code() != StatusCode::kNotFound) {
+    if (stored.status().code() == StatusCode::kUnavailable) return stored.status();
+    return NotFound("cache_id: the cache '" + id +
+                    "' cannot be loaded: " + stored.status().message());
   }
-  Result<std::unique_ptr<Session>> s = engine.LoadSession(PathOf(id, ".ckv"), cache_salt);
+  if (!stored.ok() || !SaltMatches(stored->meta, salt)) return Unknown(id);
+  stored = Fetch(id, /*kv_too=*/true, &from);
+  if (!stored.ok()) {
+    if (stored.status().code() == StatusCode::kUnavailable) return stored.status();
+    return NotFound("cache_id: the cache '" + id +
+                    "' cannot be loaded: " + stored.status().message());
+  }
+  const json side = json::parse(stored->meta, nullptr, /*allow_exceptions=*/false);
+  Result<std::unique_ptr<Session>> s = EngineAccess::LoadBytes(
+      engine, std::span(reinterpret_cast<const uint8_t*>(stored->kv.data()), stored->kv.size()),
+      cache_salt, from);
   if (!s.ok()) {
-    // No room in the pool is worth a retry; anything else (another model or layout, a damaged
-    // file) makes the cache unusable here.
+    // No room in the pool is worth a retry; anything else (another model or layout, damaged
+    // bytes) makes the cache unusable here.
     if (s.status().code() == StatusCode::kResourceExhausted) return s.status();
     return NotFound("cache_id: the cache '" + id + "' cannot be loaded: " + s.status().message());
   }
   Entry e;
-  e.salt = EngineAccess::SaltOf(cache_salt);
+  e.salt = salt;
   e.info = Describe(**s, id, side.value("created", int64_t{0}), side.value("compression", ""),
                     side.value("note", ""));
   e.session = std::move(s).value();
   std::shared_ptr<Session> session = e.session;
-  std::lock_guard<std::mutex> lock(mu_);
-  entries_.emplace(id, std::move(e));
+  Keep(std::move(e));
   return session;
 }
 
@@ -161,15 +285,21 @@ Status CacheRegistry::Remove(const std::string& id, std::string_view cache_salt)
       found = true;
     }
   }
-  if (!dir_.empty() && IsCacheId(id)) {
-    std::ifstream in(PathOf(id, ".json"));
-    std::stringstream text;
-    text << in.rdbuf();
-    const json side = json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
-    const bool ours = side.is_object() && side.value("salt", "") == SaltHex(salt);
-    if (ours) {
-      std::remove(PathOf(id, ".ckv").c_str());
+  if (!IsCacheId(id)) return found ? OkStatus() : Unknown(id);
+  if (!dir_.empty()) {
+    Result<std::string> meta = ReadTextFile(PathOf(id, ".json"));
+    if (meta.ok() && SaltMatches(*meta, salt)) {
       std::remove(PathOf(id, ".json").c_str());
+      std::remove(PathOf(id, ".ckv").c_str());
+      found = true;
+    }
+  }
+  if (redis_) {
+    CACHET_ASSIGN_OR_RETURN(std::optional<std::string> meta,
+                            redis_->GetValue(RedisName(id, "meta")));
+    if (meta && SaltMatches(*meta, salt)) {
+      CACHET_RETURN_IF_ERROR(redis_->DeleteValue(RedisName(id, "meta")));
+      CACHET_RETURN_IF_ERROR(redis_->DeleteValue(RedisName(id, "kv")));
       found = true;
     }
   }
@@ -206,6 +336,11 @@ int64_t CacheRegistry::bytes() const {
   int64_t total = 0;
   for (const auto& [id, e] : entries_) total += e.info.bytes;
   return total;
+}
+
+int64_t CacheRegistry::unloaded() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return unloaded_;
 }
 
 }  // namespace cachet

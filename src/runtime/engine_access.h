@@ -4,6 +4,9 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -31,6 +34,13 @@ class EngineAccess {
   static std::vector<int32_t>& tokens(Session& s) { return s.tokens_; }
   static std::vector<float>& last_logits(Session& s) { return s.last_logits_; }
   static uint64_t salt(const Session& s) { return s.salt_; }
+
+  // A session as a saved cache's bytes and back (Session::Save and Engine::LoadSession without
+  // the file; saved_cache.cc). what names the source in LoadBytes's errors.
+  static std::string SaveBytes(const Session& s, std::string_view compression);
+  static Result<std::unique_ptr<Session>> LoadBytes(Engine& e, std::span<const uint8_t> bytes,
+                                                    std::string_view cache_salt,
+                                                    const std::string& what);
 };
 
 }  // namespace cachet

@@ -28,7 +28,20 @@ Result<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& options) 
   impl->heads_total = int64_t{impl->engine->config().n_layers} * impl->engine->config().n_kv_heads;
   std::string cache_dir = options.cache_dir;
   if (cache_dir.empty() && !eo.disk_cache_dir.empty()) cache_dir = eo.disk_cache_dir + "/caches";
-  impl->caches = std::make_unique<CacheRegistry>(cache_dir);
+  std::unique_ptr<tiers::RedisTier> cache_redis;  // its own connections, beside the tier's
+  if (!eo.redis_url.empty()) {
+    CACHET_ASSIGN_OR_RETURN(const tiers::RedisUrl url, tiers::ParseRedisUrl(eo.redis_url));
+    tiers::RedisTierOptions r;
+    r.nodes = url.nodes;
+    r.db = url.db;
+    CACHET_ASSIGN_OR_RETURN(cache_redis, tiers::RedisTier::Open(r));
+  }
+  if (options.cache_mem_bytes < 0) return InvalidArgument("--cache-mem-mib must be >= 0");
+  const int64_t cache_mem =
+      options.cache_mem_bytes > 0
+          ? options.cache_mem_bytes
+          : static_cast<int64_t>(EngineAccess::kv_pool(*impl->engine).capacity_bytes() / 2);
+  impl->caches = std::make_unique<CacheRegistry>(cache_dir, std::move(cache_redis), cache_mem);
   impl->Publish();
   Impl* raw = impl.get();
   impl->thread = std::thread([raw] { raw->Loop(); });
@@ -132,7 +145,7 @@ Result<uint64_t> Runtime::CreateCache(KvCacheRequest request, CacheCallback on_d
 Result<KvCacheInfo> Runtime::FindCache(const std::string& id, const std::string& cache_salt) {
   CacheRegistry& caches = *impl_->caches;
   if (auto info = caches.Resident(id, cache_salt)) return *info;
-  if (!caches.has_dir() || !IsCacheId(id)) {
+  if (!caches.has_store() || !IsCacheId(id)) {
     return NotFound("cache_id: no cache '" + id + "' (it was never made, was deleted, or has " +
                     "another cache_salt)");
   }

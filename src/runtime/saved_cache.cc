@@ -8,6 +8,7 @@
 #include "cachet/engine.h"
 #include "kv/codecs/codec.h"
 #include "kv/sequence_file.h"
+#include "runtime/engine_access.h"
 #include "util/mmap_file.h"
 
 namespace cachet {
@@ -19,13 +20,44 @@ Status Prefixed(const std::string& path, const Status& s) {
 
 }  // namespace
 
-Status Session::Save(const std::string& path, std::string_view compression) const {
+std::string EngineAccess::SaveBytes(const Session& s, std::string_view compression) {
   SequenceImage image;
-  image.tokens = tokens_;
-  image.pending = pending_;
-  image.logits = last_logits_;
+  image.tokens = s.tokens_;
+  image.pending = s.pending_;
+  image.logits = s.last_logits_;
   image.compression = std::string(compression);
-  const std::string bytes = SaveSequence(*seq_, *engine_.kv_namespace_, image);
+  return SaveSequence(*s.seq_, *s.engine_.kv_namespace_, image);
+}
+
+Result<std::unique_ptr<Session>> EngineAccess::LoadBytes(Engine& e, std::span<const uint8_t> bytes,
+                                                         std::string_view cache_salt,
+                                                         const std::string& what) {
+  std::unique_ptr<Session> s = e.NewSession(cache_salt);
+  SequenceImage image;
+  const Status st = LoadSequence(
+      bytes, *e.kv_namespace_, [&e](std::string_view codec) { return e.ColdPool(codec); },
+      s->seq_.get(), &image);
+  if (!st.ok()) return Prefixed(what, st);
+  const int vocab = e.config().vocab_size;
+  for (const auto* ids : {&image.tokens, &image.pending}) {
+    for (int32_t t : *ids) {
+      if (t < 0 || t >= vocab) {
+        return DataLoss(what + ": token id " + std::to_string(t) + " is outside the vocabulary");
+      }
+    }
+  }
+  if (!image.logits.empty() && static_cast<int>(image.logits.size()) != vocab) {
+    return DataLoss(what + ": " + std::to_string(image.logits.size()) +
+                    " logits for a vocabulary of " + std::to_string(vocab));
+  }
+  s->tokens_ = std::move(image.tokens);
+  s->pending_ = std::move(image.pending);
+  s->last_logits_ = std::move(image.logits);
+  return s;
+}
+
+Status Session::Save(const std::string& path, std::string_view compression) const {
+  const std::string bytes = EngineAccess::SaveBytes(*this, compression);
   const std::string temp = path + ".tmp" + std::to_string(::getpid());
   {
     std::ofstream out(temp, std::ios::binary | std::ios::trunc);
@@ -46,29 +78,9 @@ Status Session::Save(const std::string& path, std::string_view compression) cons
 Result<std::unique_ptr<Session>> Engine::LoadSession(const std::string& path,
                                                      std::string_view cache_salt) {
   CACHET_ASSIGN_OR_RETURN(const std::string file, ReadTextFile(path));
-  const std::span bytes(reinterpret_cast<const uint8_t*>(file.data()), file.size());
-  std::unique_ptr<Session> s = NewSession(cache_salt);
-  SequenceImage image;
-  const Status st = LoadSequence(
-      bytes, *kv_namespace_, [this](std::string_view codec) { return ColdPool(codec); },
-      s->seq_.get(), &image);
-  if (!st.ok()) return Prefixed(path, st);
-  const int vocab = config().vocab_size;
-  for (const auto* ids : {&image.tokens, &image.pending}) {
-    for (int32_t t : *ids) {
-      if (t < 0 || t >= vocab) {
-        return DataLoss(path + ": token id " + std::to_string(t) + " is outside the vocabulary");
-      }
-    }
-  }
-  if (!image.logits.empty() && static_cast<int>(image.logits.size()) != vocab) {
-    return DataLoss(path + ": " + std::to_string(image.logits.size()) +
-                    " logits for a vocabulary of " + std::to_string(vocab));
-  }
-  s->tokens_ = std::move(image.tokens);
-  s->pending_ = std::move(image.pending);
-  s->last_logits_ = std::move(image.logits);
-  return s;
+  return EngineAccess::LoadBytes(
+      *this, std::span(reinterpret_cast<const uint8_t*>(file.data()), file.size()), cache_salt,
+      path);
 }
 
 Result<SavedCacheInfo> ReadSavedCacheInfo(const std::string& path) {

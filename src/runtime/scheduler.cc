@@ -520,10 +520,12 @@ void Runtime::Impl::Publish() {
   const KvStats s = engine->kv_stats();
   const int n_caches = caches->count();
   const int64_t cache_bytes = caches->bytes();
+  const int64_t unloaded = caches->unloaded();
   std::lock_guard<std::mutex> lock(mu);
   kv = s;
   metrics.kv_caches = n_caches;
   metrics.kv_cache_bytes = cache_bytes;
+  metrics.kv_caches_unloaded = unloaded;
   // Finished requests (no session) may still be in `running` until the step ends.
   metrics.running = static_cast<int>(std::count_if(
       running.begin(), running.end(), [](const auto& q) { return q->session != nullptr; }));

@@ -132,6 +132,7 @@ ApiError ApiErrorFromStatus(const Status& status) {
       e.code = e.param == "cache_id" ? "cache_not_found" : "model_not_found";
       break;
     case StatusCode::kResourceExhausted:
+    case StatusCode::kUnavailable:
       e.http_status = 503;
       e.type = "server_error";
       e.param.clear();
@@ -449,6 +450,10 @@ std::string MetricsText(const RuntimeMetrics& m, const KvStats& kv, std::string_
   w.Gauge("kv_cache_bytes",
           "Bytes of the KV pages kept caches hold (shared with the requests running on them).",
           static_cast<double>(m.kv_cache_bytes));
+  w.Counter("kv_caches_unloaded_total",
+            "Kept caches that left RAM for --cache-mem-mib (loaded again from disk or Redis when "
+            "asked for).",
+            static_cast<double>(m.kv_caches_unloaded));
   w.Histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
               m.ttft);
   w.Histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",

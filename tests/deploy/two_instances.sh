@@ -2,7 +2,8 @@
 # docs/DEPLOY.md, tested: two `cachet serve` instances behind haproxy, sharing one Redis, on
 # loopback. A long prompt sent through haproxy is computed by the instance that gets it; sent
 # again, haproxy's round robin gives it to the other instance, which loads the prompt's KV from
-# Redis instead of computing it (its /metrics say so) and answers the same text.
+# Redis instead of computing it (its /metrics say so) and answers the same text. A saved cache
+# made on one instance (POST /v1/caches) answers a request on the other the same way.
 # usage: two_instances.sh CACHET_BINARY WORK_DIR
 set -euo pipefail
 cachet="$1"
@@ -116,4 +117,15 @@ computed="$(curl -sf "http://127.0.0.1:${ports[$b]}/metrics" | grep -F 'prompt_t
 [ "${from_redis:-0}" -ge 512 ] || die "instance $b took ${from_redis:-0} prompt tokens from Redis, expected >= 512"
 [ "${computed:-0}" -lt 256 ] || die "instance $b computed ${computed} prompt tokens"
 [ "$first" = "$second" ] || die "the answers differ: '$first' vs '$second'"
-echo "two_instances: instance $a computed the prompt; instance $b loaded $from_redis of its tokens from Redis and computed $computed; same answer: '$first'"
+# A saved cache made on one instance answers on the other: stored in the shared Redis.
+cache_id="$(curl -sf "http://127.0.0.1:${ports[$a]}/v1/caches" -H 'content-type: application/json' \
+  -d "{\"prompt\": \"$prompt\", \"kv_press\": {\"name\": \"snapkv\", \"ratio\": 0.5}}" |
+  sed -n 's/.*"id":"\(kvc-[0-9a-f]*\)".*/\1/p')"
+[ -n "$cache_id" ] || die "POST /v1/caches on instance $a made no cache"
+on_cache() { curl -sf "http://127.0.0.1:$1/v1/completions" -H 'content-type: application/json' \
+  -d "{\"cache_id\": \"$cache_id\", \"prompt\": \" Where did Lily go?\", \"max_tokens\": 8, \"temperature\": 0}" |
+  sed -n 's/.*"text":"\([^"]*\)".*/\1/p'; }
+on_a="$(on_cache "${ports[$a]}")" || die "a request on the cache failed on instance $a"
+on_b="$(on_cache "${ports[$b]}")" || die "instance $b did not find the cache $cache_id in Redis"
+[ -n "$on_a" ] && [ "$on_a" = "$on_b" ] || die "the answers on the cache differ: '$on_a' vs '$on_b'"
+echo "two_instances: instance $a computed the prompt; instance $b loaded $from_redis of its tokens from Redis and computed $computed; same answer: '$first'; the cache $cache_id made on $a answered '$on_b' on $b"

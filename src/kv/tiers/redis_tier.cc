@@ -834,6 +834,64 @@ void RedisTier::Erase(const RunKey& key) {
   Execute(*fg_, std::span(&del, 1));
 }
 
+namespace {
+
+// Why a value command failed: Redis's error, or that no reply came.
+std::string ReplyError(const redisReply* r) {
+  if (!r) return "Redis did not answer (down, timed out, or its circuit breaker is open)";
+  if (r->type == REDIS_REPLY_ERROR) return "Redis answered: " + std::string(r->str, r->len);
+  return "Redis answered with reply type " + std::to_string(r->type);
+}
+
+}  // namespace
+
+Status RedisTier::SetValue(std::string_view name, std::string_view value) {
+  const std::string key = options_.key_prefix + std::string(name);
+  const std::string ttl = std::to_string(options_.ttl_ms);
+  const Command set{{"SET", key, value, "PX", ttl}};
+  std::lock_guard<std::mutex> lock(fg_mu_);
+  const std::vector<Reply> r = Execute(*fg_, std::span(&set, 1));
+  if (!r[0] || r[0]->type != REDIS_REPLY_STATUS) {
+    return Unavailable("redis: storing " + key + " (" + std::to_string(value.size()) +
+                       " bytes): " + ReplyError(r[0].get()));
+  }
+  std::lock_guard<std::mutex> stats_lock(stats_mu_);
+  stats_.bytes_written += static_cast<int64_t>(value.size());
+  return OkStatus();
+}
+
+Result<std::optional<std::string>> RedisTier::GetValue(std::string_view name) {
+  const std::string key = options_.key_prefix + std::string(name);
+  const std::string ttl = std::to_string(options_.ttl_ms);
+  std::lock_guard<std::mutex> lock(fg_mu_);
+  const Command get = getex_ ? Command{{"GETEX", key, "PX", ttl}} : Command{{"GET", key}};
+  std::vector<Reply> r = Execute(*fg_, std::span(&get, 1));
+  if (getex_ && r[0] && r[0]->type == REDIS_REPLY_ERROR &&
+      std::string_view(r[0]->str, r[0]->len).find("unknown command") != std::string_view::npos) {
+    getex_ = false;
+    const Command plain{{"GET", key}};
+    r = Execute(*fg_, std::span(&plain, 1));
+  }
+  if (r[0] && r[0]->type == REDIS_REPLY_NIL) return std::optional<std::string>();
+  if (!r[0] || r[0]->type != REDIS_REPLY_STRING) {
+    return Unavailable("redis: reading " + key + ": " + ReplyError(r[0].get()));
+  }
+  std::lock_guard<std::mutex> stats_lock(stats_mu_);
+  stats_.bytes_read += static_cast<int64_t>(r[0]->len);
+  return std::optional<std::string>(std::string(r[0]->str, r[0]->len));
+}
+
+Status RedisTier::DeleteValue(std::string_view name) {
+  const std::string key = options_.key_prefix + std::string(name);
+  const Command del{{"DEL", key}};
+  std::lock_guard<std::mutex> lock(fg_mu_);
+  const std::vector<Reply> r = Execute(*fg_, std::span(&del, 1));
+  if (!r[0] || r[0]->type != REDIS_REPLY_INTEGER) {
+    return Unavailable("redis: deleting " + key + ": " + ReplyError(r[0].get()));
+  }
+  return OkStatus();
+}
+
 TierStats RedisTier::stats() const {
   std::lock_guard<std::mutex> lock(stats_mu_);
   return stats_;

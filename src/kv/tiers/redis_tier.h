@@ -109,6 +109,14 @@ class RedisTier final : public Tier {
   // does not know.
   TierStats stats() const override;
 
+  // Named values beside the runs, for objects with their own identity (the server's saved
+  // caches): key_prefix + name, written and read at once on the callers' connections (not
+  // queued: the caller waits for Redis's answer), under the tier's TTL, renewed when read. A
+  // failure names what Redis said or that it did not answer; the values are not checked here.
+  Status SetValue(std::string_view name, std::string_view value);
+  Result<std::optional<std::string>> GetValue(std::string_view name);  // nullopt: not held
+  Status DeleteValue(std::string_view name);
+
   // Waits until every queued run is written (or dropped); false if timeout_ms passed first.
   bool Drain(int timeout_ms);
   bool cluster() const { return cluster_; }
