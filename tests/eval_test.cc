@@ -258,6 +258,30 @@ TEST(EvalTasks, ContextIsATokenPrefix) {
   }
 }
 
+TEST(EvalTasks, MultiQuestionTasksAskEveryNeedleOnce) {
+  for (TaskKind kind : {TaskKind::kMultiq, TaskKind::kMultiturn}) {
+    SCOPED_TRACE(TaskName(kind));
+    const TaskSample s = Sample(kind, 1024, 3, /*needles=*/4);
+    ASSERT_EQ(s.questions.size(), 4u);
+    ASSERT_EQ(s.answers.size(), 4u);
+    ASSERT_EQ(s.question_ids.size(), 4u);
+    EXPECT_EQ(s.question, s.questions[0]);
+    EXPECT_EQ(s.answer, s.answers[0]);
+    EXPECT_EQ(std::set<std::string>(s.answers.begin(), s.answers.end()).size(), 4u);
+    EXPECT_EQ(std::set<std::string>(s.questions.begin(), s.questions.end()).size(), 4u);
+    EXPECT_EQ(Count(s.context, "The pass key is "), 1);
+    EXPECT_EQ(Count(s.context, "The special magic number for "), 3);
+    for (size_t q = 0; q < 4; ++q) {
+      EXPECT_NE(s.context.find(s.answers[q]), std::string::npos) << s.answers[q];
+      EXPECT_TRUE(s.questions[q].starts_with("Question: ")) << s.questions[q];
+      EXPECT_EQ(s.question_ids[q],
+                q == 0 ? std::vector<int32_t>(s.ids.begin() + s.context_tokens, s.ids.end())
+                       : Tok().Encode(s.questions[q]));
+    }
+    EXPECT_EQ(Sample(kind, 1024, 3, 4).questions, s.questions);  // fixed by the seed
+  }
+}
+
 TEST(EvalTasks, BadSpecsAreErrors) {
   EXPECT_FALSE(ParseTaskKind("ruler").ok());
   EXPECT_FALSE(Gen().Generate({TaskKind::kNiah, 1024, -1, -1}, 1, 0).ok());
@@ -514,6 +538,90 @@ TEST(EvalBaseline, ReusedCacheAnswersAsTheCacheInMemory) {
     ASSERT_TRUE((*reused)[i].cache_file_bytes.has_value());
   }
   EXPECT_LT(*(*reused)[1].cache_file_bytes, 0.4 * *(*reused)[0].cache_file_bytes);
+}
+
+// The greedy answer to ids as a fresh prompt: the harness's decode (up to a newline or EOS).
+std::string FreshAnswer(Engine& engine, const std::vector<int32_t>& ids, int max_new) {
+  auto s = engine.NewSession();
+  std::vector<float> logits;
+  EXPECT_TRUE(s->Eval(ids, &logits).ok());
+  std::vector<int32_t> out;
+  for (int step = 0; step < max_new; ++step) {
+    const int32_t next =
+        static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    if (next == Tok().eos_id()) break;
+    out.push_back(next);
+    if (Tok().TokenBytes(next).find('\n') != std::string::npos) break;
+    const int32_t one[1] = {next};
+    EXPECT_TRUE(s->Eval(one, &logits).ok());
+  }
+  std::string text = Tok().Decode(out);
+  text = text.substr(0, text.find('\n'));
+  const size_t b = text.find_first_not_of(' ');
+  return b == std::string::npos ? "" : text.substr(b, text.find_last_not_of(' ') - b + 1);
+}
+
+// multiq: every question after the first is answered from the compressed cache without the
+// earlier ones, so on the full cache each answer is exactly that of the context and the question
+// as a fresh prompt, whether the press point is the prompt or the context, and through a saved
+// file (--reuse-cache) too; multiturn keeps the turns, and both report accuracy by question.
+TEST(EvalBaseline, MultiqAnswersEachQuestionAsAFreshPrompt) {
+  auto engine = MakeEngine(1200);
+  testing::TempDir dir;
+  SweepOptions o;
+  o.tasks = {TaskKind::kMultiq, TaskKind::kMultiturn};
+  o.lengths = {512};
+  o.questions = 3;
+  o.samples = 2;
+  o.progress = false;
+  Method at_context;
+  at_context.compress_at = CompressAt::kContext;
+  o.methods = {Method{}, at_context};
+  o.predictions = dir.path() + "/memory.jsonl";
+  auto rows = RunTaskSweep(*engine, Gen(), o);
+  ASSERT_TRUE(rows.ok()) << rows.status().ToString();
+  ASSERT_EQ(rows->size(), 4u);
+  for (const ResultRow& r : *rows) {
+    EXPECT_EQ(r.questions, 3);
+    ASSERT_EQ(r.question_accuracy.size(), 3u);
+    double sum = 0;
+    for (double a : r.question_accuracy) sum += a;
+    EXPECT_NEAR(*r.accuracy, sum / 3, 1e-9);
+  }
+  int checked = 0;
+  std::map<std::string, std::string> memory;  // method, sample, question -> prediction
+  std::istringstream in(ReadFile(o.predictions));
+  for (std::string line; std::getline(in, line);) {
+    const auto j = nlohmann::json::parse(line);
+    const std::string id = j["id"];
+    memory[j["compress_at"].get<std::string>() + id + std::to_string(j["question"].get<int>())] =
+        j["prediction"];
+    if (!id.starts_with("multiq")) continue;
+    const int index = std::stoi(id.substr(id.rfind('-') + 1));
+    const TaskSample s = Sample(TaskKind::kMultiq, 512, index, 3);
+    const int q = j["question"];
+    std::vector<int32_t> ids(s.ids.begin(), s.ids.begin() + s.context_tokens);
+    ids.insert(ids.end(), s.question_ids[q].begin(), s.question_ids[q].end());
+    EXPECT_EQ(j["prediction"].get<std::string>(), FreshAnswer(*engine, ids, o.max_new)) << line;
+    EXPECT_EQ(j["answer"].get<std::string>(), s.answers[q]);
+    ++checked;
+  }
+  EXPECT_EQ(checked, 2 * 2 * 3);  // samples x compress points x questions
+
+  o.tasks = {TaskKind::kMultiq};
+  o.methods = {at_context};
+  o.predictions = dir.path() + "/reused.jsonl";
+  o.reuse_cache_dir = dir.path();
+  ASSERT_TRUE(RunTaskSweep(*engine, Gen(), o).ok());
+  std::istringstream reused(ReadFile(o.predictions));
+  int same = 0;
+  for (std::string line; std::getline(reused, line); ++same) {
+    const auto j = nlohmann::json::parse(line);
+    EXPECT_EQ(
+        j["prediction"].get<std::string>(),
+        memory["context" + j["id"].get<std::string>() + std::to_string(j["question"].get<int>())]);
+  }
+  EXPECT_EQ(same, 2 * 3);
 }
 
 // ---------------------------------------------------------------- reports

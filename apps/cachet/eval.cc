@@ -25,6 +25,7 @@ struct EvalOpts {
   std::vector<std::string> tasks{"passkey"};
   std::vector<int> lengths{1024};
   std::vector<int> needles{1};
+  int questions = 4;
   std::vector<std::string> depths{"random"};
   int samples = 20;
   uint64_t seed = 1234;
@@ -158,8 +159,10 @@ void Run(const EvalOpts& o) {
   eo.prefix_cache = false;  // every prefill is measured in full, never served from another's pages
   const int max_len = *std::max_element(o.lengths.begin(), o.lengths.end());
   if (eo.n_ctx == 0) {
-    eo.n_ctx =
-        std::max(o.kl ? o.window_len : 0, run_tasks ? max_len + max_len / 50 + o.max_new + 8 : 0);
+    // multiturn keeps every question (about 20 tokens) and answer in the context.
+    const bool turns = std::find(o.tasks.begin(), o.tasks.end(), "multiturn") != o.tasks.end();
+    const int answers = turns ? o.questions * (o.max_new + 32) : o.max_new + 8;
+    eo.n_ctx = std::max(o.kl ? o.window_len : 0, run_tasks ? max_len + max_len / 50 + answers : 0);
   }
   if (eo.kv_mem_mib == 0) {
     eo.kv_mem_mib = KvPoolMibFor(OrFail(ModelConfig::Load(eo.model_dir)), eo.page_tokens, eo.n_ctx,
@@ -173,31 +176,11 @@ void Run(const EvalOpts& o) {
   if (run_tasks) {
     const std::string dir = o.haystack.empty() ? DefaultHaystackDir() : o.haystack;
     TaskGenerator gen(engine->tokenizer(), OrFail(Haystack::Load(dir)));
-    if (o.prompts_only) {
-      if (o.dump_prompts.empty()) Fail("--prompts-only needs --dump-prompts FILE");
-      std::ofstream out(o.dump_prompts, std::ios::binary | std::ios::trunc);
-      if (!out) Fail(o.dump_prompts + ": cannot open for writing");
-      int64_t n = 0;
-      for (TaskKind kind : tasks) {
-        for (int len : o.lengths) {
-          for (int needles : kind == TaskKind::kNiah ? o.needles : std::vector<int>{1}) {
-            for (double depth : depths) {
-              const TaskSpec spec{kind, len, needles, depth};
-              for (int i = 0; i < o.samples; ++i, ++n) {
-                out << PromptJsonLine(OrFail(gen.Generate(spec, o.seed, i)), spec, o.seed, i);
-              }
-            }
-          }
-        }
-      }
-      std::fprintf(stderr, "cachet eval: wrote %lld prompts to %s\n", static_cast<long long>(n),
-                   o.dump_prompts.c_str());
-      return;
-    }
     SweepOptions so;
     so.tasks = tasks;
     so.lengths = o.lengths;
     so.needles = o.needles;
+    so.questions = o.questions;
     so.depths = depths;
     so.samples = o.samples;
     so.seed = o.seed;
@@ -207,6 +190,20 @@ void Run(const EvalOpts& o) {
     so.dump_prompts = o.dump_prompts;
     so.predictions = o.predictions;
     so.progress = o.progress;
+    if (o.prompts_only) {
+      if (o.dump_prompts.empty()) Fail("--prompts-only needs --dump-prompts FILE");
+      std::ofstream out(o.dump_prompts, std::ios::binary | std::ios::trunc);
+      if (!out) Fail(o.dump_prompts + ": cannot open for writing");
+      int64_t n = 0;
+      for (const TaskSpec& spec : TaskCells(so)) {
+        for (int i = 0; i < o.samples; ++i, ++n) {
+          out << PromptJsonLine(OrFail(gen.Generate(spec, o.seed, i)), spec, o.seed, i);
+        }
+      }
+      std::fprintf(stderr, "cachet eval: wrote %lld prompts to %s\n", static_cast<long long>(n),
+                   o.dump_prompts.c_str());
+      return;
+    }
     std::unique_ptr<TempCacheDir> reuse_dir;
     if (o.reuse_cache) {
       if (std::find(o.compress_at.begin(), o.compress_at.end(), "context") == o.compress_at.end()) {
@@ -259,7 +256,10 @@ void AddEval(CLI::App& app) {
       "each configuration. Methods the build cannot run give 'unavailable' rows");
   auto o = std::make_shared<EvalOpts>();
   AddEngineFlags(*cmd, o->engine);
-  cmd->add_option("--task", o->tasks, "Tasks: passkey, niah, kv, vt (comma separated)")
+  cmd->add_option("--task", o->tasks,
+                  "Tasks: passkey, niah, kv, vt, multiq (--questions against one cache, each "
+                  "dropped before the next), multiturn (each question and answer kept, as a "
+                  "chat); comma separated")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--len", o->lengths, "Prompt lengths in tokens, BOS included (e.g. 1024,4096)")
@@ -273,6 +273,11 @@ void AddEval(CLI::App& app) {
                   "niah: needles in the haystack (1, 2, 4, 8; a list sweeps; 0 = the mix kvtiny "
                   "was trained and baselined on: 1, 1, 2, 4, 8 needles by sample)")
       ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--questions", o->questions,
+                  "multiq, multiturn: questions per context, each about its own niah needle, "
+                  "asked in a random order")
+      ->check(CLI::Range(1, 64))
       ->capture_default_str();
   cmd->add_option("--depth", o->depths,
                   "Needle depth, 0 (start) .. 1 (end), or 'random' (a list sweeps)")

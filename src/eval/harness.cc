@@ -91,12 +91,79 @@ ResultRow UnavailableRow(ResultRow base, const Method& m, const std::string& rea
 
 // Sums over the samples of one cell for one method.
 struct TaskAcc {
-  int n = 0, correct = 0;
+  int n = 0, correct = 0, asked = 0;
+  std::vector<int> correct_by_question;  // multiq, multiturn: by the order asked
   double prompt_tokens = 0, prefill_s = 0, decode_s = 0, ttft_ms = 0, kv_prefill = 0;
   int64_t decode_tokens = 0;
   double kv_peak = 0;
   double cache_file_bytes = 0;  // --reuse-cache
 };
+
+// What greedy decoding needs beyond the session: which tokens end an answer.
+struct Decoder {
+  const Tokenizer& tok;
+  std::vector<char> ends_line;  // the token's text holds a newline
+  int max_new;
+};
+
+struct Answer {
+  std::string prediction;  // the output up to its first newline, stripped
+  int64_t evals = 0;       // tokens evaluated after the first
+  double seconds = 0;
+  int32_t last = -1;  // the last token generated (not evaluated), -1: none (EOS first)
+  bool ended_line = false;
+};
+
+// Greedy decode from logits until a newline, EOS or max_new tokens. The last token generated is
+// not evaluated (nothing reads its logits); *peak_bytes grows with the session.
+Result<Answer> DecodeAnswer(const Decoder& d, Session& session, std::vector<float>* logits,
+                            size_t* peak_bytes) {
+  Answer a;
+  std::vector<int32_t> generated;
+  generated.reserve(d.max_new);
+  const auto t0 = Clock::now();
+  for (int step = 0; step < d.max_new; ++step) {
+    const int32_t next = ArgMax(*logits);
+    if (next == d.tok.eos_id()) break;
+    generated.push_back(next);
+    a.last = next;
+    if (d.ends_line[next] || step + 1 == d.max_new) {
+      a.ended_line = d.ends_line[next];
+      break;
+    }
+    const int32_t one[1] = {next};
+    CACHET_RETURN_IF_ERROR(session.Eval(one, logits));
+    ++a.evals;
+    *peak_bytes = std::max(*peak_bytes, session.kv_bytes());
+  }
+  a.seconds = SecondsSince(t0);
+  const std::string output = d.tok.Decode(generated);
+  a.prediction = Strip(output.substr(0, output.find('\n')));
+  return a;
+}
+
+// Question q >= 1 of a multi-question sample into *logits. multiq: a fork of the compressed
+// cache without the earlier questions (a reused cache); multiturn: the same session after the
+// previous answer, its last token and a blank line (a chat).
+Result<std::unique_ptr<Session>> AskNext(const TaskSample& sample, TaskKind kind, size_t q,
+                                         const Session& compressed,
+                                         std::unique_ptr<Session> previous, const Answer& answered,
+                                         const Tokenizer& tok, std::vector<float>* logits) {
+  std::vector<int32_t> turn;
+  std::unique_ptr<Session> s;
+  if (kind == TaskKind::kMultiq) {
+    s = compressed.Fork();
+    CACHET_RETURN_IF_ERROR(s->Truncate(sample.context_tokens));
+  } else {
+    s = std::move(previous);
+    if (answered.last >= 0) turn.push_back(answered.last);
+    const std::vector<int32_t> gap = tok.Encode(answered.ended_line ? "\n" : "\n\n");
+    turn.insert(turn.end(), gap.begin(), gap.end());
+  }
+  turn.insert(turn.end(), sample.question_ids[q].begin(), sample.question_ids[q].end());
+  CACHET_RETURN_IF_ERROR(s->Eval(turn, logits));
+  return s;
+}
 
 // A codec is a property of an engine's pool (pages are encoded as they are written), so each K/V
 // codec pair runs on its own engine, built once from the base engine's options.
@@ -162,19 +229,41 @@ Status OpenOutput(const std::string& path, std::ofstream* out) {
 }  // namespace
 
 std::string PromptJsonLine(const TaskSample& s, const TaskSpec& spec, uint64_t seed, int index) {
-  const nlohmann::ordered_json j = {{"id", s.id},
-                                    {"task", TaskName(spec.kind)},
-                                    {"length", spec.length},
-                                    {"needles", spec.kind == TaskKind::kNiah ? spec.needles : 1},
-                                    {"depth", DepthName(spec.depth)},
-                                    {"seed", seed},
-                                    {"index", index},
-                                    {"tokens", s.ids.size()},
-                                    {"bos", true},
-                                    {"text", s.prompt},
-                                    {"question", s.question},
-                                    {"answer", s.answer}};
+  const nlohmann::ordered_json j = {
+      {"id", s.id},
+      {"task", TaskName(spec.kind)},
+      {"length", spec.length},
+      {"needles", spec.kind == TaskKind::kNiah || AsksSeveral(spec.kind) ? spec.needles : 1},
+      {"depth", DepthName(spec.depth)},
+      {"seed", seed},
+      {"index", index},
+      {"tokens", s.ids.size()},
+      {"bos", true},
+      {"text", s.prompt},
+      {"question", s.question},
+      {"answer", s.answer}};
+  if (s.questions.size() > 1) {
+    nlohmann::ordered_json more = j;
+    more["questions"] = s.questions;
+    more["answers"] = s.answers;
+    return more.dump() + "\n";
+  }
   return j.dump() + "\n";
+}
+
+std::vector<TaskSpec> TaskCells(const SweepOptions& o) {
+  std::vector<TaskSpec> cells;
+  for (TaskKind kind : o.tasks) {
+    for (int length : o.lengths) {
+      const std::vector<int> needles = kind == TaskKind::kNiah ? o.needles
+                                       : AsksSeveral(kind)     ? std::vector<int>{o.questions}
+                                                               : std::vector<int>{1};
+      for (int n : needles) {
+        for (double depth : o.depths) cells.push_back({kind, length, n, depth});
+      }
+    }
+  }
+  return cells;
 }
 
 Result<std::vector<ResultRow>> RunTaskSweep(Engine& engine, TaskGenerator& gen,
@@ -188,21 +277,12 @@ Result<std::vector<ResultRow>> RunTaskSweep(Engine& engine, TaskGenerator& gen,
 
   const Tokenizer& tok = engine.tokenizer();
   EngineCache engines;
-  // Which tokens end the prediction (it is the output up to the first newline).
-  std::vector<char> ends_line(tok.vocab_size());
+  Decoder decoder{tok, std::vector<char>(tok.vocab_size()), o.max_new};
   for (int32_t id = 0; id < tok.vocab_size(); ++id) {
-    ends_line[id] = tok.TokenBytes(id).find('\n') != std::string::npos;
+    decoder.ends_line[id] = tok.TokenBytes(id).find('\n') != std::string::npos;
   }
 
-  std::vector<TaskSpec> cells;
-  for (TaskKind kind : o.tasks) {
-    for (int length : o.lengths) {
-      const std::vector<int> needles = kind == TaskKind::kNiah ? o.needles : std::vector<int>{1};
-      for (int n : needles) {
-        for (double depth : o.depths) cells.push_back({kind, length, n, depth});
-      }
-    }
-  }
+  const std::vector<TaskSpec> cells = TaskCells(o);
   // Progress counts prompt tokens, so the ETA holds when lengths differ 8x.
   std::unique_ptr<ProgressBar> bar;
   if (o.progress && !methods.runnable.empty()) {
@@ -213,14 +293,13 @@ Result<std::vector<ResultRow>> RunTaskSweep(Engine& engine, TaskGenerator& gen,
 
   std::vector<ResultRow> rows;
   std::vector<float> prefill_logits, logits;
-  std::vector<int32_t> generated;
-  generated.reserve(o.max_new);
   for (const TaskSpec& spec : cells) {
     ResultRow base;
     base.model = o.model_name;
     base.task = TaskName(spec.kind);
     base.length = spec.length;
-    base.needles = spec.kind == TaskKind::kNiah ? spec.needles : 1;
+    base.needles = spec.kind == TaskKind::kNiah || AsksSeveral(spec.kind) ? spec.needles : 1;
+    base.questions = AsksSeveral(spec.kind) ? spec.needles : 1;
     base.depth = DepthName(spec.depth);
     base.seed = o.seed;
     base.threads = engine.threads();
@@ -282,49 +361,50 @@ Result<std::vector<ResultRow>> RunTaskSweep(Engine& engine, TaskGenerator& gen,
             }
             const size_t start_bytes = session->kv_bytes();
             size_t peak_bytes = std::max(own_peak, start_bytes);
-
-            // Greedy decode until a newline, EOS or max_new tokens.
-            generated.clear();
-            int64_t evals = 0;
-            auto t3 = Clock::now();
-            for (int step = 0; step < o.max_new; ++step) {
-              const int32_t next = ArgMax(logits);
-              if (next == tok.eos_id()) break;
-              generated.push_back(next);
-              if (ends_line[next] || step + 1 == o.max_new) break;
-              const int32_t one[1] = {next};
-              CACHET_RETURN_IF_ERROR(session->Eval(one, &logits));
-              ++evals;
-              peak_bytes = std::max(peak_bytes, session->kv_bytes());
+            // multiq asks every question of the cache as it was compressed: kept aside.
+            std::unique_ptr<Session> compressed;
+            if (spec.kind == TaskKind::kMultiq && sample.questions.size() > 1) {
+              compressed = session->Fork();
+              CACHET_RETURN_IF_ERROR(compressed->Truncate(sample.context_tokens));
             }
-            const double decode_s = SecondsSince(t3);
-            const std::string output = tok.Decode(generated);
-            const std::string prediction = Strip(output.substr(0, output.find('\n')));
-            const bool correct = prediction == sample.answer;
 
             TaskAcc& a = acc[mi];
             a.n += 1;
-            a.correct += correct;
             a.prompt_tokens += static_cast<double>(ids.size());
             a.prefill_s += prefill_s + question_s;
-            a.decode_s += decode_s;
-            a.decode_tokens += evals;
             // Reused: a later request pays the load and its question, not the prefill.
             a.ttft_ms += 1e3 * (reuse ? question_s : prefill_s + apply_s + question_s);
             a.kv_prefill += double(start_bytes);
-            a.kv_peak = std::max(a.kv_peak, double(peak_bytes));
-            if (preds.is_open()) {
-              nlohmann::ordered_json j = {{"id", sample.id},
-                                          {"method", m.Label()},
-                                          {"compress_at", CompressAtName(m.compress_at)},
-                                          {"prediction", prediction},
-                                          {"answer", sample.answer},
-                                          {"correct", correct},
-                                          {"needle_depth", sample.depth},
-                                          {"prompt_tokens", ids.size()},
-                                          {"ttft_ms", 1e3 * (prefill_s + apply_s + question_s)}};
-              preds << j.dump() << '\n';
+            a.correct_by_question.resize(
+                std::max(a.correct_by_question.size(), sample.questions.size()));
+            for (size_t q = 0; q < sample.questions.size(); ++q) {
+              CACHET_ASSIGN_OR_RETURN(const Answer answer,
+                                      DecodeAnswer(decoder, *session, &logits, &peak_bytes));
+              const bool correct = answer.prediction == sample.answers[q];
+              a.asked += 1;
+              a.correct += correct;
+              a.correct_by_question[q] += correct;
+              a.decode_s += answer.seconds;
+              a.decode_tokens += answer.evals;
+              if (preds.is_open()) {
+                nlohmann::ordered_json j = {{"id", sample.id},
+                                            {"method", m.Label()},
+                                            {"compress_at", CompressAtName(m.compress_at)},
+                                            {"question", q},
+                                            {"prediction", answer.prediction},
+                                            {"answer", sample.answers[q]},
+                                            {"correct", correct},
+                                            {"needle_depth", sample.depth},
+                                            {"prompt_tokens", ids.size()},
+                                            {"ttft_ms", 1e3 * (prefill_s + apply_s + question_s)}};
+                preds << j.dump() << '\n';
+              }
+              if (q + 1 == sample.questions.size()) break;
+              CACHET_ASSIGN_OR_RETURN(session, AskNext(sample, spec.kind, q + 1, *compressed,
+                                                       std::move(session), answer, tok, &logits));
+              peak_bytes = std::max(peak_bytes, session->kv_bytes());
             }
+            a.kv_peak = std::max(a.kv_peak, double(peak_bytes));
           }
         }
       }
@@ -339,7 +419,10 @@ Result<std::vector<ResultRow>> RunTaskSweep(Engine& engine, TaskGenerator& gen,
       r.bits_per_value = StoredBitsPerValue(r.method, engine);
       r.samples = a.n;
       r.correct = a.correct;
-      r.accuracy = double(a.correct) / a.n;
+      r.accuracy = double(a.correct) / a.asked;
+      if (AsksSeveral(spec.kind)) {
+        for (int c : a.correct_by_question) r.question_accuracy.push_back(double(c) / a.n);
+      }
       r.prompt_tokens = a.prompt_tokens / a.n;
       r.kv_bytes_prefill = a.kv_prefill / a.n;
       r.kv_bytes_peak = a.kv_peak;

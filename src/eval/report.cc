@@ -346,6 +346,8 @@ nlohmann::ordered_json RowToJson(const ResultRow& r) {
   j["samples"] = r.samples;
   j["correct"] = r.correct;
   j["accuracy"] = Opt(r.accuracy);
+  j["questions"] = r.questions;
+  j["question_accuracy"] = r.question_accuracy;
   j["mean_kl"] = Opt(r.mean_kl);
   j["p99_kl"] = Opt(r.p99_kl);
   j["top1_agree"] = Opt(r.top1_agree);
@@ -418,6 +420,17 @@ ReportMeta CurrentMeta() {
   return m;
 }
 
+// multiq, multiturn: " (0.95 0.90 ...)", each question's accuracy in the order asked.
+std::string ByQuestion(const ResultRow& r) {
+  if (r.question_accuracy.empty()) return "";
+  std::string out = " (";
+  for (size_t q = 0; q < r.question_accuracy.size(); ++q) {
+    if (q > 0) out += ' ';
+    out += Fmt("%.2f", r.question_accuracy[q]);
+  }
+  return out + ")";
+}
+
 std::string MarkdownTable(const std::vector<ResultRow>& rows) {
   std::ostringstream md;
   bool task_header = false, kl_header = false;
@@ -436,8 +449,8 @@ std::string MarkdownTable(const std::vector<ResultRow>& rows) {
        << (r.status == "ok" ? Fmt("%.0f", r.prompt_tokens) : "-") << " | " << r.needles << " | "
        << r.depth << " | " << r.method.Label() << " | " << CompressAtName(r.method.compress_at)
        << (r.reused_cache ? " (reused file)" : "") << " | "
-       << (r.status == "ok" ? Fmt("%.3f", *r.accuracy) : "unavailable: " + r.reason) << " | "
-       << r.samples << " | " << Cell(r.kv_bytes_prefill, "%.2f", kMiB) << " | "
+       << (r.status == "ok" ? Fmt("%.3f", *r.accuracy) + ByQuestion(r) : "unavailable: " + r.reason)
+       << " | " << r.samples << " | " << Cell(r.kv_bytes_prefill, "%.2f", kMiB) << " | "
        << Cell(r.kv_bytes_peak, "%.2f", kMiB) << " | " << Cell(r.peak_rss_bytes, "%.0f", kMiB)
        << " | " << Cell(r.prefill_tok_s, "%.0f") << " | " << Cell(r.decode_tok_s, "%.0f") << " | "
        << Cell(r.ttft_ms, "%.1f") << " |\n";

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <unordered_set>
 
@@ -37,26 +38,42 @@ uint64_t Fnv1a64(std::string_view s) {
   return h;
 }
 
+namespace {
+
+// One row per TaskKind, in its order (the static_assert below keeps them in step).
+struct TaskEntry {
+  TaskKind kind;
+  const char* name;
+};
+constexpr TaskEntry kTaskTable[] = {
+    {TaskKind::kPasskey, "passkey"}, {TaskKind::kNiah, "niah"},
+    {TaskKind::kKv, "kv"},           {TaskKind::kVt, "vt"},
+    {TaskKind::kMultiq, "multiq"},   {TaskKind::kMultiturn, "multiturn"},
+};
+static_assert(std::size(kTaskTable) == kTaskKinds);
+constexpr bool TableInOrder() {
+  for (size_t i = 0; i < std::size(kTaskTable); ++i) {
+    if (static_cast<size_t>(kTaskTable[i].kind) != i) return false;
+  }
+  return true;
+}
+static_assert(TableInOrder());
+
+}  // namespace
+
 Result<TaskKind> ParseTaskKind(std::string_view name) {
-  if (name == "passkey") return TaskKind::kPasskey;
-  if (name == "niah") return TaskKind::kNiah;
-  if (name == "kv") return TaskKind::kKv;
-  if (name == "vt") return TaskKind::kVt;
-  return InvalidArgument("unknown task '" + std::string(name) + "' (tasks: passkey, niah, kv, vt)");
+  std::string names;
+  for (const TaskEntry& t : kTaskTable) {
+    if (name == t.name) return t.kind;
+    names += std::string(names.empty() ? "" : ", ") + t.name;
+  }
+  return InvalidArgument("unknown task '" + std::string(name) + "' (tasks: " + names + ")");
 }
 
-const char* TaskName(TaskKind kind) {
-  switch (kind) {
-    case TaskKind::kPasskey:
-      return "passkey";
-    case TaskKind::kNiah:
-      return "niah";
-    case TaskKind::kKv:
-      return "kv";
-    case TaskKind::kVt:
-      return "vt";
-  }
-  return "?";
+const char* TaskName(TaskKind kind) { return kTaskTable[static_cast<size_t>(kind)].name; }
+
+bool AsksSeveral(TaskKind kind) {
+  return kind == TaskKind::kMultiq || kind == TaskKind::kMultiturn;
 }
 
 namespace {
@@ -154,8 +171,8 @@ std::string DefaultHaystackDir() {
 
 struct TaskGenerator::Needles {
   std::vector<std::string> texts;
-  std::string question, answer;
-  int answer_index = 0;  // the needle whose depth the sample reports
+  std::vector<std::string> questions, answers;  // asked in this order
+  int answer_index = 0;  // the needle whose depth the sample reports (the first question's)
 };
 
 TaskGenerator::TaskGenerator(const Tokenizer& tok, Haystack haystack)
@@ -182,11 +199,13 @@ TaskGenerator::Needles TaskGenerator::MakeNeedles(const TaskSpec& spec,
     case TaskKind::kPasskey: {
       const std::string p = Digits(rng, 5);
       n.texts.push_back("The pass key is " + p + ". Remember it. " + p + " is the pass key.\n\n");
-      n.question = "What is the pass key?";
-      n.answer = p;
+      n.questions = {"What is the pass key?"};
+      n.answers = {p};
       break;
     }
-    case TaskKind::kNiah: {
+    case TaskKind::kNiah:
+    case TaskKind::kMultiq:
+    case TaskKind::kMultiturn: {
       const auto& words = hay_.words();
       std::vector<std::string> keys, values;
       while (static_cast<int>(keys.size()) < spec.needles) {
@@ -197,9 +216,33 @@ TaskGenerator::Needles TaskGenerator::MakeNeedles(const TaskSpec& spec,
         n.texts.push_back("The special magic number for " + key + " is " + values.back() + ".\n\n");
         keys.push_back(std::move(key));
       }
-      n.answer_index = static_cast<int>(UniformInt(rng, 0, keys.size() - 1));
-      n.question = "What is the special magic number for " + keys[n.answer_index] + "?";
-      n.answer = values[n.answer_index];
+      std::vector<std::string> asks;
+      for (const std::string& key : keys) {
+        asks.push_back("What is the special magic number for " + key + "?");
+      }
+      if (AsksSeveral(spec.kind)) {
+        // The first needle is a pass key: a model that tells one magic number from another
+        // poorly (kvtiny: niah2 0.40) still has two questions it answers as well as alone.
+        const std::string p = Digits(rng, 5);
+        n.texts[0] = "The pass key is " + p + ". Remember it. " + p + " is the pass key.\n\n";
+        asks[0] = "What is the pass key?";
+        values[0] = p;
+      }
+      // niah asks for one needle; the multi-question tasks for every needle, in a random order.
+      std::vector<int> order;
+      if (AsksSeveral(spec.kind)) {
+        for (int i = 0; i < spec.needles; ++i) order.push_back(i);
+        for (int i = spec.needles - 1; i > 0; --i) {
+          std::swap(order[i], order[UniformInt(rng, 0, static_cast<uint64_t>(i))]);
+        }
+      } else {
+        order.push_back(static_cast<int>(UniformInt(rng, 0, keys.size() - 1)));
+      }
+      n.answer_index = order[0];
+      for (int i : order) {
+        n.questions.push_back(asks[i]);
+        n.answers.push_back(values[i]);
+      }
       break;
     }
     case TaskKind::kVt: {
@@ -219,8 +262,9 @@ TaskGenerator::Needles TaskGenerator::MakeNeedles(const TaskSpec& spec,
       const auto at = static_cast<int>(UniformInt(rng, 0, chain_len));
       n.texts.insert(n.texts.begin() + at, "VAR " + vars[chain_len] + " = " + other + ".\n\n");
       n.answer_index = at == 0 ? 1 : 0;
-      n.question = "Which variables are assigned the value " + value + "?";
-      for (int i = 0; i < chain_len; ++i) n.answer += (i ? " " : "") + vars[i];
+      n.questions = {"Which variables are assigned the value " + value + "?"};
+      n.answers = {""};
+      for (int i = 0; i < chain_len; ++i) n.answers[0] += (i ? " " : "") + vars[i];
       break;
     }
     case TaskKind::kKv:
@@ -296,8 +340,10 @@ TaskSample TaskGenerator::Build(const TaskSpec& spec, std::mt19937_64 rng, int a
     // Draw order: needles, haystack, then needle places, so that a fixed depth changes only
     // where the same needles go in the same haystack.
     Needles nd = MakeNeedles(spec, rng);
-    s.question = "Question: " + nd.question + "\nAnswer:";
-    s.answer = nd.answer;
+    for (const std::string& q : nd.questions) s.questions.push_back("Question: " + q + "\nAnswer:");
+    s.answers = nd.answers;
+    s.question = s.questions[0];
+    s.answer = s.answers[0];
     std::vector<int> needle_tokens;
     int budget = spec.length + adjust - 1 - Tokens(s.question);
     for (const auto& t : nd.texts) {
@@ -377,6 +423,13 @@ TaskSample TaskGenerator::Build(const TaskSpec& spec, std::mt19937_64 rng, int a
     s.ids.insert(s.ids.end(), q.begin(), q.end());
   }
   s.context_tokens = static_cast<int>(ctx.size());
+  if (s.questions.empty()) {  // kv: one question
+    s.questions = {s.question};
+    s.answers = {s.answer};
+  }
+  s.question_ids = {std::vector<int32_t>(s.ids.begin() + s.context_tokens, s.ids.end())};
+  for (size_t q = 1; q < s.questions.size(); ++q)
+    s.question_ids.push_back(tok_.Encode(s.questions[q]));
   return s;
 }
 
@@ -389,8 +442,12 @@ Result<TaskSample> TaskGenerator::Generate(const TaskSpec& mixed_spec, uint64_t 
     return InvalidArgument("niah needs 1..64 needles (or 0 for the training mix), got " +
                            std::to_string(spec.needles));
   }
+  if (AsksSeveral(spec.kind) && (spec.needles < 1 || spec.needles > 64)) {
+    return InvalidArgument(std::string(TaskName(spec.kind)) + " needs 1..64 questions, got " +
+                           std::to_string(spec.needles));
+  }
   if (spec.depth > 1) return InvalidArgument("needle depth must be in [0, 1] or random");
-  const int needles = spec.kind == TaskKind::kNiah ? spec.needles : 1;
+  const int needles = spec.kind == TaskKind::kNiah || AsksSeveral(spec.kind) ? spec.needles : 1;
   uint64_t s = MixSeed(seed, static_cast<uint64_t>(spec.kind));
   s = MixSeed(s, static_cast<uint64_t>(spec.length));
   s = MixSeed(s, static_cast<uint64_t>(needles));
@@ -413,8 +470,10 @@ Result<TaskSample> TaskGenerator::Generate(const TaskSpec& mixed_spec, uint64_t 
                            std::to_string(best_miss) + " tokens off)");
   }
   char id[96];
-  const std::string name = TaskName(spec.kind) +
-                           (spec.kind == TaskKind::kNiah ? std::to_string(needles) : std::string());
+  const std::string name =
+      TaskName(spec.kind) + (spec.kind == TaskKind::kNiah || AsksSeveral(spec.kind)
+                                 ? std::to_string(needles)
+                                 : std::string());
   if (spec.depth < 0) {
     std::snprintf(id, sizeof id, "%s-%d-s%llu-%d", name.c_str(), spec.length,
                   static_cast<unsigned long long>(seed), index);

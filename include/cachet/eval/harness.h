@@ -34,9 +34,11 @@ struct ResultRow {
   // norms or zero points (the pages' token positions not counted). 0 for unavailable rows.
   double bits_per_value = 0;
   uint64_t seed = 0;
-  int samples = 0;  // task samples, or kl windows
-  int correct = 0;
+  int samples = 0;    // task samples, or kl windows
+  int questions = 1;  // asked per sample (multiq, multiturn: --questions)
+  int correct = 0;    // answers right, of samples x questions
   std::optional<double> accuracy;
+  std::vector<double> question_accuracy;  // multiq, multiturn: by the order asked
   std::optional<double> mean_kl, p99_kl, top1_agree, ppl_ref, ppl;
   int64_t scored_tokens = 0;  // kl: positions scored
   // Cost. kv_bytes_*: this configuration's own cache (pages held x page bytes); the peak counts
@@ -60,6 +62,7 @@ struct SweepOptions {
   std::vector<TaskKind> tasks{TaskKind::kPasskey};
   std::vector<int> lengths{1024};
   std::vector<int> needles{1};     // niah only
+  int questions = 4;               // multiq, multiturn: questions per context, one needle each
   std::vector<double> depths{-1};  // < 0: random
   int samples = 20;
   uint64_t seed = 1234;
@@ -76,6 +79,9 @@ struct SweepOptions {
   // counts the load and the question, not the prefill, and rows record the file's bytes.
   std::string reuse_cache_dir;
 };
+
+// The cells (task, length, needles or questions, depth) a sweep runs, in its order.
+std::vector<TaskSpec> TaskCells(const SweepOptions& o);
 
 // Runs every cell x sample; each sample is prefilled once (per compress_at) and forked for each
 // runnable method. Methods that cannot run give 'unavailable' rows.

@@ -3,6 +3,7 @@
 // the same prompt bytes on every platform.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <random>
@@ -24,14 +25,20 @@ uint64_t UniformInt(std::mt19937_64& rng, uint64_t lo, uint64_t hi);
 uint64_t MixSeed(uint64_t a, uint64_t b);  // splitmix64 of a combined with b
 uint64_t Fnv1a64(std::string_view s);      // prompt fingerprints
 
-enum class TaskKind { kPasskey, kNiah, kKv, kVt };
+// multiq and multiturn: a niah context with one needle per question, every needle asked in turn
+// (a random order) against one cache: multiq drops each question's K/V before the next, as a
+// reused cache would; multiturn keeps every question and answer, as a chat does.
+enum class TaskKind { kPasskey, kNiah, kKv, kVt, kMultiq, kMultiturn };
+inline constexpr size_t kTaskKinds = 6;
 Result<TaskKind> ParseTaskKind(std::string_view name);
 const char* TaskName(TaskKind kind);
+bool AsksSeveral(TaskKind kind);  // multiq, multiturn
 
 struct TaskSpec {
   TaskKind kind = TaskKind::kPasskey;
   int length = 1024;  // target prompt tokens, BOS included
-  int needles = 1;    // niah: 1, 2, 4 or 8; 0: 1, 1, 2, 4, 8 by sample (the training mix)
+  int needles = 1;    // niah: 1, 2, 4 or 8; 0: 1, 1, 2, 4, 8 by sample (the training mix);
+                      // multiq, multiturn: the questions (one needle each)
   double depth = -1;  // where the needles go, 0 (start) .. 1 (end); < 0: random boundaries
 };
 
@@ -41,6 +48,10 @@ struct TaskSample {
   std::string question;  // "Question: {q}\nAnswer:"
   std::string prompt;    // context + question (the model's BOS is not in the text)
   std::string answer;
+  // Every question in the order asked (the first is question) with its answer and tokens (the
+  // first's are ids[context_tokens, end)); one for all but multiq and multiturn.
+  std::vector<std::string> questions, answers;
+  std::vector<std::vector<int32_t>> question_ids;
   std::vector<std::string> needles;  // inserted texts, each ending with "\n\n", in order
   std::vector<int32_t> ids;          // prompt tokens, BOS included
   int context_tokens = 0;            // ids[0, context_tokens) are BOS + context
