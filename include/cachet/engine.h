@@ -162,6 +162,14 @@ class Session {
   // written). The pending sampled token and the last logits are dropped: Eval/Generate must be
   // given new tokens next. A pressed sequence keeps the tokens it still holds at positions < n.
   Status Truncate(int n);
+  // Context shift: drops the tokens at positions [begin, end) and moves every later token back
+  // by end - begin, its cached key re-rotated (RoPE) to its new position, in every codec, pressed
+  // and demoted tokens included (0 <= begin <= end <= n_tokens(), else InvalidArgument and
+  // nothing changes). The moved tokens' K/V still reflect the dropped tokens they attended to, as
+  // in llama.cpp's context shift; the last logits and the pending token stay. Frees the dropped
+  // tokens' pages; shared pages are copied before they are written (ResourceExhausted, with
+  // nothing changed, when the pool cannot supply the copies).
+  Status Shift(int begin, int end);
   // A new session sharing this one's KV pages (copy-on-write).
   std::unique_ptr<Session> Fork() const;
   // Offers this session's full pages to the prefix cache (Generate does it when it ends).

@@ -1,9 +1,12 @@
 #include "kv/compaction.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <optional>
 #include <string>
 
+#include "kernels/kernels.h"
 #include "kv/staging.h"
 
 namespace cachet {
@@ -16,7 +19,7 @@ class Compaction {
  public:
   Compaction(PagePool& pool, std::vector<BlockTable>& tables, PagePool* cold_pool,
              std::vector<BlockTable>& cold_tables, std::span<const std::vector<int32_t>> keep,
-             bool demote, std::span<const std::vector<float>> values)
+             bool demote, std::span<const std::vector<float>> values, const Renumbering* renumber)
       : pool_(pool),
         lay_(pool.layout()),
         tables_(tables),
@@ -24,7 +27,8 @@ class Compaction {
         cold_tables_(cold_tables),
         keep_(keep),
         demote_(demote),
-        values_(values) {}
+        values_(values),
+        renumber_(renumber) {}
 
   // Validates, and takes every page Apply will write: pages shared with another sequence or the
   // prefix cache are copied before they are written, and when the pool cannot supply those
@@ -33,6 +37,12 @@ class Compaction {
     CACHET_RETURN_IF_ERROR(Validate());
     PlanFreshPages();
     return TakePages();
+  }
+  // Gives back the pages Plan took, when Apply will not run.
+  void Release() {
+    for (int32_t p : fresh_raw_) pool_.Unref(p);
+    for (int32_t p : fresh_codec_) pool_.Unref(p);
+    for (int32_t p : fresh_cold_) cold_pool_->Unref(p);
   }
   void Apply() {
     for (size_t ti = 0; ti < tables_.size(); ++ti) {
@@ -70,9 +80,23 @@ class Compaction {
     const std::vector<int32_t>& keep = keep_[ti];
     const size_t pt = size_t(lay_.page_tokens);
     for (size_t j = d * pt; j < std::min(keep.size(), (d + 1) * pt); ++j) {
-      if (keep[j] != static_cast<int32_t>(j)) return false;
+      if (keep[j] != static_cast<int32_t>(j) || Moves(ti, keep[j])) return false;
     }
     return true;
+  }
+  // Whether row r of table ti (its current index) takes another position.
+  bool Moves(size_t ti, int32_t r) const {
+    if (!renumber_) return false;
+    const int pt = lay_.page_tokens;
+    const int32_t pos = pool_.positions(tables_[ti].pages[r / pt])[r % pt];
+    return renumber_->new_pos[pos] != pos;
+  }
+  // A kept row's key and position as they are written: re-rotated when renumbered.
+  int32_t Renumbered(float* key, int32_t pos) const {
+    if (!renumber_ || renumber_->new_pos[pos] == pos) return pos;
+    const int32_t to = renumber_->new_pos[pos];
+    RerotateKey(key, lay_.head_dim, to - pos, renumber_->inv_freq);
+    return to;
   }
   // Appends a token to table ti's cold table (a shared, partly filled last page copied first).
   void Demote(size_t ti, const float* k, const float* v, int32_t pos);
@@ -87,6 +111,7 @@ class Compaction {
   std::span<const std::vector<int32_t>> keep_;
   bool demote_;
   std::span<const std::vector<float>> values_;
+  const Renumbering* renumber_;
 
   std::vector<uint8_t> fresh_;       // per table, per destination page: written into a fresh page
   std::vector<size_t> fresh_begin_;  // per table: its first entry in fresh_
@@ -225,7 +250,7 @@ void Compaction::ApplyRowWise(size_t ti) {
     const bool drops = demote_ && static_cast<int>(kend - kj) < cnt;
     bool writes = new_v != nullptr && kend > kj;
     for (size_t x = kj; x < kend && !writes; ++x) {
-      writes = k[x] != static_cast<int32_t>(x) || fresh(ti, x / pt);
+      writes = k[x] != static_cast<int32_t>(x) || fresh(ti, x / pt) || Moves(ti, k[x]);
     }
     if (!drops && !writes) {
       kj = kend;
@@ -246,10 +271,13 @@ void Compaction::ApplyRowWise(size_t ti) {
     }
     for (size_t x = kj; x < kend; ++x) {
       const int d = static_cast<int>(x / pt), off = static_cast<int>(x % pt);
-      if (k[x] == static_cast<int32_t>(x) && !fresh(ti, d) && !new_v) continue;
       const int s_off = k[x] - first;
+      const bool moves = renumber_ && renumber_->new_pos[pos_[s_off]] != pos_[s_off];
+      if (k[x] == static_cast<int32_t>(x) && !fresh(ti, d) && !new_v && !moves) continue;
       const float* vr = new_v ? new_v + x * hd : vbuf_.data() + size_t(s_off) * hd;
-      WriteRow(pool_, dest[d], off, kbuf_.data() + size_t(s_off) * hd, vr, pos_[s_off]);
+      float* kr = kbuf_.data() + size_t(s_off) * hd;
+      const int32_t pos = Renumbered(kr, pos_[s_off]);
+      WriteRow(pool_, dest[d], off, kr, vr, pos);
     }
     kj = kend;
   }
@@ -266,6 +294,16 @@ void Compaction::ApplyStaged(size_t ti) {
   const int pt = lay_.page_tokens, hd = lay_.head_dim;
   const float* new_v = new_values(ti);
   GatherTable(pool_, t, &table_k_, &table_v_, &table_pos_);
+  // Which destination pages hold a moved row, found before positions change.
+  std::vector<uint8_t> moved(dest_pages(ti), 0);
+  if (renumber_) {
+    for (size_t x = 0; x < k.size(); ++x) {
+      const int32_t r = k[x];
+      const int32_t to = Renumbered(&table_k_[size_t(r) * hd], table_pos_[r]);
+      if (to != table_pos_[r]) moved[x / pt] = 1;
+      table_pos_[r] = to;
+    }
+  }
   if (demote_) {
     size_t x = 0;
     for (int32_t r = 0; r < t.n_tokens; ++r) {
@@ -278,7 +316,7 @@ void Compaction::ApplyStaged(size_t ti) {
   }
   const int64_t n = int64_t(k.size());
   for (int d = 0; d < dest_pages(ti); ++d) {
-    if (!fresh(ti, d) && PageRowsUnchanged(ti, d)) continue;
+    if (!fresh(ti, d) && !moved[d] && PageRowsUnchanged(ti, d)) continue;
     int32_t& page = t.pages[d];
     if (fresh(ti, d)) {
       released_.push_back(page);
@@ -302,12 +340,49 @@ void Compaction::ApplyStaged(size_t ti) {
 
 }  // namespace
 
+void RerotateKey(float* key, int head_dim, int32_t delta, std::span<const float> inv_freq) {
+  const int half = head_dim / 2;
+  thread_local std::vector<float> cs;
+  cs.resize(size_t(head_dim));
+  for (int j = 0; j < half; ++j) {
+    const double angle = double(delta) * double(inv_freq[j]);
+    cs[j] = static_cast<float>(std::cos(angle));
+    cs[half + j] = static_cast<float>(std::sin(angle));
+  }
+  kernels::RopeRotateHalf(key, 1, head_dim, cs.data(), cs.data() + half);
+}
+
 Status Compact(PagePool& pool, std::vector<BlockTable>& tables, PagePool* cold_pool,
                std::vector<BlockTable>& cold_tables, std::span<const std::vector<int32_t>> keep,
-               bool demote, std::span<const std::vector<float>> values) {
-  Compaction c(pool, tables, cold_pool, cold_tables, keep, demote, values);
+               bool demote, std::span<const std::vector<float>> values,
+               const Renumbering* renumber) {
+  if (renumber && demote) return InvalidArgument("Compact: renumbering does not demote");
+  Compaction c(pool, tables, cold_pool, cold_tables, keep, demote, values, renumber);
   CACHET_RETURN_IF_ERROR(c.Plan());
   c.Apply();
+  return OkStatus();
+}
+
+Status CompactRenumbering(PagePool& pool, std::vector<BlockTable>& tables, PagePool* cold_pool,
+                          std::vector<BlockTable>& cold_tables,
+                          std::span<const std::vector<int32_t>> keep,
+                          std::span<const std::vector<int32_t>> cold_keep,
+                          const Renumbering& renumber) {
+  std::vector<BlockTable> none;
+  Compaction hot(pool, tables, nullptr, none, keep, false, {}, &renumber);
+  CACHET_RETURN_IF_ERROR(hot.Plan());
+  std::vector<BlockTable> none_cold;
+  std::optional<Compaction> cold;
+  if (!cold_tables.empty()) {
+    cold.emplace(*cold_pool, cold_tables, nullptr, none_cold, cold_keep, false,
+                 std::span<const std::vector<float>>{}, &renumber);
+    if (Status s = cold->Plan(); !s.ok()) {
+      hot.Release();
+      return s;
+    }
+  }
+  hot.Apply();
+  if (cold) cold->Apply();
   return OkStatus();
 }
 

@@ -26,6 +26,7 @@ void PagedSequence::Clear() {
   }
   cold_tables_.clear();
   n_tokens_ = 0;
+  exact_tokens_ = INT_MAX;
 }
 
 void PagedSequence::Adopt(std::vector<BlockTable> tables, std::vector<BlockTable> cold_tables,
@@ -34,11 +35,13 @@ void PagedSequence::Adopt(std::vector<BlockTable> tables, std::vector<BlockTable
   tables_ = std::move(tables);
   cold_tables_ = std::move(cold_tables);
   n_tokens_ = n_tokens;
+  exact_tokens_ = 0;  // a saved cache may have been renumbered: its blocks are not published
 }
 
 std::unique_ptr<PagedSequence> PagedSequence::Fork() const {
   auto child = std::make_unique<PagedSequence>(pool_);
   child->n_tokens_ = n_tokens_;
+  child->exact_tokens_ = exact_tokens_;
   for (size_t i = 0; i < tables_.size(); ++i) {
     child->tables_[i].pages = tables_[i].pages;
     child->tables_[i].n_tokens = tables_[i].n_tokens;
@@ -99,6 +102,7 @@ void PagedSequence::AttachBlock(std::span<const int32_t> pages) {
 
 bool PagedSequence::BlockPages(int block, std::vector<int32_t>* pages) const {
   pages->clear();
+  if ((int64_t(block) + 1) * pool_.layout().page_tokens > exact_tokens_) return false;
   for (const BlockTable& t : tables_) {
     // Only pages in their final form: full and, with a recent window, old enough to be encoded.
     if (t.n_tokens != n_tokens_ || block >= FinalPages(pool_.layout(), t.n_tokens)) return false;
@@ -169,6 +173,48 @@ void PagedSequence::Append(int layer, int kv_head, const float* k, const float* 
 Status PagedSequence::Retain(std::span<const std::vector<int32_t>> keep, bool demote,
                              std::span<const std::vector<float>> values) {
   return Compact(pool_, tables_, cold_pool_, cold_tables_, keep, demote, values);
+}
+
+Status PagedSequence::Renumber(std::span<const int32_t> new_pos, std::span<const float> inv_freq) {
+  if (static_cast<int>(new_pos.size()) != n_tokens_) {
+    return InvalidArgument("Renumber: " + std::to_string(new_pos.size()) + " positions for " +
+                           std::to_string(n_tokens_) + " tokens");
+  }
+  if (static_cast<int>(inv_freq.size()) != pool_.layout().head_dim / 2) {
+    return InvalidArgument("Renumber: " + std::to_string(inv_freq.size()) +
+                           " RoPE frequencies for head_dim " +
+                           std::to_string(pool_.layout().head_dim));
+  }
+  int32_t last = -1, first_changed = n_tokens_;
+  for (int32_t p = 0; p < n_tokens_; ++p) {
+    if (new_pos[p] < -1 || (new_pos[p] >= 0 && new_pos[p] <= last)) {
+      return InvalidArgument("Renumber: the kept tokens' new positions must ascend (position " +
+                             std::to_string(p) + " -> " + std::to_string(new_pos[p]) + ")");
+    }
+    if (new_pos[p] >= 0) last = new_pos[p];
+    if (new_pos[p] != p) first_changed = std::min(first_changed, p);
+  }
+  auto keep_of = [&](PagePool& pool, const std::vector<BlockTable>& tables) {
+    const int pt = pool.layout().page_tokens;
+    std::vector<std::vector<int32_t>> keep(tables.size());
+    for (size_t ti = 0; ti < tables.size(); ++ti) {
+      const BlockTable& t = tables[ti];
+      for (int32_t r = 0; r < t.n_tokens; ++r) {
+        if (new_pos[pool.positions(t.pages[r / pt])[r % pt]] >= 0) keep[ti].push_back(r);
+      }
+    }
+    return keep;
+  };
+  const std::vector<std::vector<int32_t>> keep = keep_of(pool_, tables_);
+  const std::vector<std::vector<int32_t>> cold_keep = cold_tables_.empty()
+                                                          ? std::vector<std::vector<int32_t>>{}
+                                                          : keep_of(*cold_pool_, cold_tables_);
+  const Renumbering renumber{new_pos, inv_freq};
+  CACHET_RETURN_IF_ERROR(
+      CompactRenumbering(pool_, tables_, cold_pool_, cold_tables_, keep, cold_keep, renumber));
+  n_tokens_ = last + 1;
+  exact_tokens_ = std::min(exact_tokens_, first_changed);
+  return OkStatus();
 }
 
 Status PagedSequence::Truncate(int n) {
@@ -248,6 +294,7 @@ Status PagedSequence::Truncate(int n) {
     t.quest.KeepPages(m / pt, hd);
   }
   n_tokens_ = n;
+  if (n <= exact_tokens_) exact_tokens_ = INT_MAX;  // what is left was never changed
   return OkStatus();
 }
 

@@ -7,6 +7,7 @@
 // bounds and selection), kv/table_attention.h (the kernels' views of the tables).
 #pragma once
 
+#include <climits>
 #include <memory>
 #include <span>
 #include <vector>
@@ -84,6 +85,15 @@ class PagedSequence final : public KvSequence {
   // cannot supply those raw pages (or the cold pool the copies its compaction needs).
   Status Truncate(int n);
 
+  // Renumbering (context shift, chunk reuse): the token at position p takes position new_pos[p]
+  // (new_pos.size() == n_tokens(); -1 drops it; the kept ones' new positions ascending), its key
+  // re-rotated by the difference (RoPE with inv_freq), in every table, cold ones included; then
+  // n_tokens() is the last new position + 1. Pages shared with forks or the prefix cache are
+  // copied before they are written; all or nothing (ResourceExhausted when the pool cannot supply
+  // the copies). The K/V of tokens after a dropped one were computed with it in view, so blocks
+  // from the first changed position on are no longer published to the prefix cache.
+  Status Renumber(std::span<const int32_t> new_pos, std::span<const float> inv_freq);
+
   // Demote, don't drop: a second pool, in a low-bit row-wise codec, for tokens a press demotes.
   // Decode steps read every hot page plus the fraction `fetch` of the cold pages whose key bounds
   // score highest for the query (and the last cold page); prefill chunks read all of them.
@@ -154,6 +164,9 @@ class PagedSequence final : public KvSequence {
   double cold_fetch_ = 1.0;
   std::vector<BlockTable> cold_tables_;  // per (layer, KV head), in cold_pool_; empty: none
   int n_tokens_ = 0;
+  // Tokens from the start whose K/V are what a fresh computation of them gives (Renumber lowers
+  // it): BlockPages offers no block past it.
+  int exact_tokens_ = INT_MAX;
   AttentionObserver* observer_ = nullptr;  // not owned, not inherited by forks
   int quest_pages_ = 0;
   double quest_keep_ = 1.0;

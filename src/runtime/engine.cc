@@ -329,6 +329,24 @@ Status Session::Truncate(int n) {
   return OkStatus();
 }
 
+Status Session::Shift(int begin, int end) {
+  if (begin < 0 || begin > end || end > n_tokens()) {
+    return InvalidArgument("Shift: [" + std::to_string(begin) + ", " + std::to_string(end) +
+                           ") is not a range of the " + std::to_string(n_tokens()) +
+                           " tokens the session holds");
+  }
+  if (begin == end) return OkStatus();
+  std::vector<int32_t> new_pos(seq_->n_tokens());
+  for (int32_t p = 0; p < seq_->n_tokens(); ++p) {
+    new_pos[p] = p < begin ? p : p < end ? -1 : p - (end - begin);
+  }
+  CACHET_RETURN_IF_ERROR(seq_->Renumber(new_pos, engine_.config().RopeInvFreq()));
+  // An observer's gatherings include the dropped tokens: they cannot be taken back out.
+  if (observer_) StopObserving();
+  tokens_.erase(tokens_.begin() + begin, tokens_.begin() + end);
+  return OkStatus();
+}
+
 std::unique_ptr<Session> Session::Fork() const {
   std::unique_ptr<Session> s(new Session(engine_, seq_->Fork(), salt_));
   s->pending_ = pending_;
