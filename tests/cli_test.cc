@@ -1,6 +1,7 @@
 // The cachet CLI as a user runs it: exit codes, what goes to stdout vs stderr, error messages.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <nlohmann/json.hpp>
@@ -49,6 +50,47 @@ TEST(Cli, ChatKeepsTheConversationCached) {
   EXPECT_GT(ctx2, ctx1);
   EXPECT_LT(new2, ctx2 - 8);  // not the whole conversation again
   EXPECT_FALSE(r.out.empty());
+}
+
+// --on-full: a 50-turn scripted chat in a 1024-token context runs to the end by shifting or
+// pressing, where `error` (the default) stops with a clear error; each policy says when it acts,
+// and the context never passes -c. (That the system prompt's fact is still answered after 50
+// turns is ContextShift.APassKeySurvivesFiftyTurnsOfShiftingOrPressing, in the format kvtiny
+// answers in; it does not answer questions in a chat template at all.)
+TEST(Cli, ChatOnFullShiftsOrPressesAndRunsToTheEnd) {
+  std::string script;
+  for (int i = 0; i < 49; ++i) {
+    script += "Tell me a story about the dog and the red ball, part " + std::to_string(i) + ".\n";
+  }
+  script += "What is the pass key?\n";
+  const std::string chat =
+      "chat -t 2 -c 1024 -n 24 --temp 0 --system \"The pass key is 52817. Remember it.\" ";
+  RunResult error = RunCachet(chat, script);
+  EXPECT_NE(error.status, 0);
+  EXPECT_NE(error.err.find("context full"), std::string::npos) << error.err;
+  for (const char* policy : {"shift", "press:keydiff:0.5", "press:streaming:0.5"}) {
+    SCOPED_TRACE(policy);
+    RunResult r = RunCachet(chat + "--on-full " + policy, script);
+    ASSERT_EQ(r.status, 0) << r.err.substr(r.err.size() > 2000 ? r.err.size() - 2000 : 0);
+    int turns = 0, most = 0;
+    for (size_t at = r.err.find(" tokens in context, "); at != std::string::npos;
+         at = r.err.find(" tokens in context, ", at + 1)) {
+      int ctx = 0;
+      ASSERT_EQ(std::sscanf(r.err.c_str() + r.err.rfind('[', at), "[%d tokens", &ctx), 1);
+      most = std::max(most, ctx);
+      ++turns;
+    }
+    EXPECT_EQ(turns, 50);
+    EXPECT_LE(most, 1024);
+    const bool shift = std::string(policy) == "shift";
+    EXPECT_NE(r.err.find(shift ? "[context full: dropped" : "[context full: pressed"),
+              std::string::npos);
+  }
+  RunResult bad = RunCachet(chat + "--on-full press:snapkv:0.5", "Hi\n");
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.err.find("the scorer must read the cache alone"), std::string::npos) << bad.err;
+  bad = RunCachet(chat + "--on-full drop", "Hi\n");
+  EXPECT_NE(bad.err.find("is not error, shift or press:NAME:RATIO"), std::string::npos) << bad.err;
 }
 
 // cache save / info / run --cache: a compressed context saved once answers later prompts; the

@@ -11,6 +11,7 @@
 
 #include "cachet/engine.h"
 #include "cachet/model_config.h"
+#include "cachet/press.h"
 #include "kv/codecs/codec.h"
 #include "kv/compaction.h"
 #include "kv/paged_sequence.h"
@@ -194,6 +195,73 @@ TEST(ContextShift, AShiftedSessionGeneratesOnFromItsMovedTokens) {
   auto shifted = s->Generate({}, g);
   ASSERT_TRUE(shifted.ok()) << shifted.status().ToString();
   EXPECT_TRUE(tok.Decode(shifted->tokens).starts_with(" 52817")) << tok.Decode(shifted->tokens);
+}
+
+// What `cachet chat --on-full` does, turn by turn, on kvtiny in the format it was trained on: a
+// pass key first (the protected "system prompt"), then 50 paragraphs in a 1024-token context,
+// making room by shifting out the oldest paragraph or by pressing everything between the pass
+// key and the last paragraph (keydiff+max, positions given back); at the end the pass key is
+// still answered.
+TEST(ContextShift, APassKeySurvivesFiftyTurnsOfShiftingOrPressing) {
+  EngineOptions o;
+  o.model_dir = testing::ModelDir();
+  o.threads = 2;
+  o.n_ctx = 1024;
+  o.prefix_cache = false;
+  auto engine = Engine::Create(o);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  const Tokenizer& tok = (*engine)->tokenizer();
+  const std::vector<int32_t> key =
+      tok.EncodePrompt("The pass key is 52817. Remember it. 52817 is the pass key.\n\n");
+  const std::vector<int32_t> question = tok.Encode("Question: What is the pass key?\nAnswer:");
+  const char* kTopics[] = {"the dog", "a red ball", "the river", "school", "the park", "Lily"};
+  for (const std::string policy : {"shift", "press"}) {
+    SCOPED_TRACE(policy);
+    auto s = (*engine)->NewSession();
+    std::vector<float> logits;
+    ASSERT_TRUE(s->Eval(key, &logits).ok());
+    const int protected_tokens = s->n_tokens();
+    std::vector<int> starts;  // where each paragraph still held begins
+    int made_room = 0;
+    for (int turn = 0; turn < 50; ++turn) {
+      const std::vector<int32_t> para = tok.Encode(
+          "Every day after school " + std::string(kTopics[turn % 6]) + " was there, and turn " +
+          std::to_string(turn) + " of the story went on by the water until the evening came.\n\n");
+      while (s->n_tokens() + static_cast<int>(para.size() + question.size()) + 8 > o.n_ctx) {
+        ++made_room;
+        if (policy == "shift") {
+          ASSERT_GE(starts.size(), 2u);
+          const int drop = starts[1] - starts[0];
+          ASSERT_TRUE(s->Shift(starts[0], starts[1]).ok());
+          starts.erase(starts.begin());
+          for (int& st : starts) st -= drop;
+        } else {
+          press::PressOptions p;
+          ASSERT_TRUE(press::ParsePressSpec("keydiff+max", &p).ok());
+          p.ratio = 0.5;
+          p.sinks = protected_tokens;
+          p.window = s->n_tokens() - starts.back();
+          ASSERT_TRUE(s->Compress(p).ok());
+          const int before = s->n_tokens();
+          ASSERT_TRUE(s->CompactPositions().ok());
+          const int last = starts.back() - (before - s->n_tokens());
+          starts = {protected_tokens, last};
+        }
+      }
+      starts.push_back(s->n_tokens());
+      ASSERT_TRUE(s->Eval(para, &logits).ok());
+    }
+    EXPECT_GT(made_room, 0);
+    EXPECT_LE(s->n_tokens(), o.n_ctx);
+    // The pass key's tokens are where they were, untouched.
+    EXPECT_TRUE(std::equal(key.begin(), key.end(), s->tokens().begin()));
+    GenerateOptions g;
+    g.max_tokens = 8;
+    g.sampling.temperature = 0;
+    auto answer = s->Generate(question, g);
+    ASSERT_TRUE(answer.ok()) << answer.status().ToString();
+    EXPECT_TRUE(tok.Decode(answer->tokens).starts_with(" 52817")) << tok.Decode(answer->tokens);
+  }
 }
 
 }  // namespace

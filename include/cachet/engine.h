@@ -170,6 +170,11 @@ class Session {
   // tokens' pages; shared pages are copied before they are written (ResourceExhausted, with
   // nothing changed, when the pool cannot supply the copies).
   Status Shift(int begin, int end);
+  // After a press that kept the same tokens in every (layer, KV head) table (a +max or +mean
+  // selection, nothing demoted): moves the kept tokens to positions 0..m-1, keys re-rotated, so
+  // positions free up with the pages (StreamingLLM's positions within the cache); tokens() then
+  // holds the kept tokens. FailedPrecondition when the tables hold different tokens.
+  Status CompactPositions();
   // A new session sharing this one's KV pages (copy-on-write).
   std::unique_ptr<Session> Fork() const;
   // Offers this session's full pages to the prefix cache (Generate does it when it ends).

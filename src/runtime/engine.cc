@@ -347,6 +347,32 @@ Status Session::Shift(int begin, int end) {
   return OkStatus();
 }
 
+Status Session::CompactPositions() {
+  const ModelConfig& c = engine_.config();
+  std::vector<int32_t> kept, other;
+  seq_->Positions(0, 0, &kept);
+  for (int l = 0; l < c.n_layers; ++l) {
+    for (int h = 0; h < c.n_kv_heads; ++h) {
+      seq_->Positions(l, h, &other);
+      if (other != kept || seq_->cold_length(l, h) > 0) {
+        return FailedPrecondition(
+            "CompactPositions: the (layer, KV head) tables hold different tokens (press with a "
+            "+max or +mean selection, without demotion)");
+      }
+    }
+  }
+  std::vector<int32_t> new_pos(seq_->n_tokens(), -1);
+  std::vector<int32_t> tokens;
+  for (size_t i = 0; i < kept.size(); ++i) {
+    new_pos[kept[i]] = static_cast<int32_t>(i);
+    if (kept[i] < static_cast<int32_t>(tokens_.size())) tokens.push_back(tokens_[kept[i]]);
+  }
+  CACHET_RETURN_IF_ERROR(seq_->Renumber(new_pos, c.RopeInvFreq()));
+  if (observer_) StopObserving();
+  tokens_ = std::move(tokens);
+  return OkStatus();
+}
+
 std::unique_ptr<Session> Session::Fork() const {
   std::unique_ptr<Session> s(new Session(engine_, seq_->Fork(), salt_));
   s->pending_ = pending_;
