@@ -697,9 +697,10 @@ TEST(KernelsAttention, GappedUnsortedPositions) {
 }
 
 // The AttnObserve key weights of one observe, in double: the textbook softmax of each (token,
-// head) row with q_pos >= min_pos, summed over those rows (rows that see no key add nothing).
+// head) row with q_pos >= min_pos, summed over those rows (rows that see no key add nothing), or
+// the largest of them (max).
 std::vector<double> ExpectedKeyWeights(const TestKv& kv, const TestQueries& q, float scale,
-                                       int32_t min_pos) {
+                                       int32_t min_pos, bool max = false) {
   const int hd = kv.head_dim;
   std::vector<double> w(kv.n_tokens, 0.0), p(kv.n_tokens);
   for (size_t t = 0; t < q.q_pos.size(); ++t) {
@@ -719,31 +720,35 @@ std::vector<double> ExpectedKeyWeights(const TestKv& kv, const TestQueries& q, f
         sum += p[j];
       }
       if (sum == 0.0) continue;
-      for (int j = 0; j < kv.n_tokens; ++j) w[j] += p[j] / sum;
+      for (int j = 0; j < kv.n_tokens; ++j)
+        w[j] = max ? std::max(w[j], p[j] / sum) : w[j] + p[j] / sum;
     }
   }
   return w;
 }
 
-// Gathers two observes at once (different min_pos) with ref:: and cpu:: PagedAttention: the key
-// weights match the double-precision softmax, are added to what key_weight held, nothing past
-// n_tokens is written, and the outputs equal those of the same call without observing.
+// Gathers two observes at once (different min_pos; the second keeps the largest weight, the
+// first sums) with ref:: and cpu:: PagedAttention: the key weights match the double-precision
+// softmax, are added to (or the max of) what key_weight held, nothing past n_tokens is written,
+// and the outputs equal those of the same call without observing.
 void CheckObserve(const TestKv& kv, const TestQueries& q, float scale, int32_t min_pos_a,
                   int32_t min_pos_b, const std::string& what) {
   const int32_t min_pos[2] = {min_pos_a, min_pos_b};
   std::vector<double> expect[2];
-  for (int i = 0; i < 2; ++i) expect[i] = ExpectedKeyWeights(kv, q, scale, min_pos[i]);
-  constexpr float kStart = 0.25f, kGuard = 123.0f;
+  for (int i = 0; i < 2; ++i) expect[i] = ExpectedKeyWeights(kv, q, scale, min_pos[i], i == 1);
+  constexpr float kGuard = 123.0f;
+  constexpr float kStart[2] = {0.25f, 1e-4f};
   auto run = [&](auto attend, const std::string& who) {
     std::vector<float> out_plain, out_obs;
     attend(q.Batch(out_plain, scale));
     std::vector<float> weights[2];
     AttnObserve obs[2];
     for (int i = 0; i < 2; ++i) {
-      weights[i].assign(kv.n_tokens + 1, kStart);
+      weights[i].assign(kv.n_tokens + 1, kStart[i]);
       weights[i][kv.n_tokens] = kGuard;
       obs[i].min_pos = min_pos[i];
       obs[i].key_weight = weights[i].data();
+      obs[i].max = i == 1;
     }
     AttnBatch b = q.Batch(out_obs, scale);
     b.observe = obs;
@@ -755,7 +760,9 @@ void CheckObserve(const TestKv& kv, const TestQueries& q, float scale, int32_t m
       double max_err = 0.0;
       int worst = -1;
       for (int j = 0; j < kv.n_tokens; ++j) {
-        const double err = std::fabs(weights[i][j] - kStart - expect[i][j]);
+        const double want =
+            i == 1 ? std::max<double>(kStart[i], expect[i][j]) : kStart[i] + expect[i][j];
+        const double err = std::fabs(weights[i][j] - want);
         if (err > max_err) max_err = err, worst = j;
       }
       EXPECT_LT(max_err, 1e-5) << who << what << " observe " << i << " min_pos=" << min_pos[i]

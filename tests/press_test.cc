@@ -1076,9 +1076,10 @@ TEST(PressEngine, EveryPressFreesMemoryOnKvtiny) {
   full.sampling.temperature = 0;
   ASSERT_TRUE(base->Generate(prompt, full).ok());
   const size_t full_bytes = EngineAccess::kv(*base).bytes_held();
-  for (const char* spec : {"streaming", "h2o", "snapkv", "snapkv+ada", "snapkv+max", "pyramidkv",
-                           "tova", "knorm", "keydiff", "expected", "random", "expected+mean",
-                           "quest", "snapkv+max+demote:q4_0", "h2o+merge", "streaming+protect"}) {
+  for (const char* spec :
+       {"streaming", "h2o", "snapkv", "snapkv+ada", "snapkv+max", "pyramidkv", "tova", "knorm",
+        "keydiff", "expected", "random", "expected+mean", "quest", "snapkv+max+demote:q4_0",
+        "h2o+merge", "streaming+protect", "kvzip", "lookahead", "kvzip+max"}) {
     SCOPED_TRACE(spec);
     GenerateOptions g = full;
     g.press.emplace();
@@ -1107,6 +1108,61 @@ TEST(PressEngine, EveryPressFreesMemoryOnKvtiny) {
     EXPECT_EQ(kept, int64_t(cfg.n_layers) * cfg.n_kv_heads * (150 + 3));
     EXPECT_LT(EngineAccess::kv(*s).bytes_held(), full_bytes * 0.3);
   }
+}
+
+// kvzip and lookahead evaluate their probes after the cache and drop them again: the session
+// keeps its tokens and its last logits, the pool gets the probes' pages back, and the scores are
+// the probes' largest attention weights (kvzip keeps the pass key that its repeat copies).
+TEST(PressEngine, ProbeScorersDropTheirProbesAgain) {
+  auto engine = KvtinyEngine();
+  ASSERT_NE(engine, nullptr);
+  const Tokenizer& tok = engine->tokenizer();
+  std::string text;
+  for (int i = 0; i < 12; ++i) {
+    text +=
+        "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back "
+        "again.\n\n";
+    if (i == 5) text += "The pass key is 71932. Remember it. 71932 is the pass key.\n\n";
+  }
+  const std::vector<int32_t> context = tok.EncodePrompt(text);
+  for (const char* spec : {"kvzip", "lookahead"}) {
+    SCOPED_TRACE(spec);
+    auto s = engine->NewSession();
+    std::vector<float> logits;
+    ASSERT_TRUE(s->Eval(context, &logits).ok());
+    const int pages = engine->kv_stats().pages_used;
+    press::PressOptions o;
+    ASSERT_TRUE(press::ParsePressSpec(spec, &o).ok());
+    o.ratio = 0.75;
+    auto r = s->Compress(o);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(s->tokens(), context);
+    EXPECT_EQ(s->n_tokens(), static_cast<int>(context.size()));
+    EXPECT_LT(engine->kv_stats().pages_used, pages / 2);
+    GenerateOptions g;
+    g.max_tokens = 8;
+    g.sampling.temperature = 0;
+    auto answer = s->Generate(tok.Encode("Question: What is the pass key?\nAnswer:"), g);
+    ASSERT_TRUE(answer.ok()) << answer.status().ToString();
+    if (std::string(spec) == "kvzip") {
+      EXPECT_TRUE(tok.Decode(answer->tokens).starts_with(" 71932")) << tok.Decode(answer->tokens);
+    }
+  }
+  // A probe that does not fit in the context is an error that changes nothing.
+  EngineOptions small;
+  small.model_dir = testing::ModelDir();
+  small.n_ctx = static_cast<int>(context.size()) + 4;
+  auto e = Engine::Create(small);
+  ASSERT_TRUE(e.ok());
+  auto s = (*e)->NewSession();
+  std::vector<float> logits;
+  ASSERT_TRUE(s->Eval(context, &logits).ok());
+  press::PressOptions o;
+  ASSERT_TRUE(press::ParsePressSpec("lookahead", &o).ok());
+  o.ratio = 0.5;
+  auto r = s->Compress(o);
+  EXPECT_EQ(r.status().code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(s->n_tokens(), static_cast<int>(context.size()));
 }
 
 // Presses on staged codec layouts (KIVI keys; q4_0 with sinks and a recent window): the kept

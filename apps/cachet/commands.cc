@@ -96,7 +96,8 @@ void AddPressFlags(CLI::App& app, GenerateOptions& o) {
   auto opts = std::make_shared<press::PressOptions>();
   app.add_option("--press", *spec,
                  "Evict KV entries after the prompt: a scorer (streaming, h2o, snapkv, tova, "
-                 "knorm, keydiff, expected, random; pyramidkv = snapkv+pyramid) with optional "
+                 "knorm, keydiff, expected, random; kvzip, lookahead: scored by probes evaluated "
+                 "after the prompt and dropped; pyramidkv = snapkv+pyramid) with optional "
                  "modifiers +uniform|+pyramid|+ada (per-head budgets), +max|+mean (one token set "
                  "for all layers), +merge, +protect, +chunked, +demote:CODEC; or quest (read "
                  "only the best pages at each decode step, evict nothing). docs/PRESSES.md");
@@ -143,6 +144,10 @@ void AddPressFlags(CLI::App& app, GenerateOptions& o) {
                  "Press: keep one token set for every layer and head, from each layer's "
                  "normalized scores combined by max or mean (same as the +max / +mean modifiers)")
       ->check(CLI::IsMember({"none", "max", "mean"}));
+  app.add_option("--probe-text", opts->probe_texts,
+                 "Press lookahead: a question whose attention scores the cache (repeatable; "
+                 "default: three generic questions)")
+      ->type_name("TEXT");
   app.add_option("--quest-pages", opts->quest_pages,
                  "Press quest: pages each head reads per decode step (plus the current page), "
                  "instead of the fraction 1 - --ratio of its pages")

@@ -36,6 +36,7 @@ struct EvalOpts {
   std::vector<std::string> codecs{"f32"};
   std::vector<std::string> compress_at{"prompt"};
   int press_window = 32;
+  std::vector<std::string> probe_texts;
   int press_sinks = 4;
   double demote_fetch = 0.125;
   bool kl = false, kl_decode = false;
@@ -93,6 +94,7 @@ std::vector<Method> MethodGrid(const EvalOpts& o) {
     }
     for (Method m : sized) {
       m.window = o.press_window;
+      m.probe_texts = o.probe_texts;
       m.sinks = o.press_sinks;
       m.demote_fetch = o.demote_fetch;
       for (const std::string& codec : o.codecs) {
@@ -162,7 +164,10 @@ void Run(const EvalOpts& o) {
     // multiturn keeps every question (about 20 tokens) and answer in the context.
     const bool turns = std::find(o.tasks.begin(), o.tasks.end(), "multiturn") != o.tasks.end();
     const int answers = turns ? o.questions * (o.max_new + 32) : o.max_new + 8;
-    eo.n_ctx = std::max(o.kl ? o.window_len : 0, run_tasks ? max_len + max_len / 50 + answers : 0);
+    // kvzip repeats the context after it in chunks: room for 256-token chunks.
+    const bool probes = std::find(o.presses.begin(), o.presses.end(), "kvzip") != o.presses.end();
+    eo.n_ctx = std::max(o.kl ? o.window_len : 0,
+                        run_tasks ? max_len + max_len / 50 + answers + (probes ? 256 : 0) : 0);
   }
   if (eo.kv_mem_mib == 0) {
     eo.kv_mem_mib = KvPoolMibFor(OrFail(ModelConfig::Load(eo.model_dir)), eo.page_tokens, eo.n_ctx,
@@ -296,6 +301,10 @@ void AddEval(CLI::App& app) {
                   "set for all layers, scores combined over layers and heads), e.g. snapkv+max")
       ->delimiter(',')
       ->capture_default_str();
+  cmd->add_option("--probe-text", o->probe_texts,
+                  "Press lookahead: a question whose attention scores the cache (repeatable; "
+                  "default: three generic questions, none about the tasks)")
+      ->type_name("TEXT");
   cmd->add_option("--window", o->press_window,
                   "Presses: observation window (last prompt tokens whose attention SnapKV and "
                   "expected attention score by; always kept)")

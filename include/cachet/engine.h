@@ -229,6 +229,9 @@ class Session {
   std::vector<int32_t> pending_;    // sampled but not yet evaluated (the last token of Generate)
   std::vector<int32_t> positions_;  // scratch
   void StopObserving();
+  // Compress for kvzip and lookahead: their probes evaluated after the cache while observed, then
+  // dropped again, and their attention the scores.
+  Result<press::PressResult> CompressByProbes(const press::PressOptions& options);
 
   std::shared_ptr<press::PressObserver> observer_;  // attached to seq_ while it observes
 };

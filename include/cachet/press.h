@@ -13,7 +13,21 @@
 
 namespace cachet::press {
 
-enum class Scorer { kStreaming, kH2O, kSnapKV, kTova, kKNorm, kKeyDiff, kExpected, kRandom };
+// kvzip and lookahead score by the attention of queries the cache has not seen, evaluated after
+// it and dropped again (Session::Compress): kvzip's the context repeated (KVzip's reconstruction),
+// lookahead's generic questions (probe_texts). Neither needs the prompt observed.
+enum class Scorer {
+  kStreaming,
+  kH2O,
+  kSnapKV,
+  kTova,
+  kKNorm,
+  kKeyDiff,
+  kExpected,
+  kRandom,
+  kKvzip,
+  kLookahead
+};
 enum class Allocator { kUniform, kPyramid, kAda };
 enum class ShareLayers { kNone, kMax, kMean };
 
@@ -56,7 +70,13 @@ struct PressOptions {
   double boundary_share = 0.1;
   std::vector<int32_t> segment_starts;
 
+  // kvzip, lookahead: the probes' text (lookahead: each a question; empty: kDefaultProbes) and
+  // how many probe tokens are evaluated at once (kvzip's context is repeated in chunks).
+  std::vector<std::string> probe_texts;
+  int probe_chunk = 512;
+
   bool NeedsAttention() const;  // whether a PressObserver must watch the prompt
+  bool Probes() const;          // kvzip, lookahead: scored by probes after the cache
 };
 
 const std::vector<std::string>& ScorerNames();

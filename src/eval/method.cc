@@ -144,6 +144,7 @@ Result<press::PressOptions> PressOf(const Method& m) {
   o.window = m.window;
   o.sinks = m.sinks;
   o.demote_fetch = m.demote_fetch;
+  o.probe_texts = m.probe_texts;
   return o;
 }
 }  // namespace

@@ -41,6 +41,7 @@ struct PagedKv {
 struct AttnObserve {
   int32_t min_pos = 0;
   float* key_weight = nullptr;
+  bool max = false;  // keep each key's largest weight over the queries, instead of their sum
 };
 
 // The queries of the n_heads query heads that share one KV head (a GQA group), for n_tok tokens.

@@ -2,8 +2,10 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <numeric>
 #include <sstream>
 
 #include "cachet/tokenizer.h"
@@ -400,9 +402,89 @@ void Session::StopObserving() {
   observer_.reset();
 }
 
+namespace {
+
+// lookahead's questions when none are given: generic, about no task in particular.
+const std::vector<std::string>& DefaultProbes() {
+  static const std::vector<std::string> kProbes = {
+      "\n\nQuestion: What is the answer?\nAnswer:",
+      "\n\nQuestion: What does the text above say?\nAnswer:",
+      "\n\nQuestion: What is the key information in the text?\nAnswer:"};
+  return kProbes;
+}
+
+}  // namespace
+
+Result<press::PressResult> Session::CompressByProbes(const press::PressOptions& options) {
+  const ModelConfig& c = engine_.config();
+  const Tokenizer& tok = engine_.tokenizer();
+  const int n = seq_->n_tokens();
+  if (!pending_.empty()) {
+    return FailedPrecondition(std::string("press '") + press::ScorerName(options.scorer) +
+                              "' runs on an evaluated cache, not after sampling");
+  }
+  std::vector<std::vector<int32_t>> probes;
+  if (options.scorer == press::Scorer::kKvzip) {
+    // KVzip: the context repeated after a prompt to, in chunks, each chunk's queries finding
+    // the tokens they copy.
+    const std::vector<int32_t> ask = tok.Encode("\n\nRepeat the text above.\n\n");
+    const size_t from = !tokens_.empty() && tokens_[0] == tok.bos_id() ? 1 : 0;
+    // Chunks as long as the context leaves room for (each is dropped before the next).
+    const int room = std::min(options.probe_chunk, engine_.n_ctx() - n) - int(ask.size());
+    const size_t chunk = size_t(std::max(16, room));
+    for (size_t at = from; at < tokens_.size(); at += chunk) {
+      std::vector<int32_t> probe = ask;
+      probe.insert(probe.end(), tokens_.begin() + at,
+                   tokens_.begin() + std::min(tokens_.size(), at + chunk));
+      probes.push_back(std::move(probe));
+    }
+  } else {
+    for (const std::string& t : options.probe_texts.empty() ? DefaultProbes() : options.probe_texts)
+      probes.push_back(tok.Encode(t));
+  }
+  size_t longest = 0;
+  for (const auto& p : probes) longest = std::max(longest, p.size());
+  if (n + static_cast<int64_t>(longest) > engine_.n_ctx()) {
+    return OutOfRange(std::string("press '") + press::ScorerName(options.scorer) +
+                      "': a probe of " + std::to_string(longest) + " tokens after the " +
+                      std::to_string(n) + " cached ones does not fit in the context of " +
+                      std::to_string(engine_.n_ctx()) + " (raise -c, or lower the probe chunk)");
+  }
+  StopObserving();
+  auto observer = std::make_shared<press::PressObserver>(
+      c.n_layers, c.n_kv_heads, c.head_dim, static_cast<int32_t>(n + longest),
+      static_cast<int>(longest), press::GatheringsFor(options));
+  const std::vector<float> logits = last_logits_;
+  std::vector<float> scratch;
+  Status st;
+  seq_->set_observer(observer.get());
+  for (const auto& probe : probes) {
+    st = Eval(probe, &scratch);
+    if (st.ok()) st = seq_->Truncate(n);
+    tokens_.resize(n);
+    if (!st.ok()) break;
+  }
+  seq_->set_observer(nullptr);
+  last_logits_ = logits;
+  CACHET_RETURN_IF_ERROR(st);
+  // The probes' keys are gone: what they gave the cached tokens stays.
+  std::vector<std::vector<int32_t>> keep(size_t(c.n_layers) * c.n_kv_heads);
+  for (size_t ti = 0; ti < keep.size(); ++ti) {
+    keep[ti].resize(seq_->head_length(int(ti) / c.n_kv_heads, int(ti) % c.n_kv_heads));
+    std::iota(keep[ti].begin(), keep[ti].end(), 0);
+  }
+  observer->Compact(keep);
+  return press::Compress(options, *seq_, c.n_layers, c.n_kv_heads, observer.get());
+}
+
 Result<press::PressResult> Session::Compress(const press::PressOptions& options,
                                              bool keep_observing) {
   const ModelConfig& c = engine_.config();
+  if (options.Probes()) {
+    if (keep_observing)
+      return InvalidArgument("kvzip and lookahead press once, not while decoding");
+    return CompressByProbes(options);
+  }
   if (keep_observing && !options.demote.empty()) {
     return InvalidArgument("pressing again while decoding does not combine with --demote yet");
   }

@@ -33,6 +33,7 @@ struct Method {
   int window = 32;              // press observation window (SnapKV, expected attention)
   int sinks = 4;                // first tokens every press keeps
   double demote_fetch = 0.125;  // presses with +demote:CODEC: cold pages read per decode step
+  std::vector<std::string> probe_texts{};  // lookahead's questions (empty: its generic ones)
 
   // "full/f32", "snapkv@0.5/int8", "streaming#256/int8:kivi2" (compress_at not included).
   std::string Label() const;

@@ -771,7 +771,13 @@ void AttendPages(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys
         if (m_row[page] == kNegInf) continue;  // nothing of the page visible to the row
         const float c = std::exp(m_row[page] - run_max[r]) * inv;
         for (int i = 0; i < b.n_observe; ++i) {
-          if (qp >= b.observe[i].min_pos) AxpyRow(c, p_row + j0, cnt, b.observe[i].key_weight + j0);
+          if (qp < b.observe[i].min_pos) continue;
+          float* w = b.observe[i].key_weight + j0;
+          if (b.observe[i].max) {
+            for (int j = 0; j < cnt; ++j) w[j] = std::max(w[j], c * p_row[j0 + j]);
+          } else {
+            AxpyRow(c, p_row + j0, cnt, w);
+          }
         }
       }
     }

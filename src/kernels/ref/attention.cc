@@ -54,7 +54,9 @@ void AttendScored(const AttnBatch& b, const float* scores, const float* v, const
           const AttnObserve& o = b.observe[i];
           if (b.q_pos[t] < o.min_pos) continue;
           for (int j = 0; j < n_keys; ++j) {
-            if (k_pos[j] <= b.q_pos[t]) o.key_weight[j] += probs[j] / sum;
+            if (k_pos[j] > b.q_pos[t]) continue;
+            float& w = o.key_weight[j];
+            w = o.max ? std::max(w, probs[j] / sum) : w + probs[j] / sum;
           }
         }
       }

@@ -13,8 +13,9 @@ namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-constexpr const char* kScorerNames[] = {"streaming", "h2o",     "snapkv",   "tova",
-                                        "knorm",     "keydiff", "expected", "random"};
+constexpr const char* kScorerNames[] = {"streaming", "h2o",      "snapkv", "tova",  "knorm",
+                                        "keydiff",   "expected", "random", "kvzip", "lookahead"};
+static_assert(std::size(kScorerNames) == static_cast<size_t>(Scorer::kLookahead) + 1);
 
 // The observer gathering a scorer reads (0: none). Expected attention reads the window's query
 // statistics, gathered alongside the window's weights.
@@ -27,6 +28,9 @@ uint32_t ScorerGatherings(Scorer s) {
       return 1u << PressObserver::kWindow;
     case Scorer::kTova:
       return 1u << PressObserver::kLast;
+    case Scorer::kKvzip:
+    case Scorer::kLookahead:
+      return 1u << PressObserver::kWindowMax;
     default:
       return 0;
   }
@@ -98,7 +102,10 @@ std::vector<int32_t> TopIndices(const std::vector<float>& s, int b) {
 
 }  // namespace
 
-bool PressOptions::NeedsAttention() const { return !quest && AttentionLike(scorer); }
+bool PressOptions::NeedsAttention() const { return !quest && !Probes() && AttentionLike(scorer); }
+bool PressOptions::Probes() const {
+  return scorer == Scorer::kKvzip || scorer == Scorer::kLookahead;
+}
 
 const std::vector<std::string>& ScorerNames() {
   static const std::vector<std::string> kNames(std::begin(kScorerNames), std::end(kScorerNames));
@@ -223,6 +230,7 @@ PressObserver::PressObserver(int n_layers, int n_kv_heads, int head_dim, int32_t
   min_pos_[kAll] = 0;
   min_pos_[kWindow] = end - std::max(window, 1);
   min_pos_[kLast] = end - 1;
+  min_pos_[kWindowMax] = min_pos_[kWindow];
   if (gatherings >> kWindow & 1) {
     for (Head& h : heads_) {
       h.q_sum.assign(head_dim, 0.0);
@@ -253,6 +261,7 @@ std::span<const kernels::AttnObserve> PressObserver::Observe(int, int, int n_key
     if (!(gatherings_ >> g & 1)) continue;
     cb.observe[i].min_pos = min_pos_[g];
     cb.observe[i].key_weight = cb.weights.data() + size_t(i) * n_keys;
+    cb.observe[i].max = g == kWindowMax;
     ++i;
   }
   const int d = head_dim_;
@@ -303,7 +312,11 @@ void PressObserver::Merge(int layer, int kv_head) {
     std::vector<float>& w = h.weights[g];
     if (static_cast<int>(w.size()) < cb.n_keys) w.resize(cb.n_keys, 0.0f);
     const float* src = cb.weights.data() + size_t(i++) * cb.n_keys;
-    for (int j = 0; j < cb.n_keys; ++j) w[j] += src[j];
+    if (g == kWindowMax) {
+      for (int j = 0; j < cb.n_keys; ++j) w[j] = std::max(w[j], src[j]);
+    } else {
+      for (int j = 0; j < cb.n_keys; ++j) w[j] += src[j];
+    }
   }
   if (cb.q_rows > 0) {
     for (size_t i = 0; i < h.q_sum.size(); ++i) h.q_sum[i] += cb.q_sum[i];
@@ -444,11 +457,16 @@ Status ScoreTokens(const PressOptions& o, const PagedSequence& seq, int n_layers
         case Scorer::kH2O:
           CACHET_RETURN_IF_ERROR(weights(PressObserver::kAll));
           break;
+
         case Scorer::kTova:
           CACHET_RETURN_IF_ERROR(weights(PressObserver::kLast));
           break;
-        case Scorer::kSnapKV: {
-          CACHET_RETURN_IF_ERROR(weights(PressObserver::kWindow));
+        case Scorer::kSnapKV:
+        case Scorer::kKvzip:
+        case Scorer::kLookahead: {
+          // kvzip, lookahead: their probes' largest weights (Session::Compress evaluates them).
+          CACHET_RETURN_IF_ERROR(
+              weights(o.Probes() ? PressObserver::kWindowMax : PressObserver::kWindow));
           const int r = std::max(o.pool_kernel, 1) / 2;
           if (r > 0) {
             const std::vector<float> w = s;

@@ -39,7 +39,8 @@ class PressObserver final : public AttentionObserver {
   // so the observer can go on watching a compressed sequence.
   void Compact(std::span<const std::vector<int32_t>> keep);
 
-  enum Gathering { kAll = 0, kWindow = 1, kLast = 2, kGatherings = 3 };
+  // kWindowMax: the window's queries' largest weight on each key (kvzip, lookahead).
+  enum Gathering { kAll = 0, kWindow = 1, kLast = 2, kWindowMax = 3, kGatherings = 4 };
   // Read once the observed Evals are done.
   const std::vector<float>& weights(int layer, int kv_head, Gathering g) const {
     return heads_[layer * n_kv_heads_ + kv_head].weights[g];
