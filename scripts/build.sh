@@ -6,7 +6,8 @@ dir="${1:-build}"
 shift || true
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
-if [ ! -f "$dir/CMakeCache.txt" ]; then
+# A configure that failed (a missing package) leaves a cache but no build files: configure again.
+if [ ! -f "$dir/build.ninja" ] && [ ! -f "$dir/Makefile" ]; then
   cmake -S . -B "$dir" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release "$@" >/dev/null
 fi
 cmake --build "$dir" -j "$(nproc)"

@@ -1,11 +1,8 @@
 #include "runtime/cache_registry.h"
 
-#include <unistd.h>
-
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
 
@@ -46,24 +43,6 @@ bool SaltMatches(const std::string& meta, uint64_t salt) {
   const json side = json::parse(meta, nullptr, /*allow_exceptions=*/false);
   return side.is_object() && side.contains("salt") && side["salt"].is_string() &&
          side["salt"].get<std::string>() == SaltHex(salt);
-}
-
-Status WriteFile(const std::string& path, const std::string& bytes) {
-  const std::string temp = path + ".tmp" + std::to_string(::getpid());
-  {
-    std::ofstream out(temp, std::ios::binary | std::ios::trunc);
-    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    out.flush();
-    if (!out) {
-      std::remove(temp.c_str());
-      return Internal("cannot write " + temp);
-    }
-  }
-  if (std::rename(temp.c_str(), path.c_str()) != 0) {
-    std::remove(temp.c_str());
-    return Internal("cannot rename " + temp + " to " + path);
-  }
-  return OkStatus();
 }
 
 int64_t HeldRows(const Session& s) {
@@ -113,8 +92,8 @@ Status CacheRegistry::Store(const std::string& id, const Stored& stored) {
     if (ec) return Internal("cannot create the cache directory " + dir_ + ": " + ec.message());
     // The pages first: a lookup starts from the sidecar, so a crash between the two leaves
     // nothing it would take.
-    CACHET_RETURN_IF_ERROR(WriteFile(PathOf(id, ".ckv"), stored.kv));
-    if (Status s = WriteFile(PathOf(id, ".json"), stored.meta); !s.ok()) {
+    CACHET_RETURN_IF_ERROR(WriteFileAtomically(PathOf(id, ".ckv"), stored.kv));
+    if (Status s = WriteFileAtomically(PathOf(id, ".json"), stored.meta); !s.ok()) {
       std::remove(PathOf(id, ".ckv").c_str());
       return s;
     }

@@ -1,9 +1,7 @@
 // Session::Save, Engine::LoadSession and ReadSavedCacheInfo: a session's KV cache as a file
 // (kv/sequence_file.h holds the format).
-#include <unistd.h>
 
 #include <cstdio>
-#include <fstream>
 
 #include "cachet/engine.h"
 #include "kv/codecs/codec.h"
@@ -57,22 +55,8 @@ Result<std::unique_ptr<Session>> EngineAccess::LoadBytes(Engine& e, std::span<co
 }
 
 Status Session::Save(const std::string& path, std::string_view compression) const {
-  const std::string bytes = EngineAccess::SaveBytes(*this, compression);
-  const std::string temp = path + ".tmp" + std::to_string(::getpid());
-  {
-    std::ofstream out(temp, std::ios::binary | std::ios::trunc);
-    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-    out.flush();
-    if (!out) {
-      std::remove(temp.c_str());
-      return Internal("saving the cache to " + path + ": cannot write " + temp);
-    }
-  }
-  if (std::rename(temp.c_str(), path.c_str()) != 0) {
-    std::remove(temp.c_str());
-    return Internal("saving the cache to " + path + ": cannot rename " + temp + " to it");
-  }
-  return OkStatus();
+  const Status s = WriteFileAtomically(path, EngineAccess::SaveBytes(*this, compression));
+  return s.ok() ? s : Internal("saving the cache to " + path + ": " + s.message());
 }
 
 Result<std::unique_ptr<Session>> Engine::LoadSession(const std::string& path,

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -61,6 +62,24 @@ void ReleaseMappedRange(const void* p, size_t n) {
   const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + n) / page * page;
   // Advice only: a failure leaves the pages resident, which is still correct.
   if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
+Status WriteFileAtomically(const std::string& path, std::string_view bytes) {
+  const std::string temp = path + ".tmp" + std::to_string(::getpid());
+  {
+    std::ofstream out(temp, std::ios::binary | std::ios::trunc);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    out.flush();
+    if (!out) {
+      std::remove(temp.c_str());
+      return Internal("cannot write " + temp);
+    }
+  }
+  if (std::rename(temp.c_str(), path.c_str()) != 0) {
+    std::remove(temp.c_str());
+    return Internal("cannot rename " + temp + " to " + path);
+  }
+  return OkStatus();
 }
 
 Result<std::string> ReadTextFile(const std::string& path) {

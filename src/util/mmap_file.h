@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "cachet/status.h"
 
@@ -37,5 +38,8 @@ void ReleaseMappedRange(const void* p, size_t n);
 
 // Reads a whole file into memory (config.json, a saved KV cache); NotFound if it cannot be opened.
 Result<std::string> ReadTextFile(const std::string& path);
+// Writes bytes to a temporary file beside path, then renames it over path: a reader sees the old
+// file or the whole new one, never a part. Internal naming what failed.
+Status WriteFileAtomically(const std::string& path, std::string_view bytes);
 
 }  // namespace cachet
