@@ -96,6 +96,7 @@ class Chat {
   std::vector<ChatMessage> messages_;
   std::string in_cache_;  // the rendered conversation whose tokens the session holds
   int system_tokens_ = 0;
+  std::string prefilled_this_turn_;  // a system prompt NextText prefilled, for --verbose-prompt
   std::vector<TurnStart> turns_;
 };
 
@@ -126,6 +127,7 @@ std::string Chat::NextText() {
         Fail(s);
       }
       in_cache_ = *system;
+      prefilled_this_turn_ = *system;
       system_tokens_ = session_->n_tokens();
     }
   }
@@ -245,6 +247,7 @@ std::string Chat::Generate(const std::vector<int32_t>& ids) {
 
 void Chat::Turn(const std::string& user, bool verbose_prompt) {
   messages_.push_back({ChatRole::kUser, user});
+  prefilled_this_turn_.clear();
   std::string text = NextText();
   std::vector<int32_t> ids = EncodeChatPrompt(tok_, text, /*first=*/in_cache_.empty());
   // Room for the prompt and a reply of -n tokens (at most a quarter of the context).
@@ -259,7 +262,8 @@ void Chat::Turn(const std::string& user, bool verbose_prompt) {
     ids = EncodeChatPrompt(tok_, text, /*first=*/in_cache_.empty());
   }
   if (verbose_prompt) {
-    std::fprintf(stderr, "--- prompt\n%.*s\n---\n", static_cast<int>(text.size()), text.data());
+    const std::string shown = prefilled_this_turn_ + text;
+    std::fprintf(stderr, "--- prompt\n%s\n---\n", shown.c_str());
   }
   turns_.push_back({in_cache_.size(), session_->n_tokens(), 2});
   in_cache_ += text;
