@@ -296,7 +296,8 @@ void AddEval(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--press", o->presses,
                   "Presses: full, or a scorer (streaming, h2o, snapkv, tova, knorm, keydiff, "
-                  "expected, random; pyramidkv = snapkv+pyramid) with optional modifiers: "
+                  "expected, random; kvzip, lookahead: scored by probes evaluated after the "
+                  "cache and dropped; pyramidkv = snapkv+pyramid) with optional modifiers: "
                   "+uniform|+pyramid|+ada (per-head budget allocator) or +max|+mean (one token "
                   "set for all layers, scores combined over layers and heads), e.g. snapkv+max")
       ->delimiter(',')

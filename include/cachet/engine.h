@@ -13,6 +13,7 @@
 
 #include "cachet/model_config.h"
 #include "cachet/press.h"
+#include "cachet/reuse.h"
 #include "cachet/sampling.h"
 #include "cachet/status.h"
 #include "cachet/tokenizer.h"
@@ -25,6 +26,7 @@ class Transformer;
 class PagePool;
 class PagedSequence;
 class PrefixTree;
+class ChunkCache;
 namespace press {
 class PressObserver;
 }
@@ -56,6 +58,9 @@ struct KvStats {
   int64_t prefix_cached_blocks = 0;
   int64_t evicted_blocks = 0;
   int64_t evicted_pages = 0;
+  // The chunk cache (Session::EvalChunked): chunks held, their bytes (in bytes_used too).
+  int64_t chunk_entries = 0, chunk_bytes = 0;
+  int64_t chunk_lookups = 0, chunk_hits = 0, chunk_evicted = 0;
   int64_t cold_bytes_used = 0;  // in the cold pools of demoting presses (not in bytes_used)
   // The prefix cache's tiers below RAM (--disk-cache, --redis), top first.
   struct Tier {
@@ -115,6 +120,9 @@ struct EngineOptions {
   // as is): about half the bytes of f32/f16 pages on disk and over the network, little for
   // quantized codes, at the cost of compressing on store and inflating on load.
   bool tier_zstd = false;
+  // The chunk cache's cap (Session::EvalChunked); 0: none but the pool's (its least recently used
+  // chunks go when the pool runs dry, after the prefix cache's pages).
+  int64_t chunk_cache_mib = 0;
 };
 
 // MiB of a KV pool that holds `sequences` sequences of n_tokens tokens each in f32 pages (the
@@ -209,6 +217,18 @@ class Session {
   Status EvalPressed(std::span<const int32_t> tokens, const press::PressOptions& options,
                      std::vector<float>* logits, bool keep_observing = false);
 
+  // Chunk reuse (docs/REUSE.md): evaluates a prompt made of parts after the tokens so far. A chunk
+  // part's K/V comes from the engine's chunk cache, computed on its own first when it is not
+  // there (after the model's BOS, from position 0; cached under the session's salt), with its
+  // keys re-rotated to where it now stands; plain parts are computed in place, and so is the
+  // prompt's last token, whose logits are returned. blend says how the attention each chunk did
+  // not see (to what precedes it) is restored. The chunks' K/V differs from a fresh prefill's, so
+  // blocks from the first chunk on are not published to the prefix cache. Errors (a bad id, the
+  // context or the pool full, a session observing for a press: FailedPrecondition) leave the
+  // session with the tokens it had (its last logits kept).
+  Status EvalChunked(std::span<const PromptPart> parts, const BlendOptions& blend,
+                     std::vector<float>* logits, ChunkReuseStats* stats = nullptr);
+
   // Tokens whose K/V is in the cache.
   int n_tokens() const;
   const std::vector<int32_t>& tokens() const { return tokens_; }
@@ -265,7 +285,7 @@ class Engine {
   // The pool demoted tokens go to in this codec (row-wise codecs only), created on first use with
   // the hot pool's capacity.
   Result<PagePool*> ColdPool(std::string_view codec);
-  void ClearPrefixCache();  // drops every cached page no session uses
+  void ClearPrefixCache();  // drops every cached page no session uses (prefix and chunk caches)
   int n_ctx() const { return n_ctx_; }
 
  private:
@@ -284,6 +304,7 @@ class Engine {
   // What stored pages depend on (model content hash, layout): saved caches are checked against it.
   std::unique_ptr<tiers::TierNamespace> kv_namespace_;
   std::unique_ptr<PrefixTree> prefix_;  // null when the prefix cache is off
+  std::unique_ptr<ChunkCache> chunks_;
   std::vector<std::pair<std::string, std::unique_ptr<PagePool>>> cold_pools_;
 };
 

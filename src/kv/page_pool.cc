@@ -48,6 +48,16 @@ PagePool::~PagePool() {
   }
 }
 
+void PagePool::remove_reclaimer(PageReclaimer* r) {
+  reclaimers_.erase(std::remove(reclaimers_.begin(), reclaimers_.end(), r), reclaimers_.end());
+}
+
+size_t PagePool::reclaimable_bytes() const {
+  size_t n = 0;
+  for (const PageReclaimer* r : reclaimers_) n += r->ReclaimableBytes();
+  return n;
+}
+
 Status PagePool::Alloc(int n_raw, int n_codec, std::vector<int32_t>* raw,
                        std::vector<int32_t>* codec) {
   const size_t need = static_cast<size_t>(n_raw) * layout_.raw_page_bytes() +
@@ -56,8 +66,11 @@ Status PagePool::Alloc(int n_raw, int n_codec, std::vector<int32_t>* raw,
     return need <= free_bytes() && n_raw <= static_cast<int>(raw_.free.size()) &&
            n_codec <= static_cast<int>(codec_.free.size());
   };
-  if (!fits() && reclaimer_ != nullptr && need <= available_bytes()) {
-    reclaimer_->Reclaim(need > free_bytes() ? need - free_bytes() : layout_.page_bytes());
+  if (!fits() && need <= available_bytes()) {
+    for (PageReclaimer* r : reclaimers_) {
+      if (fits()) break;
+      r->Reclaim(need > free_bytes() ? need - free_bytes() : layout_.page_bytes());
+    }
   }
   if (!fits()) {
     return ResourceExhausted(

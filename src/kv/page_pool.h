@@ -67,7 +67,8 @@ struct KvLayout {
   std::string codec_name() const;  // "f32", or "<k>/<v>"
 };
 
-// Something that holds pages it could give back when the pool runs dry (the prefix cache).
+// Something that holds pages it could give back when the pool runs dry (the prefix cache, the
+// chunk cache).
 class PageReclaimer {
  public:
   virtual ~PageReclaimer() = default;
@@ -110,10 +111,11 @@ class PagePool {
   // reclaimer is asked for pages only when it can cover the whole shortfall).
   Status Alloc(int n_raw, int n_codec, std::vector<int32_t>* raw, std::vector<int32_t>* codec);
   Status Alloc(int n, std::vector<int32_t>* out) { return Alloc(n, 0, out, nullptr); }
-  void set_reclaimer(PageReclaimer* r) { reclaimer_ = r; }
-  size_t available_bytes() const {
-    return free_bytes() + (reclaimer_ ? reclaimer_->ReclaimableBytes() : 0);
-  }
+  // Reclaimers are asked in the order they were added.
+  void add_reclaimer(PageReclaimer* r) { reclaimers_.push_back(r); }
+  void remove_reclaimer(PageReclaimer* r);
+  size_t reclaimable_bytes() const;
+  size_t available_bytes() const { return free_bytes() + reclaimable_bytes(); }
 
   void Ref(int32_t page) { ++refs(page); }
   void Unref(int32_t page);  // frees the page when its last reference goes
@@ -181,7 +183,7 @@ class PagePool {
   size_t capacity_bytes_ = 0;
   Arena raw_, codec_;
   size_t high_water_bytes_ = 0;
-  PageReclaimer* reclaimer_ = nullptr;
+  std::vector<PageReclaimer*> reclaimers_;
 };
 
 }  // namespace cachet

@@ -345,4 +345,24 @@ void PagedSequence::Gather(int layer, int kv_head, std::vector<float>* k, std::v
   GatherTable(pool_, table(layer, kv_head), k, v, positions);
 }
 
+const float* PagedSequence::RawKey(int layer, int kv_head, int row) const {
+  const int pt = pool_.layout().page_tokens;
+  const int32_t page = table(layer, kv_head).pages[row / pt];
+  return reinterpret_cast<const float*>(pool_.rows(page, codecs::Role::kKey)) +
+         size_t(row % pt) * pool_.layout().head_dim;
+}
+
+const float* PagedSequence::RawValue(int layer, int kv_head, int row) const {
+  const int pt = pool_.layout().page_tokens;
+  const int32_t page = table(layer, kv_head).pages[row / pt];
+  return reinterpret_cast<const float*>(pool_.rows(page, codecs::Role::kValue)) +
+         size_t(row % pt) * pool_.layout().head_dim;
+}
+
+void PagedSequence::OverwriteRow(int layer, int kv_head, int row, const float* k, const float* v) {
+  const int pt = pool_.layout().page_tokens;
+  const int32_t page = table(layer, kv_head).pages[row / pt];
+  WriteRow(pool_, page, row % pt, k, v, pool_.positions(page)[row % pt]);
+}
+
 }  // namespace cachet

@@ -7,6 +7,7 @@
 // bounds and selection), kv/table_attention.h (the kernels' views of the tables).
 #pragma once
 
+#include <algorithm>
 #include <climits>
 #include <memory>
 #include <span>
@@ -93,6 +94,15 @@ class PagedSequence final : public KvSequence {
   // the copies). The K/V of tokens after a dropped one were computed with it in view, so blocks
   // from the first changed position on are no longer published to the prefix cache.
   Status Renumber(std::span<const int32_t> new_pos, std::span<const float> inv_freq);
+
+  // Chunk reuse (runtime/chunk_reuse.cc): tokens from position pos on hold K/V that a fresh
+  // computation would not give (reused chunks), so their blocks are not published.
+  void MarkInexactFrom(int pos) { exact_tokens_ = std::min(exact_tokens_, pos); }
+  // Plain (f32) layouts: row `row` of (layer, kv_head), read in place, or written over with new K
+  // and V (the page must not be shared: CacheBlend's recompute in a private sequence).
+  const float* RawKey(int layer, int kv_head, int row) const;
+  const float* RawValue(int layer, int kv_head, int row) const;
+  void OverwriteRow(int layer, int kv_head, int row, const float* k, const float* v);
 
   // Demote, don't drop: a second pool, in a low-bit row-wise codec, for tokens a press demotes.
   // Decode steps read every hot page plus the fraction `fetch` of the cold pages whose key bounds

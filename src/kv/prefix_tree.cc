@@ -12,11 +12,11 @@
 namespace cachet {
 
 PrefixTree::PrefixTree(PagePool& pool, uint64_t model_id) : pool_(pool), model_id_(model_id) {
-  pool_.set_reclaimer(this);
+  pool_.add_reclaimer(this);
 }
 
 PrefixTree::~PrefixTree() {
-  pool_.set_reclaimer(nullptr);
+  pool_.remove_reclaimer(this);
   Clear();
 }
 

@@ -66,7 +66,8 @@ Status Transformer::Forward(std::span<const int32_t> tokens, std::span<const int
   return ForwardBatch(std::span<const SeqChunk>(&one, 1), pool);
 }
 
-Status Transformer::ForwardBatch(std::span<const SeqChunk> seqs, ThreadPool& pool) {
+Status Transformer::ForwardBatch(std::span<const SeqChunk> seqs, ThreadPool& pool,
+                                 int kv_only_layer) {
   const ModelConfig& c = config_;
   // Validate everything before anything changes.
   int64_t total = 0;
@@ -156,22 +157,25 @@ Status Transformer::ForwardBatch(std::span<const SeqChunk> seqs, ThreadPool& poo
     const float* bq = L.bq.empty() ? nullptr : L.bq.data();
     const float* bk = L.bk.empty() ? nullptr : L.bk.data();
     const float* bv = L.bv.empty() ? nullptr : L.bv.data();
-    kernels::MatMul(xn, n, L.wq, bq, q_.data(), q_dim, pool);
+    const bool kv_only = l == kv_only_layer;
+    if (!kv_only) kernels::MatMul(xn, n, L.wq, bq, q_.data(), q_dim, pool);
     kernels::MatMul(xn, n, L.wk, bk, k_.data(), kv_dim, pool);
     kernels::MatMul(xn, n, L.wv, bv, v_.data(), kv_dim, pool);
     ForEachToken(n, pool, [&](int i) {
       float* qi = q_.data() + size_t(i) * q_dim;
       float* ki = k_.data() + size_t(i) * kv_dim;
-      if (c.qk_norm) {
+      if (c.qk_norm && !kv_only) {
         for (int h = 0; h < c.n_heads; ++h) {
           kernels::RmsNorm(qi + h * hd, L.q_norm.data(), hd, c.rms_norm_eps, qi + h * hd);
         }
+      }
+      if (c.qk_norm) {
         for (int h = 0; h < c.n_kv_heads; ++h) {
           kernels::RmsNorm(ki + h * hd, L.k_norm.data(), hd, c.rms_norm_eps, ki + h * hd);
         }
       }
       const float* cs = rope_.data() + size_t(i) * hd;
-      kernels::RopeRotateHalf(qi, c.n_heads, hd, cs, cs + half);
+      if (!kv_only) kernels::RopeRotateHalf(qi, c.n_heads, hd, cs, cs + half);
       kernels::RopeRotateHalf(ki, c.n_kv_heads, hd, cs, cs + half);
     });
     for (size_t e = 0; e < seqs.size(); ++e) {
@@ -183,6 +187,7 @@ Status Transformer::ForwardBatch(std::span<const SeqChunk> seqs, ThreadPool& poo
         }
       }
     }
+    if (kv_only) return OkStatus();
     Attention(l, seqs, pool);
     kernels::MatMul(attn_.data(), n, L.wo, nullptr, xn, d, pool);
     ForEachToken(n, pool, [&](int i) {

@@ -60,7 +60,11 @@ class Transformer {
   // entries before i keep the room they reserved (pages held, no tokens: KvSequence has no way to
   // give a reservation back), which a retried step, or the sequence's next tokens, use without
   // allocating again.
-  Status ForwardBatch(std::span<const SeqChunk> seqs, ThreadPool& pool);
+  //
+  // kv_only_layer >= 0 stops the step early: layers before it run whole, that layer only computes
+  // and appends its K/V rows; nothing is committed and no logits are computed (CacheBlend's check
+  // of which tokens' K/V deviate, through a KvSequence that compares instead of appending).
+  Status ForwardBatch(std::span<const SeqChunk> seqs, ThreadPool& pool, int kv_only_layer = -1);
 
   // The one-entry case: tokens (at the given positions) through the model, their K/V appended to
   // kv; logits receives vocab_size floats per token when all_logits, else for the last token

@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "cachet/tokenizer.h"
+#include "kv/chunk_cache.h"
 #include "kv/paged_sequence.h"
 #include "kv/prefix_tree.h"
 #include "kv/press/press.h"
@@ -122,6 +123,8 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
     e->prefix_ =
         std::make_unique<PrefixTree>(*e->kv_pool_, XXH3_64bits(identity.data(), identity.size()));
   }
+  if (o.chunk_cache_mib < 0) return InvalidArgument("--chunk-cache-mib must be >= 0");
+  e->chunks_ = std::make_unique<ChunkCache>(*e->kv_pool_, size_t(o.chunk_cache_mib) << 20);
   // The tiers under the prefix cache, nearest first: the local disk, then a shared Redis.
   std::vector<std::unique_ptr<tiers::Tier>> stack;
   if (!o.disk_cache_dir.empty()) {
@@ -154,7 +157,8 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
 }
 
 Engine::~Engine() {
-  prefix_.reset();  // returns its pages before the pool goes
+  prefix_.reset();  // return their pages before the pool goes
+  chunks_.reset();
 }
 
 const ModelConfig& Engine::config() const { return model_->config(); }
@@ -232,6 +236,12 @@ KvStats Engine::kv_stats() const {
     s.evicted_blocks = ps.evicted_blocks;
     s.evicted_pages = ps.evicted_pages;
   }
+  const ChunkCacheStats cs = chunks_->stats();
+  s.chunk_entries = cs.entries;
+  s.chunk_bytes = cs.bytes;
+  s.chunk_lookups = cs.lookups;
+  s.chunk_hits = cs.hits;
+  s.chunk_evicted = cs.evicted;
   if (tiers_) {
     for (const tiers::TierReport& r : tiers_->Report()) {
       KvStats::Tier t;
@@ -275,6 +285,7 @@ Result<PagePool*> Engine::ColdPool(std::string_view codec) {
 
 void Engine::ClearPrefixCache() {
   if (prefix_) prefix_->Clear();
+  chunks_->Clear();
 }
 
 std::string KvStats::ToString() const {
@@ -291,6 +302,11 @@ std::string KvStats::ToString() const {
     << pages_reclaimable << " reclaimable); lookups " << prefix_lookups << ", hits " << prefix_hits
     << ", misses " << prefix_misses << ", hit tokens " << prefix_hit_tokens << "; evicted "
     << evicted_blocks << " blocks / " << evicted_pages << " pages\n";
+  if (chunk_lookups > 0) {
+    o << "[kv] chunk cache: " << chunk_entries << " chunks, " << chunk_bytes * mib
+      << " MiB; lookups " << chunk_lookups << ", hits " << chunk_hits << ", evicted "
+      << chunk_evicted << "\n";
+  }
   for (const Tier& t : tiers) {
     o << "[kv] " << t.name << " tier: " << t.entries << " runs, " << t.bytes_held * mib
       << " MiB; hits " << t.hits << ", misses " << t.misses << ", corrupt " << t.corrupt

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "cachet/engine.h"
+#include "kv/chunk_cache.h"
 #include "kv/page_pool.h"
 #include "kv/paged_sequence.h"
 #include "kv/prefix_tree.h"
@@ -26,6 +27,7 @@ class EngineAccess {
   static PagePool& kv_pool(Engine& e) { return *e.kv_pool_; }
   static const PagePool& kv_pool(const Engine& e) { return *e.kv_pool_; }
   static PrefixTree* prefix(Engine& e) { return e.prefix_.get(); }
+  static ChunkCache& chunks(Engine& e) { return *e.chunks_; }
   // What sessions of that salt share the prefix cache under (Engine::NewSession's key).
   static uint64_t SaltOf(std::string_view cache_salt) { return Engine::SaltKey(cache_salt); }
 
