@@ -282,6 +282,43 @@ TEST(EvalTasks, MultiQuestionTasksAskEveryNeedleOnce) {
   }
 }
 
+TEST(EvalTasks, MultidocCutsTheContextIntoShuffledDocuments) {
+  std::set<size_t> needle_docs;
+  size_t most = 0;
+  for (int index = 0; index < 8; ++index) {
+    auto r = Gen().Generate({TaskKind::kMultidoc, 1024, 1, -1, /*docs=*/6}, 1234, index);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+    const TaskSample& s = *r;
+    // A document is one or more whole paragraphs: fewer when the paragraphs are long.
+    ASSERT_LE(s.docs.size(), 6u);
+    ASSERT_GE(s.docs.size(), 2u);
+    ASSERT_EQ(s.doc_ids.size(), s.docs.size());
+    most = std::max(most, s.docs.size());
+    std::string context;
+    std::vector<int32_t> ids = {Tok().bos_id()};
+    int holding = 0;
+    for (size_t d = 0; d < s.docs.size(); ++d) {
+      context += s.docs[d];
+      EXPECT_EQ(s.doc_ids[d], Tok().Encode(s.docs[d]));
+      ids.insert(ids.end(), s.doc_ids[d].begin(), s.doc_ids[d].end());
+      if (s.docs[d].find("The special magic number for") != std::string::npos) {
+        ++holding;
+        needle_docs.insert(d);
+        EXPECT_NE(s.docs[d].find(s.answer), std::string::npos);
+      }
+    }
+    EXPECT_EQ(holding, 1);
+    EXPECT_EQ(context, s.context);
+    EXPECT_EQ(s.context_tokens, static_cast<int>(ids.size()));
+    ids.insert(ids.end(), s.question_ids[0].begin(), s.question_ids[0].end());
+    EXPECT_EQ(ids, s.ids);
+    EXPECT_NEAR(static_cast<double>(s.ids.size()), 1024, 1024 * 0.02);
+  }
+  EXPECT_EQ(most, 6u);
+  EXPECT_GT(needle_docs.size(), 2u);  // the needle's document lands anywhere
+  EXPECT_FALSE(Gen().Generate({TaskKind::kMultidoc, 1024, 1, -1, 0}, 1, 0).ok());
+}
+
 TEST(EvalTasks, BadSpecsAreErrors) {
   EXPECT_FALSE(ParseTaskKind("ruler").ok());
   EXPECT_FALSE(Gen().Generate({TaskKind::kNiah, 1024, -1, -1}, 1, 0).ok());
@@ -565,6 +602,40 @@ std::string FreshAnswer(Engine& engine, const std::vector<int32_t>& ids, int max
 // earlier ones, so on the full cache each answer is exactly that of the context and the question
 // as a fresh prompt, whether the press point is the prompt or the context, and through a saved
 // file (--reuse-cache) too; multiturn keeps the turns, and both report accuracy by question.
+TEST(EvalBaseline, MultidocComparesEachBlendWithTheFullPrefill) {
+  auto engine = MakeEngine(1600);
+  SweepOptions o;
+  o.tasks = {TaskKind::kMultidoc};
+  o.lengths = {512};
+  o.docs = 4;
+  o.samples = 2;
+  o.progress = false;
+  auto rows = RunTaskSweep(*engine, Gen(), o);
+  ASSERT_TRUE(rows.ok()) << rows.status().ToString();
+  ASSERT_EQ(rows->size(), 4u);
+  const std::vector<std::string> labels = {"full/f32", "chunks:none/f32", "chunks:epic:16/f32",
+                                           "chunks:cacheblend:0.15/f32"};
+  for (size_t i = 0; i < 4; ++i) {
+    const ResultRow& r = (*rows)[i];
+    EXPECT_EQ(r.method.Label(), labels[i]);
+    EXPECT_EQ(r.task, "multidoc");
+    EXPECT_EQ(r.docs, 4);
+    EXPECT_EQ(r.samples, 2);
+    ASSERT_TRUE(r.accuracy && r.answer_kl && r.ttft_ms);
+    EXPECT_EQ(r.recomputed_fraction.has_value(), i > 0);
+  }
+  EXPECT_EQ(*(*rows)[0].answer_kl, 0.0);  // the reference itself
+  EXPECT_GT(*(*rows)[1].answer_kl, 0.0);  // the documents never saw each other
+  EXPECT_EQ(*(*rows)[1].recomputed_fraction, 0.0);
+  EXPECT_NEAR(*(*rows)[2].recomputed_fraction, 4 * 16 / 512.0, 0.02);
+  EXPECT_NEAR(*(*rows)[3].recomputed_fraction, 0.15, 0.01);
+  EXPECT_LT(*(*rows)[3].answer_kl, *(*rows)[1].answer_kl);
+  const std::string md = MarkdownTable(*rows);
+  EXPECT_NE(md.find("| multidoc | 512 | 4 | chunks:cacheblend:0.15/f32 |"), std::string::npos)
+      << md;
+  EXPECT_NE(md.find("TTFT / full"), std::string::npos);
+}
+
 TEST(EvalBaseline, MultiqAnswersEachQuestionAsAFreshPrompt) {
   auto engine = MakeEngine(1200);
   testing::TempDir dir;

@@ -26,6 +26,8 @@ struct EvalOpts {
   std::vector<int> lengths{1024};
   std::vector<int> needles{1};
   int questions = 4;
+  int docs = 8;
+  std::vector<std::string> blends{"none", "epic:16", "cacheblend:0.15"};
   std::vector<std::string> depths{"random"};
   int samples = 20;
   uint64_t seed = 1234;
@@ -169,9 +171,13 @@ void Run(const EvalOpts& o) {
     eo.n_ctx = std::max(o.kl ? o.window_len : 0,
                         run_tasks ? max_len + max_len / 50 + answers + (probes ? 256 : 0) : 0);
   }
+  // multidoc keeps the cached documents beside the prompt (and the prompt it blends).
+  const bool multidoc = std::find(tasks.begin(), tasks.end(), TaskKind::kMultidoc) != tasks.end();
+  std::vector<BlendOptions> blends;
+  for (const std::string& b : o.blends) blends.push_back(OrFail(ParseBlend(b)));
   if (eo.kv_mem_mib == 0) {
     eo.kv_mem_mib = KvPoolMibFor(OrFail(ModelConfig::Load(eo.model_dir)), eo.page_tokens, eo.n_ctx,
-                                 /*sequences=*/2);
+                                 /*sequences=*/multidoc ? 3 : 2);
   }
   auto engine = LoadEngine(eo);
   if (!engine) throw CLI::RuntimeError(1);
@@ -186,6 +192,8 @@ void Run(const EvalOpts& o) {
     so.lengths = o.lengths;
     so.needles = o.needles;
     so.questions = o.questions;
+    so.docs = o.docs;
+    so.blends = blends;
     so.depths = depths;
     so.samples = o.samples;
     so.seed = o.seed;
@@ -264,7 +272,9 @@ void AddEval(CLI::App& app) {
   cmd->add_option("--task", o->tasks,
                   "Tasks: passkey, niah, kv, vt, multiq (--questions against one cache, each "
                   "dropped before the next), multiturn (each question and answer kept, as a "
-                  "chat); comma separated")
+                  "chat), multidoc (a niah context cut into --docs documents in a random order, "
+                  "each reused as a chunk with every --blend, beside the full prefill); comma "
+                  "separated")
       ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--len", o->lengths, "Prompt lengths in tokens, BOS included (e.g. 1024,4096)")
@@ -283,6 +293,16 @@ void AddEval(CLI::App& app) {
                   "multiq, multiturn: questions per context, each about its own niah needle, "
                   "asked in a random order")
       ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  cmd->add_option("--docs", o->docs, "multidoc: documents the context is cut into")
+      ->check(CLI::Range(1, 256))
+      ->capture_default_str();
+  cmd->add_option("--blend", o->blends,
+                  "multidoc: ways of reusing the documents as chunks, each beside the full "
+                  "prefill: none (plain concatenation), epic:K (recompute each chunk's first K "
+                  "tokens), cacheblend:R (recompute the R fraction of tokens whose K/V deviate "
+                  "most); docs/REUSE.md")
+      ->delimiter(',')
       ->capture_default_str();
   cmd->add_option("--depth", o->depths,
                   "Needle depth, 0 (start) .. 1 (end), or 'random' (a list sweeps)")

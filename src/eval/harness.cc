@@ -18,6 +18,7 @@
 #include "cachet/progress.h"
 #include "cachet/tokenizer.h"
 #include "eval/fidelity.h"
+#include "eval/sweep.h"
 #include "kv/page_pool.h"
 #include "kv/paged_sequence.h"
 #include "runtime/sampler.h"
@@ -30,10 +31,6 @@ int64_t PeakRssBytes() {
   getrusage(RUSAGE_SELF, &ru);
   return static_cast<int64_t>(ru.ru_maxrss) * 1024;  // Linux reports KiB
 }
-
-namespace {
-
-using Clock = std::chrono::steady_clock;
 
 double SecondsSince(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
@@ -52,6 +49,42 @@ std::string Strip(std::string_view s) {
   if (a == std::string_view::npos) return "";
   return std::string(s.substr(a, s.find_last_not_of(ws) - a + 1));
 }
+
+Decoder MakeDecoder(const Tokenizer& tok, int max_new) {
+  Decoder d{tok, std::vector<char>(tok.vocab_size()), max_new};
+  for (int32_t id = 0; id < tok.vocab_size(); ++id) {
+    d.ends_line[id] = tok.TokenBytes(id).find('\n') != std::string::npos;
+  }
+  return d;
+}
+
+Result<Answer> DecodeAnswer(const Decoder& d, Session& session, std::vector<float>* logits,
+                            size_t* peak_bytes) {
+  Answer a;
+  std::vector<int32_t> generated;
+  generated.reserve(d.max_new);
+  const auto t0 = Clock::now();
+  for (int step = 0; step < d.max_new; ++step) {
+    const int32_t next = ArgMax(*logits);
+    if (next == d.tok.eos_id()) break;
+    generated.push_back(next);
+    a.last = next;
+    if (d.ends_line[next] || step + 1 == d.max_new) {
+      a.ended_line = d.ends_line[next];
+      break;
+    }
+    const int32_t one[1] = {next};
+    CACHET_RETURN_IF_ERROR(session.Eval(one, logits));
+    ++a.evals;
+    *peak_bytes = std::max(*peak_bytes, session.kv_bytes());
+  }
+  a.seconds = SecondsSince(t0);
+  const std::string output = d.tok.Decode(generated);
+  a.prediction = Strip(output.substr(0, output.find('\n')));
+  return a;
+}
+
+namespace {
 
 // Splits methods into the runnable ones and rows for those the build cannot run.
 struct MethodSet {
@@ -98,49 +131,6 @@ struct TaskAcc {
   double kv_peak = 0;
   double cache_file_bytes = 0;  // --reuse-cache
 };
-
-// What greedy decoding needs beyond the session: which tokens end an answer.
-struct Decoder {
-  const Tokenizer& tok;
-  std::vector<char> ends_line;  // the token's text holds a newline
-  int max_new;
-};
-
-struct Answer {
-  std::string prediction;  // the output up to its first newline, stripped
-  int64_t evals = 0;       // tokens evaluated after the first
-  double seconds = 0;
-  int32_t last = -1;  // the last token generated (not evaluated), -1: none (EOS first)
-  bool ended_line = false;
-};
-
-// Greedy decode from logits until a newline, EOS or max_new tokens. The last token generated is
-// not evaluated (nothing reads its logits); *peak_bytes grows with the session.
-Result<Answer> DecodeAnswer(const Decoder& d, Session& session, std::vector<float>* logits,
-                            size_t* peak_bytes) {
-  Answer a;
-  std::vector<int32_t> generated;
-  generated.reserve(d.max_new);
-  const auto t0 = Clock::now();
-  for (int step = 0; step < d.max_new; ++step) {
-    const int32_t next = ArgMax(*logits);
-    if (next == d.tok.eos_id()) break;
-    generated.push_back(next);
-    a.last = next;
-    if (d.ends_line[next] || step + 1 == d.max_new) {
-      a.ended_line = d.ends_line[next];
-      break;
-    }
-    const int32_t one[1] = {next};
-    CACHET_RETURN_IF_ERROR(session.Eval(one, logits));
-    ++a.evals;
-    *peak_bytes = std::max(*peak_bytes, session.kv_bytes());
-  }
-  a.seconds = SecondsSince(t0);
-  const std::string output = d.tok.Decode(generated);
-  a.prediction = Strip(output.substr(0, output.find('\n')));
-  return a;
-}
 
 // Question q >= 1 of a multi-question sample into *logits. multiq: a fork of the compressed
 // cache without the earlier questions (a reused cache); multiturn: the same session after the
@@ -259,7 +249,7 @@ std::vector<TaskSpec> TaskCells(const SweepOptions& o) {
                                        : AsksSeveral(kind)     ? std::vector<int>{o.questions}
                                                                : std::vector<int>{1};
       for (int n : needles) {
-        for (double depth : o.depths) cells.push_back({kind, length, n, depth});
+        for (double depth : o.depths) cells.push_back({kind, length, n, depth, o.docs});
       }
     }
   }
@@ -277,10 +267,7 @@ Result<std::vector<ResultRow>> RunTaskSweep(Engine& engine, TaskGenerator& gen,
 
   const Tokenizer& tok = engine.tokenizer();
   EngineCache engines;
-  Decoder decoder{tok, std::vector<char>(tok.vocab_size()), o.max_new};
-  for (int32_t id = 0; id < tok.vocab_size(); ++id) {
-    decoder.ends_line[id] = tok.TokenBytes(id).find('\n') != std::string::npos;
-  }
+  const Decoder decoder = MakeDecoder(tok, o.max_new);
 
   const std::vector<TaskSpec> cells = TaskCells(o);
   // Progress counts prompt tokens, so the ETA holds when lengths differ 8x.
@@ -294,6 +281,12 @@ Result<std::vector<ResultRow>> RunTaskSweep(Engine& engine, TaskGenerator& gen,
   std::vector<ResultRow> rows;
   std::vector<float> prefill_logits, logits;
   for (const TaskSpec& spec : cells) {
+    if (spec.kind == TaskKind::kMultidoc) {
+      CACHET_ASSIGN_OR_RETURN(std::vector<ResultRow> cell,
+                              RunReuseCell(engine, gen, spec, o, decoder, bar.get(), preds));
+      rows.insert(rows.end(), cell.begin(), cell.end());
+      continue;
+    }
     ResultRow base;
     base.model = o.model_name;
     base.task = TaskName(spec.kind);

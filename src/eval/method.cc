@@ -39,7 +39,7 @@ std::string Method::Label() const {
   } else if (press != "full") {
     std::snprintf(size, sizeof size, "@%g", ratio);
   }
-  std::string s = press;
+  std::string s = blend ? "chunks:" + BlendName(*blend) : press;
   s.append(size).append("/").append(codec_k);
   if (codec_v != codec_k) s.append(":").append(codec_v);
   return s;

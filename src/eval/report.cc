@@ -169,13 +169,39 @@ std::string Range(double lo, double hi) {
   return "[" + Fmt("%g", lo) + ":" + Fmt("%g", hi) + "]";
 }
 
+// The full prefill's row of a multidoc row's cell (same task, length, documents).
+const ResultRow* FullOf(const std::vector<ResultRow>& rows, const ResultRow& r) {
+  for (const ResultRow& f : rows) {
+    if (f.task == r.task && f.length == r.length && f.docs == r.docs && !f.method.blend &&
+        f.status == "ok") {
+      return &f;
+    }
+  }
+  return nullptr;
+}
+
 std::vector<Plot> MakePlots(const std::vector<ResultRow>& rows) {
-  std::vector<const ResultRow*> task, kl;
+  std::vector<const ResultRow*> task, kl, reuse;
   for (const ResultRow& r : rows) {
     if (r.status != "ok") continue;
-    (r.kind == "kl" ? kl : task).push_back(&r);
+    (r.kind == "kl" ? kl : r.task == "multidoc" ? reuse : task).push_back(&r);
   }
   std::vector<Plot> plots;
+  if (!reuse.empty()) {
+    Plot p{"reuse_accuracy_vs_ttft.svg",
+           "Reused documents: accuracy vs time to first token (multidoc)",
+           "TTFT / full prefill's TTFT",
+           "exact-match accuracy",
+           "[0:1.2]",
+           "[0:1.05]",
+           {}};
+    for (const ResultRow* r : reuse) {
+      const ResultRow* full = FullOf(rows, *r);
+      if (full == nullptr || !full->ttft_ms || *full->ttft_ms <= 0) continue;
+      p.Get(r->method.Label()).Add(*r->ttft_ms / *full->ttft_ms, *r->accuracy, r->samples);
+    }
+    plots.push_back(std::move(p));
+  }
   if (!task.empty()) {
     Plot p{"accuracy_vs_ratio.svg",
            "Accuracy vs compression ratio (mean over lengths)",
@@ -317,6 +343,10 @@ const std::vector<std::string>& RowColumns() {
                                                     "prefill_tok_s",
                                                     "decode_tok_s",
                                                     "ttft_ms",
+                                                    "docs",
+                                                    "blend",
+                                                    "answer_kl",
+                                                    "recomputed_fraction",
                                                     "threads",
                                                     "cell_wall_s"};
   return kColumns;
@@ -362,6 +392,10 @@ nlohmann::ordered_json RowToJson(const ResultRow& r) {
   j["prefill_tok_s"] = Opt(r.prefill_tok_s);
   j["decode_tok_s"] = Opt(r.decode_tok_s);
   j["ttft_ms"] = Opt(r.ttft_ms);
+  j["docs"] = r.docs;
+  j["blend"] = m.blend ? BlendName(*m.blend) : "";
+  j["answer_kl"] = Opt(r.answer_kl);
+  j["recomputed_fraction"] = Opt(r.recomputed_fraction);
   j["reused_cache"] = r.reused_cache;
   j["cache_file_bytes"] = Opt(r.cache_file_bytes);
   j["threads"] = r.threads;
@@ -435,7 +469,7 @@ std::string MarkdownTable(const std::vector<ResultRow>& rows) {
   std::ostringstream md;
   bool task_header = false, kl_header = false;
   for (const ResultRow& r : rows) {
-    if (r.kind != "task") continue;
+    if (r.kind != "task" || r.task == "multidoc") continue;
     if (!task_header) {
       md << "| task | length | tokens | needles | depth | method | compress_at | accuracy | n "
             "| KV prefill MiB | KV peak MiB | peak RSS MiB | prefill tok/s | decode tok/s | "
@@ -473,6 +507,25 @@ std::string MarkdownTable(const std::vector<ResultRow>& rows) {
        << Cell(r.kv_bytes_prefill, "%.2f", kMiB) << " | " << Cell(r.kv_bytes_peak, "%.2f", kMiB)
        << " | " << Cell(r.kv_bits_held, "%.2f") << " | " << Cell(r.peak_rss_bytes, "%.0f", kMiB)
        << " | " << Cell(r.prefill_tok_s, "%.0f") << " |\n";
+  }
+  bool reuse_header = false;
+  for (const ResultRow& r : rows) {
+    if (r.kind != "task" || r.task != "multidoc") continue;
+    if (!reuse_header) {
+      if (task_header || kl_header) md << "\n";
+      md << "| task | length | docs | method | accuracy | answer KL | recomputed | TTFT ms | "
+            "TTFT / full | n |\n"
+         << "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n";
+      reuse_header = true;
+    }
+    const ResultRow* full = FullOf(rows, r);
+    const std::string vs_full = full && full->ttft_ms && r.ttft_ms && *full->ttft_ms > 0
+                                    ? Fmt("%.2f", *r.ttft_ms / *full->ttft_ms)
+                                    : "-";
+    md << "| " << r.task << " | " << r.length << " | " << r.docs << " | " << r.method.Label()
+       << " | " << Cell(r.accuracy, "%.3f") << " | " << Cell(r.answer_kl, "%.4f") << " | "
+       << Cell(r.recomputed_fraction, "%.3f") << " | " << Cell(r.ttft_ms, "%.1f") << " | "
+       << vs_full << " | " << r.samples << " |\n";
   }
   return md.str();
 }

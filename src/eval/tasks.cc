@@ -46,9 +46,13 @@ struct TaskEntry {
   const char* name;
 };
 constexpr TaskEntry kTaskTable[] = {
-    {TaskKind::kPasskey, "passkey"}, {TaskKind::kNiah, "niah"},
-    {TaskKind::kKv, "kv"},           {TaskKind::kVt, "vt"},
-    {TaskKind::kMultiq, "multiq"},   {TaskKind::kMultiturn, "multiturn"},
+    {TaskKind::kPasskey, "passkey"},
+    {TaskKind::kNiah, "niah"},
+    {TaskKind::kKv, "kv"},
+    {TaskKind::kVt, "vt"},
+    {TaskKind::kMultiq, "multiq"},
+    {TaskKind::kMultiturn, "multiturn"},
+    {TaskKind::kMultidoc, "multidoc"},
 };
 static_assert(std::size(kTaskTable) == kTaskKinds);
 constexpr bool TableInOrder() {
@@ -204,6 +208,7 @@ TaskGenerator::Needles TaskGenerator::MakeNeedles(const TaskSpec& spec,
       break;
     }
     case TaskKind::kNiah:
+    case TaskKind::kMultidoc:
     case TaskKind::kMultiq:
     case TaskKind::kMultiturn: {
       const auto& words = hay_.words();
@@ -398,19 +403,25 @@ TaskSample TaskGenerator::Build(const TaskSpec& spec, std::mt19937_64 rng, int a
     }
     size_t k = 0;
     int pos = 0, answer_pos = 0;
+    std::vector<Piece> pieces;
     for (size_t b = 0; b <= bounds; ++b) {
       for (; k < slots.size() && slots[k] == b; ++k) {
         if (static_cast<int>(k) == nd.answer_index) answer_pos = pos;
-        s.context += nd.texts[k];
+        pieces.push_back({nd.texts[k], needle_tokens[k], static_cast<int>(k) == nd.answer_index});
         pos += needle_tokens[k];
       }
       if (b < bounds) {
-        s.context += hay[b];
+        pieces.push_back({hay[b], hay_tokens[b], false});
         pos += hay_tokens[b];
       }
     }
+    for (const Piece& p : pieces) s.context += p.text;
     s.depth = pos > 0 ? double(answer_pos) / pos : 0.0;
     s.needles = std::move(nd.texts);
+    if (spec.kind == TaskKind::kMultidoc) {
+      SplitDocuments(spec, pieces, rng, &s);
+      return s;
+    }
   }
   s.prompt = s.context + s.question;
   s.ids = tok_.EncodePrompt(s.prompt);
@@ -433,6 +444,49 @@ TaskSample TaskGenerator::Build(const TaskSpec& spec, std::mt19937_64 rng, int a
   return s;
 }
 
+void TaskGenerator::SplitDocuments(const TaskSpec& spec, const std::vector<Piece>& pieces,
+                                   std::mt19937_64& rng, TaskSample* s) const {
+  // Consecutive pieces into spec.docs documents of about equal tokens, in a random order.
+  int total = 0;
+  for (const Piece& p : pieces) total += p.tokens;
+  const int docs = std::clamp(spec.docs, 1, static_cast<int>(pieces.size()));
+  std::vector<std::string> text(1);
+  std::vector<char> holds(1, 0);
+  int used = 0;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const int left = static_cast<int>(pieces.size() - i);  // each document needs a piece
+    if (!text.back().empty() &&
+        (used >= int64_t(total) * int(text.size()) / docs || left < docs - int(text.size()) + 1) &&
+        static_cast<int>(text.size()) < docs) {
+      text.emplace_back();
+      holds.push_back(0);
+    }
+    text.back() += pieces[i].text;
+    holds.back() |= pieces[i].answer;
+    used += pieces[i].tokens;
+  }
+  std::vector<int> order(text.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = static_cast<int>(i);
+  for (int i = static_cast<int>(order.size()) - 1; i > 0; --i) {
+    std::swap(order[i], order[UniformInt(rng, 0, static_cast<uint64_t>(i))]);
+  }
+  s->context.clear();
+  s->ids.clear();
+  if (tok_.add_bos() && tok_.bos_id() >= 0) s->ids.push_back(tok_.bos_id());
+  for (int d : order) {
+    if (holds[d]) s->depth = double(s->ids.size()) / std::max(1, total);
+    s->docs.push_back(text[d]);
+    s->doc_ids.push_back(tok_.Encode(text[d]));
+    s->context += text[d];
+    s->ids.insert(s->ids.end(), s->doc_ids.back().begin(), s->doc_ids.back().end());
+  }
+  s->context_tokens = static_cast<int>(s->ids.size());
+  s->prompt = s->context + s->question;
+  const std::vector<int32_t> q = tok_.Encode(s->question);
+  s->ids.insert(s->ids.end(), q.begin(), q.end());
+  s->question_ids = {q};
+}
+
 Result<TaskSample> TaskGenerator::Generate(const TaskSpec& mixed_spec, uint64_t seed, int index) {
   // needles == 0: the mix the model was trained and its baseline measured on, by sample index.
   static constexpr int kTrainingMix[] = {1, 1, 2, 4, 8};
@@ -447,10 +501,17 @@ Result<TaskSample> TaskGenerator::Generate(const TaskSpec& mixed_spec, uint64_t 
                            std::to_string(spec.needles));
   }
   if (spec.depth > 1) return InvalidArgument("needle depth must be in [0, 1] or random");
+  if (spec.kind == TaskKind::kMultidoc) {
+    if (spec.docs < 1 || spec.docs > 256) {
+      return InvalidArgument("multidoc needs 1..256 documents, got " + std::to_string(spec.docs));
+    }
+    spec.needles = 1;
+  }
   const int needles = spec.kind == TaskKind::kNiah || AsksSeveral(spec.kind) ? spec.needles : 1;
   uint64_t s = MixSeed(seed, static_cast<uint64_t>(spec.kind));
   s = MixSeed(s, static_cast<uint64_t>(spec.length));
   s = MixSeed(s, static_cast<uint64_t>(needles));
+  if (spec.kind == TaskKind::kMultidoc) s = MixSeed(s, static_cast<uint64_t>(spec.docs));
   const std::mt19937_64 rng(MixSeed(s, static_cast<uint64_t>(index)));
 
   // Paragraphs are tokenized one by one, so the joined prompt can differ by a few tokens:
@@ -473,7 +534,8 @@ Result<TaskSample> TaskGenerator::Generate(const TaskSpec& mixed_spec, uint64_t 
   const std::string name =
       TaskName(spec.kind) + (spec.kind == TaskKind::kNiah || AsksSeveral(spec.kind)
                                  ? std::to_string(needles)
-                                 : std::string());
+                             : spec.kind == TaskKind::kMultidoc ? std::to_string(spec.docs)
+                                                                : std::string());
   if (spec.depth < 0) {
     std::snprintf(id, sizeof id, "%s-%d-s%llu-%d", name.c_str(), spec.length,
                   static_cast<unsigned long long>(seed), index);

@@ -8,8 +8,8 @@
 #include <string>
 
 #include "cachet/engine.h"
+#include "kernels/kernels.h"
 #include "kv/chunk_cache.h"
-#include "kv/compaction.h"
 #include "runtime/engine_access.h"
 
 namespace cachet {
@@ -67,24 +67,31 @@ Result<std::shared_ptr<const ChunkEntry>> EntryOf(Engine& e, ChunkCache& cache, 
 }
 
 // Tokens [from, size) of a chunk's entry appended to `into` at positions at, at + 1, ..., keys
-// re-rotated by the difference to the position they were computed at.
+// re-rotated by the difference to the position they were computed at (one angle for them all,
+// as RerotateKey computes it).
 Status Splice(const ChunkEntry& e, int from, PagedSequence& into, int32_t at,
               std::span<const float> inv_freq) {
   const KvLayout& lay = into.layout();
-  const int n = static_cast<int>(e.tokens.size()) - from, hd = lay.head_dim;
+  const int n = static_cast<int>(e.tokens.size()) - from, hd = lay.head_dim, half = hd / 2;
   if (n <= 0) return OkStatus();
   CACHET_RETURN_IF_ERROR(into.Reserve(n));
+  const int32_t delta = at - from - e.lead;
+  std::vector<float> cs(hd);
+  for (int j = 0; j < half; ++j) {
+    const double angle = double(delta) * double(inv_freq[j]);
+    cs[j] = static_cast<float>(std::cos(angle));
+    cs[half + j] = static_cast<float>(std::sin(angle));
+  }
   std::vector<float> k, v;
   std::vector<int32_t> pos;
+  const size_t first = size_t(e.lead + from) * hd;
   for (int l = 0; l < lay.n_layers; ++l) {
     for (int h = 0; h < lay.n_kv_heads; ++h) {
       e.seq->Gather(l, h, &k, &v, &pos);  // every token of an entry: row r holds position r
-      for (int i = from; i < from + n; ++i) {
-        const int r = e.lead + i;
-        const int32_t to = at + (i - from);
-        float* key = k.data() + size_t(r) * hd;
-        RerotateKey(key, hd, to - pos[r], inv_freq);
-        into.Append(l, h, key, v.data() + size_t(r) * hd, to);
+      if (delta != 0) kernels::RopeRotateHalf(k.data() + first, n, hd, cs.data(), cs.data() + half);
+      for (int i = 0; i < n; ++i) {
+        into.Append(l, h, k.data() + first + size_t(i) * hd, v.data() + first + size_t(i) * hd,
+                    at + i);
       }
     }
   }
@@ -143,11 +150,11 @@ class ChunkReuse {
 
   // Parts from the first chunk on, the last one excluded when it is plain text, into seq_.
   Status Region(std::span<const Part> parts) {
-    return blend_.kind == BlendOptions::Kind::kCacheBlend ? Blended(parts) : InPlace(parts);
+    return blend_.kind == BlendOptions::Kind::kNone ? InPlace(parts) : Blended(parts);
   }
 
  private:
-  // none and EPIC: straight into the session's own cache.
+  // none: straight into the session's own cache.
   Status InPlace(std::span<const Part> parts) {
     for (const Part& p : parts) {
       const int32_t at = seq_.n_tokens();
@@ -158,20 +165,16 @@ class ChunkReuse {
         continue;
       }
       CACHET_ASSIGN_OR_RETURN(auto entry, EntryOf(e_, cache_, salt_, p.tokens, stats_));
-      int fresh = 0;
-      if (blend_.kind == BlendOptions::Kind::kEpic) {
-        fresh = std::min<int>(blend_.epic_tokens, static_cast<int>(p.tokens.size()));
-        CACHET_RETURN_IF_ERROR(seq_.Reserve(fresh));
-        CACHET_RETURN_IF_ERROR(ForwardAt(e_, std::span(p.tokens).first(fresh), at, seq_));
-        stats_.recomputed_tokens += fresh;
-      }
-      CACHET_RETURN_IF_ERROR(Splice(*entry, fresh, seq_, at + fresh, inv_freq_));
+      CACHET_RETURN_IF_ERROR(Splice(*entry, 0, seq_, at, inv_freq_));
       Commit(p.tokens);
     }
     return OkStatus();
   }
 
-  // CacheBlend, on a private f32 copy of the sequence (rows written over in place), copied back.
+  // EPIC and CacheBlend: the region spliced into a private f32 copy of the sequence, the tokens
+  // they pick recomputed there in one pass (their rows written over in place, each layer's before
+  // that layer attends, so a picked token sees the picked ones before it as computed in context),
+  // then copied back in the session's codecs.
   Status Blended(std::span<const Part> parts) {
     const KvLayout& lay = seq_.layout();
     const int32_t p0 = seq_.n_tokens();
@@ -199,8 +202,13 @@ class ChunkReuse {
     work.CommitTokens(p0);
     // The region as plain concatenation: chunks spliced, text computed over them.
     std::vector<int32_t> tokens;
+    std::vector<int32_t> pick;  // EPIC: the first tokens of each chunk
     for (const Part& p : parts) {
       const int32_t at = p0 + static_cast<int32_t>(tokens.size());
+      if (p.chunk && blend_.kind == BlendOptions::Kind::kEpic) {
+        const int first = std::min<int>(blend_.epic_tokens, static_cast<int>(p.tokens.size()));
+        for (int i = 0; i < first; ++i) pick.push_back(static_cast<int32_t>(tokens.size()) + i);
+      }
       if (p.chunk) {
         CACHET_ASSIGN_OR_RETURN(auto entry, EntryOf(e_, cache_, salt_, p.tokens, stats_));
         CACHET_RETURN_IF_ERROR(Splice(*entry, 0, work, at, inv_freq_));
@@ -214,8 +222,9 @@ class ChunkReuse {
     const int check = std::clamp(blend_.check_layer, 1, std::max(1, wl.n_layers - 1));
     const int n_pick =
         std::clamp(static_cast<int>(std::lround(blend_.recompute * region)), 0, region);
-    std::vector<int32_t> pick;
-    if (n_pick == region) {
+    if (blend_.kind == BlendOptions::Kind::kEpic) {
+      // picked above
+    } else if (n_pick == region) {
       pick.resize(region);
       std::iota(pick.begin(), pick.end(), 0);
     } else if (n_pick > 0) {

@@ -36,10 +36,14 @@ struct ResultRow {
   uint64_t seed = 0;
   int samples = 0;    // task samples, or kl windows
   int questions = 1;  // asked per sample (multiq, multiturn: --questions)
+  int docs = 0;       // multidoc: documents per context, each a reused chunk
   int correct = 0;    // answers right, of samples x questions
   std::optional<double> accuracy;
   std::vector<double> question_accuracy;  // multiq, multiturn: by the order asked
   std::optional<double> mean_kl, p99_kl, top1_agree, ppl_ref, ppl;
+  // multidoc: KL(full prefill || this) per answer token (the right answer teacher-forced), and
+  // the fraction of the chunks' tokens computed in place.
+  std::optional<double> answer_kl, recomputed_fraction;
   int64_t scored_tokens = 0;  // kl: positions scored
   // Cost. kv_bytes_*: this configuration's own cache (pages held x page bytes); the peak counts
   // the uncompressed prefill for methods that compress after it. The pool's high water and the
@@ -61,8 +65,12 @@ struct ResultRow {
 struct SweepOptions {
   std::vector<TaskKind> tasks{TaskKind::kPasskey};
   std::vector<int> lengths{1024};
-  std::vector<int> needles{1};     // niah only
-  int questions = 4;               // multiq, multiturn: questions per context, one needle each
+  std::vector<int> needles{1};  // niah only
+  int questions = 4;            // multiq, multiturn: questions per context, one needle each
+  int docs = 8;                 // multidoc: documents per context
+  // multidoc: the ways of reusing the documents as chunks, each beside the full prefill.
+  std::vector<BlendOptions> blends{
+      BlendOptions{}, {BlendOptions::Kind::kEpic}, {BlendOptions::Kind::kCacheBlend}};
   std::vector<double> depths{-1};  // < 0: random
   int samples = 20;
   uint64_t seed = 1234;

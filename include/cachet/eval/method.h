@@ -4,11 +4,13 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "cachet/reuse.h"
 #include "cachet/status.h"
 
 namespace cachet {
@@ -34,8 +36,11 @@ struct Method {
   int sinks = 4;                // first tokens every press keeps
   double demote_fetch = 0.125;  // presses with +demote:CODEC: cold pages read per decode step
   std::vector<std::string> probe_texts{};  // lookahead's questions (empty: its generic ones)
+  // multidoc: the documents reused as chunks with this blend (none: a full prefill of the prompt).
+  std::optional<BlendOptions> blend{};
 
-  // "full/f32", "snapkv@0.5/int8", "streaming#256/int8:kivi2" (compress_at not included).
+  // "full/f32", "snapkv@0.5/int8", "streaming#256/int8:kivi2", "chunks:cacheblend:0.15/f32"
+  // (compress_at not included).
   std::string Label() const;
 };
 

@@ -28,8 +28,10 @@ uint64_t Fnv1a64(std::string_view s);      // prompt fingerprints
 // multiq and multiturn: a niah context with one needle per question, every needle asked in turn
 // (a random order) against one cache: multiq drops each question's K/V before the next, as a
 // reused cache would; multiturn keeps every question and answer, as a chat does.
-enum class TaskKind { kPasskey, kNiah, kKv, kVt, kMultiq, kMultiturn };
-inline constexpr size_t kTaskKinds = 6;
+// multidoc: a niah context cut into documents (--docs) in a random order, one holding the needle:
+// each a chunk of a reused prompt (Session::EvalChunked), as retrieval-augmented prompts are.
+enum class TaskKind { kPasskey, kNiah, kKv, kVt, kMultiq, kMultiturn, kMultidoc };
+inline constexpr size_t kTaskKinds = 7;
 Result<TaskKind> ParseTaskKind(std::string_view name);
 const char* TaskName(TaskKind kind);
 bool AsksSeveral(TaskKind kind);  // multiq, multiturn
@@ -40,6 +42,7 @@ struct TaskSpec {
   int needles = 1;    // niah: 1, 2, 4 or 8; 0: 1, 1, 2, 4, 8 by sample (the training mix);
                       // multiq, multiturn: the questions (one needle each)
   double depth = -1;  // where the needles go, 0 (start) .. 1 (end); < 0: random boundaries
+  int docs = 8;       // multidoc: documents the context is cut into
 };
 
 struct TaskSample {
@@ -56,6 +59,10 @@ struct TaskSample {
   std::vector<int32_t> ids;          // prompt tokens, BOS included
   int context_tokens = 0;            // ids[0, context_tokens) are BOS + context
   double depth = 0;  // where the answer's needle (kv: line) starts, as a fraction of the context
+  // multidoc: the documents in the order given, and their tokens (ids is BOS, then these, then
+  // the question's).
+  std::vector<std::string> docs;
+  std::vector<std::vector<int32_t>> doc_ids;
 };
 
 // The corpus slices: paragraphs (text between blank lines) of bible, pydocs and fortunes, and
@@ -83,6 +90,13 @@ class TaskGenerator {
 
  private:
   struct Needles;  // what a task puts into the haystack, and its question
+  struct Piece {   // a paragraph or needle of a context, in order
+    std::string text;
+    int tokens = 0;
+    bool answer = false;  // the needle asked about
+  };
+  void SplitDocuments(const TaskSpec& spec, const std::vector<Piece>& pieces, std::mt19937_64& rng,
+                      TaskSample* s) const;
   Needles MakeNeedles(const TaskSpec& spec, std::mt19937_64& rng) const;
   // One attempt: the haystack gets `adjust` tokens more than the estimate says fit.
   TaskSample Build(const TaskSpec& spec, std::mt19937_64 rng, int adjust);
