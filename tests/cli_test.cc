@@ -137,6 +137,38 @@ TEST(Cli, OversizePromptIsAClearError) {
   EXPECT_TRUE(r.out.empty()) << r.out;
 }
 
+TEST(Cli, RunReusesChunkFilesWithEachBlend) {
+  testing::TempDir dir;
+  const std::string a = dir.Write(
+      "a.txt", "Once upon a time, there was a little girl named Lily. She had a red ball.\n\n");
+  const std::string b =
+      dir.Write("b.txt", "The pass key is 52817. Remember it. 52817 is the pass key.\n\n");
+  for (const std::string blend : {"none", "epic:4", "cacheblend:0.3"}) {
+    SCOPED_TRACE(blend);
+    RunResult r =
+        RunCachet("run -t 1 --temp 0 -n 6 --chunk-file " + a + " --chunk-file " + b + " --blend " +
+                  blend + " -p \"Question: What is the pass key?\nAnswer:\"");
+    ASSERT_EQ(r.status, 0) << r.err;
+    EXPECT_TRUE(r.out.starts_with(" 52817")) << r.out;
+    EXPECT_NE(r.err.find("2 computed on their own"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("(" + blend + ")"), std::string::npos) << r.err;
+  }
+  // Chunks between separators of the prompt itself.
+  RunResult r = RunCachet(
+      "run -t 1 --temp 0 -n 4 --chunk-sep @@ -p \"Notes:\n@@The pass key is 52817. Remember "
+      "it.\n\n@@Question: What is the pass key?\nAnswer:\"");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.err.find("1 computed on their own"), std::string::npos) << r.err;
+  r = RunCachet("run --chunk-file " + a + " --blend cacheblend:7 -p x");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("cacheblend:R takes a fraction in [0, 1]"), std::string::npos) << r.err;
+  r = RunCachet("run --chunk-file " + a + " --press snapkv -p x");
+  EXPECT_NE(r.status, 0);
+  r = RunCachet("run --help");
+  EXPECT_NE(r.out.find("--chunk-file"), std::string::npos);
+  EXPECT_NE(r.out.find("--blend"), std::string::npos);
+}
+
 TEST(Cli, FullKvPoolIsAClearError) {
   testing::TempDir dir;
   const std::string prompt = dir.Write(

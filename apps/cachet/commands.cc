@@ -1,6 +1,7 @@
 #include "commands.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -258,6 +259,48 @@ std::string ReadPrompt(const std::string& text, const std::string& file) {
   return ss.str();
 }
 
+// run --chunk-file / --chunk-sep: BOS, the prompt's first piece, the chunk files, the prompt's
+// pieces between separators (chunks), then its last piece; each piece tokenized on its own.
+struct ChunkedPrompt {
+  std::vector<std::vector<int32_t>> ids;
+  std::vector<PromptPart> parts;  // views of ids
+};
+ChunkedPrompt BuildChunkedPrompt(const Tokenizer& tok, const std::string& text,
+                                 const std::vector<std::string>& files, const std::string& sep) {
+  std::vector<std::string> pieces;
+  if (sep.empty()) {
+    pieces = {"", text};
+  } else {
+    for (size_t at = 0;;) {
+      const size_t next = text.find(sep, at);
+      pieces.push_back(text.substr(at, next == std::string::npos ? std::string::npos : next - at));
+      if (next == std::string::npos) break;
+      at = next + sep.size();
+    }
+    if (pieces.size() == 1) pieces.insert(pieces.begin(), "");  // no separator: all question
+  }
+  ChunkedPrompt p;
+  std::vector<bool> chunk;
+  if (tok.add_bos() && tok.bos_id() >= 0) {
+    p.ids.push_back({tok.bos_id()});
+    chunk.push_back(false);
+  }
+  p.ids.push_back(tok.Encode(pieces.front()));
+  chunk.push_back(false);
+  for (const std::string& f : files) {
+    p.ids.push_back(tok.Encode(ReadPrompt("", f)));
+    chunk.push_back(true);
+  }
+  for (size_t i = 1; i + 1 < pieces.size(); ++i) {
+    p.ids.push_back(tok.Encode(pieces[i]));
+    chunk.push_back(true);
+  }
+  p.ids.push_back(tok.Encode(pieces.back()));
+  chunk.push_back(false);
+  for (size_t i = 0; i < p.ids.size(); ++i) p.parts.push_back({p.ids[i], bool(chunk[i])});
+  return p;
+}
+
 // run --cache: the saved context's session, then the prompt (no BOS) and the completion.
 void RunFromCache(const CLI::App& cmd, const std::string& path, const CommonOptions& opts,
                   const std::string& prompt, const std::string& prompt_file, bool quiet,
@@ -334,6 +377,34 @@ void AddRun(CLI::App& app) {
       ->excludes("--logits-of")
       ->excludes("--np")
       ->excludes("--press");
+  auto chunk_files = std::make_shared<std::vector<std::string>>();
+  auto chunk_sep = std::make_shared<std::string>();
+  auto blend = std::make_shared<BlendOptions>();
+  auto* chunk_file_opt =
+      cmd->add_option("--chunk-file", *chunk_files,
+                      "A document reused as a chunk (repeatable, in order): its K/V is computed "
+                      "on its own, cached, and moved to wherever it appears in a prompt, keys "
+                      "re-rotated; the prompt follows the chunk files. docs/REUSE.md")
+          ->check(CLI::ExistingFile);
+  auto* chunk_sep_opt = cmd->add_option(
+      "--chunk-sep", *chunk_sep,
+      "Split the prompt at this string: its first piece is plain text, every piece between two "
+      "separators a chunk (after any --chunk-file), its last piece plain text (the question)");
+  cmd->add_option_function<std::string>(
+         "--blend",
+         [blend](const std::string& spec) {
+           auto b = ParseBlend(spec);
+           if (!b.ok()) throw CLI::ValidationError("--blend", b.status().message());
+           *blend = *b;
+         },
+         "With chunks: how they are reconciled with what precedes them: none (plain "
+         "concatenation, the default), epic:K (recompute each chunk's first K tokens, 16 by "
+         "default), cacheblend:R (recompute the R fraction of tokens whose K/V deviate most, "
+         "0.15 by default)")
+      ->type_name("SPEC");
+  for (auto* o : {chunk_file_opt, chunk_sep_opt}) {
+    o->excludes("--press")->excludes("--cache")->excludes("--logits-of");
+  }
   cmd->callback([=] {
     if (!logits_of->empty()) return PrintLogitsOf(opts->engine, *logits_of);
     if (!cache->empty())
@@ -341,7 +412,16 @@ void AddRun(CLI::App& app) {
     const std::string text = ReadPrompt(*prompt, *prompt_file);
     auto engine = LoadEngine(opts->engine);
     if (!engine) throw CLI::RuntimeError(1);
-    const std::vector<int32_t> prompt_ids = engine->tokenizer().EncodePrompt(text);
+    const bool chunked = !chunk_files->empty() || !chunk_sep->empty();
+    ChunkedPrompt cp;
+    std::vector<int32_t> prompt_ids;
+    if (chunked) {
+      cp = BuildChunkedPrompt(engine->tokenizer(), text, *chunk_files, *chunk_sep);
+      for (const auto& ids_of : cp.ids)
+        prompt_ids.insert(prompt_ids.end(), ids_of.begin(), ids_of.end());
+    } else {
+      prompt_ids = engine->tokenizer().EncodePrompt(text);
+    }
     const std::function<bool(std::string_view)> on_piece = *ids ? nullptr : PrintPiece;
     auto done = [&](const GenerateResult& r) {
       if (*ids) {
@@ -351,7 +431,7 @@ void AddRun(CLI::App& app) {
       std::fputc('\n', stdout);
       if (!*quiet) PrintStats(r);
     };
-    if (*n_parallel == 1) {
+    if (*n_parallel == 1 && !chunked) {
       auto r = engine->Generate(text, opts->gen, on_piece, *salt);
       if (!r.ok()) Fail(r.status());
       done(*r);
@@ -359,17 +439,33 @@ void AddRun(CLI::App& app) {
       // Prefill once; each completion forks the prompt's pages and diverges copy-on-write.
       auto prompt_session = engine->NewSession(*salt);
       const auto& press = opts->gen.press;
-      const Status s = press ? prompt_session->EvalPressed(prompt_ids, *press, nullptr)
-                             : prompt_session->Eval(prompt_ids, nullptr);
+      ChunkReuseStats cs;
+      const auto t0 = std::chrono::steady_clock::now();
+      const Status s = chunked ? prompt_session->EvalChunked(cp.parts, *blend, nullptr, &cs)
+                       : press ? prompt_session->EvalPressed(prompt_ids, *press, nullptr)
+                               : prompt_session->Eval(prompt_ids, nullptr);
       if (!s.ok()) Fail(s);
+      const double prompt_ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      if (chunked && !*quiet) {
+        std::fprintf(stderr,
+                     "[chunks] %d prompt tokens, %d in chunks (%d found cached, %d computed on "
+                     "their own in %.1f ms), %d recomputed in place (%s)\n",
+                     cs.prompt_tokens, cs.chunk_tokens, cs.chunk_hits, cs.chunk_misses,
+                     cs.chunk_compute_ms, cs.recomputed_tokens, BlendName(*blend).c_str());
+      }
       for (int i = 0; i < *n_parallel; ++i) {
         auto fork = prompt_session->Fork();
         GenerateOptions g = opts->gen;
         g.press.reset();  // the shared prompt is already compressed
         g.sampling.seed += i;
-        if (!*quiet) std::fprintf(stderr, "--- completion %d of %d\n", i + 1, *n_parallel);
+        if (!*quiet && *n_parallel > 1) {
+          std::fprintf(stderr, "--- completion %d of %d\n", i + 1, *n_parallel);
+        }
         auto r = fork->Generate({}, g, on_piece);
         if (!r.ok()) Fail(r.status());
+        r->prompt_tokens = static_cast<int>(prompt_ids.size());  // evaluated once for all
+        r->prefill_ms = prompt_ms;
         done(*r);
       }
     }
