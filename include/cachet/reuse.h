@@ -42,6 +42,7 @@ struct ChunkReuseStats {
   int chunk_tokens = 0;         // tokens of the chunk parts
   int chunk_hits = 0;           // chunks found in the chunk cache
   int chunk_misses = 0;         // chunks computed on their own (and cached) first
+  int hit_tokens = 0;           // tokens of the chunks found cached
   int recomputed_tokens = 0;    // chunk tokens computed in place (EPIC's, CacheBlend's selection)
   double chunk_compute_ms = 0;  // of the misses' own prefill
 };

@@ -52,6 +52,12 @@ struct CompletionRequest {
   // in a fork of its session (its pages shared, never copied). Its salt must be cache_salt, and
   // press unset (the cache was compressed when it was made).
   std::string cache_id;
+  // Chunk reuse (Session::EvalChunked): [begin, end) token ranges of the prompt, ascending and
+  // apart, whose K/V the chunk cache supplies wherever they stand, reconciled by blend. Not with
+  // press or cache_id. The prompt is computed when the request is admitted, on the scheduler
+  // thread, before the next step.
+  std::vector<std::pair<int32_t, int32_t>> chunks;
+  BlendOptions blend;
 };
 
 // A context prefilled (and pressed) once and kept by the Runtime for requests to continue from.
@@ -129,6 +135,9 @@ struct RuntimeMetrics {
   int kv_caches = 0;                    // kept caches resident
   int64_t kv_cache_bytes = 0;           // bytes of their pages (shared with requests on them)
   int64_t kv_caches_unloaded = 0;       // times a cache left RAM for cache_mem_bytes
+  // Chunk reuse: chunks found in the chunk cache or computed on their own, their prompt tokens,
+  // and the chunk tokens recomputed in place by blending.
+  int64_t chunk_hits = 0, chunk_misses = 0, chunk_tokens = 0, chunk_recomputed_tokens = 0;
   Histogram ttft, inter_token, e2e;
 };
 

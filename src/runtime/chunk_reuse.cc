@@ -48,6 +48,7 @@ Result<std::shared_ptr<const ChunkEntry>> EntryOf(Engine& e, ChunkCache& cache, 
                                                   ChunkReuseStats& stats) {
   if (auto hit = cache.Find(salt, tokens)) {
     ++stats.chunk_hits;
+    stats.hit_tokens += static_cast<int>(tokens.size());
     return hit;
   }
   const auto t0 = std::chrono::steady_clock::now();
@@ -299,7 +300,9 @@ Result<BlendOptions> ParseBlend(std::string_view spec) {
   const std::string arg =
       colon == std::string_view::npos ? "" : std::string(spec.substr(colon + 1));
   auto bad = [&](const std::string& why) {
-    return InvalidArgument("--blend " + std::string(spec) + ": " + why);
+    std::string m = "'";
+    m.append(spec).append("': ").append(why);
+    return InvalidArgument(m);
   };
   try {
     size_t used = 0;

@@ -72,6 +72,19 @@ Status Runtime::Impl::Check(const CompletionRequest& request) const {
       return InvalidArgument("press: pressing again while decoding (decode_every) is not served");
     }
   }
+  if (!request.chunks.empty() && (request.press || !request.cache_id.empty())) {
+    return InvalidArgument("chunks: not with kv_press or cache_id");
+  }
+  for (size_t i = 0, last = 0; i < request.chunks.size(); ++i) {
+    const auto [begin, end] = request.chunks[i];
+    if (begin < static_cast<int64_t>(last) || end <= begin ||
+        end > static_cast<int64_t>(request.prompt.size())) {
+      return InvalidArgument("chunks[" + std::to_string(i) + "]: [" + std::to_string(begin) + ", " +
+                             std::to_string(end) +
+                             ") is not a range of the prompt after the chunk before it");
+    }
+    last = static_cast<size_t>(end);
+  }
   const int n_ctx = m.engine->n_ctx();
   if (static_cast<int64_t>(request.prompt.size()) >= n_ctx) {
     return InvalidArgument("prompt: " + std::to_string(request.prompt.size()) +

@@ -286,6 +286,18 @@ void Runtime::Impl::Admit() {
     q.session = q.base ? q.base->Fork() : engine->NewSession(q.r.cache_salt);
     if (q.base) {
       q.evaluated = q.context;  // the cache's pages: no prefix lookup, no press
+    } else if (!q.r.chunks.empty()) {
+      if (Status s = EvalChunks(q); !s.ok()) {
+        std::unique_ptr<Request> failed = std::move(waiting[best]);
+        waiting.erase(waiting.begin() + static_cast<std::ptrdiff_t>(best));
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          --queued;
+        }
+        failed->session.reset();
+        Finish(*failed, "error", s);
+        continue;
+      }
     } else if (q.r.press) {
       // Observed up to the end of the prompt: a preempted request recomputes its prompt, is
       // pressed there again, then recomputes the tokens it had generated.
@@ -317,6 +329,32 @@ void Runtime::Impl::Admit() {
     std::lock_guard<std::mutex> lock(mu);
     --queued;
   }
+}
+
+// A chunked request's prompt but its last token, through Session::EvalChunked: the step that
+// follows computes that token (and any a preempted request had generated) as for any request.
+Status Runtime::Impl::EvalChunks(Request& q) {
+  const std::span<const int32_t> prompt(q.tokens.data(), q.n_prompt - 1);
+  std::vector<PromptPart> parts;
+  int32_t at = 0;
+  for (const auto& [begin, end] : q.r.chunks) {
+    const int32_t b = std::min<int32_t>(begin, prompt.size());
+    const int32_t e = std::min<int32_t>(end, prompt.size());
+    if (b > at) parts.push_back({prompt.subspan(at, b - at), false});
+    if (e > b) parts.push_back({prompt.subspan(b, e - b), true});
+    at = std::max(at, e);
+  }
+  if (at < static_cast<int32_t>(prompt.size())) parts.push_back({prompt.subspan(at), false});
+  ChunkReuseStats stats;
+  CACHET_RETURN_IF_ERROR(q.session->EvalChunked(parts, q.r.blend, nullptr, &stats));
+  q.evaluated = q.session->n_tokens();
+  if (!q.ever_admitted) q.cached = stats.hit_tokens;
+  std::lock_guard<std::mutex> lock(mu);
+  metrics.chunk_hits += stats.chunk_hits;
+  metrics.chunk_misses += stats.chunk_misses;
+  metrics.chunk_tokens += stats.chunk_tokens;
+  metrics.chunk_recomputed_tokens += stats.recomputed_tokens;
+  return OkStatus();
 }
 
 // Drops the newest running request's session and queues it again (front) for recompute.

@@ -130,6 +130,7 @@ struct Runtime::Impl {
   bool AwaitsSharedPrefill(const Request& q, int cached) const;
 
   void Admit();
+  Status EvalChunks(Request& q);  // a chunked request's prompt, at admission
 
   // Drops the newest running request's session and queues it again (front) for recompute.
   void Preempt();

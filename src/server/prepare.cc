@@ -28,6 +28,50 @@ Status CheckLength(const std::string& field, int64_t before, int64_t n, const Se
   return OkStatus();
 }
 
+// The prompt text cut at every occurrence of a chunk (the earliest first, the longest of those
+// starting at one place), each piece tokenized on its own so that a chunk's tokens are the same
+// wherever it stands: the first piece as the start of a prompt (BOS), the rest without.
+Status SplitChunks(const std::string& text, std::span<const std::string> chunks, bool chat,
+                   const ServedModel& model, CompletionRequest* r) {
+  const Tokenizer& tok = *model.tokenizer;
+  std::vector<char> found(chunks.size(), 0);
+  r->prompt.clear();
+  auto encode = [&](std::string_view piece) {
+    const bool first = r->prompt.empty();
+    const std::vector<int32_t> ids = chat    ? EncodeChatPrompt(tok, piece, first)
+                                     : first ? tok.EncodePrompt(piece)
+                                             : tok.Encode(piece);
+    r->prompt.insert(r->prompt.end(), ids.begin(), ids.end());
+  };
+  for (size_t at = 0; at < text.size();) {
+    size_t best = std::string::npos, which = 0;
+    for (size_t c = 0; c < chunks.size(); ++c) {
+      const size_t p = text.find(chunks[c], at);
+      if (p < best ||
+          (p == best && p != std::string::npos && chunks[c].size() > chunks[which].size())) {
+        best = p;
+        which = c;
+      }
+    }
+    encode(std::string_view(text).substr(at, best == std::string::npos ? best : best - at));
+    if (best == std::string::npos) break;
+    if (r->prompt.empty()) encode("");  // a prompt that opens with a chunk: BOS first
+    const int32_t begin = static_cast<int32_t>(r->prompt.size());
+    const std::vector<int32_t> ids = tok.Encode(chunks[which]);
+    r->prompt.insert(r->prompt.end(), ids.begin(), ids.end());
+    if (!ids.empty()) r->chunks.emplace_back(begin, static_cast<int32_t>(r->prompt.size()));
+    found[which] = 1;
+    at = best + chunks[which].size();
+  }
+  for (size_t c = 0; c < chunks.size(); ++c) {
+    if (!found[c]) {
+      return InvalidArgument("chunks[" + std::to_string(c) + "]: not found in the " +
+                             (chat ? "rendered messages" : "prompt"));
+    }
+  }
+  return OkStatus();
+}
+
 }  // namespace
 
 Result<std::vector<int32_t>> ChatAfterCache(const ServedModel& model, const KvCacheInfo& cache,
@@ -101,7 +145,13 @@ Result<PreparedRequest> Prepare(const ParsedRequest& parsed, const ServedModel& 
     Result<std::string> text =
         RenderChat(model.chat_template, parsed.messages, /*add_generation_prompt=*/true);
     if (!text.ok()) return InvalidArgument("messages: " + text.status().message());
-    r.prompt = EncodeChatPrompt(*model.tokenizer, *text, /*first=*/true);
+    if (parsed.chunks.empty()) {
+      r.prompt = EncodeChatPrompt(*model.tokenizer, *text, /*first=*/true);
+    } else {
+      CACHET_RETURN_IF_ERROR(SplitChunks(*text, parsed.chunks, true, model, &r));
+    }
+  } else if (!parsed.chunks.empty()) {
+    CACHET_RETURN_IF_ERROR(SplitChunks(*parsed.prompt_text, parsed.chunks, false, model, &r));
   } else if (parsed.prompt_text) {
     // After a cache the prompt follows its context: no BOS.
     r.prompt = cache != nullptr ? model.tokenizer->Encode(*parsed.prompt_text)
@@ -131,6 +181,7 @@ Result<PreparedRequest> Prepare(const ParsedRequest& parsed, const ServedModel& 
   r.cache_salt = parsed.cache_salt;
   r.press = parsed.press;
   r.cache_id = parsed.cache_id;
+  r.blend = parsed.blend;
   return p;
 }
 

@@ -215,6 +215,38 @@ Status ParseMessages(const json& body, ParsedRequest* r) {
   return OkStatus();
 }
 
+// "chunks": an array of non-empty strings; "blend": a spec, only with chunks.
+Status ParseChunks(const json& body, ParsedRequest* r) {
+  if (const json* c = Field(body, "chunks"); c != nullptr) {
+    if (!c->is_array()) return Bad("chunks", "must be an array of strings, " + Got(*c));
+    if (c->size() > 256) {
+      return Bad("chunks", "at most 256 chunks, got " + std::to_string(c->size()));
+    }
+    for (size_t i = 0; i < c->size(); ++i) {
+      const std::string at = "chunks[" + std::to_string(i) + "]";
+      const json& e = (*c)[i];
+      if (!e.is_string()) return Bad(at, "must be a string, " + Got(e));
+      if (e.get_ref<const std::string&>().empty()) return Bad(at, "empty string");
+      r->chunks.push_back(e.get<std::string>());
+    }
+  }
+  std::optional<std::string> blend;
+  CACHET_RETURN_IF_ERROR(GetString(body, "blend", &blend));
+  if (blend) {
+    if (r->chunks.empty()) return Bad("blend", "only with \"chunks\"");
+    Result<BlendOptions> b = ParseBlend(*blend);
+    if (!b.ok()) return Bad("blend", b.status().message());
+    r->blend = *b;
+  }
+  if (r->chunks.empty()) return OkStatus();
+  if (!r->cache_id.empty()) return Bad("chunks", "not with cache_id");
+  if (r->press) return Bad("chunks", "not with kv_press: press after the chunks are reused");
+  if (r->endpoint == Endpoint::kCompletions && !r->prompt_text) {
+    return Bad("chunks", "need a text prompt (the chunks are found in its text)");
+  }
+  return OkStatus();
+}
+
 Status ParseStop(const json& body, int max_stop, std::vector<std::string>* out) {
   const json* s = Field(body, "stop");
   if (s == nullptr) return OkStatus();
@@ -448,6 +480,7 @@ Result<ParsedRequest> ParseRequest(std::string_view text, Endpoint endpoint,
     }
     r.cache_id = std::move(*cache_id);
   }
+  CACHET_RETURN_IF_ERROR(ParseChunks(body, &r));
 
   CACHET_RETURN_IF_ERROR(RejectUnsupported(body, endpoint, r.n));
   std::optional<std::string> user;  // accepted, unused

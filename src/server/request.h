@@ -19,6 +19,7 @@
 
 #include "cachet/chat_template.h"
 #include "cachet/press.h"
+#include "cachet/reuse.h"
 #include "cachet/sampling.h"
 #include "cachet/status.h"
 
@@ -60,6 +61,11 @@ struct ParsedRequest {
   std::optional<press::PressOptions> press;  // kv_press: {name, ratio | budget}
   // Continue from this kept cache (POST /v1/caches); never with press.
   std::string cache_id;
+  // Chunk reuse (docs/REUSE.md): texts that appear in the prompt (or the rendered messages),
+  // each occurrence's K/V taken from the chunk cache wherever it stands; never with cache_id,
+  // kv_press or a prompt of token ids. blend: how they are reconciled (none unless given).
+  std::vector<std::string> chunks;
+  BlendOptions blend;
 };
 
 // The body of POST /v1/completions or /v1/chat/completions. Unknown fields are ignored (as vLLM

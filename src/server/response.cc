@@ -454,6 +454,16 @@ std::string MetricsText(const RuntimeMetrics& m, const KvStats& kv, std::string_
             "Kept caches that left RAM for --cache-mem-mib (loaded again from disk or Redis when "
             "asked for).",
             static_cast<double>(m.kv_caches_unloaded));
+  w.Counter("chunk_hits_total", "Chunks of prompts (\"chunks\") found in the chunk cache.",
+            static_cast<double>(m.chunk_hits));
+  w.Counter("chunk_misses_total", "Chunks of prompts computed on their own and cached.",
+            static_cast<double>(m.chunk_misses));
+  w.Counter("chunk_tokens_total", "Prompt tokens in chunks.", static_cast<double>(m.chunk_tokens));
+  w.Counter("chunk_recomputed_tokens_total",
+            "Chunk tokens recomputed in place by blending (epic, cacheblend).",
+            static_cast<double>(m.chunk_recomputed_tokens));
+  w.Gauge("kv_chunk_bytes", "Bytes of the KV pages the chunk cache holds (freed on demand).",
+          static_cast<double>(kv.chunk_bytes));
   w.Histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
               m.ttft);
   w.Histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
