@@ -4,6 +4,9 @@
 // Environment: CACHET (the binary, to compare with `cachet run`), THREADS, API_KEY (errors group).
 import assert from "node:assert/strict";
 import { execFile } from "node:child_process";
+import { mkdtempSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
 import { promisify } from "node:util";
 import OpenAI from "openai";
 import { runChecks } from "./harness.mjs";
@@ -323,6 +326,32 @@ if (group === "api") {
     assert.equal(typeof r.choices[0].text, "string");
     const q = await greedy(LONG, 4, { kv_press: { name: "knorm+max", budget: 32 } });
     assert.equal(q.choices.length, 1);
+  });
+
+  check("chunks: documents reused at any position, as `cachet run --chunk-file` computes them", async () => {
+    const docA = "Once upon a time, there was a little girl named Lily. She had a red ball.\n\n";
+    const docB = "The pass key is 52817. Remember it. 52817 is the pass key.\n\n";
+    const question = "Question: What is the pass key?\nAnswer:";
+    const first = await greedy(docA + docB + question, 6, { chunks: [docA, docB], blend: "cacheblend:0.3" });
+    assert.equal(first.choices[0].text.trim(), "52817");
+    // The other order: both documents come from the chunk cache.
+    const second = await greedy(docB + docA + question, 6, { chunks: [docA, docB] });
+    assert.equal(second.choices[0].text.trim(), "52817");
+    assert.ok(second.usage.prompt_tokens_details?.cached_tokens >= 30, JSON.stringify(second.usage));
+    const dir = mkdtempSync(join(tmpdir(), "chunks-"));
+    writeFileSync(join(dir, "a.txt"), docA);
+    writeFileSync(join(dir, "b.txt"), docB);
+    const { stdout: cli } = await promisify(execFile)(
+      process.env.CACHET,
+      ["run", "-q", "-t", process.env.THREADS ?? "2", "--temp", "0", "-n", "6",
+       "--chunk-file", join(dir, "a.txt"), "--chunk-file", join(dir, "b.txt"),
+       "--blend", "cacheblend:0.3", "-p", question],
+      { encoding: "utf8" },
+    );
+    assert.equal(first.choices[0].text, cli.replace(/\n$/, ""), "the server and `cachet run` disagree");
+    const bad = await post("/v1/completions", { prompt: "x", chunks: ["y"] });
+    assert.equal(bad.status, 400);
+    assert.equal(bad.json.error.param, "chunks[0]");
   });
 
   check("POST /tokenize and /detokenize (llama.cpp shapes)", async () => {
