@@ -197,6 +197,23 @@ TEST(Cli, InspectAndKvStats) {
   EXPECT_NE(r.err.find("prefix cache:"), std::string::npos) << r.err;
 }
 
+TEST(Cli, BenchAgentsShareOneContext) {
+  RunResult r =
+      RunCachet("bench -t 1 --agents 4 --ctx 512 --n-decode 4 --json --press knorm --ratio 0.5");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["agents"], 4);
+  EXPECT_NEAR(j["independent"]["kv_bytes_vs_one_agent"].get<double>(), 4.0, 0.2);
+  // Forks hold the context's pages once: each agent adds its instruction and its tokens only.
+  EXPECT_LT(j["shared"]["kv_bytes_vs_one_agent"].get<double>(), 1.3);
+  EXPECT_LT(j["shared_pressed"]["kv_bytes"].get<double>(), j["shared"]["kv_bytes"].get<double>());
+  EXPECT_LT(j["shared"]["ttft_all_ms"].get<double>(),
+            j["independent"]["ttft_all_ms"].get<double>());
+  r = RunCachet("bench -t 1 --agents 2 --ctx 256 --n-decode 2");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("vs one agent"), std::string::npos) << r.out;
+}
+
 TEST(Cli, BenchComparesCacheTypesRepByRep) {
   RunResult r = RunCachet(
       "bench -t 1 --ctx 40 --reps 2 --n-decode 2 --no-roofline --json --ctk f16 --ctv f16 "

@@ -388,6 +388,7 @@ void AddBench(CLI::App& app) {
     int serve_capacity = 0;       // requests served at once through the Runtime
     int batch_tokens = 0;         // its tokens per step; 0: a whole prompt and every decode
     bool tier_ttft = false;
+    int agents = 0;
   };
   auto o = std::make_shared<Opts>();
   AddEngineFlags(*cmd, o->engine);
@@ -432,7 +433,25 @@ void AddBench(CLI::App& app) {
                   "--serve-capacity: tokens per runtime step (default: the --ctx plus N, a whole "
                   "prompt and every request's next token)")
       ->check(CLI::PositiveNumber);
+  cmd->add_option("--agents", o->agents,
+                  "Instead: N agents that share one context of the largest --ctx (random tokens) "
+                  "and differ in a 32-token instruction and --n-decode greedy tokens: KV bytes "
+                  "of all of them and the time until each has its first token, as N independent "
+                  "copies, as forks of one prefilled context, and (with --press) of one pressed "
+                  "context (JSON keys independent, shared, shared_pressed)")
+      ->check(CLI::Range(1, 256));
   cmd->callback([o, n_decode] {
+    if (o->agents > 0) {
+      const int ctx = *std::max_element(o->ctx.begin(), o->ctx.end());
+      const int gen = n_decode->count() > 0 ? o->n_decode : 16;
+      const nlohmann::json out = AgentsBench(o->engine, ctx, o->agents, gen, o->gen.press);
+      if (o->json) {
+        std::printf("%s\n", out.dump().c_str());
+      } else {
+        PrintAgents(out);
+      }
+      return;
+    }
     if (o->serve_capacity > 0) {
       const int ctx = *std::max_element(o->ctx.begin(), o->ctx.end());
       const int n = o->serve_capacity;

@@ -2,6 +2,8 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
 #include "cachet/engine.h"
@@ -34,6 +36,12 @@ void AddEval(CLI::App& app);
 void AddConvert(CLI::App& app);
 void AddServe(CLI::App& app);  // serve.cc
 void AddCache(CLI::App& app);  // cache.cc
+// bench --agents (bench_agents.cc): n agents on one context of ctx tokens, independent copies
+// against forks of it (pressed too with press), as JSON; and its table.
+nlohmann::json AgentsBench(const EngineOptions& base, int ctx, int n, int n_decode,
+                           const std::optional<press::PressOptions>& press);
+void PrintAgents(const nlohmann::json& out);
+
 // The KV layout options a saved cache needs (codecs, page size, sinks, window), where cmd's
 // flags did not set them.
 void ApplySavedLayout(const CLI::App& cmd, const SavedCacheInfo& info, EngineOptions& o);
