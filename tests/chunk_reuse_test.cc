@@ -234,6 +234,40 @@ TEST(ChunkReuse, BadInputChangesNothing) {
   EXPECT_EQ(o->EvalChunked(parts, BlendOptions{}, &logits).code(), StatusCode::kFailedPrecondition);
 }
 
+// A chunk is computed as a prompt of BOS and its tokens, which the prefix cache's tiers keep:
+// another engine (a restarted process) on the same disk cache loads its full blocks; an engine of
+// another KV layout does not.
+TEST(ChunkReuse, ChunksComeFromTheDiskTierOfAnotherEngineOfTheSameLayout) {
+  testing::TempDir dir;
+  auto engine = [&](const std::string& codec) {
+    EngineOptions o;
+    o.model_dir = testing::ModelDir();
+    o.threads = 2;
+    o.kv_codec_k = o.kv_codec_v = codec;
+    o.disk_cache_dir = dir.path();
+    auto e = Engine::Create(o);
+    EXPECT_TRUE(e.ok()) << e.status().ToString();
+    return std::move(e).value();
+  };
+  auto first = engine("f32");
+  const Prompt p(first->tokenizer());
+  ChunkReuseStats computed, loaded, other;
+  const std::vector<float> want = Chunked(*first, p, "cacheblend:0.3", &computed);
+  EXPECT_EQ(computed.chunk_misses, 2);
+  EXPECT_EQ(computed.prefix_tokens, 0);
+  first.reset();
+  auto second = engine("f32");
+  const std::vector<float> got = Chunked(*second, p, "cacheblend:0.3", &loaded);
+  EXPECT_EQ(loaded.chunk_misses, 2);  // not in this engine's RAM
+  // Whole 16-token blocks of BOS + the chunk come from the disk; the last token is computed.
+  const size_t pt = 16;
+  EXPECT_EQ(loaded.prefix_tokens, int(p.doc_a.size() / pt * pt + p.doc_b.size() / pt * pt));
+  EXPECT_EQ(MaxAbsDiff(got, want), 0.0);
+  auto third = engine("q8_0");
+  Chunked(*third, p, "none", &other);
+  EXPECT_EQ(other.prefix_tokens, 0);  // another layout's blocks are not this one's
+}
+
 // A full pool: the chunk cache gives its pages back; a prompt that cannot fit at all fails with
 // the session as it was.
 TEST(ChunkReuse, TheChunkCacheGivesWayWhenThePoolRunsDry) {

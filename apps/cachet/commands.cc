@@ -450,9 +450,11 @@ void AddRun(CLI::App& app) {
       if (chunked && !*quiet) {
         std::fprintf(stderr,
                      "[chunks] %d prompt tokens, %d in chunks (%d found cached, %d computed on "
-                     "their own in %.1f ms), %d recomputed in place (%s)\n",
+                     "their own in %.1f ms, %d of their tokens from the prefix cache or its "
+                     "tiers), %d recomputed in place (%s)\n",
                      cs.prompt_tokens, cs.chunk_tokens, cs.chunk_hits, cs.chunk_misses,
-                     cs.chunk_compute_ms, cs.recomputed_tokens, BlendName(*blend).c_str());
+                     cs.chunk_compute_ms, cs.prefix_tokens, cs.recomputed_tokens,
+                     BlendName(*blend).c_str());
       }
       for (int i = 0; i < *n_parallel; ++i) {
         auto fork = prompt_session->Fork();

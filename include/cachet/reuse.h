@@ -39,10 +39,13 @@ struct PromptPart {
 // What Session::EvalChunked did.
 struct ChunkReuseStats {
   int prompt_tokens = 0;
-  int chunk_tokens = 0;         // tokens of the chunk parts
-  int chunk_hits = 0;           // chunks found in the chunk cache
-  int chunk_misses = 0;         // chunks computed on their own (and cached) first
-  int hit_tokens = 0;           // tokens of the chunks found cached
+  int chunk_tokens = 0;  // tokens of the chunk parts
+  int chunk_hits = 0;    // chunks found in the chunk cache
+  int chunk_misses = 0;  // chunks computed on their own (and cached) first
+  int hit_tokens = 0;    // tokens of the chunks found cached
+  // Tokens of the chunks not found that the prefix cache or its disk and Redis tiers held (the
+  // chunk computed as a prompt of BOS and its tokens, as another process may have done).
+  int prefix_tokens = 0;
   int recomputed_tokens = 0;    // chunk tokens computed in place (EPIC's, CacheBlend's selection)
   double chunk_compute_ms = 0;  // of the misses' own prefill
 };

@@ -66,10 +66,13 @@ Status PagePool::Alloc(int n_raw, int n_codec, std::vector<int32_t>* raw,
     return need <= free_bytes() && n_raw <= static_cast<int>(raw_.free.size()) &&
            n_codec <= static_cast<int>(codec_.free.size());
   };
-  if (!fits() && need <= available_bytes()) {
+  // Pages one reclaimer lets go may still be held by another (a chunk cache entry's pages are
+  // also the prefix cache's): go round again while anything was let go.
+  for (bool progress = true; !fits() && progress && need <= available_bytes();) {
+    progress = false;
     for (PageReclaimer* r : reclaimers_) {
       if (fits()) break;
-      r->Reclaim(need > free_bytes() ? need - free_bytes() : layout_.page_bytes());
+      progress |= r->Reclaim(need > free_bytes() ? need - free_bytes() : layout_.page_bytes()) > 0;
     }
   }
   if (!fits()) {

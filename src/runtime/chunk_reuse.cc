@@ -42,7 +42,10 @@ Status ForwardAt(Engine& e, std::span<const int32_t> tokens, int32_t at, KvSeque
   return OkStatus();
 }
 
-// The chunk's entry: from the cache, or computed on its own (after BOS) and cached.
+// The chunk's entry: from the cache, or computed on its own (after BOS) and cached. It is
+// computed as a prompt of BOS and the chunk, which is exactly what the prefix cache holds for such
+// a prompt: its full blocks come from the prefix cache and its disk and Redis tiers when they hold
+// them (another process computed the chunk), and go to them otherwise.
 Result<std::shared_ptr<const ChunkEntry>> EntryOf(Engine& e, ChunkCache& cache, uint64_t salt,
                                                   std::span<const int32_t> tokens,
                                                   ChunkReuseStats& stats) {
@@ -58,9 +61,13 @@ Result<std::shared_ptr<const ChunkEntry>> EntryOf(Engine& e, ChunkCache& cache, 
   if (e.tokenizer().add_bos() && e.tokenizer().bos_id() >= 0) ids.push_back(e.tokenizer().bos_id());
   entry->lead = static_cast<int>(ids.size());
   ids.insert(ids.end(), tokens.begin(), tokens.end());
-  entry->seq = std::make_unique<PagedSequence>(EngineAccess::kv_pool(e));
-  CACHET_RETURN_IF_ERROR(entry->seq->Reserve(static_cast<int>(ids.size())));
-  CACHET_RETURN_IF_ERROR(ForwardAt(e, ids, 0, *entry->seq));
+  std::unique_ptr<Session> alone = EngineAccess::NewSession(e, salt);
+  const PrefixTree* tree = EngineAccess::prefix(e);
+  const int64_t before = tree != nullptr ? tree->stats().hit_tokens : 0;
+  CACHET_RETURN_IF_ERROR(alone->Eval(ids, nullptr));
+  stats.prefix_tokens +=
+      static_cast<int>((tree != nullptr ? tree->stats().hit_tokens : 0) - before);
+  entry->seq = EngineAccess::kv(*alone).Fork();
   cache.Insert(salt, entry);
   ++stats.chunk_misses;
   stats.chunk_compute_ms += MsSince(t0);

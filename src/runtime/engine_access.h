@@ -30,6 +30,11 @@ class EngineAccess {
   static ChunkCache& chunks(Engine& e) { return *e.chunks_; }
   // What sessions of that salt share the prefix cache under (Engine::NewSession's key).
   static uint64_t SaltOf(std::string_view cache_salt) { return Engine::SaltKey(cache_salt); }
+  // A session under a salt already hashed (SaltOf), as NewSession(cache_salt) makes it.
+  static std::unique_ptr<Session> NewSession(Engine& e, uint64_t salt) {
+    return std::unique_ptr<Session>(
+        new Session(e, std::make_unique<PagedSequence>(*e.kv_pool_), salt));
+  }
 
   static PagedSequence& kv(Session& s) { return *s.seq_; }
   static const PagedSequence& kv(const Session& s) { return *s.seq_; }
