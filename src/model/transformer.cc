@@ -67,7 +67,7 @@ Status Transformer::Forward(std::span<const int32_t> tokens, std::span<const int
 }
 
 Status Transformer::ForwardBatch(std::span<const SeqChunk> seqs, ThreadPool& pool,
-                                 int kv_only_layer) {
+                                 const LayerRange& layers) {
   const ModelConfig& c = config_;
   // Validate everything before anything changes.
   int64_t total = 0;
@@ -137,8 +137,16 @@ Status Transformer::ForwardBatch(std::span<const SeqChunk> seqs, ThreadPool& poo
   float* x = x_.data();
   float* xn = xn_.data();
 
+  if (layers.first > 0 && layers.x_in == nullptr) {
+    return InvalidArgument("ForwardBatch: starting at layer " + std::to_string(layers.first) +
+                           " needs the hidden states entering it");
+  }
   ForEachToken(n, pool, [&](int i) {
-    kernels::DequantRow(weights_.embed, tokens_[i], x + static_cast<size_t>(i) * d);
+    if (layers.first > 0) {
+      std::copy_n(layers.x_in + static_cast<size_t>(i) * d, d, x + static_cast<size_t>(i) * d);
+    } else {
+      kernels::DequantRow(weights_.embed, tokens_[i], x + static_cast<size_t>(i) * d);
+    }
     // As HF: angle = f32(position) * inv_freq in f32, then cos/sin of that f32 angle.
     float* cs = rope_.data() + static_cast<size_t>(i) * hd;
     for (int j = 0; j < half; ++j) {
@@ -148,8 +156,9 @@ Status Transformer::ForwardBatch(std::span<const SeqChunk> seqs, ThreadPool& poo
     }
   });
 
-  for (int l = 0; l < c.n_layers; ++l) {
+  for (int l = layers.first; l < c.n_layers; ++l) {
     const LayerWeights& L = weights_.layers[l];
+    if (l == layers.kv_only && layers.x_out != nullptr) std::copy_n(x, size_t(n) * d, layers.x_out);
     ForEachToken(n, pool, [&](int i) {
       kernels::RmsNorm(x + size_t(i) * d, L.attn_norm.data(), d, c.rms_norm_eps,
                        xn + size_t(i) * d);
@@ -157,7 +166,7 @@ Status Transformer::ForwardBatch(std::span<const SeqChunk> seqs, ThreadPool& poo
     const float* bq = L.bq.empty() ? nullptr : L.bq.data();
     const float* bk = L.bk.empty() ? nullptr : L.bk.data();
     const float* bv = L.bv.empty() ? nullptr : L.bv.data();
-    const bool kv_only = l == kv_only_layer;
+    const bool kv_only = l == layers.kv_only;
     if (!kv_only) kernels::MatMul(xn, n, L.wq, bq, q_.data(), q_dim, pool);
     kernels::MatMul(xn, n, L.wk, bk, k_.data(), kv_dim, pool);
     kernels::MatMul(xn, n, L.wv, bv, v_.data(), kv_dim, pool);

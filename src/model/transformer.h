@@ -28,6 +28,18 @@ struct SeqChunk {
   bool all_logits = false;
 };
 
+// Part of the model for one step. first > 0 starts at that layer from x_in ([tokens][hidden]: the
+// hidden states entering it) instead of the embeddings. kv_only >= 0 stops the step early: the
+// layers before it run whole, that layer only computes and appends its K/V rows, x_out (when
+// given) receives the hidden states entering it, and nothing is committed and no logits are
+// computed.
+struct LayerRange {
+  int first = 0;
+  const float* x_in = nullptr;
+  int kv_only = -1;
+  float* x_out = nullptr;
+};
+
 class Transformer {
  public:
   // max_batch bounds the tokens of one step (the ubatch); scratch is sized for it once.
@@ -61,10 +73,10 @@ class Transformer {
   // give a reservation back), which a retried step, or the sequence's next tokens, use without
   // allocating again.
   //
-  // kv_only_layer >= 0 stops the step early: layers before it run whole, that layer only computes
-  // and appends its K/V rows; nothing is committed and no logits are computed (CacheBlend's check
-  // of which tokens' K/V deviate, through a KvSequence that compares instead of appending).
-  Status ForwardBatch(std::span<const SeqChunk> seqs, ThreadPool& pool, int kv_only_layer = -1);
+  // layers runs part of the model (CacheBlend's passes, through a KvSequence that writes rows
+  // over or compares them instead of appending; see LayerRange).
+  Status ForwardBatch(std::span<const SeqChunk> seqs, ThreadPool& pool,
+                      const LayerRange& layers = {});
 
   // The one-entry case: tokens (at the given positions) through the model, their K/V appended to
   // kv; logits receives vocab_size floats per token when all_logits, else for the last token

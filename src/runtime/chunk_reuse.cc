@@ -27,7 +27,7 @@ double MsSince(std::chrono::steady_clock::time_point t0) {
 // Tokens through the model at positions from `at` on, in ubatch pieces, their K/V into kv; no
 // logits. Room must be reserved.
 Status ForwardAt(Engine& e, std::span<const int32_t> tokens, int32_t at, KvSequence& kv,
-                 int kv_only_layer = -1) {
+                 int kv_only_layer = -1, float* hidden = nullptr) {
   Transformer& model = EngineAccess::model(e);
   const int ub = e.options().ubatch;
   std::vector<int32_t> pos;
@@ -36,8 +36,11 @@ Status ForwardAt(Engine& e, std::span<const int32_t> tokens, int32_t at, KvSeque
     pos.resize(n);
     std::iota(pos.begin(), pos.end(), at + static_cast<int32_t>(start));
     const SeqChunk one{&kv, tokens.subspan(start, n), pos, nullptr, false};
-    CACHET_RETURN_IF_ERROR(model.ForwardBatch(std::span<const SeqChunk>(&one, 1),
-                                              EngineAccess::threads(e), kv_only_layer));
+    LayerRange layers;
+    layers.kv_only = kv_only_layer;
+    if (hidden) layers.x_out = hidden + start * size_t(model.config().hidden_size);
+    CACHET_RETURN_IF_ERROR(
+        model.ForwardBatch(std::span<const SeqChunk>(&one, 1), EngineAccess::threads(e), layers));
   }
   return OkStatus();
 }
@@ -109,7 +112,7 @@ Status Splice(const ChunkEntry& e, int from, PagedSequence& into, int32_t at,
 
 // CacheBlend's passes over a private f32 copy of the sequence: the K/V rows of the tokens given
 // are written over in place, except at check_layer (>= 0), where their squared deviation from the
-// rows there is summed per token instead (and the pass stops: ForwardBatch's kv_only_layer).
+// rows there is summed per token instead (and the pass stops: LayerRange::kv_only).
 class Recompute final : public KvSequence {
  public:
   Recompute(PagedSequence& work, const std::vector<int32_t>& first_row, int32_t p0, int check_layer,
@@ -227,6 +230,8 @@ class ChunkReuse {
       tokens.insert(tokens.end(), p.tokens.begin(), p.tokens.end());
     }
     // Which tokens' K/V deviate most at the check layer from a computation in context.
+    const int d = e_.config().hidden_size;
+    std::vector<float> hidden;  // [region][d] entering the check layer, when it was measured
     const int check = std::clamp(blend_.check_layer, 1, std::max(1, wl.n_layers - 1));
     const int n_pick =
         std::clamp(static_cast<int>(std::lround(blend_.recompute * region)), 0, region);
@@ -238,7 +243,9 @@ class ChunkReuse {
     } else if (n_pick > 0) {
       std::vector<double> deviation(region, 0.0);
       Recompute measure(work, first_row, p0, check, &deviation);
-      CACHET_RETURN_IF_ERROR(ForwardAt(e_, tokens, p0, measure, check));
+      // The hidden states entering the check layer too: the picked tokens start there.
+      hidden.resize(size_t(region) * d);
+      CACHET_RETURN_IF_ERROR(ForwardAt(e_, tokens, p0, measure, check, hidden.data()));
       pick.resize(region);
       std::iota(pick.begin(), pick.end(), 0);
       std::nth_element(pick.begin(), pick.begin() + n_pick, pick.end(), [&](int32_t a, int32_t b) {
@@ -247,23 +254,35 @@ class ChunkReuse {
       pick.resize(n_pick);
       std::sort(pick.begin(), pick.end());
     }
-    // The picked tokens through every layer, in position order, over the rows as they stand.
+    // The picked tokens through every layer, in position order, over the rows as they stand;
+    // from the check layer on when the measuring pass left their hidden states there (the layers
+    // before it were computed in context for every token already).
     if (!pick.empty()) {
       Recompute rewrite(work, first_row, p0, -1, nullptr);
       const Transformer& model = EngineAccess::model(e_);
       const int ub = std::min(e_.options().ubatch, model.max_batch());
       std::vector<int32_t> ids, at;
+      std::vector<float> x;
       for (size_t start = 0; start < pick.size(); start += ub) {
         const size_t n = std::min<size_t>(ub, pick.size() - start);
         ids.resize(n);
         at.resize(n);
+        x.resize(hidden.empty() ? 0 : n * d);
         for (size_t i = 0; i < n; ++i) {
           ids[i] = tokens[pick[start + i]];
           at[i] = p0 + pick[start + i];
+          if (!hidden.empty()) {
+            std::copy_n(hidden.data() + size_t(pick[start + i]) * d, d, x.data() + i * d);
+          }
         }
         const SeqChunk one{&rewrite, ids, at, nullptr, false};
+        LayerRange layers;
+        if (!hidden.empty()) {
+          layers.first = check;
+          layers.x_in = x.data();
+        }
         CACHET_RETURN_IF_ERROR(EngineAccess::model(e_).ForwardBatch(
-            std::span<const SeqChunk>(&one, 1), EngineAccess::threads(e_)));
+            std::span<const SeqChunk>(&one, 1), EngineAccess::threads(e_), layers));
       }
     }
     stats_.recomputed_tokens += static_cast<int>(pick.size());
