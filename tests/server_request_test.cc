@@ -500,6 +500,40 @@ TEST_F(ServerPrepare, PromptLongerThanTheContext) {
   EXPECT_EQ(ApiErrorFromStatus(c.status()).param, "messages");
 }
 
+// cachet serve --on-full shift: the oldest turns after the system prompt go until the chat
+// leaves max_tokens of room; the system prompt and the last message stay.
+TEST_F(ServerPrepare, ChatsThatDoNotFitDropTheirOldestTurnsWithShift) {
+  json messages = json::array();
+  messages.push_back({{"role", "system"}, {"content", "Be brief."}});
+  for (int turn = 0; turn < 6; ++turn) {
+    messages.push_back(
+        {{"role", "user"}, {"content", "Tell me about turn " + std::to_string(turn)}});
+    messages.push_back({{"role", "assistant"}, {"content", "It was turn " + std::to_string(turn)}});
+  }
+  messages.push_back({{"role", "user"}, {"content", "And the last one?"}});
+  const std::string body = json({{"messages", messages}, {"max_tokens", 8}}).dump();
+  model_.n_ctx = 96;
+  EXPECT_FALSE(Prepare(Chat(body).value(), model_, 1).ok());  // error: the default
+  model_.shift_chats = true;
+  Result<PreparedRequest> p = Prepare(Chat(body).value(), model_, 1);
+  ASSERT_TRUE(p.ok()) << p.status().ToString();
+  EXPECT_GT(p->dropped_messages, 0);
+  EXPECT_EQ(p->dropped_messages % 2, 0);  // whole turns: the kept ones start with a user message
+  EXPECT_LE(static_cast<int>(p->request.prompt.size()) + 8, model_.n_ctx);
+  const std::string text = tok_->Decode(p->request.prompt);
+  EXPECT_NE(text.find("Be brief."), std::string::npos) << text;
+  EXPECT_NE(text.find("And the last one?"), std::string::npos) << text;
+  EXPECT_EQ(text.find("turn 0"), std::string::npos) << text;
+  // What fits is not touched.
+  model_.n_ctx = 4096;
+  p = Prepare(Chat(body).value(), model_, 1);
+  ASSERT_TRUE(p.ok());
+  EXPECT_EQ(p->dropped_messages, 0);
+  // A last message that alone does not fit is still an error.
+  model_.n_ctx = 16;
+  EXPECT_FALSE(Prepare(Chat(body).value(), model_, 1).ok());
+}
+
 TEST_F(ServerPrepare, PromptThatNoPoolCanHold) {
   model_.pool_pages = 16;  // one page per (layer, KV head): 16 tokens
   json ids = json::array();

@@ -94,6 +94,20 @@ void AddServe(CLI::App& app) {
                   "0: --np + --max-waiting, at least 16, at most 512)")
       ->default_val(0)
       ->check(CLI::NonNegativeNumber);
+  cmd->add_option_function<std::string>(
+         "--on-full",
+         [o](const std::string& policy) {
+           if (policy != "error" && policy != "shift") {
+             throw CLI::ValidationError("--on-full",
+                                        "expected error or shift, got '" + policy + "'");
+           }
+           o->server.shift_chats = policy == "shift";
+         },
+         "A chat whose messages leave too little room in the context (its max_tokens, or a "
+         "quarter of the context): error (a 400, the default) or shift (drop the oldest turns "
+         "after the system prompt until it fits; the X-Cachet-Dropped-Messages header says how "
+         "many)")
+      ->type_name("POLICY");
   cmd->add_flag("--log-requests", o->server.log_requests,
                 "Print one line per HTTP request (method, path, status) to stderr");
   cmd->callback([o] {

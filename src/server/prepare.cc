@@ -72,6 +72,32 @@ Status SplitChunks(const std::string& text, std::span<const std::string> chunks,
   return OkStatus();
 }
 
+// shift_chats: the messages without their oldest turns after the system prompt, as few dropped
+// as leave `room` tokens of the context free (a turn opens with a user message, which the
+// templates that alternate roles need first). Returns how many were dropped; the rendering fails
+// as RenderChat does, or is left too long when only the last message is left.
+Result<int> ShiftChat(const ServedModel& model, std::vector<ChatMessage>* messages, int room,
+                      std::vector<int32_t>* prompt) {
+  int dropped = 0;
+  const size_t first = !messages->empty() && (*messages)[0].role == ChatRole::kSystem ? 1 : 0;
+  for (;;) {
+    Result<std::string> text =
+        RenderChat(model.chat_template, *messages, /*add_generation_prompt=*/true);
+    if (!text.ok()) return InvalidArgument("messages: " + text.status().message());
+    *prompt = EncodeChatPrompt(*model.tokenizer, *text, /*first=*/true);
+    if (static_cast<int64_t>(prompt->size()) + room <= model.n_ctx ||
+        messages->size() <= first + 1) {
+      return dropped;
+    }
+    messages->erase(messages->begin() + static_cast<std::ptrdiff_t>(first));
+    ++dropped;
+    while (messages->size() > first + 1 && (*messages)[first].role != ChatRole::kUser) {
+      messages->erase(messages->begin() + static_cast<std::ptrdiff_t>(first));
+      ++dropped;
+    }
+  }
+}
+
 }  // namespace
 
 Result<std::vector<int32_t>> ChatAfterCache(const ServedModel& model, const KvCacheInfo& cache,
@@ -141,6 +167,10 @@ Result<PreparedRequest> Prepare(const ParsedRequest& parsed, const ServedModel& 
   const std::string prompt_field = chat ? "messages" : "prompt";
   if (chat && cache != nullptr) {
     CACHET_ASSIGN_OR_RETURN(r.prompt, ChatAfterCache(model, *cache, parsed.messages));
+  } else if (chat && model.shift_chats && parsed.chunks.empty()) {
+    std::vector<ChatMessage> messages = parsed.messages;
+    const int room = std::max(1, parsed.max_tokens.value_or(model.n_ctx / 4));
+    CACHET_ASSIGN_OR_RETURN(p.dropped_messages, ShiftChat(model, &messages, room, &r.prompt));
   } else if (chat) {
     Result<std::string> text =
         RenderChat(model.chat_template, parsed.messages, /*add_generation_prompt=*/true);

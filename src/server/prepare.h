@@ -30,6 +30,10 @@ struct ServedModel {
   int64_t pool_pages = 0;
   int page_tokens = 16;
   int64_t heads_total = 0;  // layers x KV heads: pages per page_tokens tokens
+  // A chat whose messages leave too little room in the context (less than its max_tokens, or a
+  // quarter of the context when it names none): an error (OutOfRange), or with shift_chats the
+  // oldest messages after the system prompt are dropped until it fits (`cachet serve --on-full`).
+  bool shift_chats = false;
 };
 
 // Completions' default max_tokens (OpenAI's); chat's is the rest of the context.
@@ -42,6 +46,7 @@ struct PreparedRequest {
   int logprobs = -1;  // -1: none; else the top alternatives per token (request.top_logprobs)
   bool stream = false;
   bool include_usage = false;
+  int dropped_messages = 0;  // by shift_chats (the X-Cachet-Dropped-Messages header)
 };
 
 // default_seed: the seed of a request that names none. cache: the kept cache parsed.cache_id

@@ -131,6 +131,7 @@ ServedModel Describe(const Runtime& rt, const ServerOptions& o) {
   model.pool_pages = kv.pages_total;
   model.page_tokens = kv.page_tokens;
   model.heads_total = int64_t{rt.config().n_layers} * rt.config().n_kv_heads;
+  model.shift_chats = o.shift_chats;
   return model;
 }
 
@@ -234,6 +235,9 @@ void Server::Impl::Generate(const httplib::Request& req, httplib::Response& res,
   meta.created = std::time(nullptr);
   meta.model = model.name;
   meta.logprobs = p.logprobs >= 0;
+  if (p.dropped_messages > 0) {
+    res.set_header("X-Cachet-Dropped-Messages", std::to_string(p.dropped_messages));
+  }
   if (!p.stream) {
     Respond(ex, p, ConnectionSocket(req, bound_port), meta, res);
     Unregister(ex);
