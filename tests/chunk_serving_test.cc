@@ -13,6 +13,7 @@
 #include "cachet/engine.h"
 #include "cachet/serving.h"
 #include "cachet/tokenizer.h"
+#include "runtime_collector.h"
 #include "server/prepare.h"
 #include "server/request.h"
 #include "test_util.h"
@@ -94,29 +95,6 @@ TEST(ServerChunks, EachChunkIsTokenizedOnItsOwnWhereverItStands) {
       << missing.status().ToString();
 }
 
-struct Done {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<int32_t> tokens;
-  TokenEvent last;
-  bool done = false;
-  EventCallback Callback() {
-    return [this](const TokenEvent& e) {
-      std::lock_guard<std::mutex> lock(mu);
-      tokens.insert(tokens.end(), e.tokens.begin(), e.tokens.end());
-      if (e.finished) {
-        last = e;
-        done = true;
-        cv.notify_all();
-      }
-    };
-  }
-  void Wait() {
-    std::unique_lock<std::mutex> lock(mu);
-    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(120), [&] { return done; }));
-  }
-};
-
 TEST(RuntimeChunks, ServedAsEvalChunkedComputesThemAndFoundCachedTheSecondTime) {
   RuntimeOptions o;
   o.engine.model_dir = testing::ModelDir();
@@ -153,7 +131,7 @@ TEST(RuntimeChunks, ServedAsEvalChunkedComputesThemAndFoundCachedTheSecondTime) 
       r.blend = ParseBlend(blend).value();
       r.max_tokens = 6;
       r.sampling.temperature = 0;
-      Done d;
+      testing::Collector d;
       ASSERT_TRUE((*rt)->Submit(r, d.Callback()).ok());
       d.Wait();
       EXPECT_TRUE(d.last.error.ok()) << d.last.error.ToString();

@@ -18,38 +18,13 @@
 #include "cachet/engine.h"
 #include "cachet/serving.h"
 #include "redis_fixture.h"
+#include "runtime_collector.h"
 #include "test_util.h"
 
 namespace cachet {
 namespace {
 
-// One request's events; Wait returns once the final one arrived.
-struct Collector {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::vector<int32_t> tokens;
-  TokenEvent last;
-  bool done = false;
-  std::atomic<int> most_pages{0};  // pages in use, as snapshot when its events arrived
-  EventCallback Callback(Runtime* watch = nullptr) {
-    return [this, watch](const TokenEvent& e) {
-      if (watch != nullptr && !e.finished) {
-        most_pages = std::max(most_pages.load(), watch->kv_stats().pages_used);
-      }
-      std::lock_guard<std::mutex> lock(mu);
-      tokens.insert(tokens.end(), e.tokens.begin(), e.tokens.end());
-      if (e.finished) {
-        last = e;
-        done = true;
-        cv.notify_all();
-      }
-    };
-  }
-  void Wait() {
-    std::unique_lock<std::mutex> lock(mu);
-    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(120), [&] { return done; }));
-  }
-};
+using testing::Collector;
 
 RuntimeOptions Options(const std::string& cache_dir) {
   RuntimeOptions o;

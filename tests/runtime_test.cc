@@ -14,38 +14,13 @@
 #include "cachet/model_config.h"
 #include "cachet/serving.h"
 #include "kv/press/press.h"
+#include "runtime_collector.h"
 #include "test_util.h"
 
 namespace cachet {
 namespace {
 
-// Collects one request's events; Wait returns once the final one arrived.
-struct Collector {
-  std::mutex mu;
-  std::condition_variable cv;
-  std::string text;
-  std::vector<int32_t> tokens;
-  int events = 0;
-  TokenEvent last;
-  bool done = false;
-  EventCallback Callback() {
-    return [this](const TokenEvent& e) {
-      std::lock_guard<std::mutex> lock(mu);
-      text += e.text;
-      tokens.insert(tokens.end(), e.tokens.begin(), e.tokens.end());
-      ++events;
-      if (e.finished) {
-        last = e;
-        done = true;
-        cv.notify_all();
-      }
-    };
-  }
-  void Wait() {
-    std::unique_lock<std::mutex> lock(mu);
-    ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(120), [&] { return done; }));
-  }
-};
+using testing::Collector;
 
 RuntimeOptions Options(const std::string& codec, int kv_mem_mib = 0) {
   RuntimeOptions o;
