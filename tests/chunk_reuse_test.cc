@@ -187,6 +187,40 @@ TEST(ChunkReuse, ChunksAreKeyedByTheirTokensAndTheSalt) {
   EXPECT_EQ(e->kv_stats().chunk_entries, 0);
 }
 
+// A chunk right after BOS is a prefix: requests on it share its pages (many agents on one
+// document) and get a prefill's exact logits.
+TEST(ChunkReuse, AChunkRightAfterBosIsSharedThroughThePrefixCache) {
+  auto e = Kvtiny();
+  ASSERT_TRUE(e);
+  const Prompt p(e->tokenizer());
+  std::vector<int32_t> doc = p.doc_a;
+  doc.insert(doc.end(), p.doc_a.begin(), p.doc_a.end());  // long enough for several pages
+  const std::vector<int32_t> bos = {e->tokenizer().bos_id()};
+  std::vector<std::unique_ptr<Session>> agents;
+  std::vector<int32_t> pages_after;
+  for (const auto* q : {&p.question, &p.head}) {
+    agents.push_back(e->NewSession());
+    const std::vector<PromptPart> parts = {{bos, false}, {doc, true}, {*q, false}};
+    std::vector<float> logits;
+    ChunkReuseStats stats;
+    ASSERT_TRUE(agents.back()->EvalChunked(parts, BlendOptions{}, &logits, &stats).ok());
+    EXPECT_EQ(stats.recomputed_tokens, 0);
+    pages_after.push_back(e->kv_stats().pages_used);
+    // Exact: the same logits as a prefill of the same tokens.
+    std::vector<int32_t> all = bos;
+    all.insert(all.end(), doc.begin(), doc.end());
+    all.insert(all.end(), q->begin(), q->end());
+    auto fresh = e->NewSession();
+    std::vector<float> want;
+    ASSERT_TRUE(fresh->Eval(all, &want).ok());
+    EXPECT_LT(MaxAbsDiff(logits, want), 1e-5);
+  }
+  // The second agent holds the document's full pages once more only by reference.
+  const int tables = e->config().n_layers * e->config().n_kv_heads;
+  const int doc_pages = int(doc.size() + 1) / 16 * tables;
+  EXPECT_LT(pages_after[1] - pages_after[0], doc_pages) << pages_after[0] << " " << pages_after[1];
+}
+
 TEST(ChunkReuse, BlocksFromTheFirstChunkOnAreNotPublished) {
   auto e = Kvtiny();
   ASSERT_TRUE(e);

@@ -419,9 +419,24 @@ Status Session::EvalChunked(std::span<const PromptPart> parts_in, const BlendOpt
   for (; first < parts.size() && !parts[first].chunk; ++first) {
     head.insert(head.end(), parts[first].tokens.begin(), parts[first].tokens.end());
   }
+  // A chunk right after BOS in a fresh session is a prefix: its entry was computed as exactly that
+  // prompt and published, so the prefix cache serves it with the entry's own pages, shared rather
+  // than copied (many requests on one document hold it once), and its K/V exact.
+  std::vector<int32_t> lead;
+  if (engine_.tokenizer().add_bos() && engine_.tokenizer().bos_id() >= 0) {
+    lead.push_back(engine_.tokenizer().bos_id());
+  }
+  if (engine_.prefix_ && tokens_.empty() && first < parts.size() && head == lead) {
+    CACHET_ASSIGN_OR_RETURN(auto entry,
+                            EntryOf(engine_, *engine_.chunks_, salt_, parts[first].tokens, stats));
+    for (head.insert(head.end(), entry->tokens.begin(), entry->tokens.end());
+         ++first < parts.size() && !parts[first].chunk;) {
+      head.insert(head.end(), parts[first].tokens.begin(), parts[first].tokens.end());
+    }
+  }
   const bool chunk_last = parts.back().chunk;
   const size_t end = chunk_last ? parts.size() : parts.size() - 1;
-  if (first >= end) {  // no chunk
+  if (first >= end) {  // no chunk left to splice
     Status s = Eval(head, logits);
     if (s.ok() && stats_out) *stats_out = stats;
     return s.ok() ? s : fail(s);
