@@ -41,11 +41,21 @@ TEST(ServerChunks, ParsedAndCheckedAtTheEdge) {
   EXPECT_EQ(r->chunks, (std::vector<std::string>{"a", "b"}));
   EXPECT_EQ(r->blend.kind, BlendOptions::Kind::kCacheBlend);
   EXPECT_DOUBLE_EQ(r->blend.recompute, 0.2);
+  // A separator: the pieces between two separators are the chunks, the separators go.
+  auto sep =
+      ParseRequest(R"({"prompt": "Notes:@@doc one@@doc two@@Question?", "chunk_separator": "@@"})",
+                   Endpoint::kCompletions, Limits());
+  ASSERT_TRUE(sep.ok()) << sep.status().ToString();
+  EXPECT_EQ(*sep->prompt_text, "Notes:doc onedoc twoQuestion?");
+  EXPECT_EQ(sep->chunks, (std::vector<std::string>{"doc one", "doc two"}));
   const std::pair<const char*, const char*> bad[] = {
+      {R"({"prompt": "a@b", "chunks": ["a"], "chunk_separator": "@"})",
+       "chunk_separator: not with \"chunks\""},
+      {R"({"prompt": "a", "chunk_separator": ""})", "chunk_separator: empty string"},
       {R"({"prompt": "a", "chunks": "a"})", "chunks: must be an array"},
       {R"({"prompt": "a", "chunks": [""]})", "chunks[0]: empty string"},
       {R"({"prompt": "a", "chunks": [3]})", "chunks[0]: must be a string"},
-      {R"({"prompt": "a", "blend": "none"})", "blend: only with \"chunks\""},
+      {R"({"prompt": "a", "blend": "none"})", "blend: only with \"chunks\" or"},
       {R"({"prompt": "a", "chunks": ["a"], "blend": "mix"})", "blend: 'mix': expected"},
       {R"({"prompt": "a", "chunks": ["a"], "cache_id": "kvc-1"})", "chunks: not with cache_id"},
       {R"({"prompt": "a", "chunks": ["a"], "kv_press": {"name": "snapkv", "ratio": 0.5}})",

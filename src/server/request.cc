@@ -230,10 +230,36 @@ Status ParseChunks(const json& body, ParsedRequest* r) {
       r->chunks.push_back(e.get<std::string>());
     }
   }
+  std::optional<std::string> sep;
+  CACHET_RETURN_IF_ERROR(GetString(body, "chunk_separator", &sep));
+  if (sep) {
+    if (sep->empty()) return Bad("chunk_separator", "empty string");
+    if (!r->chunks.empty()) return Bad("chunk_separator", "not with \"chunks\"");
+    if (r->endpoint != Endpoint::kCompletions || !r->prompt_text) {
+      return Bad("chunk_separator", "needs a text prompt of /v1/completions");
+    }
+    const std::string& text = *r->prompt_text;
+    std::string joined;
+    std::vector<std::string> pieces;
+    for (size_t at = 0;;) {
+      const size_t next = text.find(*sep, at);
+      pieces.push_back(text.substr(at, next == std::string::npos ? next : next - at));
+      if (next == std::string::npos) break;
+      at = next + sep->size();
+    }
+    for (size_t i = 0; i < pieces.size(); ++i) {
+      joined += pieces[i];
+      if (i > 0 && i + 1 < pieces.size() && !pieces[i].empty()) r->chunks.push_back(pieces[i]);
+    }
+    r->prompt_text = std::move(joined);
+    r->chunk_separator = std::move(*sep);
+  }
   std::optional<std::string> blend;
   CACHET_RETURN_IF_ERROR(GetString(body, "blend", &blend));
   if (blend) {
-    if (r->chunks.empty()) return Bad("blend", "only with \"chunks\"");
+    if (r->chunks.empty() && r->chunk_separator.empty()) {
+      return Bad("blend", "only with \"chunks\" or \"chunk_separator\"");
+    }
     Result<BlendOptions> b = ParseBlend(*blend);
     if (!b.ok()) return Bad("blend", b.status().message());
     r->blend = *b;

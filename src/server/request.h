@@ -66,6 +66,9 @@ struct ParsedRequest {
   // kv_press or a prompt of token ids. blend: how they are reconciled (none unless given).
   std::vector<std::string> chunks;
   BlendOptions blend;
+  // Or: the prompt cut at this string, every piece between two separators a chunk (the first and
+  // last pieces plain text; the separators removed), as `cachet run --chunk-sep` does.
+  std::string chunk_separator;
 };
 
 // The body of POST /v1/completions or /v1/chat/completions. Unknown fields are ignored (as vLLM
