@@ -457,6 +457,11 @@ Result<press::PressResult> Session::CompressByProbes(const press::PressOptions& 
   } else {
     for (const std::string& t : options.probe_texts.empty() ? DefaultProbes() : options.probe_texts)
       probes.push_back(tok.Encode(t));
+    // Pseudo-queries: the context's last window again, after it. Their queries are the model's
+    // own for those tokens, placed `window` positions ahead (as expected attention rotates the
+    // window's query statistics ahead), and they ask what the context was about to need.
+    const size_t w = std::min<size_t>(std::max(options.window, 1), tokens_.size());
+    probes.emplace_back(tokens_.end() - static_cast<std::ptrdiff_t>(w), tokens_.end());
   }
   size_t longest = 0;
   for (const auto& p : probes) longest = std::max(longest, p.size());
