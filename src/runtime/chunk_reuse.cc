@@ -350,9 +350,10 @@ Status Session::EvalChunked(std::span<const PromptPart> parts_in, const BlendOpt
     return FailedPrecondition("chunk reuse while observing for a press: press after it instead");
   }
   if (blend.kind != BlendOptions::Kind::kNone && seq_->cold_bytes_held() > 0) {
-    return FailedPrecondition("blending after a press that demoted tokens (their cold pages are "
-                              "not in the copy blending recomputes over): blend none, or press "
-                              "after");
+    return FailedPrecondition(
+        "blending after a press that demoted tokens (their cold pages are "
+        "not in the copy blending recomputes over): blend none, or press "
+        "after");
   }
   const int n0 = n_tokens();
   const std::vector<float> logits0 = last_logits_;
