@@ -132,17 +132,17 @@ struct TaskAcc {
   double cache_file_bytes = 0;  // --reuse-cache
 };
 
-// Question q >= 1 of a multi-question sample into *logits. multiq: a fork of the compressed
-// cache without the earlier questions (a reused cache); multiturn: the same session after the
-// previous answer, its last token and a blank line (a chat).
+// Question q >= 1 of a multi-question sample into *logits. multiq: a fork of `compressed` (the
+// cache without the earlier questions: a reused cache; null for multiturn); multiturn: the same
+// session after the previous answer, its last token and a blank line (a chat).
 Result<std::unique_ptr<Session>> AskNext(const TaskSample& sample, TaskKind kind, size_t q,
-                                         const Session& compressed,
+                                         const Session* compressed,
                                          std::unique_ptr<Session> previous, const Answer& answered,
                                          const Tokenizer& tok, std::vector<float>* logits) {
   std::vector<int32_t> turn;
   std::unique_ptr<Session> s;
   if (kind == TaskKind::kMultiq) {
-    s = compressed.Fork();
+    s = compressed->Fork();
     CACHET_RETURN_IF_ERROR(s->Truncate(sample.context_tokens));
   } else {
     s = std::move(previous);
@@ -393,7 +393,7 @@ Result<std::vector<ResultRow>> RunTaskSweep(Engine& engine, TaskGenerator& gen,
                 preds << j.dump() << '\n';
               }
               if (q + 1 == sample.questions.size()) break;
-              CACHET_ASSIGN_OR_RETURN(session, AskNext(sample, spec.kind, q + 1, *compressed,
+              CACHET_ASSIGN_OR_RETURN(session, AskNext(sample, spec.kind, q + 1, compressed.get(),
                                                        std::move(session), answer, tok, &logits));
               peak_bytes = std::max(peak_bytes, session->kv_bytes());
             }
