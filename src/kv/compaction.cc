@@ -340,16 +340,21 @@ void Compaction::ApplyStaged(size_t ti) {
 
 }  // namespace
 
-void RerotateKey(float* key, int head_dim, int32_t delta, std::span<const float> inv_freq) {
+void RopeShift(int head_dim, int32_t delta, std::span<const float> inv_freq,
+               std::vector<float>* cs) {
   const int half = head_dim / 2;
-  thread_local std::vector<float> cs;
-  cs.resize(size_t(head_dim));
+  cs->resize(size_t(head_dim));
   for (int j = 0; j < half; ++j) {
     const double angle = double(delta) * double(inv_freq[j]);
-    cs[j] = static_cast<float>(std::cos(angle));
-    cs[half + j] = static_cast<float>(std::sin(angle));
+    (*cs)[j] = static_cast<float>(std::cos(angle));
+    (*cs)[half + j] = static_cast<float>(std::sin(angle));
   }
-  kernels::RopeRotateHalf(key, 1, head_dim, cs.data(), cs.data() + half);
+}
+
+void RerotateKey(float* key, int head_dim, int32_t delta, std::span<const float> inv_freq) {
+  thread_local std::vector<float> cs;
+  RopeShift(head_dim, delta, inv_freq, &cs);
+  kernels::RopeRotateHalf(key, 1, head_dim, cs.data(), cs.data() + head_dim / 2);
 }
 
 Status Compact(PagePool& pool, std::vector<BlockTable>& tables, PagePool* cold_pool,

@@ -20,6 +20,10 @@ struct Renumbering {
   std::span<const float> inv_freq;
 };
 
+// The cos (first head_dim / 2) and sin (then) of a rotation by delta positions, as RoPE computes
+// them (angle in double), for kernels::RopeRotateHalf.
+void RopeShift(int head_dim, int32_t delta, std::span<const float> inv_freq,
+               std::vector<float>* cs);
 // Rotates one key row (head_dim values, rotate-half pairs) by delta positions.
 void RerotateKey(float* key, int head_dim, int32_t delta, std::span<const float> inv_freq);
 

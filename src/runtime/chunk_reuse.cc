@@ -9,6 +9,7 @@
 #include "cachet/engine.h"
 #include "kernels/kernels.h"
 #include "kv/chunk_cache.h"
+#include "kv/compaction.h"
 #include "runtime/engine_access.h"
 
 namespace cachet {
@@ -18,6 +19,12 @@ struct Part {
   std::vector<int32_t> tokens;
   bool chunk = false;
 };
+
+// What a prompt starts with before its text: the model's BOS, when its tokenizer adds one.
+std::vector<int32_t> Lead(const Tokenizer& tok) {
+  if (tok.add_bos() && tok.bos_id() >= 0) return {tok.bos_id()};
+  return {};
+}
 
 double MsSince(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -59,8 +66,7 @@ Result<std::shared_ptr<const ChunkEntry>> EntryOf(Engine& e, ChunkCache& cache, 
   const auto t0 = std::chrono::steady_clock::now();
   auto entry = std::make_shared<ChunkEntry>();
   entry->tokens.assign(tokens.begin(), tokens.end());
-  std::vector<int32_t> ids;
-  if (e.tokenizer().add_bos() && e.tokenizer().bos_id() >= 0) ids.push_back(e.tokenizer().bos_id());
+  std::vector<int32_t> ids = Lead(e.tokenizer());
   entry->lead = static_cast<int>(ids.size());
   ids.insert(ids.end(), tokens.begin(), tokens.end());
   std::unique_ptr<Session> alone = EngineAccess::NewSession(e, salt);
@@ -86,12 +92,8 @@ Status Splice(const ChunkEntry& e, int from, PagedSequence& into, int32_t at,
   if (n <= 0) return OkStatus();
   CACHET_RETURN_IF_ERROR(into.Reserve(n));
   const int32_t delta = at - from - e.lead;
-  std::vector<float> cs(hd);
-  for (int j = 0; j < half; ++j) {
-    const double angle = double(delta) * double(inv_freq[j]);
-    cs[j] = static_cast<float>(std::cos(angle));
-    cs[half + j] = static_cast<float>(std::sin(angle));
-  }
+  std::vector<float> cs;
+  RopeShift(hd, delta, inv_freq, &cs);
   std::vector<float> k, v;
   std::vector<int32_t> pos;
   const size_t first = size_t(e.lead + from) * hd;
@@ -374,11 +376,8 @@ Status Session::EvalChunked(std::span<const PromptPart> parts_in, const BlendOpt
   // A chunk right after BOS in a fresh session is a prefix: its entry was computed as exactly that
   // prompt and published, so the prefix cache serves it with the entry's own pages, shared rather
   // than copied (many requests on one document hold it once), and its K/V exact.
-  std::vector<int32_t> lead;
-  if (engine_.tokenizer().add_bos() && engine_.tokenizer().bos_id() >= 0) {
-    lead.push_back(engine_.tokenizer().bos_id());
-  }
-  if (engine_.prefix_ && tokens_.empty() && first < parts.size() && head == lead) {
+  if (engine_.prefix_ && tokens_.empty() && first < parts.size() &&
+      head == Lead(engine_.tokenizer())) {
     CACHET_ASSIGN_OR_RETURN(auto entry,
                             EntryOf(engine_, *engine_.chunks_, salt_, parts[first].tokens, stats));
     for (head.insert(head.end(), entry->tokens.begin(), entry->tokens.end());
