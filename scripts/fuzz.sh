@@ -5,8 +5,8 @@
 # then encoding and decoding with what it loaded) with clang's libFuzzer, ASan and UBSan into
 # build-fuzz/, and runs each for SECONDS (default 60) from generated seed files (some derived from
 # models/kvtiny). Usage: scripts/fuzz.sh [SECONDS [TARGET...]]
-# (default: every target). Exits non-zero on any crash, sanitizer report, leak or timeout. Needs
-# clang, libclang-rt-14-dev and lld.
+# (default: every target), as many at once as there are cores. Exits non-zero on any crash,
+# sanitizer report, leak, timeout or failed build. Needs clang, libclang-rt-14-dev and lld.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-60}
@@ -35,20 +35,50 @@ targets=("$@")
 [ ${#targets[@]} -gt 0 ] || targets=(gguf chat_template server_request safetensors tokenizer_json)
 for t in "${targets[@]}"; do
   [ -n "${srcs[$t]:-}" ] || { echo "fuzz: unknown target $t (known: ${!srcs[*]})" >&2; exit 2; }
+done
+
+# Builds and runs one target; its output goes to $out/$t.log (the fuzzer's) and $out/$t.build.
+fuzz_one() {
+  local t=$1
   mkdir -p "$out/corpus-$t"
   # shellcheck disable=SC2046,SC2086
   clang++ -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
     -fno-omit-frame-pointer -ffunction-sections -fdata-sections -Isrc -Iinclude \
     $(pkg-config --cflags oniguruma sentencepiece) \
     "tests/fuzz/${t}_fuzz.cc" ${srcs[$t]} $(pkg-config --libs oniguruma sentencepiece) \
-    ${ldflags[$t]:-} -o "$out/${t}_fuzz"
-  echo "fuzz: running ${t}_fuzz for ${secs}s" >&2
+    ${ldflags[$t]:-} -o "$out/${t}_fuzz" >"$out/$t.build" 2>&1 || return 1
   CACHET_FUZZ_SEED_DIR="$out/corpus-$t" "$out/${t}_fuzz" -max_total_time="$secs" -max_len=16384 \
-    -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 "$out/corpus-$t" 2>"$out/$t.log" || {
-    tail -n 60 "$out/$t.log" >&2
+    -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 "$out/corpus-$t" 2>"$out/$t.log"
+}
+
+# One target per core at a time (each fuzzer runs on one thread): CI's two cores fuzz two.
+jobs=$(nproc)
+declare -A pids=()
+status=0
+finish() {  # waits for target $1 and reports it
+  local t=$1
+  if wait "${pids[$t]}"; then
+    tail -n 12 "$out/$t.log" >&2
+    echo "fuzz: $t OK" >&2
+  else
+    cat "$out/$t.build" >&2
+    [ -f "$out/$t.log" ] && tail -n 60 "$out/$t.log" >&2
     echo "fuzz: $t FAILED (log: $out/$t.log)" >&2
-    exit 1
-  }
-  tail -n 12 "$out/$t.log" >&2
-  echo "fuzz: $t OK" >&2
+    status=1
+  fi
+  unset "pids[$t]"
+}
+running=()
+for t in "${targets[@]}"; do
+  if [ ${#running[@]} -ge "$jobs" ]; then
+    finish "${running[0]}"
+    running=("${running[@]:1}")
+  fi
+  echo "fuzz: building and running ${t}_fuzz for ${secs}s" >&2
+  rm -f "$out/$t.log"
+  fuzz_one "$t" &
+  pids[$t]=$!
+  running+=("$t")
 done
+for t in "${running[@]}"; do finish "$t"; done
+exit "$status"

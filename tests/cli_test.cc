@@ -238,8 +238,13 @@ TEST(Cli, PressesRunAndBadSpecsAreErrors) {
       prompt);
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_NE(r.err.find("cold q4_0"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("[cachet] press: KV "), std::string::npos) << r.err;
   r = RunCachet("run -t 1 -n 2 --np 2 --press h2o --budget 64 --decode-every 1 -f " + prompt);
   ASSERT_EQ(r.status, 0) << r.err;
+  // What the press cost is printed with each completion, the probe pass apart.
+  r = RunCachet("run -t 1 -n 2 --press kvzip --ratio 0.5 -f " + prompt);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.err.find("(probe pass "), std::string::npos) << r.err;
   r = RunCachet("run -t 1 -n 2 --press snapkv+sideways -p hi");
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.err.find("unknown press modifier 'sideways'"), std::string::npos) << r.err;

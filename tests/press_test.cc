@@ -990,8 +990,16 @@ TEST(PressEngine, CompressDuringPrefillBoundsPeakMemory) {
     auto s = engine->NewSession();
     size_t peak = 0;
     std::vector<float> logits;
-    ASSERT_TRUE(s->EvalCompressing(prompt, o, &logits, &peak).ok());
+    press::PressResult total;
+    ASSERT_TRUE(s->EvalCompressing(prompt, o, &logits, &peak, &total).ok());
     EXPECT_EQ(logits.size(), size_t(cfg.vocab_size));
+    // The chunks' presses added up: every token went in, the budget stayed.
+    const int64_t tables = int64_t(cfg.n_layers) * cfg.n_kv_heads;
+    EXPECT_EQ(total.tokens_before, tables * 2000);
+    EXPECT_EQ(total.tokens_after, tables * 250);
+    EXPECT_EQ(total.bytes_after, s->kv_bytes());
+    EXPECT_EQ(total.peak_bytes, peak);
+    EXPECT_GT(total.ms, 0);
     EXPECT_EQ(s->n_tokens(), 2000);
     int64_t kept = 0;
     for (int l = 0; l < cfg.n_layers; ++l)
@@ -1139,6 +1147,11 @@ TEST(PressEngine, ProbeScorersDropTheirProbesAgain) {
     EXPECT_EQ(s->tokens(), context);
     EXPECT_EQ(s->n_tokens(), static_cast<int>(context.size()));
     EXPECT_LT(engine->kv_stats().pages_used, pages / 2);
+    // The probe pass is what pressing cost, and it held the cache, a probe and its attention.
+    EXPECT_GT(r->probe_ms, 0);
+    EXPECT_GE(r->ms, r->probe_ms);
+    EXPECT_GT(r->peak_bytes, r->bytes_before);
+    EXPECT_LT(r->bytes_after, r->bytes_before / 2);
     GenerateOptions g;
     g.max_tokens = 8;
     g.sampling.temperature = 0;

@@ -514,7 +514,7 @@ TEST_F(ServerPrepare, ChatsThatDoNotFitDropTheirOldestTurnsWithShift) {
   const std::string body = json({{"messages", messages}, {"max_tokens", 8}}).dump();
   model_.n_ctx = 96;
   EXPECT_FALSE(Prepare(Chat(body).value(), model_, 1).ok());  // error: the default
-  model_.shift_chats = true;
+  model_.on_full.kind = press::OnFull::Kind::kShift;
   Result<PreparedRequest> p = Prepare(Chat(body).value(), model_, 1);
   ASSERT_TRUE(p.ok()) << p.status().ToString();
   EXPECT_GT(p->dropped_messages, 0);

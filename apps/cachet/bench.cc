@@ -570,7 +570,7 @@ void AddBench(CLI::App& app) {
     if (press) out["press"] = press::PressSpec(*press);
     struct Rep {
       double prefill = 0, decode = 0;  // tok/s
-      double press_ms = 0, kv_before = 0, kv_after = 0;
+      double press_ms = 0, kv_before = 0, kv_after = 0, press_peak = 0;
     };
     auto run_rep = [&](Engine& e, int ctx) {
       Rep r;
@@ -593,6 +593,7 @@ void AddBench(CLI::App& app) {
           throw CLI::RuntimeError(1);
         }
         r.kv_after = double(session->kv_bytes());
+        r.press_peak = double(pr->peak_bytes);
       }
       auto t1 = Clock::now();
       for (int i = 0; i < o->n_decode; ++i) {
@@ -607,7 +608,7 @@ void AddBench(CLI::App& app) {
       return r;
     };
     for (int ctx : o->ctx) {
-      std::vector<double> prefill, decode, press_ms, kv_before, kv_after;
+      std::vector<double> prefill, decode, press_ms, kv_before, kv_after, press_peak;
       // Per other engine: its tok/s and its ratio to the main engine's rep run just before.
       std::vector<std::vector<double>> vs_pf(others.size()), vs_dc(others.size()),
           vs_pf_x(others.size()), vs_dc_x(others.size());
@@ -618,6 +619,7 @@ void AddBench(CLI::App& app) {
         press_ms.push_back(r.press_ms);
         kv_before.push_back(r.kv_before);
         kv_after.push_back(r.kv_after);
+        press_peak.push_back(r.press_peak);
         for (size_t i = 0; i < others.size(); ++i) {
           const Rep v = run_rep(*others[i], ctx);
           vs_pf[i].push_back(v.prefill);
@@ -647,6 +649,7 @@ void AddBench(CLI::App& app) {
         out["press_fraction_of_prefill"][key] = ms / 1e3 / (ctx / p.median);
         out["kv_bytes_before_press"][key] = Summarize(kv_before).median;
         out["kv_bytes_after_press"][key] = Summarize(kv_after).median;
+        out["press_peak_bytes"][key] = Summarize(press_peak).median;
       }
     }
     if (o->roofline) {
@@ -694,13 +697,16 @@ void AddBench(CLI::App& app) {
           out["kv_bytes_per_context_token"].get<double>());
     }
     if (press) {
-      std::printf("press %s: KV MiB before -> after, press ms (fraction of the prefill)\n",
-                  out["press"].get<std::string>().c_str());
+      std::printf(
+          "press %s: KV MiB before -> after (most held while pressing), press ms (fraction of "
+          "the prefill)\n",
+          out["press"].get<std::string>().c_str());
       for (int ctx : o->ctx) {
         const std::string k = std::to_string(ctx);
-        std::printf("%8d  %8.2f -> %8.2f  %8.1f ms (%.1f%%)\n", ctx,
+        std::printf("%8d  %8.2f -> %8.2f (%8.2f)  %8.1f ms (%.1f%%)\n", ctx,
                     out["kv_bytes_before_press"][k].get<double>() / 1048576.0,
                     out["kv_bytes_after_press"][k].get<double>() / 1048576.0,
+                    out["press_peak_bytes"][k].get<double>() / 1048576.0,
                     out["press_ms"][k].get<double>(),
                     100 * out["press_fraction_of_prefill"][k].get<double>());
       }

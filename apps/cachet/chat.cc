@@ -16,43 +16,7 @@
 namespace cachet::cli {
 namespace {
 
-// --on-full, parsed once.
-struct OnFull {
-  enum class Kind { kError, kShift, kPress } kind = Kind::kError;
-  press::PressOptions press;  // kPress
-};
-
-Result<OnFull> ParseOnFull(std::string_view text) {
-  OnFull o;
-  if (text == "error") return o;
-  if (text == "shift") {
-    o.kind = OnFull::Kind::kShift;
-    return o;
-  }
-  const size_t colon = text.rfind(':');
-  if (!text.starts_with("press:") || colon <= 6) {
-    return InvalidArgument("--on-full: '" + std::string(text) +
-                           "' is not error, shift or press:NAME:RATIO (e.g. press:keydiff:0.5)");
-  }
-  o.kind = OnFull::Kind::kPress;
-  CACHET_RETURN_IF_ERROR(ParsePressSpec(text.substr(6, colon - 6), &o.press));
-  const std::string ratio(text.substr(colon + 1));
-  char* end = nullptr;
-  o.press.ratio = std::strtod(ratio.c_str(), &end);
-  if (ratio.empty() || *end != '\0' || !(o.press.ratio > 0 && o.press.ratio < 1)) {
-    return InvalidArgument("--on-full: the press ratio '" + ratio + "' is not in (0, 1)");
-  }
-  if (o.press.NeedsAttention() || o.press.quest || o.press.during_prefill ||
-      !o.press.demote.empty() || o.press.decode_every > 0) {
-    return InvalidArgument(
-        "--on-full press: the history is pressed between turns, with no prompt being observed, "
-        "so the scorer must read the cache alone (streaming, knorm, keydiff, random), without "
-        "quest, +chunked, demotion or pressing while decoding");
-  }
-  // One token set for every table, so the pressed tokens' positions can be given back.
-  if (o.press.share == press::ShareLayers::kNone) o.press.share = press::ShareLayers::kMax;
-  return o;
-}
+using press::OnFull;
 
 // The conversation and the session that holds it. A turn is a user message, the template text
 // around it and the reply; turns_ says where each starts in the cached text and tokens. The
@@ -306,7 +270,7 @@ void AddChat(CLI::App& app) {
                 "Print the prompt text each turn prefills to stderr");
   cmd->callback([=] {
     // Flags and the template first: a bad value fails before the model loads.
-    Result<OnFull> policy = ParseOnFull(*on_full);
+    Result<OnFull> policy = press::ParseOnFull(*on_full);
     if (!policy.ok()) Fail(policy.status());
     const std::string& dir = opts->engine.model_dir;
     auto chat_template = ResolveChatTemplate(dir.empty() ? DefaultModelDir() : dir, *template_name);

@@ -194,6 +194,15 @@ void PrintStats(const GenerateResult& r) {
                "%.1f ms (%.1f tok/s) | finish: %s | peak RSS %.1f MiB\n",
                r.prompt_tokens, r.prefill_ms, pf, r.tokens.size(), r.decode_ms, dc,
                r.finish_reason.c_str(), PeakRssMib());
+  if (r.press) {
+    const press::PressResult& p = *r.press;
+    std::fprintf(stderr, "[cachet] press: KV %.2f -> %.2f MiB (%lld -> %lld token rows) in %.1f ms",
+                 p.bytes_before / 1048576.0, p.bytes_after / 1048576.0,
+                 static_cast<long long>(p.tokens_before), static_cast<long long>(p.tokens_after),
+                 p.ms);
+    if (p.probe_ms > 0) std::fprintf(stderr, " (probe pass %.1f ms)", p.probe_ms);
+    std::fprintf(stderr, ", at most %.2f MiB held while pressing\n", p.peak_bytes / 1048576.0);
+  }
 }
 
 bool PrintPiece(std::string_view piece) {
@@ -440,10 +449,12 @@ void AddRun(CLI::App& app) {
       auto prompt_session = engine->NewSession(*salt);
       const auto& press = opts->gen.press;
       ChunkReuseStats cs;
+      press::PressResult pressed;
       const auto t0 = std::chrono::steady_clock::now();
-      const Status s = chunked ? prompt_session->EvalChunked(cp.parts, *blend, nullptr, &cs)
-                       : press ? prompt_session->EvalPressed(prompt_ids, *press, nullptr)
-                               : prompt_session->Eval(prompt_ids, nullptr);
+      const Status s =
+          chunked ? prompt_session->EvalChunked(cp.parts, *blend, nullptr, &cs)
+          : press ? prompt_session->EvalPressed(prompt_ids, *press, nullptr, false, &pressed)
+                  : prompt_session->Eval(prompt_ids, nullptr);
       if (!s.ok()) Fail(s);
       const double prompt_ms =
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -468,6 +479,7 @@ void AddRun(CLI::App& app) {
         if (!r.ok()) Fail(r.status());
         r->prompt_tokens = static_cast<int>(prompt_ids.size());  // evaluated once for all
         r->prefill_ms = prompt_ms;
+        if (press) r->press = pressed;
         done(*r);
       }
     }

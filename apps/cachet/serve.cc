@@ -97,16 +97,17 @@ void AddServe(CLI::App& app) {
   cmd->add_option_function<std::string>(
          "--on-full",
          [o](const std::string& policy) {
-           if (policy != "error" && policy != "shift") {
-             throw CLI::ValidationError("--on-full",
-                                        "expected error or shift, got '" + policy + "'");
-           }
-           o->server.shift_chats = policy == "shift";
+           Result<press::OnFull> parsed = press::ParseOnFull(policy);
+           if (!parsed.ok()) throw CLI::ValidationError("--on-full", parsed.status().message());
+           o->server.on_full = *parsed;
          },
          "A chat whose messages leave too little room in the context (its max_tokens, or a "
-         "quarter of the context): error (a 400, the default) or shift (drop the oldest turns "
+         "quarter of the context): error (a 400, the default), shift (drop the oldest turns "
          "after the system prompt until it fits; the X-Cachet-Dropped-Messages header says how "
-         "many)")
+         "many), or press:NAME:RATIO (press the turns between the system prompt and the last "
+         "message with a press that reads the cache alone, streaming, knorm, keydiff or random, "
+         "as often as it takes to fit, at admission; X-Cachet-History-Pressed says so, "
+         "usage.prompt_tokens counts every message, and the pressed pages are not cached)")
       ->type_name("POLICY");
   cmd->add_flag("--log-requests", o->server.log_requests,
                 "Print one line per HTTP request (method, path, status) to stderr");

@@ -129,6 +129,15 @@ struct EngineOptions {
 // largest codec: an upper bound for any other), two spare pages per (sequence, layer, KV head).
 int64_t KvPoolMibFor(const ModelConfig& config, int page_tokens, int n_tokens, int sequences);
 
+// Session::EvalFitting: a prompt longer than the context, made to fit by pressing its middle
+// (a chat's history between its system prompt and its last turn).
+struct FitOptions {
+  press::PressOptions press;  // OnFull's press: a scorer that reads the cache alone, +max or +mean
+  int protect = 0;            // leading tokens never pressed (BOS and the system prompt)
+  int tail = 0;               // tokens from here on (the last turn) are evaluated once it fits
+  int reserve = 0;            // tokens the context keeps free after the prompt (the reply)
+};
+
 struct GenerateOptions {
   int max_tokens = 128;  // -n
   SamplingParams sampling;
@@ -144,6 +153,7 @@ struct GenerateResult {
   std::string finish_reason;  // "stop" (EOS), "length" (-n or context)
   double prefill_ms = 0;      // time to first token
   double decode_ms = 0;
+  std::optional<press::PressResult> press;  // what the prompt's press did (options.press)
 };
 
 // Called with each completed piece of text as it is generated; return false to stop.
@@ -210,12 +220,15 @@ class Session {
   // Eval of a prompt compressed as it is prefilled: after every ubatch chunk the cache is pressed
   // back to the budget ((1 - ratio) of the whole prompt, or budget tokens), so it never holds
   // more than the budget plus one chunk. *peak_bytes gets the most the sequence held.
+  // *result: the chunks' presses added up (before = after + what they removed).
   Status EvalCompressing(std::span<const int32_t> tokens, const press::PressOptions& options,
-                         std::vector<float>* logits, size_t* peak_bytes = nullptr);
+                         std::vector<float>* logits, size_t* peak_bytes = nullptr,
+                         press::PressResult* result = nullptr);
   // Eval of a prompt, then the press: observed and compressed after the prompt, or chunk by
   // chunk for presses that compress during prefill.
   Status EvalPressed(std::span<const int32_t> tokens, const press::PressOptions& options,
-                     std::vector<float>* logits, bool keep_observing = false);
+                     std::vector<float>* logits, bool keep_observing = false,
+                     press::PressResult* result = nullptr);
 
   // Chunk reuse (docs/REUSE.md): evaluates a prompt made of parts after the tokens so far. A chunk
   // part's K/V comes from the engine's chunk cache, computed on its own first when it is not
@@ -228,6 +241,15 @@ class Session {
   // session with the tokens it had (its last logits kept).
   Status EvalChunked(std::span<const PromptPart> parts, const BlendOptions& blend,
                      std::vector<float>* logits, ChunkReuseStats* stats = nullptr);
+
+  // Evaluates a prompt into an empty session, pressing tokens [protect, tail) with fit.press
+  // whenever the next ubatch piece, the tail and the reserve would not fit in the context, the
+  // freed positions given back (CompactPositions); a history pressed before is pressed again with
+  // the pieces since. Then the tail. Returns the prompt tokens pressed away. Errors leave the
+  // session empty: OutOfRange when the protected tokens, the tail and the reserve alone do not
+  // fit (or pressing frees too little), InvalidArgument for a press that needs attention.
+  Result<int> EvalFitting(std::span<const int32_t> tokens, const FitOptions& fit,
+                          std::vector<float>* logits);
 
   // Tokens whose K/V is in the cache.
   int n_tokens() const;
@@ -252,6 +274,8 @@ class Session {
   // Compress for kvzip and lookahead: their probes evaluated after the cache while observed, then
   // dropped again, and their attention the scores.
   Result<press::PressResult> CompressByProbes(const press::PressOptions& options);
+  // Compress's work; Compress adds its time and peak.
+  Result<press::PressResult> RunPress(const press::PressOptions& options, bool keep_observing);
 
   std::shared_ptr<press::PressObserver> observer_;  // attached to seq_ while it observes
 };

@@ -91,10 +91,26 @@ std::string PressSpec(const PressOptions& options);  // the inverse
 // "quest".
 std::string DescribePress(const PressOptions& options);
 
+// What a chat does when its next turn would not fit in the context (--on-full of `cachet chat`
+// and `cachet serve`): stop with an error, shift (drop the oldest turns after the system prompt),
+// or press the history with `press` (a scorer that reads the cache alone, one token set for every
+// table, so that the freed positions can be given back).
+struct OnFull {
+  enum class Kind { kError, kShift, kPress } kind = Kind::kError;
+  PressOptions press;  // kPress
+};
+// "error", "shift" or "press:NAME:RATIO" (e.g. "press:keydiff:0.5").
+Result<OnFull> ParseOnFull(std::string_view text);
+
 // What Compress decided, for reports and tests.
 struct PressResult {
   int64_t tokens_before = 0, tokens_after = 0;  // summed over tables
   size_t bytes_before = 0, bytes_after = 0;     // the sequence's page bytes
+  // What pressing cost: its wall time (scoring, planning, compaction), of which probe_ms went to
+  // kvzip's and lookahead's probe pass; and the most bytes it held at once, the sequence's pages
+  // plus, during a probe pass, the probe's K/V and the attention gathered for every token.
+  double ms = 0, probe_ms = 0;
+  size_t peak_bytes = 0;
 };
 
 }  // namespace cachet::press

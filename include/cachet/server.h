@@ -34,9 +34,9 @@ struct ServerOptions {
   size_t max_body_bytes = 16u << 20;
   int retry_after_s = 1;      // Retry-After of a 503 (the Runtime's queue is full)
   bool log_requests = false;  // one line per request on stderr
-  // --on-full shift: a chat that leaves too little room in the context drops its oldest turns
-  // after the system prompt (ServedModel::shift_chats); otherwise it is a 400.
-  bool shift_chats = false;
+  // --on-full: what a chat that leaves too little room in the context gets: a 400 (error), its
+  // oldest turns after the system prompt dropped (shift), or its history pressed (press).
+  press::OnFull on_full;
 };
 
 class Server {

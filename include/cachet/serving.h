@@ -58,6 +58,10 @@ struct CompletionRequest {
   // thread, before the next step.
   std::vector<std::pair<int32_t, int32_t>> chunks;
   BlendOptions blend;
+  // A prompt longer than the context (`cachet serve --on-full press:...`): computed at admission
+  // by Session::EvalFitting, its history pressed until it fits; the reply then has the context's
+  // room. Not with press, cache_id or chunks; its pages are not published to the prefix cache.
+  std::optional<FitOptions> fit;
 };
 
 // A context prefilled (and pressed) once and kept by the Runtime for requests to continue from.
@@ -138,6 +142,9 @@ struct RuntimeMetrics {
   // Chunk reuse: chunks found in the chunk cache or computed on their own, their prompt tokens,
   // and the chunk tokens recomputed in place by blending.
   int64_t chunk_hits = 0, chunk_misses = 0, chunk_tokens = 0, chunk_recomputed_tokens = 0;
+  // Prompts longer than the context pressed to fit (CompletionRequest::fit), and the prompt
+  // tokens their presses took away.
+  int64_t fit_requests = 0, fit_pressed_tokens = 0;
   Histogram ttft, inter_token, e2e;
 };
 

@@ -331,8 +331,8 @@ Result<std::vector<ResultRow>> RunTaskSweep(Engine& engine, TaskGenerator& gen,
             } else {
               session = prefilled->Fork();
               const int32_t segments[2] = {0, sample.context_tokens};
-              CACHET_RETURN_IF_ERROR(
-                  ApplyMethod(m, *session, std::span(segments, at == CompressAt::kPrompt ? 2 : 1)));
+              CACHET_RETURN_IF_ERROR(ApplyMethod(
+                  m, *session, std::span(segments, at == CompressAt::kPrompt ? 2 : 1), &own_peak));
               logits = prefill_logits;
             }
             const double apply_s = SecondsSince(t1);
@@ -587,7 +587,7 @@ Result<std::vector<ResultRow>> RunKlSweep(Engine& engine, const KlOptions& o) {
               PrefillCompressing(m, ids.first(half), *session, nullptr, &own_peak));
         } else {
           session = prefilled->Fork();
-          CACHET_RETURN_IF_ERROR(ApplyMethod(m, *session));
+          CACHET_RETURN_IF_ERROR(ApplyMethod(m, *session, {}, &own_peak));
         }
         const size_t start_bytes = session->kv_bytes();
         CACHET_RETURN_IF_ERROR(score(*session, &logits, &run));

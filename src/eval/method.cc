@@ -156,7 +156,8 @@ Status PrefillCompressing(const Method& m, std::span<const int32_t> prompt, Sess
   return session.EvalCompressing(prompt, o, logits, peak_bytes);
 }
 
-Status ApplyMethod(const Method& m, Session& session, std::span<const int32_t> segment_starts) {
+Status ApplyMethod(const Method& m, Session& session, std::span<const int32_t> segment_starts,
+                   size_t* peak_bytes) {
   CACHET_RETURN_IF_ERROR(MethodAvailable(m));
   // The codec is not applied here: it is a property of the engine's pool, so the session was
   // prefilled by an engine storing pages in m's codecs (EngineFor in harness.cc).
@@ -164,7 +165,9 @@ Status ApplyMethod(const Method& m, Session& session, std::span<const int32_t> s
   CACHET_ASSIGN_OR_RETURN(press::PressOptions o, PressOf(m));
   o.segment_starts.assign(segment_starts.begin(), segment_starts.end());
   auto r = session.Compress(o);
-  return r.ok() ? OkStatus() : r.status();
+  if (!r.ok()) return r.status();
+  if (peak_bytes) *peak_bytes = std::max(*peak_bytes, r->peak_bytes);
+  return OkStatus();
 }
 
 }  // namespace cachet::eval

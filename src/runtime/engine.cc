@@ -478,9 +478,12 @@ Result<press::PressResult> Session::CompressByProbes(const press::PressOptions& 
   const std::vector<float> logits = last_logits_;
   std::vector<float> scratch;
   Status st;
+  const auto t0 = std::chrono::steady_clock::now();
+  size_t peak = seq_->bytes_held();
   seq_->set_observer(observer.get());
   for (const auto& probe : probes) {
     st = Eval(probe, &scratch);
+    peak = std::max(peak, seq_->bytes_held() + observer->bytes());
     if (st.ok()) st = seq_->Truncate(n);
     tokens_.resize(n);
     if (!st.ok()) break;
@@ -495,10 +498,27 @@ Result<press::PressResult> Session::CompressByProbes(const press::PressOptions& 
     std::iota(keep[ti].begin(), keep[ti].end(), 0);
   }
   observer->Compact(keep);
-  return press::Compress(options, *seq_, c.n_layers, c.n_kv_heads, observer.get());
+  const double probe_ms = MsSince(t0);
+  auto r = press::Compress(options, *seq_, c.n_layers, c.n_kv_heads, observer.get());
+  if (r.ok()) {
+    r->probe_ms = probe_ms;
+    r->peak_bytes = std::max(r->peak_bytes, peak);
+  }
+  return r;
 }
 
 Result<press::PressResult> Session::Compress(const press::PressOptions& options,
+                                             bool keep_observing) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = RunPress(options, keep_observing);
+  if (r.ok()) {
+    r->ms = MsSince(t0);
+    r->peak_bytes = std::max({r->peak_bytes, r->bytes_before, r->bytes_after});
+  }
+  return r;
+}
+
+Result<press::PressResult> Session::RunPress(const press::PressOptions& options,
                                              bool keep_observing) {
   const ModelConfig& c = engine_.config();
   if (options.Probes()) {
@@ -526,7 +546,8 @@ Result<press::PressResult> Session::Compress(const press::PressOptions& options,
 }
 
 Status Session::EvalCompressing(std::span<const int32_t> tokens, const press::PressOptions& options,
-                                std::vector<float>* logits, size_t* peak_bytes) {
+                                std::vector<float>* logits, size_t* peak_bytes,
+                                press::PressResult* result) {
   press::PressOptions o = options;
   if (o.quest) return InvalidArgument("quest evicts nothing: there is nothing to do per chunk");
   o.budget = o.budget > 0 ? o.budget
@@ -534,6 +555,7 @@ Status Session::EvalCompressing(std::span<const int32_t> tokens, const press::Pr
   o.ratio = 0;
   const int ub = engine_.options().ubatch;
   size_t peak = seq_->bytes_held();
+  press::PressResult total;  // each chunk's press added up: before = after + what they removed
   for (size_t start = 0; start < tokens.size(); start += ub) {
     const auto chunk = tokens.subspan(start, std::min<size_t>(ub, tokens.size() - start));
     if (o.NeedsAttention()) {
@@ -545,21 +567,39 @@ Status Session::EvalCompressing(std::span<const int32_t> tokens, const press::Pr
     if (seq_->longest_head() > o.budget) {
       auto r = Compress(o);
       if (!r.ok()) return r.status();
+      total.tokens_before += r->tokens_before - r->tokens_after;
+      total.bytes_before += r->bytes_before - r->bytes_after;
+      total.ms += r->ms;
+      total.probe_ms += r->probe_ms;
+      peak = std::max(peak, r->peak_bytes);
     } else {
       StopObserving();
     }
   }
   if (peak_bytes) *peak_bytes = peak;
+  if (result) {
+    const ModelConfig& c = engine_.config();
+    for (int l = 0; l < c.n_layers; ++l)
+      for (int h = 0; h < c.n_kv_heads; ++h) total.tokens_after += seq_->head_length(l, h);
+    total.tokens_before += total.tokens_after;
+    total.bytes_after = seq_->bytes_held();
+    total.bytes_before += total.bytes_after;
+    total.peak_bytes = peak;
+    *result = total;
+  }
   return OkStatus();
 }
 
 Status Session::EvalPressed(std::span<const int32_t> tokens, const press::PressOptions& options,
-                            std::vector<float>* logits, bool keep_observing) {
-  if (options.during_prefill) return EvalCompressing(tokens, options, logits);
+                            std::vector<float>* logits, bool keep_observing,
+                            press::PressResult* result) {
+  if (options.during_prefill) return EvalCompressing(tokens, options, logits, nullptr, result);
   PrepareForPress(options, static_cast<int32_t>(n_tokens() + pending_.size() + tokens.size()));
   CACHET_RETURN_IF_ERROR(Eval(tokens, logits));
   auto r = Compress(options, keep_observing);
-  return r.ok() ? OkStatus() : r.status();
+  if (!r.ok()) return r.status();
+  if (result) *result = *r;
+  return OkStatus();
 }
 
 Status Session::Eval(std::span<const int32_t> tokens, std::vector<float>* logits, bool all_logits) {
@@ -643,7 +683,8 @@ Result<GenerateResult> Session::Generate(std::span<const int32_t> prompt,
   }
   const bool repress = options.press && options.press->decode_every > 0;
   if (options.press) {
-    CACHET_RETURN_IF_ERROR(EvalPressed(prompt, *options.press, nullptr, repress));
+    r.press.emplace();
+    CACHET_RETURN_IF_ERROR(EvalPressed(prompt, *options.press, nullptr, repress, &*r.press));
   } else {
     CACHET_RETURN_IF_ERROR(Eval(prompt, nullptr));
   }

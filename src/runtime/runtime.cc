@@ -75,6 +75,9 @@ Status Runtime::Impl::Check(const CompletionRequest& request) const {
   if (!request.chunks.empty() && (request.press || !request.cache_id.empty())) {
     return InvalidArgument("chunks: not with kv_press or cache_id");
   }
+  if (request.fit && (request.press || !request.cache_id.empty() || !request.chunks.empty())) {
+    return InvalidArgument("a prompt pressed to fit: not with kv_press, cache_id or chunks");
+  }
   for (size_t i = 0, last = 0; i < request.chunks.size(); ++i) {
     const auto [begin, end] = request.chunks[i];
     if (begin < static_cast<int64_t>(last) || end <= begin ||
@@ -86,13 +89,26 @@ Status Runtime::Impl::Check(const CompletionRequest& request) const {
     last = static_cast<size_t>(end);
   }
   const int n_ctx = m.engine->n_ctx();
-  if (static_cast<int64_t>(request.prompt.size()) >= n_ctx) {
+  // A prompt pressed to fit holds the context at most; its protected part, last turn and reply
+  // must fit (EvalFitting says so again at admission, as a failed request).
+  int64_t held = static_cast<int64_t>(request.prompt.size());
+  if (request.fit) {
+    const FitOptions& f = *request.fit;
+    if (f.protect < 0 || f.tail < f.protect || f.tail >= held || f.reserve < 0 ||
+        int64_t{f.protect} + (held - f.tail) + f.reserve >= n_ctx) {
+      return InvalidArgument("prompt: its first " + std::to_string(f.protect) +
+                             " tokens and last " + std::to_string(held - f.tail) +
+                             " with room for " + std::to_string(f.reserve) +
+                             " more do not fit in the context of " + std::to_string(n_ctx) +
+                             ", however much the history is pressed");
+    }
+    held = std::min<int64_t>(held, n_ctx - 1);
+  } else if (held >= n_ctx) {
     return InvalidArgument("prompt: " + std::to_string(request.prompt.size()) +
                            " tokens leave no room in the context of " + std::to_string(n_ctx));
   }
   const KvLayout& lay = EngineAccess::kv_pool(*m.engine).layout();
-  const int64_t pages = (static_cast<int64_t>(request.prompt.size()) + lay.page_tokens) /
-                        lay.page_tokens * lay.heads_total();
+  const int64_t pages = (held + lay.page_tokens) / lay.page_tokens * lay.heads_total();
   if (pages > EngineAccess::kv_pool(*m.engine).capacity_pages()) {
     return InvalidArgument("prompt: " + std::to_string(request.prompt.size()) + " tokens need " +
                            std::to_string(pages) + " KV pages; the pool holds " +

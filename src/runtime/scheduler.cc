@@ -123,7 +123,8 @@ void Runtime::Impl::Finish(Request& q, std::string reason, Status error, bool fl
   q.pending.finished = true;
   q.pending.finish_reason = std::move(reason);
   q.pending.error = std::move(error);
-  q.pending.usage = {q.n_prompt, q.cached, static_cast<int>(q.tokens.size()) - q.n_prompt};
+  q.pending.usage = {q.n_prompt + q.fitted_away, q.cached,
+                     static_cast<int>(q.tokens.size()) - q.n_prompt};
   q.on_event(q.pending);
 }
 
@@ -221,6 +222,8 @@ int64_t Runtime::Impl::PeakPages(const Request& q, int cached, bool after_press)
   // A fork holds its cache's pages already: it takes pages for its own tokens and a copy of each
   // table's partly filled last page.
   if (q.base) return Pages(n - q.context + 1) + heads_total;
+  // Pressed to fit: never more than the context (one token set for every table).
+  if (q.r.fit) return Pages(std::min<int64_t>(n, engine->n_ctx() - 1) + 1);
   if (!q.r.press) return Pages(n - cached + 1);
   const int64_t after =
       Pages(Kept(q) + n - q.n_prompt + 1) + EngineAccess::kv_pool(*engine).layout().heads_total();
@@ -240,7 +243,7 @@ int64_t Runtime::Impl::Outstanding(const Request& q) const {
 
 int Runtime::Impl::Cached(const Request& q) const {
   PrefixTree* tree = EngineAccess::prefix(*engine);
-  if (tree == nullptr || q.r.press || q.base) return 0;
+  if (tree == nullptr || q.r.press || q.r.fit || q.base) return 0;
   return tree->Match(q.tokens, q.salt, static_cast<int>(q.tokens.size()) - 1);
 }
 
@@ -286,8 +289,8 @@ void Runtime::Impl::Admit() {
     q.session = q.base ? q.base->Fork() : engine->NewSession(q.r.cache_salt);
     if (q.base) {
       q.evaluated = q.context;  // the cache's pages: no prefix lookup, no press
-    } else if (!q.r.chunks.empty()) {
-      if (Status s = EvalChunks(q); !s.ok()) {
+    } else if (!q.r.chunks.empty() || q.r.fit) {
+      if (Status s = q.r.fit ? EvalFitted(q) : EvalChunks(q); !s.ok()) {
         std::unique_ptr<Request> failed = std::move(waiting[best]);
         waiting.erase(waiting.begin() + static_cast<std::ptrdiff_t>(best));
         {
@@ -354,6 +357,28 @@ Status Runtime::Impl::EvalChunks(Request& q) {
   metrics.chunk_misses += stats.chunk_misses;
   metrics.chunk_tokens += stats.chunk_tokens;
   metrics.chunk_recomputed_tokens += stats.recomputed_tokens;
+  return OkStatus();
+}
+
+// A fit request's prompt but its last token, pressed to fit (Session::EvalFitting); its tokens
+// become those the session kept, the prompt's last and what it had generated, so the steps that
+// follow run it as any request. A preempted one starts again from the whole prompt.
+Status Runtime::Impl::EvalFitted(Request& q) {
+  const std::span<const int32_t> prompt(q.r.prompt);
+  FitOptions fit = *q.r.fit;
+  fit.reserve += 1;  // the prompt's last token, which the next step computes
+  CACHET_ASSIGN_OR_RETURN(const int away,
+                          q.session->EvalFitting(prompt.first(prompt.size() - 1), fit, nullptr));
+  std::vector<int32_t> tokens = q.session->tokens();
+  tokens.push_back(prompt.back());
+  tokens.insert(tokens.end(), q.tokens.begin() + q.n_prompt, q.tokens.end());  // generated
+  q.fitted_away = static_cast<int>(prompt.size()) - (q.session->n_tokens() + 1);
+  q.n_prompt = q.session->n_tokens() + 1;
+  q.tokens = std::move(tokens);
+  q.evaluated = q.session->n_tokens();
+  std::lock_guard<std::mutex> lock(mu);
+  metrics.fit_requests += 1;
+  metrics.fit_pressed_tokens += away;
   return OkStatus();
 }
 

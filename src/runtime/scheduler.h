@@ -32,8 +32,9 @@ struct Runtime::Impl {
     std::unique_ptr<Session> session;  // null while waiting
     std::vector<int32_t> tokens;       // prompt, then every sampled token
     int n_prompt = 0;
-    int evaluated = 0;  // tokens whose K/V the session holds
-    int cached = 0;     // prompt tokens reused from the prefix cache (first admission)
+    int evaluated = 0;    // tokens whose K/V the session holds
+    int cached = 0;       // prompt tokens reused from the prefix cache (first admission)
+    int fitted_away = 0;  // prompt tokens a fit request's press took away (not in `tokens`)
     bool ever_admitted = false;
     std::unique_ptr<Sampler> sampler;
     std::unique_ptr<StreamDecoder> decoder;
@@ -98,10 +99,11 @@ struct Runtime::Impl {
   Status AttachCache(Request& q);
   // A CreateCache request whose context is done: its session becomes the cache.
   void KeepAsCache(Request& q);
-  // Whether q's pages go to the prefix cache. Not a pressed request's (its pages lack tokens) nor
+  // Whether q's pages go to the prefix cache. Not a pressed request's (its pages lack tokens, as a
+  // fit request's do) nor
   // a cache_id request's (the cache may be pressed; its forks share its pages anyway).
   bool Publishes(const Request& q) const {
-    return opt.publish_prefixes && !q.r.press && q.base == nullptr;
+    return opt.publish_prefixes && !q.r.press && !q.r.fit && q.base == nullptr;
   }
 
   // Pages (every layer and KV head) that `tokens` tokens fill.
@@ -131,6 +133,7 @@ struct Runtime::Impl {
 
   void Admit();
   Status EvalChunks(Request& q);  // a chunked request's prompt, at admission
+  Status EvalFitted(Request& q);  // a fit request's prompt, pressed to fit, at admission
 
   // Drops the newest running request's session and queues it again (front) for recompute.
   void Preempt();

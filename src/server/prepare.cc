@@ -72,7 +72,7 @@ Status SplitChunks(const std::string& text, std::span<const std::string> chunks,
   return OkStatus();
 }
 
-// shift_chats: the messages without their oldest turns after the system prompt, as few dropped
+// on_full shift: the messages without their oldest turns after the system prompt, as few dropped
 // as leave `room` tokens of the context free (a turn opens with a user message, which the
 // templates that alternate roles need first). Returns how many were dropped; the rendering fails
 // as RenderChat does, or is left too long when only the last message is left.
@@ -96,6 +96,48 @@ Result<int> ShiftChat(const ServedModel& model, std::vector<ChatMessage>* messag
       ++dropped;
     }
   }
+}
+
+// on_full press: a chat that leaves less than `room` tokens of the context free gets its history
+// pressed at admission (CompletionRequest::fit), between the system prompt and the last message,
+// which stay whole.
+Status FitChat(const ServedModel& model, std::span<const ChatMessage> messages, int room,
+               CompletionRequest* r) {
+  const ChatTemplate& t = model.chat_template;
+  Result<std::string> text = RenderChat(t, messages, /*add_generation_prompt=*/true);
+  if (!text.ok()) return InvalidArgument("messages: " + text.status().message());
+  r->prompt = EncodeChatPrompt(*model.tokenizer, *text, /*first=*/true);
+  const int n = static_cast<int>(r->prompt.size());
+  if (int64_t{n} + room <= model.n_ctx) return OkStatus();
+  // Where the first m messages end in the prompt's tokens (-1: the whole rendering does not
+  // start with theirs).
+  auto end_of = [&](size_t m) -> int {
+    if (m == 0) return 0;
+    Result<std::string> head = RenderChat(t, messages.first(m), /*add_generation_prompt=*/false);
+    if (!head.ok() || !text->starts_with(*head)) return -1;
+    return static_cast<int>(EncodeChatPrompt(*model.tokenizer, *head, /*first=*/true).size());
+  };
+  const bool system = messages[0].role == ChatRole::kSystem;
+  const int bos = r->prompt[0] == model.tokenizer->bos_id() ? 1 : 0;
+  const int protect = std::max(bos, system ? end_of(1) : 0);
+  const int tail = std::min(end_of(messages.size() - 1), n - 1);
+  if (tail <= protect) {
+    return OutOfRange("messages: the prompt is " + std::to_string(n) +
+                      " tokens and leaves less than " + std::to_string(room) +
+                      " of the context of " + std::to_string(model.n_ctx) +
+                      " for the reply; there is no history between the system prompt and the " +
+                      "last message to press" +
+                      (tail < 0 ? " (the template renders the earlier messages differently)" : ""));
+  }
+  if (int64_t{protect} + (n - tail) + room >= model.n_ctx) {
+    return OutOfRange("messages: the system prompt (" + std::to_string(protect) +
+                      " tokens) and the last message (" + std::to_string(n - tail) +
+                      ") leave less than " + std::to_string(room) + " tokens of the context of " +
+                      std::to_string(model.n_ctx) +
+                      " for the reply, however much the history between them is pressed");
+  }
+  r->fit = FitOptions{model.on_full.press, protect, tail, room};
+  return OkStatus();
 }
 
 }  // namespace
@@ -167,10 +209,15 @@ Result<PreparedRequest> Prepare(const ParsedRequest& parsed, const ServedModel& 
   const std::string prompt_field = chat ? "messages" : "prompt";
   if (chat && cache != nullptr) {
     CACHET_ASSIGN_OR_RETURN(r.prompt, ChatAfterCache(model, *cache, parsed.messages));
-  } else if (chat && model.shift_chats && parsed.chunks.empty()) {
+  } else if (chat && model.on_full.kind == press::OnFull::Kind::kShift && parsed.chunks.empty()) {
     std::vector<ChatMessage> messages = parsed.messages;
     const int room = std::max(1, parsed.max_tokens.value_or(model.n_ctx / 4));
     CACHET_ASSIGN_OR_RETURN(p.dropped_messages, ShiftChat(model, &messages, room, &r.prompt));
+  } else if (chat && model.on_full.kind == press::OnFull::Kind::kPress && parsed.chunks.empty() &&
+             !parsed.press) {
+    const int room = std::max(1, parsed.max_tokens.value_or(model.n_ctx / 4));
+    CACHET_RETURN_IF_ERROR(FitChat(model, parsed.messages, room, &r));
+    p.history_pressed = r.fit.has_value();
   } else if (chat) {
     Result<std::string> text =
         RenderChat(model.chat_template, parsed.messages, /*add_generation_prompt=*/true);
@@ -192,9 +239,9 @@ Result<PreparedRequest> Prepare(const ParsedRequest& parsed, const ServedModel& 
   if (r.prompt.empty()) return InvalidArgument(prompt_field + ": empty (no tokens)");
   const int64_t n_prompt = static_cast<int64_t>(r.prompt.size());
   const int context = cache != nullptr ? cache->tokens : 0;
-  CACHET_RETURN_IF_ERROR(CheckLength(prompt_field, context, n_prompt, model));
+  if (!r.fit) CACHET_RETURN_IF_ERROR(CheckLength(prompt_field, context, n_prompt, model));
 
-  const int room = model.n_ctx - context - static_cast<int>(n_prompt);
+  const int room = r.fit ? r.fit->reserve : model.n_ctx - context - static_cast<int>(n_prompt);
   r.max_tokens = parsed.max_tokens.value_or(chat ? room : kDefaultCompletionTokens);
   r.sampling = parsed.sampling;
   r.sampling.seed = parsed.seed.value_or(default_seed);

@@ -31,9 +31,11 @@ struct ServedModel {
   int page_tokens = 16;
   int64_t heads_total = 0;  // layers x KV heads: pages per page_tokens tokens
   // A chat whose messages leave too little room in the context (less than its max_tokens, or a
-  // quarter of the context when it names none): an error (OutOfRange), or with shift_chats the
-  // oldest messages after the system prompt are dropped until it fits (`cachet serve --on-full`).
-  bool shift_chats = false;
+  // quarter of the context when it names none), by `cachet serve --on-full`: an error
+  // (OutOfRange); shift: the oldest messages after the system prompt are dropped until it fits;
+  // press: the history between the system prompt and the last message is pressed until it fits
+  // (CompletionRequest::fit), when the request is admitted.
+  press::OnFull on_full;
 };
 
 // Completions' default max_tokens (OpenAI's); chat's is the rest of the context.
@@ -46,7 +48,8 @@ struct PreparedRequest {
   int logprobs = -1;  // -1: none; else the top alternatives per token (request.top_logprobs)
   bool stream = false;
   bool include_usage = false;
-  int dropped_messages = 0;  // by shift_chats (the X-Cachet-Dropped-Messages header)
+  int dropped_messages = 0;      // by on_full shift (the X-Cachet-Dropped-Messages header)
+  bool history_pressed = false;  // by on_full press (the X-Cachet-History-Pressed header)
 };
 
 // default_seed: the seed of a request that names none. cache: the kept cache parsed.cache_id

@@ -462,6 +462,11 @@ std::string MetricsText(const RuntimeMetrics& m, const KvStats& kv, std::string_
   w.Counter("chunk_recomputed_tokens_total",
             "Chunk tokens recomputed in place by blending (epic, cacheblend).",
             static_cast<double>(m.chunk_recomputed_tokens));
+  w.Counter("fit_requests_total",
+            "Chats longer than the context whose history was pressed to fit (--on-full press).",
+            static_cast<double>(m.fit_requests));
+  w.Counter("fit_pressed_tokens_total", "Prompt tokens those presses took away.",
+            static_cast<double>(m.fit_pressed_tokens));
   w.Gauge("kv_chunk_bytes", "Bytes of the KV pages the chunk cache holds (freed on demand).",
           static_cast<double>(kv.chunk_bytes));
   w.Histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",

@@ -131,7 +131,7 @@ ServedModel Describe(const Runtime& rt, const ServerOptions& o) {
   model.pool_pages = kv.pages_total;
   model.page_tokens = kv.page_tokens;
   model.heads_total = int64_t{rt.config().n_layers} * rt.config().n_kv_heads;
-  model.shift_chats = o.shift_chats;
+  model.on_full = o.on_full;
   return model;
 }
 
@@ -238,6 +238,7 @@ void Server::Impl::Generate(const httplib::Request& req, httplib::Response& res,
   if (p.dropped_messages > 0) {
     res.set_header("X-Cachet-Dropped-Messages", std::to_string(p.dropped_messages));
   }
+  if (p.history_pressed) res.set_header("X-Cachet-History-Pressed", "true");
   if (!p.stream) {
     Respond(ex, p, ConnectionSocket(req, bound_port), meta, res);
     Unregister(ex);

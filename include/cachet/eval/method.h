@@ -67,7 +67,9 @@ Status PrefillCompressing(const Method& m, std::span<const int32_t> prompt, Sess
 // Applies m to a session that holds a prefilled prompt or context. The session was forked from
 // the prefill, so one prefill per sample serves every configuration of a sweep.
 // segment_starts: where the prompt's segments start (BOS + context, question), for presses
-// with boundary protection.
-Status ApplyMethod(const Method& m, Session& session, std::span<const int32_t> segment_starts = {});
+// with boundary protection. *peak_bytes (when given) is raised to the most the press held (the
+// cache plus, for kvzip and lookahead, their probe pass).
+Status ApplyMethod(const Method& m, Session& session, std::span<const int32_t> segment_starts = {},
+                   size_t* peak_bytes = nullptr);
 
 }  // namespace cachet::eval

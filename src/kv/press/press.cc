@@ -536,6 +536,15 @@ Status ScoreTokens(const PressOptions& o, const PagedSequence& seq, int n_layers
   return OkStatus();
 }
 
+size_t PressObserver::bytes() const {
+  size_t n = 0;
+  for (const Head& h : heads_) {
+    for (const auto& w : h.weights) n += w.capacity() * sizeof(float);
+    n += (h.q_sum.capacity() + h.q_outer.capacity()) * sizeof(double);
+  }
+  return n;
+}
+
 void PressObserver::Compact(std::span<const std::vector<int32_t>> keep) {
   for (size_t ti = 0; ti < heads_.size() && ti < keep.size(); ++ti) {
     Head& h = heads_[ti];

@@ -55,6 +55,7 @@ class PressObserver final : public AttentionObserver {
                   std::vector<double>* cov) const;
   int32_t end() const { return end_; }
   int window() const { return window_; }
+  size_t bytes() const;  // what it has gathered, held until the press reads it
 
  private:
   struct Head {
