@@ -394,6 +394,30 @@ if (group === "api") {
     assert.equal(m.value("num_requests_running"), 0);
     assert.match(m.text, /cachet:kv_bytes\{model_name="[^"]+",codec="[^"]+"\} \d+/);
   });
+
+  // run.sh serves this group with --on-full press:keydiff:0.5 (the context: kvtiny's 4096).
+  check("a chat longer than the context is served with its history pressed", async () => {
+    const messages = [{ role: "system", content: "The pass key is 52817. Remember it." }];
+    for (let i = 0; i < 40; ++i) {
+      messages.push({ role: "user", content: LONG }, { role: "assistant", content: `Part ${i}.` });
+    }
+    messages.push({ role: "user", content: "What is the pass key?" });
+    const before = await metrics();
+    const { data, response } = await client.chat.completions
+      .create({ model: await modelId(), messages, max_tokens: 8, temperature: 0 })
+      .withResponse();
+    assert.equal(response.headers.get("x-cachet-history-pressed"), "true");
+    assert.ok(data.usage.prompt_tokens > 4096, `prompt_tokens ${data.usage.prompt_tokens}`);
+    assert.ok(data.usage.completion_tokens >= 1);
+    const after = await metrics();
+    assert.equal(after.value("fit_requests_total") - before.value("fit_requests_total"), 1);
+    assert.ok(after.value("fit_pressed_tokens_total") > data.usage.prompt_tokens - 4096);
+    // A chat that fits is not pressed.
+    const short = await client.chat.completions
+      .create({ model: await modelId(), messages: messages.slice(-3), max_tokens: 4 })
+      .withResponse();
+    assert.equal(short.response.headers.get("x-cachet-history-pressed"), null);
+  });
 }
 
 // ---------------------------------------------------------------- stream

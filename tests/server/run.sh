@@ -23,7 +23,9 @@ work="$(cd "$work" && pwd)"
 
 args=(-t "$threads" --host 127.0.0.1 --port 0)
 case "$group" in
-  api | stream) args+=(-np 4) ;;
+  # api: chats longer than the context get their history pressed (one check in client.mjs).
+  api) args+=(-np 4 --on-full press:keydiff:0.5) ;;
+  stream) args+=(-np 4) ;;
   # One running request and one waiting: the third is refused (503). A key on every endpoint.
   errors) args+=(-np 1 --max-waiting 1 --api-key test-key-1234) ;;
   load) args+=(-np 4) ;;
