@@ -53,11 +53,14 @@ fuzz_one() {
 
 # One target per core at a time (each fuzzer runs on one thread): CI's two cores fuzz two.
 jobs=$(nproc)
-declare -A pids=()
+declare -A target_of=()  # pid -> target
 status=0
-finish() {  # waits for target $1 and reports it
-  local t=$1
-  if wait "${pids[$t]}"; then
+reap() {  # waits for whichever target ends first and reports it
+  local pid t rc=0
+  wait -n -p pid || rc=$?
+  t=${target_of[$pid]}
+  unset "target_of[$pid]"
+  if [ "$rc" -eq 0 ]; then
     tail -n 12 "$out/$t.log" >&2
     echo "fuzz: $t OK" >&2
   else
@@ -66,19 +69,13 @@ finish() {  # waits for target $1 and reports it
     echo "fuzz: $t FAILED (log: $out/$t.log)" >&2
     status=1
   fi
-  unset "pids[$t]"
 }
-running=()
 for t in "${targets[@]}"; do
-  if [ ${#running[@]} -ge "$jobs" ]; then
-    finish "${running[0]}"
-    running=("${running[@]:1}")
-  fi
+  [ ${#target_of[@]} -lt "$jobs" ] || reap
   echo "fuzz: building and running ${t}_fuzz for ${secs}s" >&2
   rm -f "$out/$t.log"
   fuzz_one "$t" &
-  pids[$t]=$!
-  running+=("$t")
+  target_of[$!]=$t
 done
-for t in "${running[@]}"; do finish "$t"; done
+while [ ${#target_of[@]} -gt 0 ]; do reap; done
 exit "$status"

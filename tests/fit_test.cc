@@ -184,14 +184,14 @@ TEST(FitServing, TheRuntimeServesWhatEvalFittingComputes) {
   RuntimeOptions o;
   o.engine.model_dir = testing::ModelDir();
   o.engine.threads = 2;
-  o.engine.n_ctx = 1024;
+  o.engine.n_ctx = 512;
   o.batch_tokens = 64;
   auto rt = Runtime::Create(o);
   ASSERT_TRUE(rt.ok()) << rt.status().ToString();
   const Tokenizer& tok = (*rt)->tokenizer();
   std::vector<int32_t> prompt = tok.EncodePrompt(kKey);
   const int protect = static_cast<int>(prompt.size());
-  const std::vector<int32_t> story = tok.Encode(Story(80)), question = tok.Encode(kQuestion);
+  const std::vector<int32_t> story = tok.Encode(Story(40)), question = tok.Encode(kQuestion);
   prompt.insert(prompt.end(), story.begin(), story.end());
   const int tail = static_cast<int>(prompt.size());
   prompt.insert(prompt.end(), question.begin(), question.end());

@@ -537,9 +537,33 @@ TEST(KernelsCpu, BlockKeyScoresMatchRef) {
   }
 }
 
+// f16 rounded toward -inf and +inf: the nearest f16 on the right side, every value that is one
+// (zeros, subnormals, the largest finite, beyond it, negatives) kept exactly.
+TEST(KernelsRef, F16RoundedOutwardBoundsItsValue) {
+  std::mt19937 rng(3);
+  std::vector<float> xs = {0.0f,      -0.0f,    1.0f,      -1.0f,          65504.0f,
+                           -65504.0f, 70000.0f, -70000.0f, 5.96046448e-8f, -5.96046448e-8f,
+                           1e-9f,     -1e-9f,   3.14159f,  -2.71828f};
+  std::uniform_real_distribution<float> u(-4.0f, 4.0f);
+  for (int i = 0; i < 2000; ++i) xs.push_back(std::ldexp(u(rng), int(rng() % 30) - 20));
+  for (float x : xs) {
+    const float down = F16ToF32(F32ToF16Down(x)), up = F16ToF32(F32ToF16Up(x));
+    ASSERT_LE(down, x) << x;
+    ASSERT_GE(up, x) << x;
+    const float near = F16ToF32(F32ToF16(x));
+    if (near == x) {  // representable: kept as it is
+      ASSERT_EQ(down, x) << x;
+      ASSERT_EQ(up, x) << x;
+    } else if (std::abs(x) <= 65504.0f) {  // the two f16 around x
+      ASSERT_TRUE(down == near || up == near) << x;
+      ASSERT_LT(up - down, std::max(std::abs(x) * 2e-3f, 1.2e-7f)) << x;
+    }
+  }
+}
+
 // Quest's page bounds: the per-channel min/max of a page's keys (exact), and the upper bound of
-// q.k they give, max over a group's heads (the cpu kernel sums in lanes: 1e-5), which no key of
-// the page exceeds.
+// q.k they give in f16 rounded outward, max over a group's heads (the cpu kernel sums in lanes:
+// 1e-5), which no key of the page exceeds.
 TEST(KernelsCpu, QuestBoundsMatchRef) {
   for (int64_t target : KernelTargets()) {
     ScopedTarget scoped(target);
@@ -549,13 +573,15 @@ TEST(KernelsCpu, QuestBoundsMatchRef) {
       for (int n : {1, 7, 16}) {
         const int n_pages = 5, n_heads = 3;
         std::vector<float> keys = RandomVec(size_t(n_pages) * n * hd, rng, -3.0f, 3.0f);
-        std::vector<float> bounds(size_t(n_pages) * 2 * hd), ref_b(hd * 2);
+        std::vector<float> lohi(2 * hd), ref_b(hd * 2);
+        std::vector<uint16_t> bounds;  // f16, rounded outward, as Quest keeps them
         for (int p = 0; p < n_pages; ++p) {
           const float* k = keys.data() + size_t(p) * n * hd;
-          float* lo = bounds.data() + size_t(p) * 2 * hd;
-          cpu::KeyBounds(k, n, hd, lo, lo + hd);
+          cpu::KeyBounds(k, n, hd, lohi.data(), lohi.data() + hd);
           ref::KeyBounds(k, n, hd, ref_b.data(), ref_b.data() + hd);
-          ASSERT_EQ(std::vector<float>(lo, lo + 2 * hd), ref_b) << "hd=" << hd << " n=" << n << tn;
+          ASSERT_EQ(lohi, ref_b) << "hd=" << hd << " n=" << n << tn;
+          for (int i = 0; i < hd; ++i) bounds.push_back(F32ToF16Down(lohi[i]));
+          for (int i = hd; i < 2 * hd; ++i) bounds.push_back(F32ToF16Up(lohi[i]));
         }
         std::vector<float> q = RandomVec(size_t(n_heads) * hd, rng, -2.0f, 2.0f);
         std::vector<float> a(n_pages), b(n_pages);

@@ -17,6 +17,7 @@
 #include "model/transformer.h"
 #include "runtime/engine_access.h"
 #include "test_util.h"
+#include "util/dtype.h"
 #include "util/thread_pool.h"
 
 namespace cachet {
@@ -750,8 +751,12 @@ TEST(PressQuest, BoundsBuiltAsPagesFillEqualTheLazyOnes) {
             lo = std::min(lo, kk[j * hd + i]);
             hi = std::max(hi, kk[j * hd + i]);
           }
-          ASSERT_NEAR(kb[p * 2 * hd + i], lo, 1e-4f * (1 + std::abs(lo))) << p << " " << i;
-          ASSERT_NEAR(kb[p * 2 * hd + hd + i], hi, 1e-4f * (1 + std::abs(hi))) << p << " " << i;
+          // f16, rounded outward: below the minimum and above the maximum, within an f16 step.
+          const float blo = F16ToF32(kb[p * 2 * hd + i]), bhi = F16ToF32(kb[p * 2 * hd + hd + i]);
+          ASSERT_LE(blo, lo + 1e-4f * (1 + std::abs(lo))) << p << " " << i;
+          ASSERT_GE(bhi, hi - 1e-4f * (1 + std::abs(hi))) << p << " " << i;
+          ASSERT_NEAR(blo, lo, 2e-3f * (1 + std::abs(lo))) << p << " " << i;
+          ASSERT_NEAR(bhi, hi, 2e-3f * (1 + std::abs(hi))) << p << " " << i;
         }
       }
     };
@@ -760,7 +765,7 @@ TEST(PressQuest, BoundsBuiltAsPagesFillEqualTheLazyOnes) {
       const auto ka = a.key_bounds(l, h), kb = b.key_bounds(l, h);
       ASSERT_GE(ka.size(), pages * 2 * hd);
       ASSERT_GE(kb.size(), pages * 2 * hd);
-      EXPECT_EQ(std::memcmp(ka.data(), kb.data(), pages * 2 * hd * sizeof(float)), 0);
+      EXPECT_EQ(std::memcmp(ka.data(), kb.data(), pages * 2 * hd * sizeof(uint16_t)), 0);
     };
     const size_t candidates = (n + pt - 1) / pt - 1;
     for (int ti = 0; ti < 4; ++ti) {
@@ -893,7 +898,7 @@ TEST(PressEngine, QuestBoundsAreBuiltDuringThePrompt) {
       const auto ke = EngineAccess::kv(*eager).key_bounds(l, h),
                  kl = EngineAccess::kv(*lazy).key_bounds(l, h);
       ASSERT_EQ(ke.size(), kl.size());
-      EXPECT_EQ(std::memcmp(ke.data(), kl.data(), ke.size() * sizeof(float)), 0) << l << " " << h;
+      EXPECT_EQ(std::memcmp(ke.data(), kl.data(), ke.size() * sizeof(ke[0])), 0) << l << " " << h;
     }
   }
 }

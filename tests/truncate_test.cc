@@ -376,7 +376,7 @@ TEST(KvTruncate, QuestSelectionAgrees) {
         const auto kt = EngineAccess::kv(*s).key_bounds(l, h),
                    kf = EngineAccess::kv(*fresh).key_bounds(l, h);
         ASSERT_EQ(kt.size(), kf.size());
-        EXPECT_EQ(std::memcmp(kt.data(), kf.data(), kt.size() * sizeof(float)), 0);
+        EXPECT_EQ(std::memcmp(kt.data(), kf.data(), kt.size() * sizeof(kt[0])), 0);
       }
     }
   }

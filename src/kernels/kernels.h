@@ -116,8 +116,8 @@ class PageRows {
   void KeyBounds(const float* keys, int n, int head_dim, float* lo, float* hi);                   \
   /* Quest page scores: out[p] = max over the n_heads queries (q + h * head_dim) of */            \
   /* sum_i max(q_i lo_i, q_i hi_i), an upper bound of q.k over page p's keys; page p's lo */      \
-  /* is bounds + 2 p head_dim, its hi the head_dim floats after. */                               \
-  void PageBoundScores(const float* q, int n_heads, int head_dim, const float* bounds,            \
+  /* is bounds + 2 p head_dim, its hi the head_dim values after, f16 (bits) rounded outward. */   \
+  void PageBoundScores(const float* q, int n_heads, int head_dim, const uint16_t* bounds,         \
                        int n_pages, float* out);
 
 namespace ref {
@@ -218,7 +218,7 @@ inline void KeyBounds(const float* keys, int n, int head_dim, float* lo, float* 
   UseReferenceKernels() ? ref::KeyBounds(keys, n, head_dim, lo, hi)
                         : cpu::KeyBounds(keys, n, head_dim, lo, hi);
 }
-inline void PageBoundScores(const float* q, int n_heads, int head_dim, const float* bounds,
+inline void PageBoundScores(const float* q, int n_heads, int head_dim, const uint16_t* bounds,
                             int n_pages, float* out) {
   UseReferenceKernels() ? ref::PageBoundScores(q, n_heads, head_dim, bounds, n_pages, out)
                         : cpu::PageBoundScores(q, n_heads, head_dim, bounds, n_pages, out);

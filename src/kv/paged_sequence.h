@@ -137,7 +137,7 @@ class PagedSequence final : public KvSequence {
   }
   bool quest() const { return quest_pages_ > 0 || quest_keep_ < 1.0; }
   // Quest's key bounds of (layer, kv_head) built so far (QuestIndex::bounds).
-  std::span<const float> key_bounds(int layer, int kv_head) const {
+  std::span<const uint16_t> key_bounds(int layer, int kv_head) const {
     return table(layer, kv_head).quest.bounds();
   }
 

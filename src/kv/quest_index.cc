@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "kv/codecs/codec_simd.h"
+#include "util/dtype.h"
 
 namespace cachet {
 
@@ -17,8 +18,9 @@ void QuestIndex::OnAppend(PagePool& pool, std::span<const int32_t> pages, int64_
 void QuestIndex::Extend(PagePool& pool, std::span<const int32_t> pages, int64_t end) {
   const KvLayout& lay = pool.layout();
   const int pt = lay.page_tokens, hd = lay.head_dim;
-  thread_local std::vector<float> kbuf;
+  thread_local std::vector<float> kbuf, lohi;
   kbuf.resize(size_t(pt) * hd);
+  lohi.resize(2 * size_t(hd));
   for (int64_t p = pages_bounded(hd); p < end; ++p) {
     const int32_t page = pages[p];
     // SIMD decoding (the scalar DecodePage made the first decode step after a 16k prompt cost
@@ -28,9 +30,9 @@ void QuestIndex::Extend(PagePool& pool, std::span<const int32_t> pages, int64_t 
     if (codecs::IsRotated(c)) {
       for (int j = 0; j < pt; ++j) codecs::Unrotate(kbuf.data() + size_t(j) * hd, hd);
     }
-    const size_t at = bounds_.size();
-    bounds_.resize(at + 2 * hd);
-    kernels::KeyBounds(kbuf.data(), pt, hd, bounds_.data() + at, bounds_.data() + at + hd);
+    kernels::KeyBounds(kbuf.data(), pt, hd, lohi.data(), lohi.data() + hd);
+    for (int i = 0; i < hd; ++i) bounds_.push_back(F32ToF16Down(lohi[i]));
+    for (int i = hd; i < 2 * hd; ++i) bounds_.push_back(F32ToF16Up(lohi[i]));
   }
 }
 

@@ -14,8 +14,9 @@ namespace cachet {
 
 class QuestIndex {
  public:
-  // Per page of the table's first pages, the per-channel key min then max ([pages][2][head_dim]).
-  std::span<const float> bounds() const { return bounds_; }
+  // Per page of the table's first pages, the per-channel key min then max ([pages][2][head_dim]),
+  // f16 bits rounded outward: half the bytes a decode step scans, and still bounds.
+  std::span<const uint16_t> bounds() const { return bounds_; }
   // Whatever changed the table's pages other than by appending tokens makes the bounds stale.
   void Invalidate() { bounds_.clear(); }
   // The table keeps its first `pages` pages as they are (it was truncated): their bounds stay.
@@ -45,7 +46,7 @@ class QuestIndex {
   void Extend(PagePool& pool, std::span<const int32_t> pages, int64_t end);
   int64_t pages_bounded(int head_dim) const { return int64_t(bounds_.size()) / (2 * head_dim); }
 
-  std::vector<float> bounds_;
+  std::vector<uint16_t> bounds_;
 };
 
 }  // namespace cachet

@@ -27,4 +27,26 @@ uint16_t F32ToF16(float f) {
   return static_cast<uint16_t>(sign | (r >> 13));
 }
 
+namespace {
+// The next f16 toward -inf (bits of a finite or infinite non-NaN value), or toward +inf.
+uint16_t NextDown(uint16_t h) {
+  if (h == 0x0000u) return 0x8001u;      // +0: the smallest negative subnormal
+  return (h & 0x8000u) ? h + 1 : h - 1;  // more negative, or less positive
+}
+uint16_t NextUp(uint16_t h) {
+  if (h == 0x8000u) return 0x0001u;  // -0
+  return (h & 0x8000u) ? h - 1 : h + 1;
+}
+}  // namespace
+
+uint16_t F32ToF16Down(float f) {
+  const uint16_t h = F32ToF16(f);
+  return F16ToF32(h) > f && h != 0xfc00u ? NextDown(h) : h;
+}
+
+uint16_t F32ToF16Up(float f) {
+  const uint16_t h = F32ToF16(f);
+  return F16ToF32(h) < f && h != 0x7c00u ? NextUp(h) : h;
+}
+
 }  // namespace cachet

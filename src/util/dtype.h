@@ -89,6 +89,9 @@ inline float F16ToF32(uint16_t h) {
 }
 
 uint16_t F32ToF16(float f);  // round to nearest even; defined in dtype.cc
+// Rounded toward -inf / +inf (bounds that stay bounds, as Quest's f16 page bounds).
+uint16_t F32ToF16Down(float f);
+uint16_t F32ToF16Up(float f);
 
 // Reads element i of a row of the given type as f32.
 inline float LoadAsF32(const void* data, DType t, int64_t i) {

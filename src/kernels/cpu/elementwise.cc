@@ -37,7 +37,7 @@ void SiluMulImpl(const float* gate, const float* up, float* out, int64_t n) {
 void KeyBoundsImpl(const float* keys, int n, int head_dim, float* lo, float* hi) {
   ref::KeyBounds(keys, n, head_dim, lo, hi);
 }
-void PageBoundScoresImpl(const float* q, int n_heads, int head_dim, const float* bounds,
+void PageBoundScoresImpl(const float* q, int n_heads, int head_dim, const uint16_t* bounds,
                          int n_pages, float* out) {
   ref::PageBoundScores(q, n_heads, head_dim, bounds, n_pages, out);
 }
@@ -138,22 +138,25 @@ void KeyBoundsImpl(const float* keys, int n, int head_dim, float* lo, float* hi)
   }
 }
 
-void PageBoundScoresImpl(const float* q, int n_heads, int head_dim, const float* bounds,
+void PageBoundScoresImpl(const float* q, int n_heads, int head_dim, const uint16_t* bounds,
                          int n_pages, float* out) {
   const DF df;
+  const hn::Rebind<hwy::float16_t, DF> dh;
   const int N = static_cast<int>(hn::Lanes(df));
   if (head_dim % N != 0) return ref::PageBoundScores(q, n_heads, head_dim, bounds, n_pages, out);
+  const auto* b16 = reinterpret_cast<const hwy::float16_t*>(bounds);
   for (int p = 0; p < n_pages; ++p) {
-    const float* lo = bounds + int64_t(p) * 2 * head_dim;
-    const float* hi = lo + head_dim;
+    const hwy::float16_t* lo = b16 + int64_t(p) * 2 * head_dim;
+    const hwy::float16_t* hi = lo + head_dim;
     float best = -INFINITY;
     for (int h = 0; h < n_heads; ++h) {
       const float* qh = q + int64_t(h) * head_dim;
       VF acc = hn::Zero(df);
       for (int i = 0; i < head_dim; i += N) {
         const VF qv = hn::LoadU(df, qh + i);
-        acc = hn::Add(
-            acc, hn::Max(hn::Mul(qv, hn::LoadU(df, lo + i)), hn::Mul(qv, hn::LoadU(df, hi + i))));
+        const VF l = hn::PromoteTo(df, hn::LoadU(dh, lo + i));
+        const VF u = hn::PromoteTo(df, hn::LoadU(dh, hi + i));
+        acc = hn::Add(acc, hn::Max(hn::Mul(qv, l), hn::Mul(qv, u)));
       }
       best = std::max(best, ReduceSum(acc));
     }
@@ -191,7 +194,7 @@ void KeyBounds(const float* keys, int n, int head_dim, float* lo, float* hi) {
   HWY_DYNAMIC_DISPATCH(KeyBoundsImpl)(keys, n, head_dim, lo, hi);
 }
 
-void PageBoundScores(const float* q, int n_heads, int head_dim, const float* bounds, int n_pages,
+void PageBoundScores(const float* q, int n_heads, int head_dim, const uint16_t* bounds, int n_pages,
                      float* out) {
   HWY_DYNAMIC_DISPATCH(PageBoundScoresImpl)(q, n_heads, head_dim, bounds, n_pages, out);
 }

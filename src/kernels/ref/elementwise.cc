@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "kernels/kernels.h"
+#include "util/dtype.h"
 
 namespace cachet::kernels::ref {
 
@@ -46,16 +47,18 @@ void KeyBounds(const float* keys, int n, int head_dim, float* lo, float* hi) {
   }
 }
 
-void PageBoundScores(const float* q, int n_heads, int head_dim, const float* bounds, int n_pages,
+void PageBoundScores(const float* q, int n_heads, int head_dim, const uint16_t* bounds, int n_pages,
                      float* out) {
   for (int p = 0; p < n_pages; ++p) {
-    const float* lo = bounds + int64_t(p) * 2 * head_dim;
-    const float* hi = lo + head_dim;
+    const uint16_t* lo = bounds + int64_t(p) * 2 * head_dim;
+    const uint16_t* hi = lo + head_dim;
     float best = -std::numeric_limits<float>::infinity();
     for (int h = 0; h < n_heads; ++h) {
       const float* qh = q + int64_t(h) * head_dim;
       float s = 0;
-      for (int i = 0; i < head_dim; ++i) s += std::max(qh[i] * lo[i], qh[i] * hi[i]);
+      for (int i = 0; i < head_dim; ++i) {
+        s += std::max(qh[i] * F16ToF32(lo[i]), qh[i] * F16ToF32(hi[i]));
+      }
       best = std::max(best, s);
     }
     out[p] = best;
