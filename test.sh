@@ -20,7 +20,7 @@ if [ "${CACHET_SANITIZE:-0}" = "1" ]; then
     # presses on kvtiny (PressesComposeWithStagedCodecs stays)
     'PressEngine\.(EveryPressFrees.*|CompressDuringPrefill.*|ProbeScorers.*|DecodeEvery.*)'
     'CodecEngine\.(CompressedCaches.*|PrefixReuseFork.*|RecentWindow.*)'  # (RoundTrip.. stays)
-    'Golden\.ChunkingAndPageSize.*' 'Threads/GoldenTest\..*'  # the replays of golden.json
+    'Golden\.ChunkingAndPageSize.*' 'Threads/GoldenTest\..*'  # (GgufRoundTrip's replay stays)
     'PrefixCache\.(SaltsIsolateTenants|EvictsLeastRecentlyUsed.*)'  # (ReusedPrefix.. stays)
     'TierEngine\.(RestartedEngine.*|DamageOtherLayouts.*)'          # (SharedPrefix.. stays)
     'KvTruncate\.(EvalAfterTruncate.*|ForksAndPrefixCache.*|QuestSelection.*|PressedSequences.*)'
