@@ -77,6 +77,10 @@ struct PressOptions {
 
   bool NeedsAttention() const;  // whether a PressObserver must watch the prompt
   bool Probes() const;          // kvzip, lookahead: scored by probes after the cache
+  // Whether it needs nothing but the cache, at any time (a chat's history pressed when full):
+  // no observed prompt or probes, no Quest, per-chunk pressing, demotion or pressing while
+  // decoding.
+  bool ReadsCacheAlone() const;
 };
 
 const std::vector<std::string>& ScorerNames();

@@ -30,8 +30,7 @@ Result<OnFull> ParseOnFull(std::string_view text) {
   if (ratio.empty() || *end != '\0' || !(o.press.ratio > 0 && o.press.ratio < 1)) {
     return InvalidArgument("--on-full: the press ratio '" + ratio + "' is not in (0, 1)");
   }
-  if (o.press.NeedsAttention() || o.press.Probes() || o.press.quest || o.press.during_prefill ||
-      !o.press.demote.empty() || o.press.decode_every > 0) {
+  if (!o.press.ReadsCacheAlone()) {
     return InvalidArgument(
         "--on-full press: the history is pressed when the next turn would not fit, with no "
         "prompt being observed, so the scorer must read the cache alone (streaming, knorm, "
@@ -50,8 +49,8 @@ Result<int> Session::EvalFitting(std::span<const int32_t> tokens, const FitOptio
     return FailedPrecondition("EvalFitting evaluates a prompt into an empty session");
   }
   const press::PressOptions& p = fit.press;
-  if (p.NeedsAttention() || p.Probes() || p.quest || p.during_prefill || !p.demote.empty() ||
-      p.share == press::ShareLayers::kNone || !(p.ratio > 0 && p.ratio < 1)) {
+  if (!p.ReadsCacheAlone() || p.share == press::ShareLayers::kNone ||
+      !(p.ratio > 0 && p.ratio < 1)) {
     return InvalidArgument(
         "fitting a prompt: its press must read the cache alone, keep one token set for every "
         "table (+max or +mean) and remove a ratio in (0, 1)");
@@ -84,8 +83,11 @@ Result<int> Session::EvalFitting(std::span<const int32_t> tokens, const FitOptio
   for (int at = head; at < tail;) {
     // The largest piece that leaves room for the tail and the reserve; the history is pressed
     // until there is one.
-    int piece =
-        std::min({engine_.options().ubatch, tail - at, n_ctx - n_tokens() - after - fit.reserve});
+    auto largest_piece = [&] {
+      return std::min(
+          {engine_.options().ubatch, tail - at, n_ctx - n_tokens() - after - fit.reserve});
+    };
+    int piece = largest_piece();
     while (piece <= 0) {
       const int before = n_tokens();
       if (before <= protect) break;
@@ -94,8 +96,7 @@ Result<int> Session::EvalFitting(std::span<const int32_t> tokens, const FitOptio
       if (Status s = CompactPositions(); !s.ok()) return fail(s);
       if (n_tokens() >= before) break;  // the press kept everything: pressing again will too
       pressed_away += before - n_tokens();
-      piece =
-          std::min({engine_.options().ubatch, tail - at, n_ctx - n_tokens() - after - fit.reserve});
+      piece = largest_piece();
     }
     if (piece <= 0) {
       return fail(

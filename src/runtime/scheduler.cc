@@ -372,7 +372,7 @@ Status Runtime::Impl::EvalFitted(Request& q) {
   std::vector<int32_t> tokens = q.session->tokens();
   tokens.push_back(prompt.back());
   tokens.insert(tokens.end(), q.tokens.begin() + q.n_prompt, q.tokens.end());  // generated
-  q.fitted_away = static_cast<int>(prompt.size()) - (q.session->n_tokens() + 1);
+  q.fitted_away = away;  // the prompt's tokens but those the session kept and its last
   q.n_prompt = q.session->n_tokens() + 1;
   q.tokens = std::move(tokens);
   q.evaluated = q.session->n_tokens();

@@ -72,6 +72,12 @@ Status SplitChunks(const std::string& text, std::span<const std::string> chunks,
   return OkStatus();
 }
 
+// The room a chat that --on-full shifts or presses keeps for its reply: its max_tokens, or a
+// quarter of the context.
+int ReplyRoom(const ParsedRequest& parsed, const ServedModel& model) {
+  return std::max(1, parsed.max_tokens.value_or(model.n_ctx / 4));
+}
+
 // on_full shift: the messages without their oldest turns after the system prompt, as few dropped
 // as leave `room` tokens of the context free (a turn opens with a user message, which the
 // templates that alternate roles need first). Returns how many were dropped; the rendering fails
@@ -211,12 +217,11 @@ Result<PreparedRequest> Prepare(const ParsedRequest& parsed, const ServedModel& 
     CACHET_ASSIGN_OR_RETURN(r.prompt, ChatAfterCache(model, *cache, parsed.messages));
   } else if (chat && model.on_full.kind == press::OnFull::Kind::kShift && parsed.chunks.empty()) {
     std::vector<ChatMessage> messages = parsed.messages;
-    const int room = std::max(1, parsed.max_tokens.value_or(model.n_ctx / 4));
-    CACHET_ASSIGN_OR_RETURN(p.dropped_messages, ShiftChat(model, &messages, room, &r.prompt));
+    CACHET_ASSIGN_OR_RETURN(p.dropped_messages,
+                            ShiftChat(model, &messages, ReplyRoom(parsed, model), &r.prompt));
   } else if (chat && model.on_full.kind == press::OnFull::Kind::kPress && parsed.chunks.empty() &&
              !parsed.press) {
-    const int room = std::max(1, parsed.max_tokens.value_or(model.n_ctx / 4));
-    CACHET_RETURN_IF_ERROR(FitChat(model, parsed.messages, room, &r));
+    CACHET_RETURN_IF_ERROR(FitChat(model, parsed.messages, ReplyRoom(parsed, model), &r));
     p.history_pressed = r.fit.has_value();
   } else if (chat) {
     Result<std::string> text =

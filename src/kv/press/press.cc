@@ -107,6 +107,11 @@ bool PressOptions::Probes() const {
   return scorer == Scorer::kKvzip || scorer == Scorer::kLookahead;
 }
 
+bool PressOptions::ReadsCacheAlone() const {
+  return !NeedsAttention() && !Probes() && !quest && !during_prefill && demote.empty() &&
+         decode_every == 0;
+}
+
 const std::vector<std::string>& ScorerNames() {
   static const std::vector<std::string> kNames(std::begin(kScorerNames), std::end(kScorerNames));
   return kNames;
