@@ -34,8 +34,9 @@ void AddInspect(CLI::App& app);
 void AddBench(CLI::App& app);
 void AddEval(CLI::App& app);
 void AddConvert(CLI::App& app);
-void AddServe(CLI::App& app);  // serve.cc
-void AddCache(CLI::App& app);  // cache.cc
+void AddCalibrate(CLI::App& app);  // calibrate.cc
+void AddServe(CLI::App& app);      // serve.cc
+void AddCache(CLI::App& app);      // cache.cc
 // bench --agents (bench_agents.cc): n agents on one context of ctx tokens, independent copies
 // against forks of it (pressed too with press), as JSON; and its table.
 nlohmann::json AgentsBench(const EngineOptions& base, int ctx, int n, int n_decode,

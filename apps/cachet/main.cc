@@ -19,6 +19,7 @@ int main(int argc, char** argv) {
   cachet::cli::AddBench(app);
   cachet::cli::AddEval(app);
   cachet::cli::AddConvert(app);
+  cachet::cli::AddCalibrate(app);
   cachet::cli::AddServe(app);
   cachet::cli::AddCache(app);
   CLI11_PARSE(app, argc, argv);

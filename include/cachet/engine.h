@@ -88,6 +88,7 @@ struct SavedCacheInfo {
   int64_t held_rows = 0;    // token rows kept over all (layer, KV head) tables
   int64_t page_bytes = 0;   // bytes of the pages stored
   uint64_t model_hash = 0;  // of the model's weights (a sample of every tensor)
+  std::string calibration;  // the hash (hex) of the kv_calibration it was coded with, or ""
 };
 Result<SavedCacheInfo> ReadSavedCacheInfo(const std::string& path);
 
@@ -103,6 +104,10 @@ struct EngineOptions {
   bool prefix_cache = true;        // share and reuse full pages of common prompt prefixes
   std::string kv_codec_k = "f32";  // how K pages are stored (names: cachet/kv_codecs.h)
   std::string kv_codec_v = "f32";
+  // The calibrated codecs' statistics (pca4, pca3, pca2): a file `cachet calibrate` made for this
+  // model. Given, it also keys the stored caches (tiers, saved files): pages one calibration coded
+  // are never read with another.
+  std::string kv_calibration = "";
   int kv_sinks = 0;   // pages holding the first kv_sinks tokens stay f16
   int kv_window = 0;  // pages stay f16 until kv_window newer tokens follow
   int n_ctx = 0;      // max tokens of a sequence; 0: the model's max_position_embeddings

@@ -19,12 +19,16 @@ struct BlockTable {
   mutable QuestIndex quest;
 };
 
+// Pages belong to one table (layer * n_kv_heads + KV head): calibrated codecs code each its own
+// way (KvLayout::plan), so every function that codes a page is told its table.
+
 // Encodes one token's K and V rows into row `off` of a page, in the page's codecs.
-void WriteRow(PagePool& pool, int32_t page, int off, const float* k, const float* v, int32_t pos);
+void WriteRow(PagePool& pool, int table, int32_t page, int off, const float* k, const float* v,
+              int32_t pos);
 // The first cnt K and V rows of a page in f32.
-void DecodeRows(PagePool& pool, int32_t page, int cnt, float* k, float* v);
+void DecodeRows(PagePool& pool, int table, int32_t page, int cnt, float* k, float* v);
 // A table's K and V rows in f32, with their positions, in table order.
-void GatherTable(PagePool& pool, const BlockTable& t, std::vector<float>* k, std::vector<float>* v,
-                 std::vector<int32_t>* positions);
+void GatherTable(PagePool& pool, int table, const BlockTable& t, std::vector<float>* k,
+                 std::vector<float>* v, std::vector<int32_t>* positions);
 
 }  // namespace cachet

@@ -215,7 +215,7 @@ void Compaction::Demote(size_t ti, const float* k, const float* v, int32_t pos) 
     cold_pool_->Unref(shared);
     c.pages.back() = copy;
   }
-  WriteRow(*cold_pool_, c.pages.back(), off, k, v, pos);
+  WriteRow(*cold_pool_, int(ti), c.pages.back(), off, k, v, pos);
   ++c.n_tokens;  // key bounds cover full pages before the last only: appending keeps them valid
 }
 
@@ -257,7 +257,7 @@ void Compaction::ApplyRowWise(size_t ti) {
       continue;
     }
     const int32_t sp = t.pages[s];
-    DecodeRows(pool_, sp, cnt, kbuf_.data(), vbuf_.data());
+    DecodeRows(pool_, int(ti), sp, cnt, kbuf_.data(), vbuf_.data());
     std::memcpy(pos_.data(), pool_.positions(sp), cnt * sizeof(int32_t));
     if (drops) {
       size_t x = kj;
@@ -277,7 +277,7 @@ void Compaction::ApplyRowWise(size_t ti) {
       const float* vr = new_v ? new_v + x * hd : vbuf_.data() + size_t(s_off) * hd;
       float* kr = kbuf_.data() + size_t(s_off) * hd;
       const int32_t pos = Renumbered(kr, pos_[s_off]);
-      WriteRow(pool_, dest[d], off, kr, vr, pos);
+      WriteRow(pool_, int(ti), dest[d], off, kr, vr, pos);
     }
     kj = kend;
   }
@@ -293,7 +293,7 @@ void Compaction::ApplyStaged(size_t ti) {
   const std::vector<int32_t>& k = keep_[ti];
   const int pt = lay_.page_tokens, hd = lay_.head_dim;
   const float* new_v = new_values(ti);
-  GatherTable(pool_, t, &table_k_, &table_v_, &table_pos_);
+  GatherTable(pool_, int(ti), t, &table_k_, &table_v_, &table_pos_);
   // Which destination pages hold a moved row, found before positions change.
   std::vector<uint8_t> moved(dest_pages(ti), 0);
   if (renumber_) {
@@ -332,7 +332,7 @@ void Compaction::ApplyStaged(size_t ti) {
     for (Role role : {Role::kKey, Role::kValue}) {
       codecs::EncodePage(pool_.codec_of(page, role), role,
                          role == Role::kKey ? kbuf_.data() : vbuf_.data(), cnt, pt, hd,
-                         pool_.rows(page, role));
+                         pool_.rows(page, role), pool_.plan_of(page, int(ti), role));
     }
   }
   Shrink(ti, dest_pages(ti));

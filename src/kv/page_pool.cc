@@ -16,6 +16,11 @@ std::string KvLayout::codec_name() const {
   return std::string(codecs::CodecName(codec_k)) + "/" + codecs::CodecName(codec_v);
 }
 
+const codecs::PcaPlan* KvLayout::plan(int table, codecs::Role role, codecs::Codec c) const {
+  if (!codecs::IsCalibrated(c)) return nullptr;
+  return &calibration->plan(table, role, codecs::PcaBits(c));
+}
+
 void PagePool::MapArena(Arena& a, size_t data_bytes_per_slot, size_t capacity_bytes) {
   const size_t page_bytes = data_bytes_per_slot + layout_.page_tokens * sizeof(int32_t);
   a.slots = static_cast<int32_t>(std::min<size_t>(capacity_bytes / page_bytes, kCodecPageBit - 1));

@@ -7,10 +7,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "cachet/status.h"
+#include "kv/codecs/calibration.h"
 #include "kv/codecs/codec.h"
 
 namespace cachet {
@@ -27,6 +29,8 @@ struct KvLayout {
   codecs::Codec codec_k = codecs::Codec::kF32;
   codecs::Codec codec_v = codecs::Codec::kF32;
   int sinks = 0;  // pages holding any of the first `sinks` tokens stay raw (full precision)
+  // The calibrated codecs' statistics (pca*; null when neither codec needs them).
+  std::shared_ptr<const codecs::Calibration> calibration = nullptr;
   // Recent window: a page stays raw until `window` newer tokens follow it, then it is encoded.
   int window = 0;
 
@@ -65,6 +69,9 @@ struct KvLayout {
   size_t page_bytes() const { return plain() ? raw_page_bytes() : codec_page_bytes(); }
   int heads_total() const { return n_layers * n_kv_heads; }
   std::string codec_name() const;  // "f32", or "<k>/<v>"
+  // What a page of codec c needs to code table's (layer * n_kv_heads + KV head) role: its pca
+  // plan, null for every other codec.
+  const codecs::PcaPlan* plan(int table, codecs::Role role, codecs::Codec c) const;
 };
 
 // Something that holds pages it could give back when the pool runs dry (the prefix cache, the
@@ -133,6 +140,9 @@ class PagePool {
     return !IsCodecPage(page)           ? layout_.raw_codec()
            : role == codecs::Role::kKey ? layout_.codec_k
                                         : layout_.codec_v;
+  }
+  const codecs::PcaPlan* plan_of(int32_t page, int table, codecs::Role role) const {
+    return layout_.plan(table, role, codec_of(page, role));
   }
   uint8_t* rows(int32_t page, codecs::Role role) {
     if (!IsCodecPage(page)) {

@@ -163,11 +163,12 @@ Status PagedSequence::Reserve(int n) {
 void PagedSequence::Append(int layer, int kv_head, const float* k, const float* v, int32_t pos) {
   BlockTable& t = table(layer, kv_head);
   const int pt = pool_.layout().page_tokens;
+  const int ti = layer * pool_.layout().n_kv_heads + kv_head;
   // A codec page is a row-wise codec's: the token is encoded where it lands.
-  WriteRow(pool_, t.pages[t.n_tokens / pt], t.n_tokens % pt, k, v, pos);
+  WriteRow(pool_, ti, t.pages[t.n_tokens / pt], t.n_tokens % pt, k, v, pos);
   ++t.n_tokens;
-  SealAgedPage(pool_, t);
-  if (quest()) t.quest.OnAppend(pool_, t.pages, FinalPages(pool_.layout(), t.n_tokens));
+  SealAgedPage(pool_, ti, t);
+  if (quest()) t.quest.OnAppend(pool_, ti, t.pages, FinalPages(pool_.layout(), t.n_tokens));
 }
 
 Status PagedSequence::Retain(std::span<const std::vector<int32_t>> keep, bool demote,
@@ -275,7 +276,7 @@ Status PagedSequence::Truncate(int n) {
       const int cnt = m % pt;
       kbuf.resize(size_t(pt) * hd);
       vbuf.resize(size_t(pt) * hd);
-      DecodeRows(pool_, sealed, cnt, kbuf.data(), vbuf.data());
+      DecodeRows(pool_, int(ti), sealed, cnt, kbuf.data(), vbuf.data());
       for (codecs::Role role : {codecs::Role::kKey, codecs::Role::kValue}) {
         codecs::EncodePage(lay.raw_codec(), role,
                            role == codecs::Role::kKey ? kbuf.data() : vbuf.data(), cnt, pt, hd,
@@ -322,10 +323,10 @@ void PagedSequence::Attend(int layer, int kv_head, const kernels::AttnBatch& bat
   thread_local std::vector<int32_t> hot_sel, cold_sel;
   const bool hot_subset =
       decode && quest() &&
-      t.quest.Select(pool_, t.pages, t.n_tokens, batch, quest_pages_, quest_keep_, &hot_sel);
+      t.quest.Select(pool_, ti, t.pages, t.n_tokens, batch, quest_pages_, quest_keep_, &hot_sel);
   const bool cold_subset = decode && cold &&
-                           cold->quest.Select(*cold_pool_, cold->pages, cold->n_tokens, batch, 0,
-                                              cold_fetch_, &cold_sel);
+                           cold->quest.Select(*cold_pool_, ti, cold->pages, cold->n_tokens, batch,
+                                              0, cold_fetch_, &cold_sel);
   kernels::AttnBatch b = batch;
   if (observer_ != nullptr) {
     // Keys in pass order: the hot table's, then the cold table's.
@@ -334,15 +335,16 @@ void PagedSequence::Attend(int layer, int kv_head, const kernels::AttnBatch& bat
     b.observe = obs.data();
     b.n_observe = static_cast<int>(obs.size());
   }
-  const TablePages hot_pages{&pool_, &t, hot_subset ? &hot_sel : nullptr};
-  const TablePages cold_pages{cold_pool_, cold, cold_subset ? &cold_sel : nullptr};
+  const TablePages hot_pages{&pool_, &t, hot_subset ? &hot_sel : nullptr, ti};
+  const TablePages cold_pages{cold_pool_, cold, cold_subset ? &cold_sel : nullptr, ti};
   AttendTables(b, hot_pages, cold ? &cold_pages : nullptr);
   if (observer_ != nullptr) observer_->Merge(layer, kv_head);
 }
 
 void PagedSequence::Gather(int layer, int kv_head, std::vector<float>* k, std::vector<float>* v,
                            std::vector<int32_t>* positions) const {
-  GatherTable(pool_, table(layer, kv_head), k, v, positions);
+  GatherTable(pool_, layer * pool_.layout().n_kv_heads + kv_head, table(layer, kv_head), k, v,
+              positions);
 }
 
 const float* PagedSequence::RawKey(int layer, int kv_head, int row) const {
@@ -362,7 +364,8 @@ const float* PagedSequence::RawValue(int layer, int kv_head, int row) const {
 void PagedSequence::OverwriteRow(int layer, int kv_head, int row, const float* k, const float* v) {
   const int pt = pool_.layout().page_tokens;
   const int32_t page = table(layer, kv_head).pages[row / pt];
-  WriteRow(pool_, page, row % pt, k, v, pool_.positions(page)[row % pt]);
+  WriteRow(pool_, layer * pool_.layout().n_kv_heads + kv_head, page, row % pt, k, v,
+           pool_.positions(page)[row % pt]);
 }
 
 }  // namespace cachet

@@ -11,11 +11,14 @@ namespace cachet {
 
 using codecs::Role;
 
-void QuestIndex::OnAppend(PagePool& pool, std::span<const int32_t> pages, int64_t final_pages) {
-  if (pages_bounded(pool.layout().head_dim) == final_pages - 1) Extend(pool, pages, final_pages);
+void QuestIndex::OnAppend(PagePool& pool, int table, std::span<const int32_t> pages,
+                          int64_t final_pages) {
+  if (pages_bounded(pool.layout().head_dim) == final_pages - 1) {
+    Extend(pool, table, pages, final_pages);
+  }
 }
 
-void QuestIndex::Extend(PagePool& pool, std::span<const int32_t> pages, int64_t end) {
+void QuestIndex::Extend(PagePool& pool, int table, std::span<const int32_t> pages, int64_t end) {
   const KvLayout& lay = pool.layout();
   const int pt = lay.page_tokens, hd = lay.head_dim;
   thread_local std::vector<float> kbuf, lohi;
@@ -24,11 +27,14 @@ void QuestIndex::Extend(PagePool& pool, std::span<const int32_t> pages, int64_t 
   for (int64_t p = pages_bounded(hd); p < end; ++p) {
     const int32_t page = pages[p];
     // SIMD decoding (the scalar DecodePage made the first decode step after a 16k prompt cost
-    // 0.16 s); rotation codecs decode rotated, so their rows are turned back.
+    // 0.16 s); rotation and pca codecs decode in their basis, so their rows are turned back.
     const codecs::Codec c = pool.codec_of(page, Role::kKey);
-    codecs::simd::DecodeStored(c, Role::kKey, pool.rows(page, Role::kKey), pt, pt, hd, kbuf.data());
-    if (codecs::IsRotated(c)) {
-      for (int j = 0; j < pt; ++j) codecs::Unrotate(kbuf.data() + size_t(j) * hd, hd);
+    const codecs::PcaPlan* plan = pool.plan_of(page, table, Role::kKey);
+    codecs::simd::DecodeStored(c, Role::kKey, pool.rows(page, Role::kKey), pt, pt, hd, kbuf.data(),
+                               plan);
+    if (codecs::BasisOf(c) != codecs::Basis::kPlain) {
+      for (int j = 0; j < pt; ++j)
+        codecs::OutOfBasis(c, plan, kbuf.data() + size_t(j) * hd, hd, true);
     }
     kernels::KeyBounds(kbuf.data(), pt, hd, lohi.data(), lohi.data() + hd);
     for (int i = 0; i < hd; ++i) bounds_.push_back(F32ToF16Down(lohi[i]));
@@ -36,8 +42,8 @@ void QuestIndex::Extend(PagePool& pool, std::span<const int32_t> pages, int64_t 
   }
 }
 
-bool QuestIndex::Select(PagePool& pool, std::span<const int32_t> table_pages, int32_t n_tokens,
-                        const kernels::AttnBatch& batch, int pages, double keep,
+bool QuestIndex::Select(PagePool& pool, int table, std::span<const int32_t> table_pages,
+                        int32_t n_tokens, const kernels::AttnBatch& batch, int pages, double keep,
                         std::vector<int32_t>* selected) {
   const KvLayout& lay = pool.layout();
   const int pt = lay.page_tokens, hd = lay.head_dim;
@@ -45,7 +51,7 @@ bool QuestIndex::Select(PagePool& pool, std::span<const int32_t> table_pages, in
   const int candidates = n_pages - 1;  // the last page is always read
   const int k = pages > 0 ? pages : std::max(1, static_cast<int>(std::ceil(keep * candidates)));
   if (k >= candidates) return false;
-  Extend(pool, table_pages, candidates);
+  Extend(pool, table, table_pages, candidates);
   // Upper bound of q.k over a page: sum_i max(q_i min_i, q_i max_i); the group's heads share the
   // selection, so a page counts by its best head.
   thread_local std::vector<float> score;

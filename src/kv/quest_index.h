@@ -1,5 +1,5 @@
-// Quest (decode-time page selection): one block table's per-page key bounds, and the pages a
-// decode step reads by them.
+// Quest (decode-time page selection): one block table's (`table`: layer * n_kv_heads + KV head)
+// per-page key bounds, and the pages a decode step reads by them.
 #pragma once
 
 #include <algorithm>
@@ -29,21 +29,21 @@ class QuestIndex {
   // Only when every page before it has bounds: a table that lost them (a fork, prefix reuse,
   // Retain) gets them all back at the next decode step, one task per table rather than here on
   // one thread.
-  void OnAppend(PagePool& pool, std::span<const int32_t> pages, int64_t final_pages);
+  void OnAppend(PagePool& pool, int table, std::span<const int32_t> pages, int64_t final_pages);
 
   // The logical pages a decode step reads (ascending, the last page last): the top `pages` (or,
   // when pages is 0, the fraction keep) of all but the last page by key bound, then the last;
   // false when that would be every page. Builds the bounds the candidates lack first (usually
   // built as the pages filled; here after a fork, prefix reuse or Retain, and for the recent
   // window's pages).
-  bool Select(PagePool& pool, std::span<const int32_t> table_pages, int32_t n_tokens,
+  bool Select(PagePool& pool, int table, std::span<const int32_t> table_pages, int32_t n_tokens,
               const kernels::AttnBatch& batch, int pages, double keep,
               std::vector<int32_t>* selected);
 
  private:
   // Bounds up to page `end`, from the keys as stored (decoded, and turned back from a rotation):
   // the one place bounds are computed.
-  void Extend(PagePool& pool, std::span<const int32_t> pages, int64_t end);
+  void Extend(PagePool& pool, int table, std::span<const int32_t> pages, int64_t end);
   int64_t pages_bounded(int head_dim) const { return int64_t(bounds_.size()) / (2 * head_dim); }
 
   std::vector<uint16_t> bounds_;

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "kv/codecs/codec.h"
+#include "util/byte_io.h"
 
 namespace cachet {
 namespace {
@@ -12,90 +13,11 @@ namespace {
 constexpr char kMagic[4] = {'C', 'K', 'V', 'C'};
 constexpr uint8_t kRawPage = 0, kCodecPage = 1;
 // Bounds a file may declare: a corrupt or forged one must not make a reader allocate more.
-constexpr uint32_t kMaxString = 4096;
 constexpr uint32_t kMaxTokens = 1u << 24;
 constexpr uint32_t kMaxLogits = 1u << 24;
 constexpr uint32_t kMaxTables = 1u << 16;
 
-class Writer {
- public:
-  template <class T>
-  void Put(T v) {
-    out_.append(reinterpret_cast<const char*>(&v), sizeof(T));
-  }
-  void PutString(std::string_view s) {
-    Put<uint32_t>(static_cast<uint32_t>(s.size()));
-    out_.append(s);
-  }
-  template <class T>
-  void PutVector(const std::vector<T>& v) {
-    Put<uint32_t>(static_cast<uint32_t>(v.size()));
-    Bytes(v.data(), v.size() * sizeof(T));
-  }
-  void Bytes(const void* p, size_t n) {
-    if (n > 0) out_.append(static_cast<const char*>(p), n);
-  }
-  std::string& out() { return out_; }
-
- private:
-  std::string out_;
-};
-
-// Reads with bounds checks; the first failure sticks and names the field.
-class Reader {
- public:
-  explicit Reader(std::span<const uint8_t> b, size_t at = 0) : b_(b), at_(at) {}
-  template <class T>
-  T Get(const char* what) {
-    T v{};
-    if (Need(sizeof(T), what)) std::memcpy(&v, b_.data() + at_, sizeof(T));
-    at_ += ok() ? sizeof(T) : 0;
-    return v;
-  }
-  std::string GetString(const char* what) {
-    const uint32_t n = Get<uint32_t>(what);
-    if (ok() && n > kMaxString) Fail(what, "longer than " + std::to_string(kMaxString) + " bytes");
-    if (!Need(n, what)) return {};
-    std::string s(reinterpret_cast<const char*>(b_.data() + at_), n);
-    at_ += n;
-    return s;
-  }
-  template <class T>
-  std::vector<T> GetVector(uint32_t max, const char* what) {
-    const uint32_t n = Get<uint32_t>(what);
-    if (ok() && n > max)
-      Fail(what, std::to_string(n) + " entries, more than " + std::to_string(max));
-    if (!Need(size_t{n} * sizeof(T), what)) return {};
-    std::vector<T> v(n);
-    if (n > 0) std::memcpy(v.data(), b_.data() + at_, n * sizeof(T));
-    at_ += n * sizeof(T);
-    return v;
-  }
-  const uint8_t* Take(size_t n, const char* what) {
-    if (!Need(n, what)) return nullptr;
-    const uint8_t* p = b_.data() + at_;
-    at_ += n;
-    return p;
-  }
-  bool Need(size_t n, const char* what) {
-    if (!ok()) return false;
-    if (b_.size() - at_ < n) Fail(what, "the file ends first (truncated)");
-    return ok();
-  }
-  void Fail(const char* what, const std::string& why) {
-    if (ok()) status_ = DataLoss(std::string("saved cache: ") + what + ": " + why);
-  }
-  bool ok() const { return status_.ok(); }
-  size_t at() const { return at_; }
-  const Status& status() const { return status_; }
-
- private:
-  std::span<const uint8_t> b_;
-  size_t at_ = 0;
-  Status status_;
-};
-
-void PutNamespace(Writer& w, const tiers::TierNamespace& ns) {
+void PutNamespace(ByteWriter& w, const tiers::TierNamespace& ns) {
   w.Put<uint64_t>(ns.model_hash);
   w.PutString(ns.codec_k);
   w.PutString(ns.codec_v);
@@ -110,7 +32,7 @@ void PutNamespace(Writer& w, const tiers::TierNamespace& ns) {
   w.Put<uint32_t>(ns.payload_layout);
 }
 
-tiers::TierNamespace GetNamespace(Reader& r) {
+tiers::TierNamespace GetNamespace(ByteReader& r) {
   tiers::TierNamespace ns;
   ns.model_hash = r.Get<uint64_t>("model hash");
   ns.codec_k = r.GetString("K codec");
@@ -144,8 +66,9 @@ Result<KvLayout> LayoutOf(const tiers::TierNamespace& ns) {
                     std::to_string(l.head_dim) + ", " + std::to_string(l.page_tokens) +
                     "-token pages)");
   }
-  auto k = codecs::ParseCodec(ns.codec_k);
-  auto v = codecs::ParseCodec(ns.codec_v);
+  // "<codec>#<calibration hash>" for a calibrated engine's: the sizes need the codec alone.
+  auto k = codecs::ParseCodec(ns.codec_k.substr(0, ns.codec_k.find('#')));
+  auto v = codecs::ParseCodec(ns.codec_v.substr(0, ns.codec_v.find('#')));
   if (!k.ok() || !v.ok()) {
     return DataLoss("saved cache: unknown codec " + ns.codec_k + "/" + ns.codec_v);
   }
@@ -172,7 +95,7 @@ struct Header {
 };
 
 // Checks the whole file and reads everything up to the tables.
-Result<Header> ParseHeader(Reader& r, std::span<const uint8_t> bytes) {
+Result<Header> ParseHeader(ByteReader& r, std::span<const uint8_t> bytes) {
   const uint8_t* magic = r.Take(4, "magic");
   if (!r.ok() || std::memcmp(magic, kMagic, 4) != 0) {
     return DataLoss("saved cache: not a Cachet cache file (no CKVC magic)");
@@ -213,7 +136,8 @@ Result<Header> ParseHeader(Reader& r, std::span<const uint8_t> bytes) {
 // Walks the tables, checking their sizes and page kinds: fn.table(index, cold, tokens) for each,
 // fn.page(index, cold, codec, data, bytes, positions, bytes) for each of its pages.
 template <class Fn>
-Status WalkTables(Reader& r, const Header& h, const KvLayout& hot, const KvLayout* cold, Fn& fn) {
+Status WalkTables(ByteReader& r, const Header& h, const KvLayout& hot, const KvLayout* cold,
+                  Fn& fn) {
   const uint32_t heads = static_cast<uint32_t>(hot.heads_total());
   if (h.n_tables != heads || (h.n_cold != 0 && h.n_cold != heads) || (h.n_cold != 0) != !!cold) {
     return DataLoss("saved cache: " + std::to_string(h.n_tables) + " tables and " +
@@ -276,7 +200,7 @@ std::string Mismatch(const tiers::TierNamespace& file, const tiers::TierNamespac
 
 std::string SaveSequence(const PagedSequence& seq, const tiers::TierNamespace& ns,
                          const SequenceImage& image) {
-  Writer w;
+  ByteWriter w;
   w.Bytes(kMagic, 4);
   w.Put<uint32_t>(kSequenceFileVersion);
   PutNamespace(w, ns);
@@ -326,7 +250,7 @@ struct Parsed {
 
 Result<Parsed> Parse(std::span<const uint8_t> bytes) {
   Parsed p;
-  Reader r(bytes);
+  ByteReader r(bytes, "saved cache");
   CACHET_ASSIGN_OR_RETURN(p.h, ParseHeader(r, bytes));
   CACHET_ASSIGN_OR_RETURN(KvLayout hot, LayoutOf(p.h.info.ns));
   KvLayout cold_layout;
@@ -404,7 +328,7 @@ Status LoadSequence(std::span<const uint8_t> bytes, const tiers::TierNamespace& 
       Table(t, is_cold).pages.push_back(page);
     }
   } fill{{&hot, cold}, {&tables, &cold_tables}, {&raw, &codec, &cold_raw, &cold_codec}};
-  Reader r(bytes, p.tables_at);
+  ByteReader r(bytes, "saved cache", p.tables_at);
   CACHET_RETURN_IF_ERROR(WalkTables(r, h, hot.layout(), cold ? &cold->layout() : nullptr, fill));
   seq->Adopt(std::move(tables), std::move(cold_tables), h.seq_tokens);
   if (cold) seq->set_cold_pool(cold, h.info.cold_fetch);

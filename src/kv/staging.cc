@@ -24,7 +24,7 @@ int64_t SealsNeeded(const KvLayout& lay, const BlockTable& t, int n) {
   return fills;
 }
 
-void SealAgedPage(PagePool& pool, BlockTable& t) {
+void SealAgedPage(PagePool& pool, int table, BlockTable& t) {
   const KvLayout& lay = pool.layout();
   if (!Stages(lay)) return;
   const int64_t sealed = lay.SealedPages(t.n_tokens);
@@ -41,7 +41,8 @@ void SealAgedPage(PagePool& pool, BlockTable& t) {
     codecs::DecodePage(lay.raw_codec(), role, pool.rows(raw, role), lay.page_tokens,
                        lay.page_tokens, lay.head_dim, rows.data());
     codecs::EncodePage(pool.codec_of(codec, role), role, rows.data(), lay.page_tokens,
-                       lay.page_tokens, lay.head_dim, pool.rows(codec, role));
+                       lay.page_tokens, lay.head_dim, pool.rows(codec, role),
+                       pool.plan_of(codec, table, role));
   }
   std::memcpy(pool.positions(codec), pool.positions(raw), lay.page_tokens * sizeof(int32_t));
   pool.Unref(raw);

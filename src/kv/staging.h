@@ -30,6 +30,6 @@ int64_t FinalPages(const KvLayout& lay, int64_t n_tokens);
 int64_t SealsNeeded(const KvLayout& lay, const BlockTable& t, int n);
 // After a token is appended: seals the page it aged into its final form, if any, into one of
 // t.seal_pages.
-void SealAgedPage(PagePool& pool, BlockTable& t);
+void SealAgedPage(PagePool& pool, int table, BlockTable& t);
 
 }  // namespace cachet

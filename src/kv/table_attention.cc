@@ -37,15 +37,15 @@ void AddRefs(const TablePages& read, std::vector<PageRef>* refs) {
 }
 
 // Pages of the hot and the cold pool as the attention kernels read them. Each role (K, V) is read
-// in one basis: rotated when a pool's codec rotates that role (rotated queries score rotated keys,
-// values accumulate rotated and the output is rotated back once per row), else the original one.
-// Rows stored in the other basis (raw sink and window pages beside a rotation codec, a cold pool
-// of another codec) are decoded and rotated into it.
+// in one basis, the hot pool's codec's (Basis): rotated or projected queries score keys stored so,
+// values accumulate in it and the output is turned back once per row. Rows stored in another
+// basis (raw sink and window pages beside such a codec, a cold pool of another codec) are decoded
+// and turned into it.
 struct RefRows final : kernels::PageRows {
   // Each ref's pages are hot's or cold's (null: no cold pool).
-  RefRows(std::span<const PageRef> refs, const KvLayout& layout, bool rot_k, bool rot_v,
-          const PagePool& hot, const PagePool* cold)
-      : refs_(refs), layout_(layout), rot_k_(rot_k), rot_v_(rot_v), hot_(&hot) {
+  RefRows(std::span<const PageRef> refs, const KvLayout& layout, int table, const PagePool& hot,
+          const PagePool* cold)
+      : refs_(refs), layout_(layout), table_(table), hot_(&hot) {
     SetBytes(hot, bytes_[0]);
     if (cold != nullptr) SetBytes(*cold, bytes_[1]);
   }
@@ -70,11 +70,9 @@ struct RefRows final : kernels::PageRows {
       d.k = k + codecs::KiviKeyMetaBytes(layout_.head_dim);
       d.k_bits = ck == codecs::Codec::kKivi4 ? 4 : 2;
     } else {
-      d.k = Rows(ck, Role::kKey, rot_k_, pool.rows(id, Role::kKey), refs_[page].cnt, k_buf,
-                 &d.k_type);
+      d.k = Rows(pool, id, Role::kKey, refs_[page].cnt, k_buf, &d.k_type);
     }
-    d.v = Rows(pool.codec_of(id, Role::kValue), Role::kValue, rot_v_, pool.rows(id, Role::kValue),
-               refs_[page].cnt, v_buf, &d.v_type);
+    d.v = Rows(pool, id, Role::kValue, refs_[page].cnt, v_buf, &d.v_type);
     return d;
   }
   void Prefetch(int page) const override {
@@ -101,14 +99,18 @@ struct RefRows final : kernels::PageRows {
 
   // f32, f16, bf16, q8_0 and q4_0 rows in the basis they are stored in are read in place (the
   // kernel widens or unpacks them as it loads); other rows are decoded into buf.
-  const void* Rows(codecs::Codec c, Role role, bool rotated, const uint8_t* data, int cnt,
-                   float* buf, DType* type) const {
-    if (rotated != codecs::IsRotated(c)) {
-      const int hd = layout_.head_dim;
-      codecs::simd::DecodeStored(c, role, data, cnt, layout_.page_tokens, hd, buf);
+  const void* Rows(PagePool& pool, int32_t id, Role role, int cnt, float* buf, DType* type) const {
+    const codecs::Codec c = pool.codec_of(id, role);
+    const uint8_t* data = pool.rows(id, role);
+    const codecs::PcaPlan* plan = pool.plan_of(id, table_, role);
+    const codecs::Codec basis = role == Role::kKey ? layout_.codec_k : layout_.codec_v;
+    const int hd = layout_.head_dim, pt = layout_.page_tokens;
+    if (codecs::BasisOf(c) != codecs::BasisOf(basis)) {
+      const codecs::PcaPlan* to = layout_.plan(table_, role, basis);
+      codecs::simd::DecodeStored(c, role, data, cnt, pt, hd, buf, plan);
       for (int t = 0; t < cnt; ++t) {
-        rotated ? codecs::Rotate(buf + size_t(t) * hd, hd)
-                : codecs::Unrotate(buf + size_t(t) * hd, hd);
+        codecs::OutOfBasis(c, plan, buf + size_t(t) * hd, hd, true);
+        codecs::IntoBasis(basis, to, buf + size_t(t) * hd, hd, true);
       }
       *type = DType::kF32;
       return buf;
@@ -130,7 +132,7 @@ struct RefRows final : kernels::PageRows {
         *type = DType::kQ4_0;
         return data;
       default:
-        codecs::simd::DecodeStored(c, role, data, cnt, layout_.page_tokens, layout_.head_dim, buf);
+        codecs::simd::DecodeStored(c, role, data, cnt, pt, hd, buf, plan);
         *type = DType::kF32;
         return buf;
     }
@@ -138,7 +140,7 @@ struct RefRows final : kernels::PageRows {
 
   std::span<const PageRef> refs_;
   const KvLayout& layout_;
-  bool rot_k_, rot_v_;
+  int table_;
   const PagePool* hot_;
   size_t bytes_[2][2][2] = {};  // [hot, cold][raw, codec page][K, V]: Prefetch's byte counts
 };
@@ -165,35 +167,39 @@ void AttendRows(const kernels::AttnBatch& batch, const TablePages& hot, const Ta
   if (cold) AddRefs(*cold, &refs);
   // The basis of each role: the hot pool's (a cold pool of another basis is converted).
   const KvLayout& lay = hot.pool->layout();
-  const bool rot_k = codecs::IsRotated(lay.codec_k), rot_v = codecs::IsRotated(lay.codec_v);
+  const codecs::Codec ck = lay.codec_k, cv = lay.codec_v;
+  const bool turn_k = codecs::BasisOf(ck) != codecs::Basis::kPlain;
+  const bool turn_v = codecs::BasisOf(cv) != codecs::Basis::kPlain;
+  const codecs::PcaPlan* plan_k = lay.plan(hot.index, Role::kKey, ck);
+  const codecs::PcaPlan* plan_v = lay.plan(hot.index, Role::kValue, cv);
   const int hd = lay.head_dim, q_dim = batch.n_heads * hd;
   kernels::AttnBatch b = batch;
   thread_local std::vector<float> q_rot, out_rot;
-  if (rot_k) {  // rotated queries, compact
+  if (turn_k) {  // queries in the keys' basis, compact (not centered: q.mean shifts every score)
     q_rot.resize(size_t(b.n_tok) * q_dim);
     for (int i = 0; i < b.n_tok; ++i) {
       for (int h = 0; h < b.n_heads; ++h) {
         float* q = q_rot.data() + size_t(i) * q_dim + size_t(h) * hd;
         std::copy_n(batch.q + i * batch.q_stride + h * hd, hd, q);
-        codecs::Rotate(q, hd);
+        codecs::IntoBasis(ck, plan_k, q, hd, false);
       }
     }
     b.q = q_rot.data();
     b.q_stride = q_dim;
   }
-  if (rot_v) {
+  if (turn_v) {
     out_rot.resize(size_t(b.n_tok) * q_dim);
     b.out = out_rot.data();
     b.out_stride = q_dim;
   }
   kernels::PagedAttentionRows(
-      b, RefRows(refs, lay, rot_k, rot_v, *hot.pool, cold ? cold->pool : nullptr));
-  if (rot_v) {
+      b, RefRows(refs, lay, hot.index, *hot.pool, cold ? cold->pool : nullptr));
+  if (turn_v) {  // the weights sum to 1: the centered values' mean comes back once
     for (int i = 0; i < b.n_tok; ++i) {
       for (int h = 0; h < b.n_heads; ++h) {
         float* out = batch.out + i * batch.out_stride + h * hd;
         std::copy_n(out_rot.data() + size_t(i) * q_dim + size_t(h) * hd, hd, out);
-        codecs::Unrotate(out, hd);
+        codecs::OutOfBasis(cv, plan_v, out, hd, true);
       }
     }
   }

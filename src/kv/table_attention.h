@@ -14,6 +14,7 @@ struct TablePages {
   PagePool* pool;
   const BlockTable* table;
   const std::vector<int32_t>* subset;  // logical pages, ascending; null: every page
+  int index = 0;                       // the table's: layer * n_kv_heads + KV head
 };
 
 // A plain (f32) layout's table as the kernels take it.

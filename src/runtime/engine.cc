@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <numeric>
 #include <sstream>
 
@@ -38,7 +39,7 @@ double MsSince(std::chrono::steady_clock::time_point t0) {
 // What a stored KV page depends on: the weights (a sample of each tensor's bytes, with the tensor
 // table: identical files give identical hashes wherever they live, and weights that differ
 // anywhere differ in every sample of practice), RoPE and the KV layout.
-tiers::TierNamespace TierNamespaceOf(const Transformer& model, const KvLayout& layout) {
+uint64_t WeightsHash(const Transformer& model) {
   XXH3_state_t* h = XXH3_createState();
   XXH3_64bits_reset(h);
   for (const auto& [name, t] : model.weights().store.tensors()) {
@@ -51,12 +52,24 @@ tiers::TierNamespace TierNamespaceOf(const Transformer& model, const KvLayout& l
       XXH3_64bits_update(h, bytes + at, std::min(kSample, t.n_bytes - at));
     }
   }
+  const uint64_t hash = XXH3_64bits_digest(h);
+  XXH3_freeState(h);
+  return hash;
+}
+
+tiers::TierNamespace TierNamespaceOf(const Transformer& model, const KvLayout& layout) {
   const ModelConfig& c = model.config();
   tiers::TierNamespace ns;
-  ns.model_hash = XXH3_64bits_digest(h);
-  XXH3_freeState(h);
+  ns.model_hash = WeightsHash(model);
   ns.codec_k = codecs::CodecName(layout.codec_k);
   ns.codec_v = codecs::CodecName(layout.codec_v);
+  if (layout.calibration) {  // pages coded by one calibration are unreadable by any other
+    char tag[24];
+    std::snprintf(tag, sizeof(tag), "#%016llx",
+                  static_cast<unsigned long long>(layout.calibration->Hash()));
+    ns.codec_k += tag;
+    ns.codec_v += tag;
+  }
   ns.page_tokens = layout.page_tokens;
   ns.n_layers = layout.n_layers;
   ns.n_kv_heads = layout.n_kv_heads;
@@ -73,6 +86,41 @@ tiers::TierNamespace TierNamespaceOf(const Transformer& model, const KvLayout& l
                               std::to_string(r.original_max_position_embeddings);
   return ns;
 }
+
+namespace {
+
+// The calibration the codecs need (null when none is given and none needs one), checked against
+// the model.
+Result<std::shared_ptr<const codecs::Calibration>> LoadKvCalibration(const Transformer& model,
+                                                                     const EngineOptions& o,
+                                                                     const KvLayout& layout) {
+  const bool needs = codecs::IsCalibrated(layout.codec_k) || codecs::IsCalibrated(layout.codec_v);
+  if (o.kv_calibration.empty()) {
+    if (!needs) return std::shared_ptr<const codecs::Calibration>();
+    return InvalidArgument(
+        std::string("KV codec ") +
+        codecs::CodecName(codecs::IsCalibrated(layout.codec_k) ? layout.codec_k : layout.codec_v) +
+        " needs a calibration of this model: --kv-calibration FILE (make one with `cachet "
+        "calibrate`)");
+  }
+  CACHET_ASSIGN_OR_RETURN(codecs::Calibration cal, codecs::LoadCalibration(o.kv_calibration));
+  const ModelConfig& c = model.config();
+  if (cal.n_layers != c.n_layers || cal.n_kv_heads != c.n_kv_heads || cal.head_dim != c.head_dim) {
+    return InvalidArgument(o.kv_calibration + ": calibrated for " + std::to_string(cal.n_layers) +
+                           " layers x " + std::to_string(cal.n_kv_heads) + " KV heads x head_dim " +
+                           std::to_string(cal.head_dim) + ", the model has " +
+                           std::to_string(c.n_layers) + " x " + std::to_string(c.n_kv_heads) +
+                           " x " + std::to_string(c.head_dim));
+  }
+  if (cal.model_hash != WeightsHash(model)) {
+    return InvalidArgument(o.kv_calibration +
+                           ": calibrated on other weights than this model's (run `cachet "
+                           "calibrate` on it)");
+  }
+  return std::make_shared<const codecs::Calibration>(std::move(cal));
+}
+
+}  // namespace
 
 Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
   std::unique_ptr<Engine> e(new Engine());
@@ -98,6 +146,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
   CACHET_ASSIGN_OR_RETURN(layout.codec_v, codecs::ParseCodec(o.kv_codec_v));
   CACHET_RETURN_IF_ERROR(codecs::CheckDim(layout.codec_k, c.head_dim));
   CACHET_RETURN_IF_ERROR(codecs::CheckDim(layout.codec_v, c.head_dim));
+  CACHET_ASSIGN_OR_RETURN(layout.calibration, LoadKvCalibration(*e->model_, o, layout));
   if (o.kv_sinks < 0) return InvalidArgument("--kv-sinks must be >= 0");
   layout.sinks = o.kv_sinks;
   if (o.kv_window < 0) return InvalidArgument("--kv-window must be >= 0");
@@ -273,6 +322,11 @@ Result<PagePool*> Engine::ColdPool(std::string_view codec) {
   layout.sinks = 0;
   layout.window = 0;
   CACHET_RETURN_IF_ERROR(codecs::CheckDim(layout.codec_k, layout.head_dim));
+  if (codecs::IsCalibrated(layout.codec_k) && !layout.calibration) {
+    return InvalidArgument("--demote " + std::string(codec) +
+                           " needs a calibration of this model: --kv-calibration FILE (make one "
+                           "with `cachet calibrate`)");
+  }
   if (layout.staged()) {
     return InvalidArgument("--demote " + std::string(codec) +
                            ": demoted tokens are appended one by one, so the cold codec must be "

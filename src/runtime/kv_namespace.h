@@ -7,6 +7,8 @@
 
 namespace cachet {
 
+// The weights by content: a sample of every tensor, with the tensor table.
+uint64_t WeightsHash(const Transformer& model);
 // The model by its content (a sample of every tensor, with the tensor table), RoPE and the layout.
 tiers::TierNamespace TierNamespaceOf(const Transformer& model, const KvLayout& layout);
 

@@ -72,8 +72,11 @@ Result<SavedCacheInfo> ReadSavedCacheInfo(const std::string& path) {
   auto r = ReadSequenceInfo(std::span(reinterpret_cast<const uint8_t*>(file.data()), file.size()));
   if (!r.ok()) return Prefixed(path, r.status());
   SavedCacheInfo info;
-  info.codec_k = r->ns.codec_k;
-  info.codec_v = r->ns.codec_v;
+  // An engine with a calibration tags its codec names "<codec>#<calibration hash>".
+  const size_t tag = r->ns.codec_k.find('#');
+  info.codec_k = r->ns.codec_k.substr(0, tag);
+  info.codec_v = r->ns.codec_v.substr(0, r->ns.codec_v.find('#'));
+  if (tag != std::string::npos) info.calibration = r->ns.codec_k.substr(tag + 1);
   info.page_tokens = r->ns.page_tokens;
   info.sinks = r->ns.sinks;
   info.window = r->ns.window;

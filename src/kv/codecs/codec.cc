@@ -3,8 +3,11 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
+#include "kv/codecs/calibration.h"
 #include "util/dtype.h"
 
 namespace cachet::codecs {
@@ -22,7 +25,8 @@ constexpr Info kCodecs[] = {
     {Codec::kInt8, "int8"},        {Codec::kQ8_0, "q8_0"},   {Codec::kQ4_0, "q4_0"},
     {Codec::kKivi4, "kivi4"},      {Codec::kKivi2, "kivi2"}, {Codec::kRot4, "rot4"},
     {Codec::kRot3, "rot3"},        {Codec::kRot2, "rot2"},   {Codec::kRot3Qjl, "rot3+qjl"},
-    {Codec::kRot2Qjl, "rot2+qjl"},
+    {Codec::kRot2Qjl, "rot2+qjl"}, {Codec::kPca4, "pca4"},   {Codec::kPca3, "pca3"},
+    {Codec::kPca2, "pca2"},
 };
 
 int KiviBits(Codec c) { return c == Codec::kKivi4 ? 4 : 2; }
@@ -116,6 +120,103 @@ void Fwht(float* x, int n) {
   for (int i = 0; i < n; ++i) x[i] *= s;
 }
 
+// Little-endian packing of codes of varying widths (a pca row: bits[i] per axis, 0 skips it).
+void PackVar(const uint8_t* codes, const uint8_t* bits, int n, uint8_t* out) {
+  uint64_t acc = 0;
+  int have = 0;
+  for (int i = 0; i < n; ++i) {
+    acc |= static_cast<uint64_t>(codes[i]) << have;
+    have += bits[i];
+    while (have >= 8) {
+      *out++ = static_cast<uint8_t>(acc);
+      acc >>= 8;
+      have -= 8;
+    }
+  }
+  if (have > 0) *out = static_cast<uint8_t>(acc);
+}
+
+const PcaPlan& NeedPlan(Codec c, const PcaPlan* plan) {
+  if (plan == nullptr) {  // a call site that does not know its table: a bug, not bad input
+    std::fprintf(stderr, "cachet: codec %s used without its calibration plan\n", CodecName(c));
+    std::abort();
+  }
+  return *plan;
+}
+
+// c = A (x - mean); z_i = c_i / sigma_i over the row's RMS, coded to the nearest of its axis's
+// levels; the row's scale is then the weighted least-squares fit of sigma_i level_i to c_i.
+void EncodePcaRow(const PcaPlan& p, const float* x, uint8_t* out) {
+  const HeadStats& h = *p.stats;
+  const int d = p.dim;
+  float c[kMaxDim];
+  for (int i = 0; i < d; ++i) {
+    const float* ax = h.axes.data() + size_t(i) * d;
+    float s = 0;
+    for (int k = 0; k < d; ++k) s += ax[k] * (x[k] - h.mean[k]);
+    c[i] = s;
+  }
+  double ss = 0;
+  int live = 0;
+  for (int i = 0; i < d; ++i) {
+    if (h.variance[i] > 1e-20f) {
+      const double z = c[i] / p.sigma[i];
+      ss += z * z, ++live;
+    }
+  }
+  const float rms = live > 0 ? static_cast<float>(std::sqrt(ss / live)) : 0.0f;
+  uint8_t codes[kMaxDim];
+  double num = 0, den = 0;
+  for (int i = 0; i < d; ++i) {
+    codes[i] = 0;
+    const int b = p.bits[i];
+    if (b == 0) continue;
+    const float* lv = h.Levels(b);
+    const float z = rms > 0 ? c[i] / (p.sigma[i] * rms) : 0.0f;
+    // Levels ascend: the nearest is found by bisection over the midpoints.
+    int lo = 0, hi = (1 << b) - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (z > 0.5f * (lv[mid] + lv[mid + 1]))
+        lo = mid + 1;
+      else
+        hi = mid;
+    }
+    codes[i] = static_cast<uint8_t>(lo);
+    const double y = double(p.sigma[i]) * lv[lo];
+    num += p.weight[i] * y * c[i];
+    den += p.weight[i] * y * y;
+  }
+  const uint16_t scale_h = H(den > 0 ? static_cast<float>(num / den) : 0.0f);
+  std::memcpy(out, &scale_h, 2);
+  PackVar(codes, p.bits.data(), d, out + 2);
+}
+
+// The row's coordinates on the axes (what DotKeys and AccumulateValues read).
+void DecodePcaRow(const PcaPlan& p, const uint8_t* in, float* c) {
+  uint16_t scale_h;
+  std::memcpy(&scale_h, in, 2);
+  const float r = F(scale_h);
+  const uint8_t* src = in + 2;
+  uint64_t acc = 0;
+  int have = 0;
+  for (int i = 0; i < p.dim; ++i) {
+    const int b = p.bits[i];
+    if (b == 0) {
+      c[i] = 0;
+      continue;
+    }
+    while (have < b) {
+      acc |= static_cast<uint64_t>(*src++) << have;
+      have += 8;
+    }
+    const uint32_t code = static_cast<uint32_t>(acc & ((1u << b) - 1));
+    acc >>= b;
+    have -= b;
+    c[i] = r * p.table[p.level_at[i] + code];
+  }
+}
+
 // Asymmetric min/max quantization of n values with stride, as KIVI: f16 min and scale.
 void QuantizeMinMax(const float* x, int n, int stride, int bits, uint16_t* min_h, uint16_t* scale_h,
                     uint8_t* codes) {
@@ -162,6 +263,10 @@ size_t RowBytes(Codec c, int dim) {
     case Codec::kRot3Qjl:
     case Codec::kRot2Qjl:  // rotN's row, then the residual's sign bits and f16 norm
       return kRotScaleBytes + PackedBytes(dim, RotBits(c)) + PackedBytes(dim, 1) + 2;
+    case Codec::kPca4:
+    case Codec::kPca3:
+    case Codec::kPca2:  // the f16 scale, then bits x dim code bits over the axes
+      return 2 + PackedBytes(dim, PcaBits(c));
   }
   return 0;
 }
@@ -270,6 +375,10 @@ void EncodeRow(Codec c, const float* x, int dim, uint8_t* out) {
       std::memcpy(tail + PackedBytes(dim, 1), &gamma, 2);
       return;
     }
+    case Codec::kPca4:
+    case Codec::kPca3:
+    case Codec::kPca2:  // need their plan: EncodePage codes them
+      std::abort();
   }
 }
 
@@ -354,6 +463,10 @@ void DecodeRowStored(Codec c, const uint8_t* in, int dim, float* x) {
       for (int i = 0; i < dim; ++i) x[i] = x[i] * qs[i] + scale * levels[codes[i]];
       return;
     }
+    case Codec::kPca4:
+    case Codec::kPca3:
+    case Codec::kPca2:  // need their plan: the page functions decode them
+      std::abort();
   }
 }
 
@@ -416,6 +529,41 @@ bool IsRotated(Codec c) {
   return c == Codec::kRot4 || c == Codec::kRot3 || c == Codec::kRot2 || IsQjl(c);
 }
 
+bool IsCalibrated(Codec c) { return c == Codec::kPca4 || c == Codec::kPca3 || c == Codec::kPca2; }
+int PcaBits(Codec c) { return c == Codec::kPca4 ? 4 : c == Codec::kPca3 ? 3 : 2; }
+Basis BasisOf(Codec c) {
+  return IsRotated(c) ? Basis::kHadamard : IsCalibrated(c) ? Basis::kPca : Basis::kPlain;
+}
+
+void IntoBasis(Codec c, const PcaPlan* plan, float* x, int dim, bool centered) {
+  if (IsRotated(c)) return Rotate(x, dim);
+  if (!IsCalibrated(c)) return;
+  const PcaPlan& p = NeedPlan(c, plan);
+  const HeadStats& h = *p.stats;
+  float y[kMaxDim];
+  for (int k = 0; k < dim; ++k) y[k] = centered ? x[k] - h.mean[k] : x[k];
+  for (int i = 0; i < dim; ++i) {
+    const float* ax = h.axes.data() + size_t(i) * dim;
+    float s = 0;
+    for (int k = 0; k < dim; ++k) s += ax[k] * y[k];
+    x[i] = s;
+  }
+}
+
+void OutOfBasis(Codec c, const PcaPlan* plan, float* x, int dim, bool centered) {
+  if (IsRotated(c)) return Unrotate(x, dim);
+  if (!IsCalibrated(c)) return;
+  const PcaPlan& p = NeedPlan(c, plan);
+  const HeadStats& h = *p.stats;
+  float y[kMaxDim];
+  for (int k = 0; k < dim; ++k) y[k] = centered ? h.mean[k] : 0.0f;
+  for (int i = 0; i < dim; ++i) {
+    const float* ax = h.axes.data() + size_t(i) * dim;
+    for (int k = 0; k < dim; ++k) y[k] += ax[k] * x[i];
+  }
+  std::copy_n(y, dim, x);
+}
+
 bool NeedsFullPage(Codec c, Role role) { return IsKivi(c) && role == Role::kKey; }
 
 size_t PageBytes(Codec c, Role role, int tokens, int dim) {
@@ -439,8 +587,15 @@ void Unrotate(float* x, int dim) {
   for (int i = 0; i < dim; ++i) x[i] *= Sign(i);
 }
 
-void EncodePage(Codec c, Role role, const float* rows, int n, int tokens, int dim, uint8_t* page) {
+void EncodePage(Codec c, Role role, const float* rows, int n, int tokens, int dim, uint8_t* page,
+                const PcaPlan* plan) {
   (void)tokens;  // KIVI keys size their metadata by dim; rows past n are left as they are
+  if (IsCalibrated(c)) {
+    const PcaPlan& p = NeedPlan(c, plan);
+    const size_t rb = RowBytes(c, dim);
+    for (int t = 0; t < n; ++t) EncodePcaRow(p, rows + size_t(t) * dim, page + t * rb);
+    return;
+  }
   if (IsKivi(c) && role == Role::kKey) {
     const int bits = KiviBits(c);
     uint16_t* meta = reinterpret_cast<uint16_t*>(page);
@@ -460,8 +615,14 @@ void EncodePage(Codec c, Role role, const float* rows, int n, int tokens, int di
   for (int t = 0; t < n; ++t) EncodeRow(c, rows + size_t(t) * dim, dim, page + t * rb);
 }
 
-void DecodePage(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim, float* rows) {
+void DecodePage(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim, float* rows,
+                const PcaPlan* plan) {
   (void)tokens;
+  if (IsCalibrated(c)) {
+    DecodeStored(c, role, page, n, tokens, dim, rows, plan);
+    for (int t = 0; t < n; ++t) OutOfBasis(c, plan, rows + size_t(t) * dim, dim, true);
+    return;
+  }
   if (IsKivi(c) && role == Role::kKey) {
     const int bits = KiviBits(c);
     const uint16_t* meta = reinterpret_cast<const uint16_t*>(page);
@@ -484,8 +645,14 @@ void DecodePage(Codec c, Role role, const uint8_t* page, int n, int tokens, int 
   }
 }
 
-void DecodeStored(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim,
-                  float* rows) {
+void DecodeStored(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim, float* rows,
+                  const PcaPlan* plan) {
+  if (IsCalibrated(c)) {
+    const PcaPlan& p = NeedPlan(c, plan);
+    const size_t rb = RowBytes(c, dim);
+    for (int t = 0; t < n; ++t) DecodePcaRow(p, page + t * rb, rows + size_t(t) * dim);
+    return;
+  }
   if (IsKivi(c) && role == Role::kKey) {
     DecodePage(c, role, page, n, tokens, dim, rows);  // KIVI is never rotated
     return;
@@ -494,8 +661,21 @@ void DecodeStored(Codec c, Role role, const uint8_t* page, int n, int tokens, in
   for (int t = 0; t < n; ++t) DecodeRowStored(c, page + t * rb, dim, rows + size_t(t) * dim);
 }
 
-void DotKeys(Codec c, const uint8_t* page, int n, int tokens, int dim, const float* q, float* out) {
+void DotKeys(Codec c, const uint8_t* page, int n, int tokens, int dim, const float* q, float* out,
+             const PcaPlan* plan) {
   (void)tokens;
+  if (IsCalibrated(c)) {
+    const PcaPlan& p = NeedPlan(c, plan);
+    const size_t rb = RowBytes(c, dim);
+    float x[kMaxDim];
+    for (int t = 0; t < n; ++t) {
+      DecodePcaRow(p, page + t * rb, x);
+      float s = 0;
+      for (int i = 0; i < dim; ++i) s += q[i] * x[i];
+      out[t] = s;
+    }
+    return;
+  }
   if (IsKivi(c)) {
     // q.k = sum_c (q_c scale_c) code_c + sum_c q_c min_c: fold the per-channel scales into q once.
     const int bits = KiviBits(c);
@@ -528,13 +708,17 @@ void DotKeys(Codec c, const uint8_t* page, int n, int tokens, int dim, const flo
 }
 
 void AccumulateValues(Codec c, const uint8_t* page, int n, int tokens, int dim, const float* p,
-                      float* acc) {
+                      float* acc, const PcaPlan* plan) {
   (void)tokens;
   const size_t rb = RowBytes(c, dim);
   float x[kMaxDim];
   for (int t = 0; t < n; ++t) {
     if (p[t] == 0.0f) continue;
-    DecodeRowStored(c, page + t * rb, dim, x);
+    if (IsCalibrated(c)) {
+      DecodePcaRow(NeedPlan(c, plan), page + t * rb, x);
+    } else {
+      DecodeRowStored(c, page + t * rb, dim, x);
+    }
     for (int i = 0; i < dim; ++i) acc[i] += p[t] * x[i];
   }
 }

@@ -30,7 +30,14 @@ enum class Codec : uint8_t {
   // quantization residual and its f16 norm, decoded so that q.k is unbiased (TurboQuant-prod).
   kRot3Qjl,
   kRot2Qjl,
+  // Calibrated (a .kvcal file, cachet calibrate): rows projected on their (layer, KV head)'s
+  // principal axes, 4/3/2 bits per value on average spent by variance, a per-row f16 scale.
+  kPca4,
+  kPca3,
+  kPca2,
 };
+
+struct PcaPlan;  // calibration.h: one (layer, KV head, role)'s axes, bits and levels
 
 enum class Role : uint8_t { kKey, kValue };
 
@@ -45,6 +52,12 @@ size_t PageBytes(Codec c, Role role, int tokens, int dim);
 // Nominal bits per stored value, metadata included, for a full page.
 double BitsPerValue(Codec c, Role role, int tokens, int dim);
 bool IsRotated(Codec c);
+// The pca codecs: every page operation needs their (layer, KV head, role)'s plan.
+bool IsCalibrated(Codec c);
+int PcaBits(Codec c);
+// The basis a codec stores rows in: attention scores rotated or projected queries against them.
+enum class Basis : uint8_t { kPlain, kHadamard, kPca };
+Basis BasisOf(Codec c);
 // A KIVI key page starts with each channel's f16 (minimum, scale), this many bytes, then the
 // token-major packed codes (little-endian, 4 or 2 bits).
 size_t KiviKeyMetaBytes(int dim);
@@ -59,27 +72,37 @@ bool NeedsFullPage(Codec c, Role role);
 
 // Encodes rows [n][dim] (n <= tokens) into a page laid out for `tokens` rows. Rows past n are
 // unspecified. Rotation codecs rotate the rows themselves.
-void EncodePage(Codec c, Role role, const float* rows, int n, int tokens, int dim, uint8_t* page);
+void EncodePage(Codec c, Role role, const float* rows, int n, int tokens, int dim, uint8_t* page,
+                const PcaPlan* plan = nullptr);
 // Bytes of one row of a row-wise codec (all but KIVI keys): row t of a page starts at t * stride,
 // so rows can be encoded one at a time as tokens arrive.
 size_t RowStride(Codec c, int dim);
 // Decodes rows back to f32 (rotation codecs: into the original basis).
-void DecodePage(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim, float* rows);
+void DecodePage(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim, float* rows,
+                const PcaPlan* plan = nullptr);
 
-// Decodes rows into the basis they are stored in (rotated for rotation codecs): what attention
-// scores against rotated queries and accumulates into a rotated accumulator.
-void DecodeStored(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim, float* rows);
+// Decodes rows into the basis they are stored in (rotated for rotation codecs, centered and
+// projected for pca codecs): what attention scores against rotated queries and accumulates into a
+// rotated accumulator.
+void DecodeStored(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim, float* rows,
+                  const PcaPlan* plan = nullptr);
 
 // out[t] = q . k_t for the first n keys of a page. For rotation codecs q must be rotated
 // (Rotate) first.
-void DotKeys(Codec c, const uint8_t* page, int n, int tokens, int dim, const float* q, float* out);
+void DotKeys(Codec c, const uint8_t* page, int n, int tokens, int dim, const float* q, float* out,
+             const PcaPlan* plan = nullptr);
 // acc += sum_t p[t] * v_t over the first n values of a page. For rotation codecs acc is in the
 // rotated basis: Unrotate it once after the last page.
 void AccumulateValues(Codec c, const uint8_t* page, int n, int tokens, int dim, const float* p,
-                      float* acc);
+                      float* acc, const PcaPlan* plan = nullptr);
 
 // The fixed randomized Hadamard transform: x <- H D x / sqrt(dim) (orthogonal), and its inverse.
 void Rotate(float* x, int dim);
 void Unrotate(float* x, int dim);
+// x into the basis codec c stores rows in, and back: the Hadamard rotation, or for pca codecs
+// the plan's axes, x - mean first when centered (rows; a query is not centered: q.mean is the
+// same for every key, so scores only shift).
+void IntoBasis(Codec c, const PcaPlan* plan, float* x, int dim, bool centered);
+void OutOfBasis(Codec c, const PcaPlan* plan, float* x, int dim, bool centered);
 
 }  // namespace cachet::codecs

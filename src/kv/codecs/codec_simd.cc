@@ -251,8 +251,9 @@ HWY_AFTER_NAMESPACE();
 namespace cachet::codecs::simd {
 HWY_EXPORT(DecodeStoredImpl);
 
-void DecodeStored(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim,
-                  float* rows) {
+void DecodeStored(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim, float* rows,
+                  const PcaPlan* plan) {
+  if (IsCalibrated(c)) return codecs::DecodeStored(c, role, page, n, tokens, dim, rows, plan);
   HWY_DYNAMIC_DISPATCH(DecodeStoredImpl)(c, role, page, n, tokens, dim, rows);
 }
 }  // namespace cachet::codecs::simd

@@ -1,0 +1,417 @@
+#include "kv/codecs/calibration.h"
+
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <iterator>
+#include <numeric>
+
+#include "util/byte_io.h"
+
+namespace cachet::codecs {
+namespace {
+
+constexpr char kMagic[8] = {'C', 'K', 'V', 'C', 'A', 'L', '\n', 0};
+constexpr uint32_t kVersion = 1;
+constexpr uint32_t kMaxDimInFile = 512;
+constexpr uint32_t kMaxTablesInFile = 1u << 16;
+
+// The weights' pooled greedy allotment: a bit goes where it removes the most weighted error,
+// weight_i variance_i (D(b) - D(b + 1)), until bits * dim are spent.
+std::vector<uint8_t> AllotBits(const HeadStats& h, int bits) {
+  const int dim = static_cast<int>(h.variance.size());
+  std::vector<uint8_t> b(dim, 0);
+  for (int spent = 0; spent < bits * dim; ++spent) {
+    int best = -1;
+    double gain = -1;
+    for (int i = 0; i < dim; ++i) {
+      if (b[i] >= kCalMaxBits) continue;
+      const double g =
+          double(h.weight[i]) * h.variance[i] * (h.distortion[b[i]] - h.distortion[b[i] + 1]);
+      if (g > gain) gain = g, best = i;
+    }
+    if (best < 0) break;
+    ++b[best];
+  }
+  return b;
+}
+
+}  // namespace
+
+void SymmetricEigen(std::span<const double> a_in, int n, std::vector<double>* values,
+                    std::vector<double>* vectors) {
+  std::vector<double> a(a_in.begin(), a_in.end()), v(size_t(n) * n, 0.0);
+  for (int i = 0; i < n; ++i) v[size_t(i) * n + i] = 1.0;
+  auto A = [&](int i, int j) -> double& { return a[size_t(i) * n + j]; };
+  for (int sweep = 0; sweep < 100; ++sweep) {
+    double off = 0, diag = 0;
+    for (int i = 0; i < n; ++i) {
+      diag += A(i, i) * A(i, i);
+      for (int j = i + 1; j < n; ++j) off += A(i, j) * A(i, j);
+    }
+    if (off <= 1e-22 * std::max(diag, 1e-300)) break;
+    for (int p = 0; p < n; ++p) {
+      for (int q = p + 1; q < n; ++q) {
+        if (std::fabs(A(p, q)) < 1e-300) continue;
+        const double theta = (A(q, q) - A(p, p)) / (2 * A(p, q));
+        const double t =
+            (theta >= 0 ? 1.0 : -1.0) / (std::fabs(theta) + std::sqrt(theta * theta + 1));
+        const double c = 1 / std::sqrt(t * t + 1), s = t * c;
+        for (int k = 0; k < n; ++k) {  // A <- J^T A J: columns p, q, then rows p, q
+          const double akp = A(k, p), akq = A(k, q);
+          A(k, p) = c * akp - s * akq;
+          A(k, q) = s * akp + c * akq;
+        }
+        for (int k = 0; k < n; ++k) {
+          const double apk = A(p, k), aqk = A(q, k);
+          A(p, k) = c * apk - s * aqk;
+          A(q, k) = s * apk + c * aqk;
+        }
+        for (int k = 0; k < n; ++k) {  // V <- V J: column k of V is an eigenvector
+          const double vkp = v[size_t(k) * n + p], vkq = v[size_t(k) * n + q];
+          v[size_t(k) * n + p] = c * vkp - s * vkq;
+          v[size_t(k) * n + q] = s * vkp + c * vkq;
+        }
+      }
+    }
+  }
+  std::vector<int> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int x, int y) { return A(x, x) > A(y, y); });
+  values->resize(n);
+  vectors->resize(size_t(n) * n);
+  for (int r = 0; r < n; ++r) {
+    (*values)[r] = A(order[r], order[r]);
+    for (int k = 0; k < n; ++k) (*vectors)[size_t(r) * n + k] = v[size_t(k) * n + order[r]];
+  }
+}
+
+double FitLevels(std::span<const float> sorted, int bits, float* levels) {
+  const int m = 1 << bits;
+  const size_t n = sorted.size();
+  if (n == 0) {
+    for (int i = 0; i < m; ++i) levels[i] = 0;
+    return 0;
+  }
+  std::vector<double> prefix(n + 1, 0.0), prefix2(n + 1, 0.0);
+  for (size_t i = 0; i < n; ++i) {
+    prefix[i + 1] = prefix[i] + sorted[i];
+    prefix2[i + 1] = prefix2[i] + double(sorted[i]) * sorted[i];
+  }
+  std::vector<double> lv(m);
+  for (int i = 0; i < m; ++i) lv[i] = sorted[std::min(n - 1, size_t((i + 0.5) / m * n))];
+  std::vector<size_t> edge(m + 1);
+  double mse = 0;
+  for (int iter = 0; iter < 60; ++iter) {
+    edge[0] = 0;
+    edge[m] = n;
+    for (int i = 1; i < m; ++i) {
+      const float t = static_cast<float>(0.5 * (lv[i - 1] + lv[i]));
+      edge[i] = std::max(
+          edge[i - 1], size_t(std::upper_bound(sorted.begin(), sorted.end(), t) - sorted.begin()));
+    }
+    double err = 0, moved = 0;
+    for (int i = 0; i < m; ++i) {
+      const size_t a = edge[i], b = edge[i + 1];
+      if (b > a) {
+        const double mean = (prefix[b] - prefix[a]) / double(b - a);
+        moved = std::max(moved, std::fabs(mean - lv[i]));
+        lv[i] = mean;
+      }
+      // sum (x - l)^2 over the cell
+      err += prefix2[b] - prefix2[a] - 2 * lv[i] * (prefix[b] - prefix[a]) +
+             double(b - a) * lv[i] * lv[i];
+    }
+    mse = err / double(n);
+    if (moved < 1e-7) break;
+  }
+  std::sort(lv.begin(), lv.end());
+  for (int i = 0; i < m; ++i) levels[i] = static_cast<float>(lv[i]);
+  return mse;
+}
+
+void MakePlans(Calibration* c) {
+  const int tables = c->n_layers * c->n_kv_heads;
+  c->plans.assign(size_t(3) * tables * 2, {});
+  for (int bits = 2; bits <= 4; ++bits) {
+    for (int t = 0; t < tables; ++t) {
+      for (Role role : {Role::kKey, Role::kValue}) {
+        const HeadStats& h = c->head(t, role);
+        PcaPlan& p = c->plans[(size_t(bits - 2) * tables + t) * 2 + (role == Role::kValue)];
+        p.stats = &h;
+        p.dim = c->head_dim;
+        p.bits = AllotBits(h, bits);
+        p.sigma.resize(p.dim);
+        p.weight.resize(p.dim);
+        p.level_at.resize(p.dim);
+        p.table.clear();
+        for (int i = 0; i < p.dim; ++i) {
+          p.sigma[i] = std::sqrt(std::max(h.variance[i], 1e-20f));
+          p.weight[i] = h.weight[i];
+          p.level_at[i] = static_cast<uint32_t>(p.table.size());
+          if (p.bits[i] == 0) continue;
+          const float* lv = h.Levels(p.bits[i]);
+          for (int l = 0; l < 1 << p.bits[i]; ++l) p.table.push_back(p.sigma[i] * lv[l]);
+        }
+      }
+    }
+  }
+}
+
+uint64_t Calibration::Hash() const {
+  XXH3_state_t* s = XXH3_createState();
+  XXH3_64bits_reset(s);
+  auto add = [&](const auto& v) {
+    if (!v.empty()) XXH3_64bits_update(s, v.data(), v.size() * sizeof(v[0]));
+  };
+  XXH3_64bits_update(s, &model_hash, sizeof(model_hash));
+  for (const HeadStats& h : heads) {
+    add(h.mean), add(h.axes), add(h.variance), add(h.weight), add(h.levels);
+  }
+  const uint64_t out = XXH3_64bits_digest(s);
+  XXH3_freeState(s);
+  return out;
+}
+
+Status SaveCalibration(const Calibration& c, const std::string& path) {
+  ByteWriter w;
+  w.Bytes(kMagic, sizeof(kMagic));
+  w.Put<uint32_t>(kVersion);
+  w.Put<uint64_t>(c.model_hash);
+  w.Put<int32_t>(c.n_layers);
+  w.Put<int32_t>(c.n_kv_heads);
+  w.Put<int32_t>(c.head_dim);
+  w.Put<int64_t>(c.tokens);
+  w.PutString(c.source);
+  for (const HeadStats& h : c.heads) {
+    w.PutVector(h.mean);
+    w.PutVector(h.channel_std);
+    w.PutVector(h.outliers);
+    w.PutVector(h.axes);
+    w.PutVector(h.variance);
+    w.PutVector(h.weight);
+    w.PutVector(h.levels);
+    w.PutVector(h.distortion);
+  }
+  const uint64_t sum = XXH3_64bits(w.out().data(), w.out().size());
+  w.Put<uint64_t>(sum);
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    if (!f) return InvalidArgument(path + ": cannot write the calibration");
+    f.write(w.out().data(), static_cast<std::streamsize>(w.out().size()));
+    if (!f) return InvalidArgument(path + ": cannot write the calibration");
+  }
+  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+    return InvalidArgument(path + ": cannot write the calibration");
+  }
+  return OkStatus();
+}
+
+Result<Calibration> LoadCalibration(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return NotFound(path + ": no such calibration file (make one with `cachet calibrate`)");
+  const std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(f)),
+                                   std::istreambuf_iterator<char>());
+  const std::string kind = path + ": calibration";
+  if (bytes.size() < sizeof(kMagic) + 8 || std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0) {
+    return DataLoss(kind + ": not a .kvcal file (no CKVCAL header)");
+  }
+  uint64_t sum;
+  std::memcpy(&sum, bytes.data() + bytes.size() - 8, 8);
+  if (XXH3_64bits(bytes.data(), bytes.size() - 8) != sum) {
+    return DataLoss(kind + ": checksum mismatch (the file is damaged or truncated)");
+  }
+  ByteReader r(std::span<const uint8_t>(bytes).first(bytes.size() - 8), kind, sizeof(kMagic));
+  const uint32_t version = r.Get<uint32_t>("version");
+  if (r.ok() && version != kVersion) {
+    return DataLoss(kind + ": version " + std::to_string(version) + ", this build reads " +
+                    std::to_string(kVersion));
+  }
+  Calibration c;
+  c.model_hash = r.Get<uint64_t>("model hash");
+  c.n_layers = r.Get<int32_t>("layers");
+  c.n_kv_heads = r.Get<int32_t>("KV heads");
+  c.head_dim = r.Get<int32_t>("head_dim");
+  c.tokens = r.Get<int64_t>("tokens");
+  c.source = r.GetString("source");
+  const int64_t tables = int64_t(c.n_layers) * c.n_kv_heads;
+  if (r.ok() && (c.n_layers <= 0 || c.n_kv_heads <= 0 || tables > kMaxTablesInFile ||
+                 c.head_dim <= 0 || c.head_dim > int(kMaxDimInFile))) {
+    r.Fail("shape", std::to_string(c.n_layers) + " layers x " + std::to_string(c.n_kv_heads) +
+                        " KV heads x head_dim " + std::to_string(c.head_dim) + " is out of range");
+  }
+  const uint32_t d = static_cast<uint32_t>(std::max(c.head_dim, 0));
+  auto expect = [&](size_t got, size_t want, const char* what) {
+    if (r.ok() && got != want) {
+      r.Fail(what, std::to_string(got) + " entries, expected " + std::to_string(want));
+    }
+  };
+  for (int64_t i = 0; r.ok() && i < tables * 2; ++i) {
+    HeadStats h;
+    h.mean = r.GetVector<float>(d, "mean");
+    expect(h.mean.size(), d, "mean");
+    h.channel_std = r.GetVector<float>(d, "channel std");
+    expect(h.channel_std.size(), d, "channel std");
+    h.outliers = r.GetVector<int32_t>(d, "outliers");
+    for (int32_t o : h.outliers) {
+      if (r.ok() && (o < 0 || o >= int(d))) r.Fail("outliers", "channel out of range");
+    }
+    h.axes = r.GetVector<float>(d * d, "axes");
+    expect(h.axes.size(), size_t(d) * d, "axes");
+    h.variance = r.GetVector<float>(d, "variance");
+    expect(h.variance.size(), d, "variance");
+    h.weight = r.GetVector<float>(d, "weight");
+    expect(h.weight.size(), d, "weight");
+    h.levels = r.GetVector<float>(kCalLevels, "levels");
+    expect(h.levels.size(), kCalLevels, "levels");
+    h.distortion = r.GetVector<float>(kCalMaxBits + 1, "distortion");
+    expect(h.distortion.size(), kCalMaxBits + 1, "distortion");
+    c.heads.push_back(std::move(h));
+  }
+  if (r.ok() && r.at() != bytes.size() - 8) r.Fail("end", "bytes follow the last head");
+  if (!r.ok()) return r.status();
+  MakePlans(&c);
+  return c;
+}
+
+CalibrationBuilder::CalibrationBuilder(int n_layers, int n_kv_heads, int head_dim, int max_rows)
+    : n_layers_(n_layers),
+      n_kv_heads_(n_kv_heads),
+      dim_(head_dim),
+      max_rows_(max_rows),
+      acc_(size_t(n_layers) * n_kv_heads * 2),
+      q2_(size_t(n_layers) * n_kv_heads, std::vector<double>(size_t(head_dim) * head_dim, 0.0)),
+      q_n_(size_t(n_layers) * n_kv_heads, 0) {
+  for (Acc& a : acc_) {
+    a.sum.assign(dim_, 0.0);
+    a.outer.assign(size_t(dim_) * dim_, 0.0);
+  }
+}
+
+void CalibrationBuilder::AddRows(int table, Role role, std::span<const float> rows) {
+  Acc& a = acc_[size_t(table) * 2 + (role == Role::kValue)];
+  const int d = dim_;
+  const int64_t n = int64_t(rows.size()) / d;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* x = rows.data() + t * d;
+    for (int i = 0; i < d; ++i) {
+      a.sum[i] += x[i];
+      double* o = a.outer.data() + size_t(i) * d;
+      const double xi = x[i];
+      for (int j = 0; j <= i; ++j) o[j] += xi * x[j];
+    }
+    ++a.n;
+    // Keep every row until max_rows, then replace evenly (a deterministic reservoir).
+    const int64_t seen = a.seen++;
+    if (seen < max_rows_) {
+      a.sample.insert(a.sample.end(), x, x + d);
+    } else {
+      const uint64_t h = XXH3_64bits(&seen, sizeof(seen)) % uint64_t(seen + 1);
+      if (h < uint64_t(max_rows_)) std::copy(x, x + d, a.sample.begin() + int64_t(h) * d);
+    }
+  }
+}
+
+void CalibrationBuilder::AddQueryMoment(int table, std::span<const double> moment, int64_t n) {
+  for (size_t i = 0; i < moment.size(); ++i) q2_[table][i] += moment[i] * double(n);
+  q_n_[table] += n;
+}
+
+Result<Calibration> CalibrationBuilder::Finish(int outliers, uint64_t model_hash,
+                                               std::string source) {
+  const int d = dim_, tables = n_layers_ * n_kv_heads_;
+  Calibration c;
+  c.model_hash = model_hash;
+  c.n_layers = n_layers_;
+  c.n_kv_heads = n_kv_heads_;
+  c.head_dim = d;
+  c.source = std::move(source);
+  c.tokens = acc_.empty() ? 0 : acc_[0].n;
+  outliers = std::clamp(outliers, 0, d);
+  for (int t = 0; t < tables; ++t) {
+    for (Role role : {Role::kKey, Role::kValue}) {
+      const Acc& a = acc_[size_t(t) * 2 + (role == Role::kValue)];
+      if (a.n < 2) {
+        return InvalidArgument("calibration: too few tokens (" + std::to_string(a.n) + ")");
+      }
+      HeadStats h;
+      std::vector<double> mean(d), cov(size_t(d) * d);
+      for (int i = 0; i < d; ++i) mean[i] = a.sum[i] / double(a.n);
+      for (int i = 0; i < d; ++i) {
+        for (int j = 0; j <= i; ++j) {
+          const double v = a.outer[size_t(i) * d + j] / double(a.n) - mean[i] * mean[j];
+          cov[size_t(i) * d + j] = cov[size_t(j) * d + i] = v;
+        }
+      }
+      h.mean.assign(mean.begin(), mean.end());
+      h.channel_std.resize(d);
+      for (int i = 0; i < d; ++i)
+        h.channel_std[i] = float(std::sqrt(std::max(cov[size_t(i) * d + i], 0.0)));
+      std::vector<int32_t> order(d);
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(),
+                       [&](int x, int y) { return h.channel_std[x] > h.channel_std[y]; });
+      h.outliers.assign(order.begin(), order.begin() + outliers);
+      std::vector<double> values, vectors;
+      SymmetricEigen(cov, d, &values, &vectors);
+      h.axes.assign(vectors.begin(), vectors.end());
+      h.variance.resize(d);
+      for (int i = 0; i < d; ++i) h.variance[i] = float(std::max(values[i], 0.0));
+      h.weight.assign(d, 1.0f);
+      if (role == Role::kKey && q_n_[t] > 0) {  // w_i = a_i^T E[q q^T] a_i
+        const std::vector<double>& m = q2_[t];
+        for (int i = 0; i < d; ++i) {
+          const double* ax = vectors.data() + size_t(i) * d;
+          double s = 0;
+          for (int x = 0; x < d; ++x) {
+            double row = 0;
+            for (int y = 0; y < d; ++y) row += m[size_t(x) * d + y] * ax[y];
+            s += ax[x] * row;
+          }
+          h.weight[i] = float(s / double(q_n_[t]));
+        }
+      }
+      // The sampled rows' normalized coordinates, as the codec makes them: z_i = c_i / sigma_i
+      // over the row's RMS of z (axes of no variance left out).
+      const int64_t rows = int64_t(a.sample.size()) / d;
+      std::vector<float> z;
+      z.reserve(a.sample.size());
+      std::vector<double> zr(d);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* x = a.sample.data() + r * d;
+        double ss = 0;
+        int live = 0;
+        for (int i = 0; i < d; ++i) {
+          const double* ax = vectors.data() + size_t(i) * d;
+          double ci = 0;
+          for (int k = 0; k < d; ++k) ci += ax[k] * (x[k] - mean[k]);
+          const double sg = std::sqrt(std::max(values[i], 0.0));
+          zr[i] = sg > 1e-10 ? ci / sg : 0.0;
+          if (sg > 1e-10) ss += zr[i] * zr[i], ++live;
+        }
+        const double rms = live > 0 ? std::sqrt(ss / live) : 0.0;
+        for (int i = 0; i < d; ++i) {
+          if (rms > 0 && values[i] > 1e-20) z.push_back(float(zr[i] / rms));
+        }
+      }
+      std::sort(z.begin(), z.end());
+      h.levels.assign(kCalLevels, 0.0f);
+      h.distortion.assign(kCalMaxBits + 1, 0.0f);
+      double m2 = 0;
+      for (float v : z) m2 += double(v) * v;
+      h.distortion[0] = z.empty() ? 1.0f : float(m2 / double(z.size()));
+      for (int b = 1; b <= kCalMaxBits; ++b) {
+        h.distortion[b] =
+            std::min(h.distortion[b - 1], float(FitLevels(z, b, h.levels.data() + ((1 << b) - 2))));
+      }
+      c.heads.push_back(std::move(h));
+    }
+  }
+  MakePlans(&c);
+  return c;
+}
+
+}  // namespace cachet::codecs

@@ -1,0 +1,117 @@
+// Calibrated KV codecs: what `cachet calibrate` measures per (layer, KV head) and role on
+// calibration text (a .kvcal file next to the model), and the plans the pca codecs derive from it.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cachet/status.h"
+#include "kv/codecs/codec.h"
+
+namespace cachet::codecs {
+
+inline constexpr int kCalMaxBits = 8;
+inline constexpr int kCalLevels = (2 << kCalMaxBits) - 2;  // the levels of 1 .. 8 bits
+
+// One (layer, KV head, role): rows as the cache holds them (keys after RoPE).
+struct HeadStats {
+  std::vector<float> mean;         // [dim]
+  std::vector<float> channel_std;  // [dim]
+  std::vector<int32_t> outliers;   // the channels of largest std, largest first
+  // [dim][dim]: row i is the i-th principal axis (unit), in order of decreasing variance.
+  std::vector<float> axes;
+  std::vector<float> variance;  // [dim] along each axis
+  // [dim] what an error along each axis costs: for keys the queries' mean square along it (an
+  // error e in a key moves the score by q.e), for values 1.
+  std::vector<float> weight;
+  // Lloyd-Max levels fitted to the normalized coordinates of every axis (a coordinate over its
+  // axis's standard deviation and the row's scale, as the pca codecs quantize them), for 1 .. 8
+  // bits, ascending, concatenated: Levels(b) has 1 << b of them. Pooled over the axes: levels
+  // fitted per axis measured worse on held-out text (they fit the sample's noise).
+  std::vector<float> levels;
+  std::vector<float> distortion;  // [9]: their mean square error at 0 .. 8 bits
+  const float* Levels(int bits) const { return levels.data() + ((1 << bits) - 2); }
+};
+
+// How a pca codec stores one (layer, KV head, role): a row x becomes c = A (x - mean) on the
+// principal axes, then each axis i gets bits[i] bits (the budget of `bits` per value spent where
+// weight x variance is largest, by greedy reverse water-filling), coded as the nearest level of
+// c_i / (sigma_i r) with r the row's f16 scale.
+struct PcaPlan {
+  const HeadStats* stats = nullptr;
+  int dim = 0;
+  std::vector<uint8_t> bits;       // [dim]
+  std::vector<float> sigma;        // [dim] standard deviation along each axis
+  std::vector<float> weight;       // [dim] what the row scale's fit weighs each axis by
+  std::vector<float> table;        // each axis's levels times its sigma, concatenated
+  std::vector<uint32_t> level_at;  // [dim] where axis i's levels start in table
+};
+
+// Move-only: the plans point into heads.
+struct Calibration {
+  Calibration() = default;
+  Calibration(Calibration&&) = default;
+  Calibration& operator=(Calibration&&) = default;
+  Calibration(const Calibration&) = delete;
+  Calibration& operator=(const Calibration&) = delete;
+
+  uint64_t model_hash = 0;  // the model it was measured on (Engine's weights hash)
+  int n_layers = 0, n_kv_heads = 0, head_dim = 0;
+  int64_t tokens = 0;            // calibration tokens evaluated
+  std::string source;            // what they were
+  std::vector<HeadStats> heads;  // [layer][kv head][K, V]
+  // Plans for 2, 3 and 4 bits, [bits - 2][table][K, V]: MakePlans.
+  std::vector<PcaPlan> plans;
+
+  const HeadStats& head(int table, Role role) const {
+    return heads[size_t(table) * 2 + (role == Role::kValue)];
+  }
+  const PcaPlan& plan(int table, Role role, int bits) const {
+    return plans[(size_t(bits - 2) * n_layers * n_kv_heads + table) * 2 + (role == Role::kValue)];
+  }
+  // Of every statistic: pages one calibration encoded, no other can read.
+  uint64_t Hash() const;
+};
+
+// Fills c->plans from c->heads.
+void MakePlans(Calibration* c);
+
+Status SaveCalibration(const Calibration& c, const std::string& path);
+// Reads and checks a .kvcal file (plans made); DataLoss names the field that is damaged.
+Result<Calibration> LoadCalibration(const std::string& path);
+
+// Gathers rows per (table, role), and the queries' second moments per table, then fits the
+// statistics. Rows are sampled (at most max_rows per table and role, evenly) for the levels.
+class CalibrationBuilder {
+ public:
+  CalibrationBuilder(int n_layers, int n_kv_heads, int head_dim, int max_rows = 4096);
+  void AddRows(int table, Role role, std::span<const float> rows);  // [n][head_dim]
+  // The second moment E[q q^T] of the queries that read this table, [dim][dim], over n queries.
+  void AddQueryMoment(int table, std::span<const double> moment, int64_t n);
+  // outliers: channels listed per head and role.
+  Result<Calibration> Finish(int outliers, uint64_t model_hash, std::string source);
+
+ private:
+  struct Acc {
+    std::vector<double> sum, outer;  // [dim], [dim][dim]
+    int64_t n = 0;
+    std::vector<float> sample;  // rows kept for the levels
+    int64_t seen = 0;
+  };
+  int n_layers_, n_kv_heads_, dim_, max_rows_;
+  std::vector<Acc> acc_;                 // [table][K, V]
+  std::vector<std::vector<double>> q2_;  // [table][dim][dim]
+  std::vector<int64_t> q_n_;
+};
+
+// The symmetric eigendecomposition (cyclic Jacobi) of a [n][n] matrix: eigenvalues descending,
+// vectors[i] (row i) the unit eigenvector of values[i].
+void SymmetricEigen(std::span<const double> a, int n, std::vector<double>* values,
+                    std::vector<double>* vectors);
+// Lloyd-Max levels (1 << bits, ascending) of the samples, from their quantiles; returns the
+// mean square error.
+double FitLevels(std::span<const float> sorted, int bits, float* levels);
+
+}  // namespace cachet::codecs

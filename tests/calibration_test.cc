@@ -1,0 +1,411 @@
+// Calibrated KV codecs (issue 18): the statistics `cachet calibrate` fits (eigenvectors, Lloyd-Max
+// levels, the bit allotment), the .kvcal file and its checks, the pca codecs against their own
+// decoded rows, and inside the engine: attention on pca pages equals attention on the decoded
+// rows, the cache is closer to f32 than q4_0's at fewer bytes, saved caches and presses compose,
+// and a missing or mismatched calibration is a clear error.
+#include "kv/codecs/calibration.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include "cachet/calibrate.h"
+#include "cachet/engine.h"
+#include "cachet/eval/tasks.h"
+#include "kernels/kernels.h"
+#include "kv/codecs/codec.h"
+#include "kv/paged_sequence.h"
+#include "runtime/engine_access.h"
+#include "test_util.h"
+
+namespace cachet {
+namespace {
+
+using codecs::Codec;
+using codecs::Role;
+
+TEST(Calibration, SymmetricEigenFindsOrthonormalEigenvectors) {
+  const int n = 7;
+  std::mt19937 rng(3);
+  std::normal_distribution<double> g;
+  std::vector<double> b(n * n), a(n * n, 0.0);
+  for (double& x : b) x = g(rng);
+  for (int i = 0; i < n; ++i)  // a = b b^T: symmetric, positive semi-definite
+    for (int j = 0; j < n; ++j)
+      for (int k = 0; k < n; ++k) a[i * n + j] += b[i * n + k] * b[j * n + k];
+  std::vector<double> values, vectors;
+  codecs::SymmetricEigen(a, n, &values, &vectors);
+  for (int r = 0; r < n; ++r) {
+    if (r > 0) {
+      EXPECT_GE(values[r - 1], values[r]);
+    }
+    for (int i = 0; i < n; ++i) {  // A v = lambda v
+      double av = 0;
+      for (int k = 0; k < n; ++k) av += a[i * n + k] * vectors[r * n + k];
+      EXPECT_NEAR(av, values[r] * vectors[r * n + i], 1e-9);
+    }
+    for (int s = 0; s < n; ++s) {
+      double dot = 0;
+      for (int k = 0; k < n; ++k) dot += vectors[r * n + k] * vectors[s * n + k];
+      EXPECT_NEAR(dot, r == s ? 1.0 : 0.0, 1e-9);
+    }
+  }
+}
+
+TEST(Calibration, FitLevelsOnGaussianSamplesGivesLloydMax) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> g;
+  std::vector<float> z(200000);
+  for (float& x : z) x = g(rng);
+  std::sort(z.begin(), z.end());
+  float lv[16];
+  // Lloyd-Max of N(0, 1): 2 bits +-0.4528, +-1.5104 (MSE 0.1175); 4 bits MSE 0.009497.
+  EXPECT_NEAR(codecs::FitLevels(z, 2, lv), 0.1175, 3e-3);
+  EXPECT_NEAR(lv[0], -1.5104, 0.02);
+  EXPECT_NEAR(lv[1], -0.4528, 0.02);
+  EXPECT_NEAR(lv[2], 0.4528, 0.02);
+  EXPECT_NEAR(lv[3], 1.5104, 0.02);
+  EXPECT_NEAR(codecs::FitLevels(z, 4, lv), 0.009497, 5e-4);
+  for (int i = 1; i < 16; ++i) EXPECT_LT(lv[i - 1], lv[i]);
+}
+
+// Rows of a known anisotropic distribution: a mean, three strong directions, a weak rest and one
+// channel of large spread.
+std::vector<float> AnisotropicRows(int n, int d, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> g;
+  std::vector<float> rows(size_t(n) * d);
+  for (int t = 0; t < n; ++t) {
+    float* x = rows.data() + size_t(t) * d;
+    const float a = 4 * g(rng), b = 2 * g(rng), c = g(rng);
+    for (int i = 0; i < d; ++i) {
+      x[i] = 0.5f + a * std::cos(0.3f * i) / std::sqrt(d / 2.0f) +
+             b * std::sin(0.7f * i) / std::sqrt(d / 2.0f) + c * (i % 2 ? 1 : -1) / std::sqrt(d) +
+             0.05f * g(rng);
+    }
+    x[5] += 3 * g(rng);
+  }
+  return rows;
+}
+
+codecs::Calibration BuildSynthetic(int d, uint64_t hash = 7) {
+  codecs::CalibrationBuilder b(1, 1, d, 2048);
+  const auto k = AnisotropicRows(6000, d, 11), v = AnisotropicRows(6000, d, 12);
+  b.AddRows(0, Role::kKey, k);
+  b.AddRows(0, Role::kValue, v);
+  auto c = b.Finish(/*outliers=*/2, hash, "synthetic");
+  EXPECT_TRUE(c.ok()) << c.status().ToString();
+  return std::move(c).value();
+}
+
+TEST(Calibration, StatisticsAndBitsFollowTheVariance) {
+  const int d = 64;
+  const codecs::Calibration c = BuildSynthetic(d);
+  const codecs::HeadStats& h = c.head(0, Role::kKey);
+  EXPECT_NEAR(h.mean[10], 0.5, 0.15);
+  EXPECT_EQ(h.outliers.size(), 2u);
+  EXPECT_EQ(h.outliers[0], 5);  // the channel of large spread
+  // Four axes carry the variance (3 directions + the spread channel), the rest is noise.
+  double top = 0, all = 0;
+  for (int i = 0; i < d; ++i) (i < 4 ? top : all) += h.variance[i];
+  EXPECT_GT(top / (top + all), 0.95);
+  for (int bits = 2; bits <= 4; ++bits) {
+    const codecs::PcaPlan& p = c.plan(0, Role::kKey, bits);
+    int sum = 0;
+    for (int i = 0; i < d; ++i) sum += p.bits[i];
+    EXPECT_EQ(sum, bits * d);
+    EXPECT_GT(p.bits[0], p.bits[d - 1]);
+    const Codec codec = bits == 4 ? Codec::kPca4 : bits == 3 ? Codec::kPca3 : Codec::kPca2;
+    EXPECT_EQ(codecs::PcaBits(codec), bits);
+    EXPECT_EQ(codecs::PageBytes(codec, Role::kKey, 16, d), 16u * (2 + bits * d / 8));
+  }
+}
+
+TEST(Calibration, PcaCodecsBeatTheRandomRotationOnAnisotropicRows) {
+  const int d = 64, n = 16;
+  const codecs::Calibration c = BuildSynthetic(d);
+  const auto rows = AnisotropicRows(n, d, 99);  // held out
+  for (auto [pca, rot] : {std::pair{Codec::kPca4, Codec::kRot4}, {Codec::kPca3, Codec::kRot3}}) {
+    SCOPED_TRACE(codecs::CodecName(pca));
+    const codecs::PcaPlan* plan = &c.plan(0, Role::kValue, codecs::PcaBits(pca));
+    auto mse = [&](Codec codec, const codecs::PcaPlan* pl) {
+      std::vector<uint8_t> page(codecs::PageBytes(codec, Role::kValue, n, d));
+      std::vector<float> back(rows.size());
+      codecs::EncodePage(codec, Role::kValue, rows.data(), n, n, d, page.data(), pl);
+      codecs::DecodePage(codec, Role::kValue, page.data(), n, n, d, back.data(), pl);
+      double e = 0;
+      for (size_t i = 0; i < rows.size(); ++i) e += (back[i] - rows[i]) * double(back[i] - rows[i]);
+      return e / double(rows.size());
+    };
+    EXPECT_LT(mse(pca, plan), 0.25 * mse(rot, nullptr));
+
+    // The fused operations read the stored basis: q in the basis scores the centered rows, and
+    // the accumulated coordinates turned back give the weighted rows.
+    std::vector<uint8_t> page(codecs::PageBytes(pca, Role::kValue, n, d));
+    codecs::EncodePage(pca, Role::kValue, rows.data(), n, n, d, page.data(), plan);
+    std::vector<float> dec(rows.size()), stored(rows.size());
+    codecs::DecodePage(pca, Role::kValue, page.data(), n, n, d, dec.data(), plan);
+    codecs::DecodeStored(pca, Role::kValue, page.data(), n, n, d, stored.data(), plan);
+    std::vector<float> q(d), qb(d), p(n), dots(n), acc(d, 0.0f), want(d, 0.0f);
+    for (int i = 0; i < d; ++i) q[i] = std::sin(0.9f * i);
+    qb = q;
+    codecs::IntoBasis(pca, plan, qb.data(), d, false);
+    codecs::DotKeys(pca, page.data(), n, n, d, qb.data(), dots.data(), plan);
+    const codecs::HeadStats& h = c.head(0, Role::kValue);
+    for (int t = 0; t < n; ++t) {
+      double s = 0;
+      for (int i = 0; i < d; ++i) s += q[i] * (dec[t * d + i] - h.mean[i]);
+      EXPECT_NEAR(dots[t], s, 1e-3 * (1 + std::fabs(s)));
+      p[t] = 1.0f / n;
+    }
+    codecs::AccumulateValues(pca, page.data(), n, n, d, p.data(), acc.data(), plan);
+    codecs::OutOfBasis(pca, plan, acc.data(), d, true);
+    for (int t = 0; t < n; ++t)
+      for (int i = 0; i < d; ++i) want[i] += dec[t * d + i] / n;
+    for (int i = 0; i < d; ++i) EXPECT_NEAR(acc[i], want[i], 1e-4 * (1 + std::fabs(want[i])));
+    // Into and out of the basis are inverses.
+    std::vector<float> x(rows.begin(), rows.begin() + d), y = x;
+    codecs::IntoBasis(pca, plan, y.data(), d, true);
+    codecs::OutOfBasis(pca, plan, y.data(), d, true);
+    for (int i = 0; i < d; ++i) EXPECT_NEAR(y[i], x[i], 1e-4);
+  }
+}
+
+TEST(Calibration, FileRoundTripsAndDamageIsNamed) {
+  const std::string dir = ::testing::TempDir() + "/cachet_kvcal";
+  std::filesystem::create_directories(dir);
+  const std::string path = dir + "/a.kvcal";
+  const codecs::Calibration c = BuildSynthetic(32, 1234);
+  ASSERT_TRUE(codecs::SaveCalibration(c, path).ok());
+  auto back = codecs::LoadCalibration(path);
+  ASSERT_TRUE(back.ok()) << back.status().ToString();
+  EXPECT_EQ(back->Hash(), c.Hash());
+  EXPECT_EQ(back->model_hash, 1234u);
+  EXPECT_EQ(back->source, "synthetic");
+  EXPECT_EQ(back->plan(0, Role::kKey, 3).bits, c.plan(0, Role::kKey, 3).bits);
+
+  std::ifstream in(path, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto write = [&](const std::string& b) {
+    std::ofstream(dir + "/bad.kvcal", std::ios::binary | std::ios::trunc) << b;
+    return codecs::LoadCalibration(dir + "/bad.kvcal").status();
+  };
+  std::string flipped = bytes;
+  flipped[bytes.size() / 2] ^= 0x40;
+  EXPECT_NE(write(flipped).message().find("checksum"), std::string::npos);
+  EXPECT_NE(write(bytes.substr(0, bytes.size() - 100)).message().find("checksum"),
+            std::string::npos);
+  EXPECT_NE(write("not a calibration file at all").message().find("CKVCAL"), std::string::npos);
+  EXPECT_EQ(codecs::LoadCalibration(dir + "/none.kvcal").status().code(), StatusCode::kNotFound);
+}
+
+// kvtiny calibrated once on a slice of the haystack (pydocs, the first quarter as `cachet
+// calibrate` takes it), shared by the engine tests below.
+const std::string& KvtinyCalibration() {
+  static const std::string path = [] {
+    EngineOptions o;
+    o.model_dir = testing::ModelDir();
+    o.threads = 2;
+    auto e = Engine::Create(o);
+    EXPECT_TRUE(e.ok());
+    std::ifstream in(eval::DefaultHaystackDir() + "/pydocs.txt", std::ios::binary);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    text.resize(text.size() / 4);
+    std::vector<int32_t> ids = (*e)->tokenizer().Encode(text);
+    ids.resize(4096);
+    CalibrateOptions co;
+    co.window = 1024;
+    co.progress = false;
+    const std::string p = ::testing::TempDir() + "/kvtiny_test.kvcal";
+    auto r = Calibrate(**e, ids, co, p);
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    EXPECT_EQ(r->windows, 4);          // 4 x 1023 tokens after BOS; the 4 left over are dropped
+    EXPECT_GT(r->key_top_share, 0.2);  // keys are far from isotropic (1/8 would be)
+    return p;
+  }();
+  return path;
+}
+
+std::unique_ptr<Engine> PcaEngine(const std::string& k, const std::string& v, int sinks = 0,
+                                  const std::string& cal = KvtinyCalibration()) {
+  EngineOptions o;
+  o.model_dir = testing::ModelDir();
+  o.threads = 2;
+  o.kv_codec_k = k;
+  o.kv_codec_v = v;
+  o.kv_sinks = sinks;
+  o.kv_calibration = cal;
+  auto e = Engine::Create(o);
+  EXPECT_TRUE(e.ok()) << e.status().ToString();
+  return e.ok() ? std::move(e).value() : nullptr;
+}
+
+TEST(CalibratedEngine, AttentionOnPcaPagesEqualsAttentionOnDecodedRows) {
+  const auto prompt = testing::LoadGolden().back().ids;
+  for (const auto& [k, v] : {std::pair{"pca4", "pca3"}, {"f16", "pca2"}, {"pca3", "q4_0"}}) {
+    auto e = PcaEngine(k, v, /*sinks=*/4);  // the sink pages (f16) turned into the basis
+    ASSERT_NE(e, nullptr);
+    auto s = e->NewSession();
+    ASSERT_TRUE(s->Eval(std::span(prompt).first(203), nullptr).ok());
+    const PagedSequence& kv = EngineAccess::kv(*s);
+    const int hd = e->config().head_dim, group = e->config().n_heads / e->config().n_kv_heads;
+    SCOPED_TRACE(std::string(k) + ":" + v);
+    const std::vector<int32_t> qpos = {150, 201, 202};
+    std::vector<float> q(qpos.size() * group * hd);
+    for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.37f * i);
+    kernels::AttnBatch b;
+    b.q = q.data();
+    b.q_stride = group * hd;
+    b.n_tok = static_cast<int>(qpos.size());
+    b.n_heads = group;
+    b.q_pos = qpos.data();
+    b.scale = 0.125f;
+    std::vector<float> got(q.size()), want(q.size());
+    b.out = got.data();
+    b.out_stride = group * hd;
+    kv.Attend(5, 1, b);
+    std::vector<float> kr, vr;
+    std::vector<int32_t> pos;
+    kv.Gather(5, 1, &kr, &vr, &pos);
+    b.out = want.data();
+    kernels::ref::ContiguousAttention(b, kr.data(), vr.data(), pos.data(),
+                                      static_cast<int>(pos.size()), hd);
+    double num = 0, den = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      num += (got[i] - want[i]) * double(got[i] - want[i]);
+      den += double(want[i]) * want[i];
+    }
+    const bool block_keys = std::string(k) == "q4_0";
+    EXPECT_LT(std::sqrt(num / den), block_keys ? 5e-3 : 1e-5);
+  }
+}
+
+double MeanKl(const std::vector<float>& ref, const std::vector<float>& got, int vocab) {
+  double total = 0;
+  const size_t n = ref.size() / vocab;
+  for (size_t t = 0; t < n; ++t) {
+    const float* a = ref.data() + t * vocab;
+    const float* b = got.data() + t * vocab;
+    const float ma = *std::max_element(a, a + vocab), mb = *std::max_element(b, b + vocab);
+    double za = 0, zb = 0;
+    for (int i = 0; i < vocab; ++i) za += std::exp(a[i] - ma), zb += std::exp(b[i] - mb);
+    for (int i = 0; i < vocab; ++i) {
+      const double la = a[i] - ma - std::log(za), lb = b[i] - mb - std::log(zb);
+      total += std::exp(la) * (la - lb);
+    }
+  }
+  return total / double(n);
+}
+
+TEST(CalibratedEngine, PcaKeysAreCloserToF32ThanQ4_0AtFewerBytes) {
+  const auto prompt = testing::LoadGolden().back().ids;
+  auto f32 = PcaEngine("f32", "f32");
+  std::vector<float> ref;
+  ASSERT_TRUE(f32->NewSession()->Eval(prompt, &ref, true).ok());
+  const int vocab = f32->config().vocab_size;
+  auto kl = [&](const std::string& k, const std::string& v, int64_t* bytes) {
+    auto e = PcaEngine(k, v);
+    std::vector<float> got;
+    EXPECT_TRUE(e->NewSession()->Eval(prompt, &got, true).ok());
+    *bytes = e->kv_stats().bytes_high_water;
+    return MeanKl(ref, got, vocab);
+  };
+  int64_t pca_bytes = 0, q4_bytes = 0;
+  const double pca = kl("pca4", "f16", &pca_bytes), q4 = kl("q4_0", "f16", &q4_bytes);
+  EXPECT_GT(pca, 0.0);
+  EXPECT_LT(pca, 0.7 * q4) << "pca4 keys " << pca << ", q4_0 keys " << q4;
+  EXPECT_LT(pca_bytes, q4_bytes);
+}
+
+TEST(CalibratedEngine, SavedCachesNeedTheirCalibration) {
+  const auto prompt = testing::LoadGolden().back().ids;
+  auto e = PcaEngine("pca4", "pca3");
+  auto s = e->NewSession();
+  std::vector<float> logits;
+  ASSERT_TRUE(s->Eval(prompt, &logits).ok());
+  const std::string path = ::testing::TempDir() + "/pca_cache.ckv";
+  ASSERT_TRUE(s->Save(path).ok());
+  auto info = ReadSavedCacheInfo(path);
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  EXPECT_EQ(info->codec_k, "pca4");
+  EXPECT_EQ(info->calibration.size(), 16u);
+
+  auto loaded = e->LoadSession(path);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  std::vector<float> a, b;
+  const std::vector<int32_t> next = {prompt[5], prompt[6]};
+  ASSERT_TRUE(s->Eval(next, &a).ok());
+  ASSERT_TRUE((*loaded)->Eval(next, &b).ok());
+  EXPECT_EQ(a, b);
+
+  // Another calibration (the same statistics, another model hash, so another file hash).
+  auto cal = codecs::LoadCalibration(KvtinyCalibration());
+  ASSERT_TRUE(cal.ok());
+  const std::string other = ::testing::TempDir() + "/other.kvcal";
+  cal->source = "other";
+  cal->heads[0].mean[0] += 1e-3f;
+  ASSERT_TRUE(codecs::SaveCalibration(*cal, other).ok());
+  auto e2 = PcaEngine("pca4", "pca3", 0, other);
+  ASSERT_NE(e2, nullptr);
+  auto refused = e2->LoadSession(path);
+  EXPECT_FALSE(refused.ok());
+}
+
+TEST(CalibratedEngine, MissingOrMismatchedCalibrationIsAClearError) {
+  EngineOptions o;
+  o.model_dir = testing::ModelDir();
+  o.kv_codec_k = "pca4";
+  auto e = Engine::Create(o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("--kv-calibration"), std::string::npos);
+
+  auto cal = codecs::LoadCalibration(KvtinyCalibration());
+  ASSERT_TRUE(cal.ok());
+  cal->model_hash ^= 1;
+  const std::string wrong = ::testing::TempDir() + "/wrong_model.kvcal";
+  ASSERT_TRUE(codecs::SaveCalibration(*cal, wrong).ok());
+  o.kv_calibration = wrong;
+  e = Engine::Create(o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("other weights"), std::string::npos);
+
+  codecs::Calibration small = BuildSynthetic(32);
+  const std::string shape = ::testing::TempDir() + "/wrong_shape.kvcal";
+  ASSERT_TRUE(codecs::SaveCalibration(small, shape).ok());
+  o.kv_calibration = shape;
+  e = Engine::Create(o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("head_dim 32"), std::string::npos);
+}
+
+TEST(CalibratedEngine, PressesDemoteIntoAPcaCodec) {
+  const auto prompt = testing::LoadGolden().back().ids;
+  auto e = PcaEngine("pca4", "pca4");
+  auto s = e->NewSession();
+  press::PressOptions p;
+  ASSERT_TRUE(press::ParsePressSpec("keydiff", &p).ok());
+  p.ratio = 0.5;
+  p.demote = "pca2";
+  std::vector<float> logits;
+  ASSERT_TRUE(s->EvalPressed(prompt, p, &logits).ok());
+  EXPECT_GT(e->kv_stats().cold_bytes_used, 0);
+  std::vector<float> next;
+  ASSERT_TRUE(s->Eval(std::vector<int32_t>{prompt[3]}, &next).ok());
+  for (float x : next) ASSERT_TRUE(std::isfinite(x));
+  // Demoting into a pca codec without a calibration is refused.
+  EngineOptions o;
+  o.model_dir = testing::ModelDir();
+  o.kv_codec_k = o.kv_codec_v = "q4_0";
+  auto plain = Engine::Create(o);
+  ASSERT_TRUE(plain.ok());
+  auto s2 = (*plain)->NewSession();
+  const Status st = s2->EvalPressed(prompt, p, &logits);
+  EXPECT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("--kv-calibration"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace cachet
