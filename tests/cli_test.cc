@@ -129,6 +129,29 @@ TEST(Cli, CacheSaveInfoAndRunFromIt) {
   EXPECT_NE(r.err.find("excludes"), std::string::npos) << r.err;
 }
 
+TEST(Cli, CalibrateThenRunWithAPcaCache) {
+  testing::TempDir dir;
+  const std::string cal = dir.path() + "/kvtiny.kvcal";
+  RunResult r = RunCachet("calibrate -t 1 --tokens 2048 --window 1024 --no-progress -o " + cal);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.err.find("wrote " + cal), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("pydocs.txt (first quarter), 2048 tokens"), std::string::npos) << r.err;
+  const std::string run = "run -t 1 --temp 0 -n 8 -p \"The pass key is 12345. The pass key is\"";
+  r = RunCachet(run + " --ctk pca4 --ctv pca3 --kv-calibration " + cal);
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_FALSE(r.out.empty());
+  r = RunCachet(run + " --ctk pca4");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("--kv-calibration FILE"), std::string::npos) << r.err;
+  const std::string bad = dir.Write("bad.kvcal", testing::ReadFile(cal).substr(0, 1000));
+  r = RunCachet(run + " --ctk pca4 --kv-calibration " + bad);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("checksum"), std::string::npos) << r.err;
+  r = RunCachet("calibrate --ctk q4_0 -o " + cal);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("--ctk/--ctv do not apply"), std::string::npos) << r.err;
+}
+
 TEST(Cli, OversizePromptIsAClearError) {
   RunResult r = RunCachet("run -t 1 -c 16 -p \"" + std::string(200, 'a') + " b c d e f\"");
   EXPECT_NE(r.status, 0);
