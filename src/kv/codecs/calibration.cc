@@ -146,14 +146,26 @@ void MakePlans(Calibration* c) {
         p.sigma.resize(p.dim);
         p.weight.resize(p.dim);
         p.level_at.resize(p.dim);
+        p.byte_at.resize(p.dim);
+        p.shift.resize(p.dim);
+        p.mask.resize(p.dim);
         p.table.clear();
+        int bit = 0;
         for (int i = 0; i < p.dim; ++i) {
           p.sigma[i] = std::sqrt(std::max(h.variance[i], 1e-20f));
           p.weight[i] = h.weight[i];
-          p.level_at[i] = static_cast<uint32_t>(p.table.size());
+          p.byte_at[i] = 2 + bit / 8;  // after the row's f16 scale
+          p.shift[i] = bit % 8;
+          p.mask[i] = (1 << p.bits[i]) - 1;
+          bit += p.bits[i];
+          p.level_at[i] = static_cast<int32_t>(p.table.size());
           if (p.bits[i] == 0) continue;
           const float* lv = h.Levels(p.bits[i]);
           for (int l = 0; l < 1 << p.bits[i]; ++l) p.table.push_back(p.sigma[i] * lv[l]);
+        }
+        p.table.push_back(0.0f);
+        for (int i = 0; i < p.dim; ++i) {
+          if (p.bits[i] == 0) p.level_at[i] = static_cast<int32_t>(p.table.size()) - 1;
         }
       }
     }

@@ -42,11 +42,14 @@ struct HeadStats {
 struct PcaPlan {
   const HeadStats* stats = nullptr;
   int dim = 0;
-  std::vector<uint8_t> bits;       // [dim]
-  std::vector<float> sigma;        // [dim] standard deviation along each axis
-  std::vector<float> weight;       // [dim] what the row scale's fit weighs each axis by
-  std::vector<float> table;        // each axis's levels times its sigma, concatenated
-  std::vector<uint32_t> level_at;  // [dim] where axis i's levels start in table
+  std::vector<uint8_t> bits;  // [dim]
+  std::vector<float> sigma;   // [dim] standard deviation along each axis
+  std::vector<float> weight;  // [dim] what the row scale's fit weighs each axis by
+  std::vector<float> table;   // each axis's levels times its sigma, concatenated, then one 0
+  // [dim] where axis i's levels start in table (an axis of no bits: at the final 0), and where its
+  // code sits in a row: the little-endian 32-bit word at byte byte_at[i], shifted right by
+  // shift[i], masked by mask[i] (what the SIMD decoder gathers).
+  std::vector<int32_t> level_at, byte_at, shift, mask;
 };
 
 // Move-only: the plans point into heads.
