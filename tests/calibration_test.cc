@@ -15,6 +15,7 @@
 #include "cachet/calibrate.h"
 #include "cachet/engine.h"
 #include "cachet/eval/tasks.h"
+#include "codec_check.h"
 #include "kernels/kernels.h"
 #include "kv/codecs/codec.h"
 #include "kv/codecs/codec_simd.h"
@@ -276,54 +277,13 @@ TEST(CalibratedEngine, AttentionOnPcaPagesEqualsAttentionOnDecodedRows) {
     auto s = e->NewSession();
     ASSERT_TRUE(s->Eval(std::span(prompt).first(203), nullptr).ok());
     const PagedSequence& kv = EngineAccess::kv(*s);
-    const int hd = e->config().head_dim, group = e->config().n_heads / e->config().n_kv_heads;
     SCOPED_TRACE(std::string(k) + ":" + v);
-    const std::vector<int32_t> qpos = {150, 201, 202};
-    std::vector<float> q(qpos.size() * group * hd);
-    for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.37f * i);
-    kernels::AttnBatch b;
-    b.q = q.data();
-    b.q_stride = group * hd;
-    b.n_tok = static_cast<int>(qpos.size());
-    b.n_heads = group;
-    b.q_pos = qpos.data();
-    b.scale = 0.125f;
-    std::vector<float> got(q.size()), want(q.size());
-    b.out = got.data();
-    b.out_stride = group * hd;
-    kv.Attend(5, 1, b);
-    std::vector<float> kr, vr;
-    std::vector<int32_t> pos;
-    kv.Gather(5, 1, &kr, &vr, &pos);
-    b.out = want.data();
-    kernels::ref::ContiguousAttention(b, kr.data(), vr.data(), pos.data(),
-                                      static_cast<int>(pos.size()), hd);
-    double num = 0, den = 0;
-    for (size_t i = 0; i < got.size(); ++i) {
-      num += (got[i] - want[i]) * double(got[i] - want[i]);
-      den += double(want[i]) * want[i];
-    }
     const bool block_keys = std::string(k) == "q4_0";
-    EXPECT_LT(std::sqrt(num / den), block_keys ? 5e-3 : 1e-5);
+    EXPECT_LT(testing::AttendVsDecoded(*e, kv, 5, 1, {150, 201, 202}), block_keys ? 5e-3 : 1e-5);
   }
 }
 
-double MeanKl(const std::vector<float>& ref, const std::vector<float>& got, int vocab) {
-  double total = 0;
-  const size_t n = ref.size() / vocab;
-  for (size_t t = 0; t < n; ++t) {
-    const float* a = ref.data() + t * vocab;
-    const float* b = got.data() + t * vocab;
-    const float ma = *std::max_element(a, a + vocab), mb = *std::max_element(b, b + vocab);
-    double za = 0, zb = 0;
-    for (int i = 0; i < vocab; ++i) za += std::exp(a[i] - ma), zb += std::exp(b[i] - mb);
-    for (int i = 0; i < vocab; ++i) {
-      const double la = a[i] - ma - std::log(za), lb = b[i] - mb - std::log(zb);
-      total += std::exp(la) * (la - lb);
-    }
-  }
-  return total / double(n);
-}
+using testing::MeanKl;
 
 TEST(CalibratedEngine, PcaKeysAreCloserToF32ThanQ4_0AtFewerBytes) {
   const auto prompt = testing::LoadGolden().back().ids;

@@ -7,6 +7,7 @@
 
 #include "cachet/engine.h"
 #include "cachet/model_config.h"
+#include "codec_check.h"
 #include "kernels/kernels.h"
 #include "kv/codecs/codec.h"
 #include "kv/paged_sequence.h"
@@ -31,25 +32,7 @@ std::unique_ptr<Engine> MakeEngine(const std::string& k, const std::string& v, i
   return std::move(e).value();
 }
 
-// Mean KL(p_ref || p) of next-token distributions over every position.
-double MeanKl(const std::vector<float>& ref, const std::vector<float>& got, int vocab) {
-  double total = 0;
-  const size_t n = ref.size() / vocab;
-  for (size_t t = 0; t < n; ++t) {
-    const float* a = ref.data() + t * vocab;
-    const float* b = got.data() + t * vocab;
-    const float ma = *std::max_element(a, a + vocab), mb = *std::max_element(b, b + vocab);
-    double za = 0, zb = 0;
-    for (int i = 0; i < vocab; ++i) za += std::exp(a[i] - ma), zb += std::exp(b[i] - mb);
-    double kl = 0;
-    for (int i = 0; i < vocab; ++i) {
-      const double la = a[i] - ma - std::log(za), lb = b[i] - mb - std::log(zb);
-      kl += std::exp(la) * (la - lb);
-    }
-    total += kl;
-  }
-  return total / n;
-}
+using testing::MeanKl;
 
 std::vector<int32_t> Prompt() { return testing::LoadGolden().back().ids; }
 
@@ -65,38 +48,12 @@ TEST(CodecEngine, AttentionOnCodesEqualsAttentionOnDecodedRows) {
     auto s = e->NewSession();
     ASSERT_TRUE(s->Eval(std::span(prompt).first(203), nullptr).ok());
     const PagedSequence& kv = EngineAccess::kv(*s);
-    const int hd = e->config().head_dim, group = e->config().n_heads / e->config().n_kv_heads;
     for (const std::vector<int32_t>& qpos : {std::vector<int32_t>{150, 201, 202}, {202}}) {
       SCOPED_TRACE(codec_k + ":" + codec_v + " tokens " + std::to_string(qpos.size()));
-      const int n_tok = static_cast<int>(qpos.size());
-      std::vector<float> q(n_tok * group * hd);
-      for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.37f * i);
-      kernels::AttnBatch b;
-      b.q = q.data();
-      b.q_stride = group * hd;
-      b.n_tok = n_tok;
-      b.n_heads = group;
-      b.q_pos = qpos.data();
-      b.scale = 0.125f;
-      std::vector<float> got(q.size()), want(q.size());
-      b.out = got.data();
-      b.out_stride = group * hd;
-      kv.Attend(3, 1, b);
-      std::vector<float> k, v;
-      std::vector<int32_t> pos;
-      kv.Gather(3, 1, &k, &v, &pos);
-      b.out = want.data();
-      kernels::ref::ContiguousAttention(b, k.data(), v.data(), pos.data(),
-                                        static_cast<int>(pos.size()), hd);
-      double num = 0, den = 0;
-      for (size_t i = 0; i < got.size(); ++i) {
-        num += (got[i] - want[i]) * double(got[i] - want[i]);
-        den += double(want[i]) * want[i];
-      }
       // q4_0 / q8_0 keys are scored with the query quantized to 8 bits (kernels/block_keys.h),
       // which attention over the decoded rows does not do.
       const bool block_keys = codec_k == "q4_0" || codec_k == "q8_0";
-      EXPECT_LT(std::sqrt(num / den), block_keys ? 5e-3 : 1e-5);
+      EXPECT_LT(testing::AttendVsDecoded(*e, kv, 3, 1, qpos), block_keys ? 5e-3 : 1e-5);
     }
   }
 }

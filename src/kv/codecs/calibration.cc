@@ -9,6 +9,7 @@
 #include <numeric>
 
 #include "util/byte_io.h"
+#include "util/mmap_file.h"
 
 namespace cachet::codecs {
 namespace {
@@ -209,17 +210,7 @@ Status SaveCalibration(const Calibration& c, const std::string& path) {
   }
   const uint64_t sum = XXH3_64bits(w.out().data(), w.out().size());
   w.Put<uint64_t>(sum);
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
-    if (!f) return InvalidArgument(path + ": cannot write the calibration");
-    f.write(w.out().data(), static_cast<std::streamsize>(w.out().size()));
-    if (!f) return InvalidArgument(path + ": cannot write the calibration");
-  }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0) {
-    return InvalidArgument(path + ": cannot write the calibration");
-  }
-  return OkStatus();
+  return WriteFileAtomically(path, w.out());
 }
 
 Result<Calibration> LoadCalibration(const std::string& path) {
