@@ -1,6 +1,10 @@
 // What stored KV pages (the tiers' runs, saved caches) depend on, for an engine's model and layout.
 #pragma once
 
+#include <memory>
+
+#include "cachet/engine.h"
+#include "kv/codecs/calibration.h"
 #include "kv/page_pool.h"
 #include "kv/tiers/format.h"
 #include "model/transformer.h"
@@ -11,5 +15,10 @@ namespace cachet {
 uint64_t WeightsHash(const Transformer& model);
 // The model by its content (a sample of every tensor, with the tensor table), RoPE and the layout.
 tiers::TierNamespace TierNamespaceOf(const Transformer& model, const KvLayout& layout);
+// The calibration layout's codecs need (o.kv_calibration; null when none is given and none needs
+// one), checked against the model: its shape and weights.
+Result<std::shared_ptr<const codecs::Calibration>> LoadKvCalibration(const Transformer& model,
+                                                                     const EngineOptions& o,
+                                                                     const KvLayout& layout);
 
 }  // namespace cachet
