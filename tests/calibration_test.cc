@@ -22,6 +22,7 @@
 #include "kv/paged_sequence.h"
 #include "runtime/engine_access.h"
 #include "test_util.h"
+#include "util/dtype.h"
 
 namespace cachet {
 namespace {
@@ -390,6 +391,46 @@ TEST(CalibratedEngine, PressesDemoteIntoAPcaCodec) {
   const Status st = s2->EvalPressed(prompt, p, &logits);
   EXPECT_FALSE(st.ok());
   EXPECT_NE(st.message().find("--kv-calibration"), std::string::npos);
+}
+
+TEST(CalibratedEngine, RecentWindowAndQuestCompose) {
+  const auto prompt = testing::LoadGolden().back().ids;
+  EngineOptions o;
+  o.model_dir = testing::ModelDir();
+  o.threads = 2;
+  o.kv_codec_k = "pca4";
+  o.kv_codec_v = "pca3";
+  o.kv_window = 32;  // staged pages: f16 until 32 newer tokens follow, then coded whole
+  o.kv_calibration = KvtinyCalibration();
+  auto e = Engine::Create(o);
+  ASSERT_TRUE(e.ok()) << e.status().ToString();
+  auto s = (*e)->NewSession();
+  press::PressOptions p;
+  ASSERT_TRUE(press::ParsePressSpec("quest", &p).ok());
+  p.ratio = 0.5;
+  std::vector<float> logits;
+  ASSERT_TRUE(s->EvalPressed(std::span(prompt).first(200), p, &logits).ok());
+  const PagedSequence& kv = EngineAccess::kv(*s);
+  EXPECT_LT(testing::AttendVsDecoded(**e, kv, 2, 0, {120, 199}), 1e-5);
+  ASSERT_TRUE(s->Eval(std::vector<int32_t>{prompt[200]}, &logits).ok());  // a Quest decode step
+  // Quest's bounds, built from the keys turned back out of the pca basis, bound the keys.
+  const int hd = (*e)->config().head_dim, pt = 16;
+  for (int l = 0; l < (*e)->config().n_layers; ++l) {
+    std::vector<float> k, v;
+    std::vector<int32_t> pos;
+    kv.Gather(l, 1, &k, &v, &pos);
+    const auto bounds = kv.key_bounds(l, 1);
+    ASSERT_GE(bounds.size(), size_t(2 * hd * 10)) << "layer " << l;
+    for (size_t page = 0; page < bounds.size() / (2 * hd); ++page) {
+      for (int r = 0; r < pt; ++r) {
+        for (int i = 0; i < hd; ++i) {
+          const float x = k[(page * pt + r) * hd + i];
+          ASSERT_LE(F16ToF32(bounds[page * 2 * hd + i]), x) << l << " " << page << " " << i;
+          ASSERT_GE(F16ToF32(bounds[page * 2 * hd + hd + i]), x) << l << " " << page << " " << i;
+        }
+      }
+    }
+  }
 }
 
 }  // namespace
