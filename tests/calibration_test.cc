@@ -6,6 +6,7 @@
 #include "kv/codecs/calibration.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
@@ -21,6 +22,7 @@
 #include "kv/codecs/codec_simd.h"
 #include "kv/paged_sequence.h"
 #include "runtime/engine_access.h"
+#include "runtime/kv_namespace.h"
 #include "test_util.h"
 #include "util/dtype.h"
 
@@ -229,8 +231,10 @@ TEST(Calibration, FileRoundTripsAndDamageIsNamed) {
   EXPECT_EQ(codecs::LoadCalibration(dir + "/none.kvcal").status().code(), StatusCode::kNotFound);
 }
 
-// kvtiny calibrated once on a slice of the haystack (pydocs, the first quarter as `cachet
-// calibrate` takes it), shared by the engine tests below.
+// kvtiny calibrated on a slice of the haystack (pydocs, the first quarter as `cachet calibrate`
+// takes it), shared by the engine tests below: made once per process, or read back from an
+// earlier test process of the same ctest run (each test runs in its own, ctest is their parent),
+// which is checked first.
 const std::string& KvtinyCalibration() {
   static const std::string path = [] {
     EngineOptions o;
@@ -238,6 +242,12 @@ const std::string& KvtinyCalibration() {
     o.threads = 2;
     auto e = Engine::Create(o);
     EXPECT_TRUE(e.ok());
+    const std::string p =
+        ::testing::TempDir() + "/kvtiny_test_" + std::to_string(::getppid()) + ".kvcal";
+    if (auto c = codecs::LoadCalibration(p);
+        c.ok() && c->model_hash == WeightsHash(EngineAccess::model(**e)) && c->tokens == 2048) {
+      return p;
+    }
     std::ifstream in(eval::DefaultHaystackDir() + "/pydocs.txt", std::ios::binary);
     std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
     text.resize(text.size() / 4);
@@ -246,10 +256,10 @@ const std::string& KvtinyCalibration() {
     CalibrateOptions co;
     co.window = 1024;
     co.progress = false;
-    const std::string p = ::testing::TempDir() + "/kvtiny_test.kvcal";
-    auto r = Calibrate(**e, ids, co, p);
+    auto r = Calibrate(**e, ids, co, p);  // written atomically: parallel tests never see half
     EXPECT_TRUE(r.ok()) << r.status().ToString();
-    EXPECT_EQ(r->windows, 2);          // 2 x (BOS + 1023 tokens)
+    EXPECT_EQ(r->windows, 2);  // 2 x (BOS + 1023 tokens)
+    EXPECT_EQ(r->tokens, 2048);
     EXPECT_GT(r->key_top_share, 0.2);  // keys are far from isotropic (1/8 would be)
     return p;
   }();
