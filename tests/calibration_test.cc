@@ -347,7 +347,11 @@ TEST(CalibratedEngine, SavedCachesNeedTheirCalibration) {
   auto e2 = PcaEngine("pca4", "pca3", 0, other);
   ASSERT_NE(e2, nullptr);
   auto refused = e2->LoadSession(path);
-  EXPECT_FALSE(refused.ok());
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("KV calibration (--kv-calibration) " +
+                                            info->calibration + " (this engine: "),
+            std::string::npos)
+      << refused.status().ToString();
 }
 
 TEST(CalibratedEngine, MissingOrMismatchedCalibrationIsAClearError) {

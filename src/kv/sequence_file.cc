@@ -182,8 +182,15 @@ std::string Mismatch(const tiers::TierNamespace& file, const tiers::TierNamespac
   if (file.model_hash != engine.model_hash) {
     d += "; another model (its weights differ from -m's)";
   }
-  d += diff("K/V codecs (--ctk/--ctv)", file.codec_k + "/" + file.codec_v,
-            engine.codec_k + "/" + engine.codec_v);
+  // A calibrated engine's codec names end in "#<calibration hash>": the two are told apart.
+  auto codec = [](const std::string& c) { return c.substr(0, c.find('#')); };
+  auto calibration = [](const std::string& c) {
+    return c.find('#') == std::string::npos ? std::string("none") : c.substr(c.find('#') + 1);
+  };
+  d += diff("K/V codecs (--ctk/--ctv)", codec(file.codec_k) + "/" + codec(file.codec_v),
+            codec(engine.codec_k) + "/" + codec(engine.codec_v));
+  d += diff("KV calibration (--kv-calibration)", calibration(file.codec_k),
+            calibration(engine.codec_k));
   d += diff("--page-tokens", std::to_string(file.page_tokens), std::to_string(engine.page_tokens));
   d += diff("--kv-sinks", std::to_string(file.sinks), std::to_string(engine.sinks));
   d += diff("--kv-window", std::to_string(file.window), std::to_string(engine.window));
