@@ -147,9 +147,9 @@ TEST(Cli, CalibrateThenRunWithAPcaCache) {
   r = RunCachet(run + " --ctk pca4 --kv-calibration " + bad);
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.err.find("checksum"), std::string::npos) << r.err;
-  r = RunCachet("calibrate --ctk q4_0 -o " + cal);
+  r = RunCachet("calibrate --ctk q4_0 -o " + cal);  // rows are measured in f32: no such flag
   EXPECT_NE(r.status, 0);
-  EXPECT_NE(r.err.find("--ctk/--ctv do not apply"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("--ctk"), std::string::npos) << r.err;
 }
 
 TEST(Cli, OversizePromptIsAClearError) {

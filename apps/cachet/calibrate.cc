@@ -25,7 +25,15 @@ void AddCalibrate(CLI::App& app) {
     CalibrateOptions cal;
   };
   auto o = std::make_shared<Opts>();
-  AddEngineFlags(*cmd, o->engine);
+  // The model and how to run it; the KV layout is not the user's: rows are measured in f32.
+  cmd->add_option("-m,--model", o->engine.model_dir,
+                  "HF model directory or GGUF file; default: the embedded kvtiny")
+      ->check(CLI::ExistingPath);
+  cmd->add_option("-t,--threads", o->engine.threads, "Worker threads (0 = one per core)")
+      ->check(CLI::NonNegativeNumber);
+  cmd->add_option("--ubatch", o->engine.ubatch, "Prompt tokens per prefill chunk")
+      ->default_val(512)
+      ->check(CLI::PositiveNumber);
   cmd->add_option("-o,--output", o->out, "The .kvcal file to write")->required();
   cmd->add_option("-f,--file", o->text_file,
                   "Calibration text (default: the first quarter of the haystack's pydocs.txt, "
@@ -41,11 +49,8 @@ void AddCalibrate(CLI::App& app) {
       ->default_val(4)
       ->check(CLI::Range(0, 512));
   cmd->add_flag("!--no-progress", o->cal.progress, "No progress bar on stderr");
-  cmd->callback([o, cmd] {
-    if (cmd->get_option("--ctk")->count() > 0 || cmd->get_option("--ctv")->count() > 0) {
-      std::fprintf(stderr, "cachet calibrate: measures f32 rows; --ctk/--ctv do not apply\n");
-      std::exit(2);
-    }
+  cmd->callback([o] {
+    o->engine.prefix_cache = false;
     const bool whole = !o->text_file.empty();
     const std::string path = whole ? o->text_file : eval::DefaultHaystackDir() + "/pydocs.txt";
     std::ifstream in(path, std::ios::binary);
