@@ -11,6 +11,7 @@
 #include "kv/chunk_cache.h"
 #include "kv/compaction.h"
 #include "runtime/engine_access.h"
+#include "util/clock.h"
 
 namespace cachet {
 namespace {
@@ -24,10 +25,6 @@ struct Part {
 std::vector<int32_t> Lead(const Tokenizer& tok) {
   if (tok.add_bos() && tok.bos_id() >= 0) return {tok.bos_id()};
   return {};
-}
-
-double MsSince(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
 // Tokens through the model at positions from `at` on, in ubatch pieces, their K/V into kv; no

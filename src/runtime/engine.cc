@@ -20,6 +20,7 @@
 #include "model/transformer.h"
 #include "runtime/kv_namespace.h"
 #include "runtime/sampler.h"
+#include "util/clock.h"
 #include "util/mmap_file.h"
 #include "util/thread_pool.h"
 
@@ -29,12 +30,6 @@ std::string DefaultModelDir() {
   if (const char* env = std::getenv("CACHET_MODEL_DIR"); env && *env) return env;
   return CACHET_DEFAULT_MODEL_DIR;
 }
-
-namespace {
-double MsSince(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-}
-}  // namespace
 
 Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
   std::unique_ptr<Engine> e(new Engine());
