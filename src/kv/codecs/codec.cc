@@ -271,7 +271,8 @@ size_t RowBytes(Codec c, int dim) {
   return 0;
 }
 
-void EncodeRow(Codec c, const float* x, int dim, uint8_t* out) {
+// pca rows are coded by their (layer, KV head, role)'s plan; other codecs ignore it.
+void EncodeRow(Codec c, const PcaPlan* plan, const float* x, int dim, uint8_t* out) {
   switch (c) {
     case Codec::kF32:
       std::memcpy(out, x, 4 * size_t(dim));
@@ -377,13 +378,15 @@ void EncodeRow(Codec c, const float* x, int dim, uint8_t* out) {
     }
     case Codec::kPca4:
     case Codec::kPca3:
-    case Codec::kPca2:  // need their plan: EncodePage codes them
-      std::abort();
+    case Codec::kPca2:
+      EncodePcaRow(NeedPlan(c, plan), x, out);
+      return;
   }
 }
 
-// Row t of a row-wise codec, decoded into the basis it is stored in (rotated for rot codecs).
-void DecodeRowStored(Codec c, const uint8_t* in, int dim, float* x) {
+// Row t of a row-wise codec, decoded into the basis it is stored in (rotated for rot codecs, on
+// the plan's axes for pca codecs).
+void DecodeRowStored(Codec c, const PcaPlan* plan, const uint8_t* in, int dim, float* x) {
   switch (c) {
     case Codec::kF32:
       std::memcpy(x, in, 4 * size_t(dim));
@@ -465,8 +468,9 @@ void DecodeRowStored(Codec c, const uint8_t* in, int dim, float* x) {
     }
     case Codec::kPca4:
     case Codec::kPca3:
-    case Codec::kPca2:  // need their plan: the page functions decode them
-      std::abort();
+    case Codec::kPca2:
+      DecodePcaRow(NeedPlan(c, plan), in, x);
+      return;
   }
 }
 
@@ -590,12 +594,6 @@ void Unrotate(float* x, int dim) {
 void EncodePage(Codec c, Role role, const float* rows, int n, int tokens, int dim, uint8_t* page,
                 const PcaPlan* plan) {
   (void)tokens;  // KIVI keys size their metadata by dim; rows past n are left as they are
-  if (IsCalibrated(c)) {
-    const PcaPlan& p = NeedPlan(c, plan);
-    const size_t rb = RowBytes(c, dim);
-    for (int t = 0; t < n; ++t) EncodePcaRow(p, rows + size_t(t) * dim, page + t * rb);
-    return;
-  }
   if (IsKivi(c) && role == Role::kKey) {
     const int bits = KiviBits(c);
     uint16_t* meta = reinterpret_cast<uint16_t*>(page);
@@ -612,17 +610,12 @@ void EncodePage(Codec c, Role role, const float* rows, int n, int tokens, int di
     return;
   }
   const size_t rb = RowBytes(c, dim);
-  for (int t = 0; t < n; ++t) EncodeRow(c, rows + size_t(t) * dim, dim, page + t * rb);
+  for (int t = 0; t < n; ++t) EncodeRow(c, plan, rows + size_t(t) * dim, dim, page + t * rb);
 }
 
 void DecodePage(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim, float* rows,
                 const PcaPlan* plan) {
   (void)tokens;
-  if (IsCalibrated(c)) {
-    DecodeStored(c, role, page, n, tokens, dim, rows, plan);
-    for (int t = 0; t < n; ++t) OutOfBasis(c, plan, rows + size_t(t) * dim, dim, true);
-    return;
-  }
   if (IsKivi(c) && role == Role::kKey) {
     const int bits = KiviBits(c);
     const uint16_t* meta = reinterpret_cast<const uint16_t*>(page);
@@ -640,42 +633,26 @@ void DecodePage(Codec c, Role role, const uint8_t* page, int n, int tokens, int 
   const size_t rb = RowBytes(c, dim);
   for (int t = 0; t < n; ++t) {
     float* x = rows + size_t(t) * dim;
-    DecodeRowStored(c, page + t * rb, dim, x);
-    if (IsRotated(c)) Unrotate(x, dim);
+    DecodeRowStored(c, plan, page + t * rb, dim, x);
+    OutOfBasis(c, plan, x, dim, true);
   }
 }
 
 void DecodeStored(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim, float* rows,
                   const PcaPlan* plan) {
-  if (IsCalibrated(c)) {
-    const PcaPlan& p = NeedPlan(c, plan);
-    const size_t rb = RowBytes(c, dim);
-    for (int t = 0; t < n; ++t) DecodePcaRow(p, page + t * rb, rows + size_t(t) * dim);
-    return;
-  }
   if (IsKivi(c) && role == Role::kKey) {
     DecodePage(c, role, page, n, tokens, dim, rows);  // KIVI is never rotated
     return;
   }
   const size_t rb = RowBytes(c, dim);
-  for (int t = 0; t < n; ++t) DecodeRowStored(c, page + t * rb, dim, rows + size_t(t) * dim);
+  for (int t = 0; t < n; ++t) {
+    DecodeRowStored(c, plan, page + t * rb, dim, rows + size_t(t) * dim);
+  }
 }
 
 void DotKeys(Codec c, const uint8_t* page, int n, int tokens, int dim, const float* q, float* out,
              const PcaPlan* plan) {
   (void)tokens;
-  if (IsCalibrated(c)) {
-    const PcaPlan& p = NeedPlan(c, plan);
-    const size_t rb = RowBytes(c, dim);
-    float x[kMaxDim];
-    for (int t = 0; t < n; ++t) {
-      DecodePcaRow(p, page + t * rb, x);
-      float s = 0;
-      for (int i = 0; i < dim; ++i) s += q[i] * x[i];
-      out[t] = s;
-    }
-    return;
-  }
   if (IsKivi(c)) {
     // q.k = sum_c (q_c scale_c) code_c + sum_c q_c min_c: fold the per-channel scales into q once.
     const int bits = KiviBits(c);
@@ -700,7 +677,7 @@ void DotKeys(Codec c, const uint8_t* page, int n, int tokens, int dim, const flo
   const size_t rb = RowBytes(c, dim);
   float x[kMaxDim];
   for (int t = 0; t < n; ++t) {
-    DecodeRowStored(c, page + t * rb, dim, x);
+    DecodeRowStored(c, plan, page + t * rb, dim, x);
     float s = 0;
     for (int i = 0; i < dim; ++i) s += q[i] * x[i];
     out[t] = s;
@@ -714,11 +691,7 @@ void AccumulateValues(Codec c, const uint8_t* page, int n, int tokens, int dim, 
   float x[kMaxDim];
   for (int t = 0; t < n; ++t) {
     if (p[t] == 0.0f) continue;
-    if (IsCalibrated(c)) {
-      DecodePcaRow(NeedPlan(c, plan), page + t * rb, x);
-    } else {
-      DecodeRowStored(c, page + t * rb, dim, x);
-    }
+    DecodeRowStored(c, plan, page + t * rb, dim, x);
     for (int i = 0; i < dim; ++i) acc[i] += p[t] * x[i];
   }
 }
