@@ -3,8 +3,6 @@
 #include "cachet/calibrate.h"
 
 #include <cstdio>
-#include <fstream>
-#include <sstream>
 
 #include "cachet/eval/tasks.h"
 #include "commands.h"
@@ -53,11 +51,8 @@ void AddCalibrate(CLI::App& app) {
     o->engine.prefix_cache = false;
     const bool whole = !o->text_file.empty();
     const std::string path = whole ? o->text_file : eval::DefaultHaystackDir() + "/pydocs.txt";
-    std::ifstream in(path, std::ios::binary);
-    if (!in) Fail(NotFound(path + ": cannot open (-f)"));
-    std::ostringstream ss;
-    ss << in.rdbuf();
-    std::string text = ss.str();
+    std::string text = ReadPrompt("", path);
+    if (text.empty()) Fail(NotFound(path + ": cannot read, or empty (-f)"));
     if (!whole) text.resize(text.size() / 4);
     auto engine = LoadEngine(o->engine);
     if (!engine) std::exit(1);

@@ -8,7 +8,6 @@
 #include "kv/codecs/calibration.h"
 #include "kv/press/press.h"
 #include "runtime/engine_access.h"
-#include "runtime/kv_namespace.h"
 
 namespace cachet {
 
@@ -72,9 +71,8 @@ Result<CalibrateResult> Calibrate(Engine& engine, std::span<const int32_t> text,
     if (bar) bar->Add(int64_t(n));
   }
   bar.reset();
-  CACHET_ASSIGN_OR_RETURN(
-      codecs::Calibration cal,
-      builder.Finish(o.outliers, WeightsHash(EngineAccess::model(engine)), o.source));
+  CACHET_ASSIGN_OR_RETURN(codecs::Calibration cal,
+                          builder.Finish(o.outliers, EngineAccess::model_hash(engine), o.source));
   for (size_t i = 0; i < cal.heads.size(); ++i) {  // [table][K, V]
     const std::vector<float>& var = cal.heads[i].variance;
     const size_t top_axes = std::max<size_t>(1, var.size() / 8);

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <cstdio>
 #include <numeric>
 #include <sstream>
 
@@ -55,7 +54,8 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
   CACHET_ASSIGN_OR_RETURN(layout.codec_v, codecs::ParseCodec(o.kv_codec_v));
   CACHET_RETURN_IF_ERROR(codecs::CheckDim(layout.codec_k, c.head_dim));
   CACHET_RETURN_IF_ERROR(codecs::CheckDim(layout.codec_v, c.head_dim));
-  CACHET_ASSIGN_OR_RETURN(layout.calibration, LoadKvCalibration(*e->model_, o, layout));
+  const uint64_t weights_hash = WeightsHash(*e->model_);  // read once: the namespace's too
+  CACHET_ASSIGN_OR_RETURN(layout.calibration, LoadKvCalibration(c, weights_hash, o, layout));
   if (o.kv_sinks < 0) return InvalidArgument("--kv-sinks must be >= 0");
   layout.sinks = o.kv_sinks;
   if (o.kv_window < 0) return InvalidArgument("--kv-window must be >= 0");
@@ -105,7 +105,8 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
     CACHET_ASSIGN_OR_RETURN(std::unique_ptr<tiers::RedisTier> redis, tiers::RedisTier::Open(r));
     stack.push_back(std::move(redis));
   }
-  e->kv_namespace_ = std::make_unique<tiers::TierNamespace>(TierNamespaceOf(*e->model_, layout));
+  e->kv_namespace_ =
+      std::make_unique<tiers::TierNamespace>(TierNamespaceOf(c, weights_hash, layout));
   if (!stack.empty()) {
     e->tiers_ = std::make_unique<tiers::KvTiers>(*e->kv_pool_, *e->kv_namespace_, std::move(stack),
                                                  o.tier_zstd);

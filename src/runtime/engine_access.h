@@ -15,6 +15,7 @@
 #include "kv/page_pool.h"
 #include "kv/paged_sequence.h"
 #include "kv/prefix_tree.h"
+#include "kv/tiers/format.h"
 #include "model/transformer.h"
 #include "util/thread_pool.h"
 
@@ -27,6 +28,8 @@ class EngineAccess {
   static PagePool& kv_pool(Engine& e) { return *e.kv_pool_; }
   static const PagePool& kv_pool(const Engine& e) { return *e.kv_pool_; }
   static PrefixTree* prefix(Engine& e) { return e.prefix_.get(); }
+  // The model's weights by content (WeightsHash, taken when the engine was made).
+  static uint64_t model_hash(const Engine& e) { return e.kv_namespace_->model_hash; }
   static ChunkCache& chunks(Engine& e) { return *e.chunks_; }
   // What sessions of that salt share the prefix cache under (Engine::NewSession's key).
   static uint64_t SaltOf(std::string_view cache_salt) { return Engine::SaltKey(cache_salt); }

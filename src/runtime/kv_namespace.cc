@@ -28,10 +28,10 @@ uint64_t WeightsHash(const Transformer& model) {
   return hash;
 }
 
-tiers::TierNamespace TierNamespaceOf(const Transformer& model, const KvLayout& layout) {
-  const ModelConfig& c = model.config();
+tiers::TierNamespace TierNamespaceOf(const ModelConfig& c, uint64_t weights_hash,
+                                     const KvLayout& layout) {
   tiers::TierNamespace ns;
-  ns.model_hash = WeightsHash(model);
+  ns.model_hash = weights_hash;
   ns.codec_k = codecs::CodecName(layout.codec_k);
   ns.codec_v = codecs::CodecName(layout.codec_v);
   if (layout.calibration) {  // pages coded by one calibration are unreadable by any other
@@ -58,7 +58,8 @@ tiers::TierNamespace TierNamespaceOf(const Transformer& model, const KvLayout& l
   return ns;
 }
 
-Result<std::shared_ptr<const codecs::Calibration>> LoadKvCalibration(const Transformer& model,
+Result<std::shared_ptr<const codecs::Calibration>> LoadKvCalibration(const ModelConfig& c,
+                                                                     uint64_t weights_hash,
                                                                      const EngineOptions& o,
                                                                      const KvLayout& layout) {
   const bool needs = codecs::IsCalibrated(layout.codec_k) || codecs::IsCalibrated(layout.codec_v);
@@ -71,7 +72,6 @@ Result<std::shared_ptr<const codecs::Calibration>> LoadKvCalibration(const Trans
         "calibrate`)");
   }
   CACHET_ASSIGN_OR_RETURN(codecs::Calibration cal, codecs::LoadCalibration(o.kv_calibration));
-  const ModelConfig& c = model.config();
   if (cal.n_layers != c.n_layers || cal.n_kv_heads != c.n_kv_heads || cal.head_dim != c.head_dim) {
     return InvalidArgument(o.kv_calibration + ": calibrated for " + std::to_string(cal.n_layers) +
                            " layers x " + std::to_string(cal.n_kv_heads) + " KV heads x head_dim " +
@@ -79,7 +79,7 @@ Result<std::shared_ptr<const codecs::Calibration>> LoadKvCalibration(const Trans
                            std::to_string(c.n_layers) + " x " + std::to_string(c.n_kv_heads) +
                            " x " + std::to_string(c.head_dim));
   }
-  if (cal.model_hash != WeightsHash(model)) {
+  if (cal.model_hash != weights_hash) {
     return InvalidArgument(o.kv_calibration +
                            ": calibrated on other weights than this model's (run `cachet "
                            "calibrate` on it)");

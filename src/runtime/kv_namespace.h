@@ -13,11 +13,13 @@ namespace cachet {
 
 // The weights by content: a sample of every tensor, with the tensor table.
 uint64_t WeightsHash(const Transformer& model);
-// The model by its content (a sample of every tensor, with the tensor table), RoPE and the layout.
-tiers::TierNamespace TierNamespaceOf(const Transformer& model, const KvLayout& layout);
+// The model by its content (its WeightsHash), RoPE and the layout.
+tiers::TierNamespace TierNamespaceOf(const ModelConfig& c, uint64_t weights_hash,
+                                     const KvLayout& layout);
 // The calibration layout's codecs need (o.kv_calibration; null when none is given and none needs
-// one), checked against the model: its shape and weights.
-Result<std::shared_ptr<const codecs::Calibration>> LoadKvCalibration(const Transformer& model,
+// one), checked against the model: its shape and its WeightsHash.
+Result<std::shared_ptr<const codecs::Calibration>> LoadKvCalibration(const ModelConfig& c,
+                                                                     uint64_t weights_hash,
                                                                      const EngineOptions& o,
                                                                      const KvLayout& layout);
 

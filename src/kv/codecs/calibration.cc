@@ -4,8 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
-#include <iterator>
+#include <cstring>
 #include <numeric>
 
 #include "util/byte_io.h"
@@ -214,10 +213,12 @@ Status SaveCalibration(const Calibration& c, const std::string& path) {
 }
 
 Result<Calibration> LoadCalibration(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) return NotFound(path + ": no such calibration file (make one with `cachet calibrate`)");
-  const std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(f)),
-                                   std::istreambuf_iterator<char>());
+  const Result<std::string> file = ReadTextFile(path);
+  if (!file.ok()) {
+    return NotFound(path + ": no such calibration file (make one with `cachet calibrate`)");
+  }
+  const std::span<const uint8_t> bytes(reinterpret_cast<const uint8_t*>(file->data()),
+                                       file->size());
   const std::string kind = path + ": calibration";
   if (bytes.size() < sizeof(kMagic) + 8 || std::memcmp(bytes.data(), kMagic, sizeof(kMagic)) != 0) {
     return DataLoss(kind + ": not a .kvcal file (no CKVCAL header)");
@@ -227,7 +228,7 @@ Result<Calibration> LoadCalibration(const std::string& path) {
   if (XXH3_64bits(bytes.data(), bytes.size() - 8) != sum) {
     return DataLoss(kind + ": checksum mismatch (the file is damaged or truncated)");
   }
-  ByteReader r(std::span<const uint8_t>(bytes).first(bytes.size() - 8), kind, sizeof(kMagic));
+  ByteReader r(bytes.first(bytes.size() - 8), kind, sizeof(kMagic));
   const uint32_t version = r.Get<uint32_t>("version");
   if (r.ok() && version != kVersion) {
     return DataLoss(kind + ": version " + std::to_string(version) + ", this build reads " +
@@ -306,9 +307,8 @@ void CalibrationBuilder::AddRows(int table, Role role, std::span<const float> ro
       const double xi = x[i];
       for (int j = 0; j <= i; ++j) o[j] += xi * x[j];
     }
-    ++a.n;
     // Keep every row until max_rows, then replace evenly (a deterministic reservoir).
-    const int64_t seen = a.seen++;
+    const int64_t seen = a.n++;
     if (seen < max_rows_) {
       a.sample.insert(a.sample.end(), x, x + d);
     } else {

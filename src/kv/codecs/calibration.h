@@ -99,9 +99,8 @@ class CalibrationBuilder {
  private:
   struct Acc {
     std::vector<double> sum, outer;  // [dim], [dim][dim]
-    int64_t n = 0;
-    std::vector<float> sample;  // rows kept for the levels
-    int64_t seen = 0;
+    int64_t n = 0;                   // rows seen
+    std::vector<float> sample;       // rows kept for the levels
   };
   int n_layers_, n_kv_heads_, dim_, max_rows_;
   std::vector<Acc> acc_;                 // [table][K, V]
