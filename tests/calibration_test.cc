@@ -20,6 +20,7 @@
 #include "kernels/kernels.h"
 #include "kv/codecs/codec.h"
 #include "kv/codecs/codec_simd.h"
+#include "kv/codecs/rope_table.h"
 #include "kv/paged_sequence.h"
 #include "runtime/engine_access.h"
 #include "test_util.h"
@@ -100,6 +101,8 @@ codecs::Calibration BuildSynthetic(int d, uint64_t hash = 7) {
   const auto k = AnisotropicRows(6000, d, 11), v = AnisotropicRows(6000, d, 12);
   b.AddRows(0, Role::kKey, k);
   b.AddRows(0, Role::kValue, v);
+  b.AddChannelRows(0, Role::kKey, k);
+  b.AddChannelRows(0, Role::kValue, v);
   auto c = b.Finish(/*outliers=*/2, hash, "synthetic");
   EXPECT_TRUE(c.ok()) << c.status().ToString();
   return std::move(c).value();
@@ -117,13 +120,13 @@ TEST(Calibration, StatisticsAndBitsFollowTheVariance) {
   for (int i = 0; i < d; ++i) (i < 4 ? top : all) += h.variance[i];
   EXPECT_GT(top / (top + all), 0.95);
   for (int bits = 2; bits <= 4; ++bits) {
-    const codecs::PcaPlan& p = c.plan(0, Role::kKey, bits);
+    const Codec codec = bits == 4 ? Codec::kPca4 : bits == 3 ? Codec::kPca3 : Codec::kPca2;
+    const codecs::CalPlan& p = c.plan(0, Role::kKey, codec);
     int sum = 0;
     for (int i = 0; i < d; ++i) sum += p.bits[i];
     EXPECT_EQ(sum, bits * d);
     EXPECT_GT(p.bits[0], p.bits[d - 1]);
-    const Codec codec = bits == 4 ? Codec::kPca4 : bits == 3 ? Codec::kPca3 : Codec::kPca2;
-    EXPECT_EQ(codecs::PcaBits(codec), bits);
+    EXPECT_EQ(codecs::CalBits(codec), bits);
     EXPECT_EQ(codecs::PageBytes(codec, Role::kKey, 16, d), 16u * (2 + bits * d / 8));
   }
 }
@@ -134,8 +137,8 @@ TEST(Calibration, PcaCodecsBeatTheRandomRotationOnAnisotropicRows) {
   const auto rows = AnisotropicRows(n, d, 99);  // held out
   for (auto [pca, rot] : {std::pair{Codec::kPca4, Codec::kRot4}, {Codec::kPca3, Codec::kRot3}}) {
     SCOPED_TRACE(codecs::CodecName(pca));
-    const codecs::PcaPlan* plan = &c.plan(0, Role::kValue, codecs::PcaBits(pca));
-    auto mse = [&](Codec codec, const codecs::PcaPlan* pl) {
+    const codecs::CalPlan* plan = &c.plan(0, Role::kValue, pca);
+    auto mse = [&](Codec codec, const codecs::CalPlan* pl) {
       std::vector<uint8_t> page(codecs::PageBytes(codec, Role::kValue, n, d));
       std::vector<float> back(rows.size());
       codecs::EncodePage(codec, Role::kValue, rows.data(), n, n, d, page.data(), pl);
@@ -190,7 +193,7 @@ TEST(Calibration, SimdDecodingMatchesTheReferenceOnAwkwardShapes) {
     for (Codec pca : {Codec::kPca4, Codec::kPca3, Codec::kPca2}) {
       for (Role role : {Role::kKey, Role::kValue}) {
         SCOPED_TRACE(std::string(codecs::CodecName(pca)) + " dim " + std::to_string(d));
-        const codecs::PcaPlan* plan = &c.plan(0, role, codecs::PcaBits(pca));
+        const codecs::CalPlan* plan = &c.plan(0, role, pca);
         std::vector<uint8_t> page(codecs::PageBytes(pca, role, n, d));
         codecs::EncodePage(pca, role, rows.data(), n, n, d, page.data(), plan);
         std::vector<float> ref(rows.size()), simd(rows.size());
@@ -200,6 +203,97 @@ TEST(Calibration, SimdDecodingMatchesTheReferenceOnAwkwardShapes) {
       }
     }
   }
+}
+
+// Rows with a few channels far wider than the rest and now and then a spike: what keys look like.
+std::vector<float> SpikyRows(int n, int d, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> g(0.0f, 1.0f);
+  std::vector<float> rows(size_t(n) * d);
+  for (int t = 0; t < n; ++t) {
+    const float row_scale = 0.5f + 0.1f * (t % 11);
+    for (int i = 0; i < d; ++i) {
+      rows[size_t(t) * d + i] = 0.3f * (i % 5) + row_scale * g(rng) * (i % 13 == 2 ? 6.0f : 1.0f);
+    }
+    if (t % 7 == 3) rows[size_t(t) * d + (t * 5) % d] += 40.0f;
+  }
+  return rows;
+}
+
+TEST(Calibration, KvqCodesChannelsAndKeepsOutliers) {
+  for (int d : {24, 40, 64, 72, 128}) {
+    codecs::CalibrationBuilder b(1, 1, d, 2048);
+    const auto train = SpikyRows(4000, d, 3);
+    b.AddRows(0, Role::kKey, train);
+    b.AddRows(0, Role::kValue, train);
+    b.AddChannelRows(0, Role::kKey, train);
+    b.AddChannelRows(0, Role::kValue, train);
+    auto cal = b.Finish(2, 7, "spiky");
+    ASSERT_TRUE(cal.ok()) << cal.status().ToString();
+    const int n = 29;
+    const auto rows = SpikyRows(n, d, 77);  // held out
+    for (auto [kvq, q] : {std::pair{Codec::kKvq4, Codec::kQ4_0},
+                          {Codec::kKvq3, Codec::kRot3},
+                          {Codec::kKvq2, Codec::kRot2}}) {
+      if (d % 32 != 0 && q == Codec::kQ4_0) q = Codec::kRot4;
+      if ((d & (d - 1)) != 0 && codecs::IsRotated(q)) {
+        q = Codec::kF16;  // no peer at this width
+      }
+      SCOPED_TRACE(std::string(codecs::CodecName(kvq)) + " dim " + std::to_string(d));
+      const codecs::CalPlan* plan = &cal->plan(0, Role::kKey, kvq);
+      EXPECT_EQ(codecs::PageBytes(kvq, Role::kKey, n, d),
+                size_t(n) * (1 + 2 * codecs::KvqOutliers(d) + d * codecs::CalBits(kvq) / 8));
+      std::vector<uint8_t> page(codecs::PageBytes(kvq, Role::kKey, n, d));
+      codecs::EncodePage(kvq, Role::kKey, rows.data(), n, n, d, page.data(), plan);
+      std::vector<float> ref(rows.size()), simd(rows.size());
+      codecs::DecodePage(kvq, Role::kKey, page.data(), n, n, d, ref.data(), plan);
+      codecs::simd::DecodeStored(kvq, Role::kKey, page.data(), n, n, d, simd.data(), plan);
+      for (size_t i = 0; i < ref.size(); ++i) {
+        ASSERT_NEAR(simd[i], ref[i], 1e-5f * (1 + std::fabs(ref[i]))) << i;
+      }
+      double e = 0, e_peer = 0;
+      std::vector<uint8_t> peer(codecs::PageBytes(q, Role::kKey, n, d));
+      std::vector<float> back(rows.size());
+      codecs::EncodePage(q, Role::kKey, rows.data(), n, n, d, peer.data());
+      codecs::DecodePage(q, Role::kKey, peer.data(), n, n, d, back.data());
+      for (size_t i = 0; i < rows.size(); ++i) {
+        e += (ref[i] - rows[i]) * double(ref[i] - rows[i]);
+        e_peer += (back[i] - rows[i]) * double(back[i] - rows[i]);
+      }
+      if (q != Codec::kF16) {
+        EXPECT_LT(e, 0.7 * e_peer) << "vs " << codecs::CodecName(q);
+      }
+      // A spike is an outlier: kept to its code's step, not clipped to the widest level.
+      for (int t = 3; t < n; t += 7) {
+        const size_t at = size_t(t) * d + (t * 5) % d;
+        EXPECT_NEAR(ref[at], rows[at], 0.02 * std::fabs(rows[at])) << "row " << t;
+      }
+    }
+  }
+}
+
+TEST(Calibration, RopeTableTurnsAsTheModelAndBack) {
+  const int dim = 16;
+  std::vector<float> inv(dim / 2);
+  for (int j = 0; j < dim / 2; ++j) inv[j] = 1.0f / std::pow(10000.0f, 2.0f * j / dim);
+  const codecs::RopeTable rope(inv, 100);
+  const std::vector<int32_t> pos = {0, 7, 99, 100, 5000};  // the last two past the table
+  std::vector<float> x(pos.size() * dim);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(0.3f * i) + 0.1f;
+  std::vector<float> y = x;
+  rope.Turn(y.data(), int(pos.size()), dim, pos.data(), false);
+  for (size_t t = 0; t < pos.size(); ++t) {
+    std::vector<float> want(x.begin() + t * dim, x.begin() + (t + 1) * dim), cs(dim);
+    for (int j = 0; j < dim / 2; ++j) {
+      const float angle = static_cast<float>(pos[t]) * inv[j];
+      cs[j] = float(std::cos(double(angle)));
+      cs[dim / 2 + j] = float(std::sin(double(angle)));
+    }
+    kernels::ref::RopeRotateHalf(want.data(), 1, dim, cs.data(), cs.data() + dim / 2);
+    for (int i = 0; i < dim; ++i) EXPECT_NEAR(y[t * dim + i], want[i], 1e-5) << pos[t];
+  }
+  rope.Turn(y.data(), int(pos.size()), dim, pos.data(), true);
+  for (size_t i = 0; i < x.size(); ++i) EXPECT_NEAR(y[i], x[i], 1e-5);
 }
 
 TEST(Calibration, FileRoundTripsAndDamageIsNamed) {
@@ -213,7 +307,7 @@ TEST(Calibration, FileRoundTripsAndDamageIsNamed) {
   EXPECT_EQ(back->Hash(), c.Hash());
   EXPECT_EQ(back->model_hash, 1234u);
   EXPECT_EQ(back->source, "synthetic");
-  EXPECT_EQ(back->plan(0, Role::kKey, 3).bits, c.plan(0, Role::kKey, 3).bits);
+  EXPECT_EQ(back->plan(0, Role::kKey, Codec::kPca3).bits, c.plan(0, Role::kKey, Codec::kPca3).bits);
 
   const std::string bytes = testing::ReadFile(path);
   auto write = [&](const std::string& b) {
@@ -310,6 +404,60 @@ TEST(CalibratedEngine, PcaKeysAreCloserToF32ThanQ4_0AtFewerBytes) {
   EXPECT_GT(pca, 0.0);
   EXPECT_LT(pca, 0.7 * q4) << "pca4 keys " << pca << ", q4_0 keys " << q4;
   EXPECT_LT(pca_bytes, q4_bytes);
+}
+
+TEST(CalibratedEngine, KvqKeysStoredBeforeRopeAttendAsDecodedAndBeatQ4_0) {
+  const auto prompt = testing::LoadGolden().back().ids;
+  // Sinks (f16 pages beside kvq ones) are read alike. (q4_0 keys are left out: their fused
+  // kernel quantizes the query, 8e-4 from the decoded rows by design.)
+  for (const auto& [k, v] : {std::pair{"kvq4", "kvq3"}, {"kvq2", "f16"}, {"rot4", "kvq4"}}) {
+    auto e = PcaEngine(k, v, /*sinks=*/4);
+    ASSERT_NE(e, nullptr);
+    auto s = e->NewSession();
+    ASSERT_TRUE(s->Eval(std::span(prompt).first(203), nullptr).ok());
+    SCOPED_TRACE(std::string(k) + ":" + v);
+    EXPECT_LT(testing::AttendVsDecoded(*e, EngineAccess::kv(*s), 5, 1, {150, 201, 202}), 1e-5);
+  }
+  // Keys turned back by the wrong angles would be noise: the KL would be far above q4_0's.
+  auto f32 = PcaEngine("f32", "f32");
+  std::vector<float> ref;
+  ASSERT_TRUE(f32->NewSession()->Eval(prompt, &ref, true).ok());
+  auto kl = [&](const std::string& k) {
+    auto e = PcaEngine(k, "f16");
+    std::vector<float> got;
+    EXPECT_TRUE(e->NewSession()->Eval(prompt, &got, true).ok());
+    return MeanKl(ref, got, f32->config().vocab_size);
+  };
+  const double kvq = kl("kvq4"), q4 = kl("q4_0");
+  EXPECT_GT(kvq, 0.0);
+  EXPECT_LT(kvq, 0.6 * q4) << "kvq4 keys " << kvq << ", q4_0 keys " << q4;
+}
+
+TEST(CalibratedEngine, KvqKeysFollowTheirTokensToNewPositions) {
+  // Shift re-rotates kept keys: kvq decodes them at their old position and stores them back at
+  // the new one, so they stay what an f32 cache holds there (to the codec's error).
+  const auto prompt = testing::LoadGolden().back().ids;
+  auto kvq = PcaEngine("kvq4", "f16");
+  auto f32 = PcaEngine("f32", "f32");
+  auto a = kvq->NewSession(), b = f32->NewSession();
+  for (auto* s : {a.get(), b.get()}) {
+    ASSERT_TRUE(s->Eval(std::span(prompt).first(120), nullptr).ok());
+    ASSERT_TRUE(s->Shift(10, 50).ok());
+  }
+  for (int l : {0, 7}) {
+    std::vector<float> ka, va, kb, vb;
+    std::vector<int32_t> pa, pb;
+    EngineAccess::kv(*a).Gather(l, 0, &ka, &va, &pa);
+    EngineAccess::kv(*b).Gather(l, 0, &kb, &vb, &pb);
+    ASSERT_EQ(pa, pb);
+    ASSERT_EQ(pa[50], 50);
+    double num = 0, den = 0;
+    for (size_t i = 0; i < kb.size(); ++i) {
+      num += (ka[i] - kb[i]) * double(ka[i] - kb[i]);
+      den += double(kb[i]) * kb[i];
+    }
+    EXPECT_LT(std::sqrt(num / den), 0.15) << "layer " << l;
+  }
 }
 
 TEST(CalibratedEngine, SavedCachesNeedTheirCalibration) {

@@ -69,6 +69,9 @@ double Bound(Codec c) {
     case Codec::kPca4:  // not in kAll: they need a calibration (tests/calibration_test.cc)
     case Codec::kPca3:
     case Codec::kPca2:
+    case Codec::kKvq4:
+    case Codec::kKvq3:
+    case Codec::kKvq2:
       return 0;
   }
   return 0;

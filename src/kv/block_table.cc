@@ -7,23 +7,47 @@ namespace cachet {
 
 using codecs::Role;
 
+void EncodePageRows(PagePool& pool, int table, int32_t page, Role role, const float* rows,
+                    int first, int n) {
+  const KvLayout& lay = pool.layout();
+  const int hd = lay.head_dim;
+  const codecs::Codec c = pool.codec_of(page, role);
+  if (codecs::StoredBeforeRope(c, role)) {
+    thread_local std::vector<float> back;
+    back.assign(rows, rows + size_t(n) * hd);
+    lay.rope->Turn(back.data(), n, hd, pool.positions(page) + first, true);
+    rows = back.data();
+  }
+  const codecs::CalPlan* plan = pool.plan_of(page, table, role);
+  if (codecs::NeedsFullPage(c, role)) {  // coded over the page at once: first is 0
+    codecs::EncodePage(c, role, rows, n, lay.page_tokens, hd, pool.rows(page, role), plan);
+  } else {
+    codecs::EncodePage(c, role, rows, n, n, hd,
+                       pool.rows(page, role) + first * codecs::RowStride(c, hd), plan);
+  }
+}
+
+void RopeStoredRows(const PagePool& pool, int32_t page, Role role, int cnt, float* rows) {
+  if (!codecs::StoredBeforeRope(pool.codec_of(page, role), role)) return;
+  const KvLayout& lay = pool.layout();
+  lay.rope->Turn(rows, cnt, lay.head_dim, pool.positions(page), false);
+}
+
 void WriteRow(PagePool& pool, int table, int32_t page, int off, const float* k, const float* v,
               int32_t pos) {
-  const int hd = pool.layout().head_dim;
-  for (Role role : {Role::kKey, Role::kValue}) {
-    const codecs::Codec c = pool.codec_of(page, role);
-    codecs::EncodePage(c, role, role == Role::kKey ? k : v, 1, 1, hd,
-                       pool.rows(page, role) + off * codecs::RowStride(c, hd),
-                       pool.plan_of(page, table, role));
-  }
   pool.positions(page)[off] = pos;
+  for (Role role : {Role::kKey, Role::kValue}) {
+    EncodePageRows(pool, table, page, role, role == Role::kKey ? k : v, off, 1);
+  }
 }
 
 void DecodeRows(PagePool& pool, int table, int32_t page, int cnt, float* k, float* v) {
   const KvLayout& lay = pool.layout();
   for (Role role : {Role::kKey, Role::kValue}) {
+    float* rows = role == Role::kKey ? k : v;
     codecs::DecodePage(pool.codec_of(page, role), role, pool.rows(page, role), cnt, lay.page_tokens,
-                       lay.head_dim, role == Role::kKey ? k : v, pool.plan_of(page, table, role));
+                       lay.head_dim, rows, pool.plan_of(page, table, role));
+    RopeStoredRows(pool, page, role, cnt, rows);
   }
 }
 

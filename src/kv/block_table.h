@@ -22,6 +22,14 @@ struct BlockTable {
 // Pages belong to one table (layer * n_kv_heads + KV head): calibrated codecs code each its own
 // way (KvLayout::plan), so every function that codes a page is told its table.
 
+// Codes rows [n][head_dim] into rows [first, first + n) of a page, in its codec for role. The
+// rows' positions must be set: keys a codec stores before RoPE (kvq) are turned back by them.
+void EncodePageRows(PagePool& pool, int table, int32_t page, codecs::Role role, const float* rows,
+                    int first, int n);
+// Rows decoded in the basis they are stored in (codecs::DecodeStored) made ready for attention:
+// keys stored before RoPE are turned by their positions. Other rows are left as they are.
+void RopeStoredRows(const PagePool& pool, int32_t page, codecs::Role role, int cnt, float* rows);
+
 // Encodes one token's K and V rows into row `off` of a page, in the page's codecs.
 void WriteRow(PagePool& pool, int table, int32_t page, int off, const float* k, const float* v,
               int32_t pos);

@@ -330,9 +330,8 @@ void Compaction::ApplyStaged(size_t ti) {
       pool_.positions(page)[r] = table_pos_[k[x]];
     }
     for (Role role : {Role::kKey, Role::kValue}) {
-      codecs::EncodePage(pool_.codec_of(page, role), role,
-                         role == Role::kKey ? kbuf_.data() : vbuf_.data(), cnt, pt, hd,
-                         pool_.rows(page, role), pool_.plan_of(page, int(ti), role));
+      EncodePageRows(pool_, int(ti), page, role, role == Role::kKey ? kbuf_.data() : vbuf_.data(),
+                     0, cnt);
     }
   }
   Shrink(ti, dest_pages(ti));

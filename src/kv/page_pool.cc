@@ -16,9 +16,9 @@ std::string KvLayout::codec_name() const {
   return std::string(codecs::CodecName(codec_k)) + "/" + codecs::CodecName(codec_v);
 }
 
-const codecs::PcaPlan* KvLayout::plan(int table, codecs::Role role, codecs::Codec c) const {
+const codecs::CalPlan* KvLayout::plan(int table, codecs::Role role, codecs::Codec c) const {
   if (!codecs::IsCalibrated(c)) return nullptr;
-  return &calibration->plan(table, role, codecs::PcaBits(c));
+  return &calibration->plan(table, role, c);
 }
 
 void PagePool::MapArena(Arena& a, size_t data_bytes_per_slot, size_t capacity_bytes) {

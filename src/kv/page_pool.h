@@ -14,6 +14,7 @@
 #include "cachet/status.h"
 #include "kv/codecs/calibration.h"
 #include "kv/codecs/codec.h"
+#include "kv/codecs/rope_table.h"
 
 namespace cachet {
 
@@ -31,6 +32,8 @@ struct KvLayout {
   int sinks = 0;  // pages holding any of the first `sinks` tokens stay raw (full precision)
   // The calibrated codecs' statistics (pca*; null when neither codec needs them).
   std::shared_ptr<const codecs::Calibration> calibration = nullptr;
+  // The model's RoPE, when a codec stores keys before it (kvq; null otherwise).
+  std::shared_ptr<const codecs::RopeTable> rope = nullptr;
   // Recent window: a page stays raw until `window` newer tokens follow it, then it is encoded.
   int window = 0;
 
@@ -71,7 +74,7 @@ struct KvLayout {
   std::string codec_name() const;  // "f32", or "<k>/<v>"
   // What a page of codec c needs to code table's (layer * n_kv_heads + KV head) role: its pca
   // plan, null for every other codec.
-  const codecs::PcaPlan* plan(int table, codecs::Role role, codecs::Codec c) const;
+  const codecs::CalPlan* plan(int table, codecs::Role role, codecs::Codec c) const;
 };
 
 // Something that holds pages it could give back when the pool runs dry (the prefix cache, the
@@ -141,7 +144,7 @@ class PagePool {
            : role == codecs::Role::kKey ? layout_.codec_k
                                         : layout_.codec_v;
   }
-  const codecs::PcaPlan* plan_of(int32_t page, int table, codecs::Role role) const {
+  const codecs::CalPlan* plan_of(int32_t page, int table, codecs::Role role) const {
     return layout_.plan(table, role, codec_of(page, role));
   }
   uint8_t* rows(int32_t page, codecs::Role role) {

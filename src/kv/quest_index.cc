@@ -4,6 +4,7 @@
 #include <cmath>
 #include <utility>
 
+#include "kv/block_table.h"
 #include "kv/codecs/codec_simd.h"
 #include "util/dtype.h"
 
@@ -27,11 +28,13 @@ void QuestIndex::Extend(PagePool& pool, int table, std::span<const int32_t> page
   for (int64_t p = pages_bounded(hd); p < end; ++p) {
     const int32_t page = pages[p];
     // SIMD decoding (the scalar DecodePage made the first decode step after a 16k prompt cost
-    // 0.16 s); rotation and pca codecs decode in their basis, so their rows are turned back.
+    // 0.16 s); rotation and pca codecs decode in their basis, kvq keys before RoPE, so their rows
+    // are turned back.
     const codecs::Codec c = pool.codec_of(page, Role::kKey);
-    const codecs::PcaPlan* plan = pool.plan_of(page, table, Role::kKey);
+    const codecs::CalPlan* plan = pool.plan_of(page, table, Role::kKey);
     codecs::simd::DecodeStored(c, Role::kKey, pool.rows(page, Role::kKey), pt, pt, hd, kbuf.data(),
                                plan);
+    RopeStoredRows(pool, page, Role::kKey, pt, kbuf.data());
     if (codecs::BasisOf(c) != codecs::Basis::kPlain) {
       for (int j = 0; j < pt; ++j)
         codecs::OutOfBasis(c, plan, kbuf.data() + size_t(j) * hd, hd, true);

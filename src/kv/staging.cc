@@ -37,14 +37,12 @@ void SealAgedPage(PagePool& pool, int table, BlockTable& t) {
   t.seal_pages.erase(t.seal_pages.begin());
   thread_local std::vector<float> rows;
   rows.resize(size_t(lay.page_tokens) * lay.head_dim);
+  std::memcpy(pool.positions(codec), pool.positions(raw), lay.page_tokens * sizeof(int32_t));
   for (Role role : {Role::kKey, Role::kValue}) {
     codecs::DecodePage(lay.raw_codec(), role, pool.rows(raw, role), lay.page_tokens,
                        lay.page_tokens, lay.head_dim, rows.data());
-    codecs::EncodePage(pool.codec_of(codec, role), role, rows.data(), lay.page_tokens,
-                       lay.page_tokens, lay.head_dim, pool.rows(codec, role),
-                       pool.plan_of(codec, table, role));
+    EncodePageRows(pool, table, codec, role, rows.data(), 0, lay.page_tokens);
   }
-  std::memcpy(pool.positions(codec), pool.positions(raw), lay.page_tokens * sizeof(int32_t));
   pool.Unref(raw);
   t.pages[p] = codec;
 }

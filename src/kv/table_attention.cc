@@ -102,12 +102,13 @@ struct RefRows final : kernels::PageRows {
   const void* Rows(PagePool& pool, int32_t id, Role role, int cnt, float* buf, DType* type) const {
     const codecs::Codec c = pool.codec_of(id, role);
     const uint8_t* data = pool.rows(id, role);
-    const codecs::PcaPlan* plan = pool.plan_of(id, table_, role);
+    const codecs::CalPlan* plan = pool.plan_of(id, table_, role);
     const codecs::Codec basis = role == Role::kKey ? layout_.codec_k : layout_.codec_v;
     const int hd = layout_.head_dim, pt = layout_.page_tokens;
     if (codecs::BasisOf(c) != codecs::BasisOf(basis)) {
-      const codecs::PcaPlan* to = layout_.plan(table_, role, basis);
+      const codecs::CalPlan* to = layout_.plan(table_, role, basis);
       codecs::simd::DecodeStored(c, role, data, cnt, pt, hd, buf, plan);
+      RopeStoredRows(pool, id, role, cnt, buf);
       for (int t = 0; t < cnt; ++t) {
         codecs::OutOfBasis(c, plan, buf + size_t(t) * hd, hd, true);
         codecs::IntoBasis(basis, to, buf + size_t(t) * hd, hd, true);
@@ -133,6 +134,7 @@ struct RefRows final : kernels::PageRows {
         return data;
       default:
         codecs::simd::DecodeStored(c, role, data, cnt, pt, hd, buf, plan);
+        RopeStoredRows(pool, id, role, cnt, buf);
         *type = DType::kF32;
         return buf;
     }
@@ -170,8 +172,8 @@ void AttendRows(const kernels::AttnBatch& batch, const TablePages& hot, const Ta
   const codecs::Codec ck = lay.codec_k, cv = lay.codec_v;
   const bool turn_k = codecs::BasisOf(ck) != codecs::Basis::kPlain;
   const bool turn_v = codecs::BasisOf(cv) != codecs::Basis::kPlain;
-  const codecs::PcaPlan* plan_k = lay.plan(hot.index, Role::kKey, ck);
-  const codecs::PcaPlan* plan_v = lay.plan(hot.index, Role::kValue, cv);
+  const codecs::CalPlan* plan_k = lay.plan(hot.index, Role::kKey, ck);
+  const codecs::CalPlan* plan_v = lay.plan(hot.index, Role::kValue, cv);
   const int hd = lay.head_dim, q_dim = batch.n_heads * hd;
   kernels::AttnBatch b = batch;
   thread_local std::vector<float> q_rot, out_rot;

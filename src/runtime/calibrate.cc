@@ -27,6 +27,7 @@ Result<CalibrateResult> Calibrate(Engine& engine, std::span<const int32_t> text,
   const Tokenizer& tok = engine.tokenizer();
   const bool bos = tok.add_bos() && tok.bos_id() >= 0;  // as the eval harness's windows
   codecs::CalibrationBuilder builder(c.n_layers, c.n_kv_heads, c.head_dim);
+  const codecs::RopeTable rope(c.RopeInvFreq(), window);
   CalibrateResult r;
   std::vector<int32_t> ids;
   std::vector<float> logits, k, v;
@@ -56,6 +57,10 @@ Result<CalibrateResult> Calibrate(Engine& engine, std::span<const int32_t> text,
         seq.Gather(l, h, &k, &v, &positions);
         builder.AddRows(ti, codecs::Role::kKey, k);
         builder.AddRows(ti, codecs::Role::kValue, v);
+        // kvq's statistics: keys as it stores them, before RoPE.
+        rope.Turn(k.data(), int(positions.size()), c.head_dim, positions.data(), true);
+        builder.AddChannelRows(ti, codecs::Role::kKey, k);
+        builder.AddChannelRows(ti, codecs::Role::kValue, v);
         obs.QueryStats(l, h, 0, &mean, &cov);
         for (int i = 0; i < c.head_dim; ++i) {
           for (int j = 0; j < c.head_dim; ++j) {

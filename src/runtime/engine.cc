@@ -56,6 +56,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
   CACHET_RETURN_IF_ERROR(codecs::CheckDim(layout.codec_v, c.head_dim));
   const uint64_t weights_hash = WeightsHash(*e->model_);  // read once: the namespace's too
   CACHET_ASSIGN_OR_RETURN(layout.calibration, LoadKvCalibration(c, weights_hash, o, layout));
+  AddRopeTable(c, e->n_ctx_, &layout);
   if (o.kv_sinks < 0) return InvalidArgument("--kv-sinks must be >= 0");
   layout.sinks = o.kv_sinks;
   if (o.kv_window < 0) return InvalidArgument("--kv-window must be >= 0");
@@ -237,6 +238,7 @@ Result<PagePool*> Engine::ColdPool(std::string_view codec) {
                            " needs a calibration of this model: --kv-calibration FILE (make one "
                            "with `cachet calibrate`)");
   }
+  AddRopeTable(config(), n_ctx_, &layout);
   if (layout.staged()) {
     return InvalidArgument("--demote " + std::string(codec) +
                            ": demoted tokens are appended one by one, so the cold codec must be "

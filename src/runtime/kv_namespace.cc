@@ -87,4 +87,9 @@ Result<std::shared_ptr<const codecs::Calibration>> LoadKvCalibration(const Model
   return std::make_shared<const codecs::Calibration>(std::move(cal));
 }
 
+void AddRopeTable(const ModelConfig& c, int n_ctx, KvLayout* layout) {
+  if (layout->rope || !codecs::StoredBeforeRope(layout->codec_k, codecs::Role::kKey)) return;
+  layout->rope = std::make_shared<const codecs::RopeTable>(c.RopeInvFreq(), std::min(n_ctx, 32768));
+}
+
 }  // namespace cachet

@@ -22,5 +22,8 @@ Result<std::shared_ptr<const codecs::Calibration>> LoadKvCalibration(const Model
                                                                      uint64_t weights_hash,
                                                                      const EngineOptions& o,
                                                                      const KvLayout& layout);
+// Gives the layout the model's RoPE when a codec of it stores keys before RoPE (kvq): positions
+// below n_ctx (at most 32768) are tabled.
+void AddRopeTable(const ModelConfig& c, int n_ctx, KvLayout* layout);
 
 }  // namespace cachet

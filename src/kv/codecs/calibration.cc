@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 
 #include "util/byte_io.h"
@@ -14,7 +15,7 @@ namespace cachet::codecs {
 namespace {
 
 constexpr char kMagic[8] = {'C', 'K', 'V', 'C', 'A', 'L', '\n', 0};
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;  // 2: the kvq channel statistics
 constexpr uint32_t kMaxDimInFile = 512;
 constexpr uint32_t kMaxTablesInFile = 1u << 16;
 
@@ -132,40 +133,52 @@ double FitLevels(std::span<const float> sorted, int bits, float* levels) {
   return mse;
 }
 
+namespace {
+
+void MakePcaPlan(const HeadStats& h, int dim, int bits, CalPlan* p) {
+  p->bits = AllotBits(h, bits);
+  p->sigma.resize(dim);
+  p->weight.resize(dim);
+  p->level_at.resize(dim);
+  p->byte_at.resize(dim);
+  p->shift.resize(dim);
+  p->mask.resize(dim);
+  p->table.clear();
+  int bit = 0;
+  for (int i = 0; i < dim; ++i) {
+    p->sigma[i] = std::sqrt(std::max(h.variance[i], 1e-20f));
+    p->weight[i] = h.weight[i];
+    p->byte_at[i] = 2 + bit / 8;  // after the row's f16 scale
+    p->shift[i] = bit % 8;
+    p->mask[i] = (1 << p->bits[i]) - 1;
+    bit += p->bits[i];
+    p->level_at[i] = static_cast<int32_t>(p->table.size());
+    if (p->bits[i] == 0) continue;
+    const float* lv = h.Levels(p->bits[i]);
+    for (int l = 0; l < 1 << p->bits[i]; ++l) p->table.push_back(p->sigma[i] * lv[l]);
+  }
+  p->table.push_back(0.0f);
+  for (int i = 0; i < dim; ++i) {
+    if (p->bits[i] == 0) p->level_at[i] = static_cast<int32_t>(p->table.size()) - 1;
+  }
+}
+
+}  // namespace
+
 void MakePlans(Calibration* c) {
   const int tables = c->n_layers * c->n_kv_heads;
-  c->plans.assign(size_t(3) * tables * 2, {});
-  for (int bits = 2; bits <= 4; ++bits) {
-    for (int t = 0; t < tables; ++t) {
-      for (Role role : {Role::kKey, Role::kValue}) {
-        const HeadStats& h = c->head(t, role);
-        PcaPlan& p = c->plans[(size_t(bits - 2) * tables + t) * 2 + (role == Role::kValue)];
-        p.stats = &h;
-        p.dim = c->head_dim;
-        p.bits = AllotBits(h, bits);
-        p.sigma.resize(p.dim);
-        p.weight.resize(p.dim);
-        p.level_at.resize(p.dim);
-        p.byte_at.resize(p.dim);
-        p.shift.resize(p.dim);
-        p.mask.resize(p.dim);
-        p.table.clear();
-        int bit = 0;
-        for (int i = 0; i < p.dim; ++i) {
-          p.sigma[i] = std::sqrt(std::max(h.variance[i], 1e-20f));
-          p.weight[i] = h.weight[i];
-          p.byte_at[i] = 2 + bit / 8;  // after the row's f16 scale
-          p.shift[i] = bit % 8;
-          p.mask[i] = (1 << p.bits[i]) - 1;
-          bit += p.bits[i];
-          p.level_at[i] = static_cast<int32_t>(p.table.size());
-          if (p.bits[i] == 0) continue;
-          const float* lv = h.Levels(p.bits[i]);
-          for (int l = 0; l < 1 << p.bits[i]; ++l) p.table.push_back(p.sigma[i] * lv[l]);
-        }
-        p.table.push_back(0.0f);
-        for (int i = 0; i < p.dim; ++i) {
-          if (p.bits[i] == 0) p.level_at[i] = static_cast<int32_t>(p.table.size()) - 1;
+  c->plans.assign(size_t(kCalKinds) * 3 * tables * 2, {});
+  for (int kind = 0; kind < kCalKinds; ++kind) {
+    for (int bits = 2; bits <= 4; ++bits) {
+      for (int t = 0; t < tables; ++t) {
+        for (Role role : {Role::kKey, Role::kValue}) {
+          const HeadStats& h = c->head(t, role);
+          CalPlan& p =
+              c->plans[((size_t(kind) * 3 + bits - 2) * tables + t) * 2 + (role == Role::kValue)];
+          p.stats = &h;
+          p.dim = c->head_dim;
+          p.uniform_bits = bits;
+          if (kind == int(CalKind::kPca)) MakePcaPlan(h, c->head_dim, bits, &p);
         }
       }
     }
@@ -181,6 +194,8 @@ uint64_t Calibration::Hash() const {
   XXH3_64bits_update(s, &model_hash, sizeof(model_hash));
   for (const HeadStats& h : heads) {
     add(h.mean), add(h.axes), add(h.variance), add(h.weight), add(h.levels);
+    add(h.ch_mean), add(h.ch_scale), add(h.ch_levels);
+    XXH3_64bits_update(s, &h.ch_zmax, sizeof(h.ch_zmax));
   }
   const uint64_t out = XXH3_64bits_digest(s);
   XXH3_freeState(s);
@@ -206,6 +221,10 @@ Status SaveCalibration(const Calibration& c, const std::string& path) {
     w.PutVector(h.weight);
     w.PutVector(h.levels);
     w.PutVector(h.distortion);
+    w.PutVector(h.ch_mean);
+    w.PutVector(h.ch_scale);
+    w.PutVector(h.ch_levels);
+    w.Put<float>(h.ch_zmax);
   }
   const uint64_t sum = XXH3_64bits(w.out().data(), w.out().size());
   w.Put<uint64_t>(sum);
@@ -232,7 +251,7 @@ Result<Calibration> LoadCalibration(const std::string& path) {
   const uint32_t version = r.Get<uint32_t>("version");
   if (r.ok() && version != kVersion) {
     return DataLoss(kind + ": version " + std::to_string(version) + ", this build reads " +
-                    std::to_string(kVersion));
+                    std::to_string(kVersion) + " (run `cachet calibrate` again)");
   }
   Calibration c;
   c.model_hash = r.Get<uint64_t>("model hash");
@@ -273,6 +292,13 @@ Result<Calibration> LoadCalibration(const std::string& path) {
     expect(h.levels.size(), kCalLevels, "levels");
     h.distortion = r.GetVector<float>(kCalMaxBits + 1, "distortion");
     expect(h.distortion.size(), kCalMaxBits + 1, "distortion");
+    h.ch_mean = r.GetVector<float>(d, "channel mean");
+    expect(h.ch_mean.size(), d, "channel mean");
+    h.ch_scale = r.GetVector<float>(d, "channel scale");
+    expect(h.ch_scale.size(), d, "channel scale");
+    h.ch_levels = r.GetVector<float>(kCalLevels, "channel levels");
+    expect(h.ch_levels.size(), kCalLevels, "channel levels");
+    h.ch_zmax = r.Get<float>("outlier range");
     c.heads.push_back(std::move(h));
   }
   if (r.ok() && r.at() != bytes.size() - 8) r.Fail("end", "bytes follow the last head");
@@ -289,22 +315,38 @@ CalibrationBuilder::CalibrationBuilder(int n_layers, int n_kv_heads, int head_di
       acc_(size_t(n_layers) * n_kv_heads * 2),
       q2_(size_t(n_layers) * n_kv_heads, std::vector<double>(size_t(head_dim) * head_dim, 0.0)),
       q_n_(size_t(n_layers) * n_kv_heads, 0) {
+  ch_acc_.resize(acc_.size());
   for (Acc& a : acc_) {
     a.sum.assign(dim_, 0.0);
     a.outer.assign(size_t(dim_) * dim_, 0.0);
   }
+  for (Acc& a : ch_acc_) {
+    a.sum.assign(dim_, 0.0);
+    a.outer.assign(dim_, 0.0);
+  }
 }
 
 void CalibrationBuilder::AddRows(int table, Role role, std::span<const float> rows) {
-  Acc& a = acc_[size_t(table) * 2 + (role == Role::kValue)];
+  Add(acc_[size_t(table) * 2 + (role == Role::kValue)], rows, true);
+}
+
+void CalibrationBuilder::AddChannelRows(int table, Role role, std::span<const float> rows) {
+  Add(ch_acc_[size_t(table) * 2 + (role == Role::kValue)], rows, false);
+}
+
+void CalibrationBuilder::Add(Acc& a, std::span<const float> rows, bool full_outer) {
   const int d = dim_;
   const int64_t n = int64_t(rows.size()) / d;
   for (int64_t t = 0; t < n; ++t) {
     const float* x = rows.data() + t * d;
     for (int i = 0; i < d; ++i) {
       a.sum[i] += x[i];
-      double* o = a.outer.data() + size_t(i) * d;
       const double xi = x[i];
+      if (!full_outer) {
+        a.outer[i] += xi * xi;
+        continue;
+      }
+      double* o = a.outer.data() + size_t(i) * d;
       for (int j = 0; j <= i; ++j) o[j] += xi * x[j];
     }
     // Keep every row until max_rows, then replace evenly (a deterministic reservoir).
@@ -321,6 +363,58 @@ void CalibrationBuilder::AddRows(int table, Role role, std::span<const float> ro
 void CalibrationBuilder::AddQueryMoment(int table, std::span<const double> moment, int64_t n) {
   for (size_t i = 0; i < moment.size(); ++i) q2_[table][i] += moment[i] * double(n);
   q_n_[table] += n;
+}
+
+void CalibrationBuilder::FinishChannels(const Acc& a, HeadStats* h) const {
+  const int d = dim_, k = KvqOutliers(d);
+  h->ch_mean.resize(d);
+  h->ch_scale.resize(d);
+  std::vector<double> inv(d);
+  for (int i = 0; i < d; ++i) {
+    const double m = a.sum[i] / double(a.n);
+    const double sd = std::sqrt(std::max(a.outer[i] / double(a.n) - m * m, 0.0));
+    h->ch_mean[i] = float(m);
+    h->ch_scale[i] = float(sd);
+    inv[i] = sd > 1e-10 ? 1.0 / sd : 0.0;
+  }
+  // z of the sampled rows as the codec sees them: each row's k largest |z| are its outliers,
+  // coded apart, so the levels fit the rest.
+  const int64_t rows = int64_t(a.sample.size()) / d;
+  std::vector<float> z, zr(d), mag(d);
+  z.reserve(size_t(rows) * (d - k));
+  double zmax = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = a.sample.data() + r * d;
+    for (int i = 0; i < d; ++i) {
+      zr[i] = float((x[i] - h->ch_mean[i]) * inv[i]);
+      mag[i] = std::fabs(zr[i]);
+      zmax = std::max(zmax, double(mag[i]));
+    }
+    std::vector<float> sorted_mag = mag;
+    float cut = std::numeric_limits<float>::infinity();
+    if (k > 0) {
+      std::nth_element(sorted_mag.begin(), sorted_mag.end() - k, sorted_mag.end());
+      cut = sorted_mag[d - k];
+    }
+    int skipped = 0;
+    double ss = 0;
+    for (int i = 0; i < d; ++i) ss += double(zr[i]) * zr[i];
+    for (int i = 0; i < d; ++i)
+      if (mag[i] >= cut) ss -= double(zr[i]) * zr[i];
+    const double rms = std::sqrt(std::max(ss, 0.0) / std::max(1, d - k));
+    for (int i = 0; i < d; ++i) {
+      if (mag[i] >= cut && skipped < k) {
+        ++skipped;
+        continue;
+      }
+      z.push_back(rms > 0 ? float(zr[i] / rms) : 0.0f);
+    }
+  }
+  std::sort(z.begin(), z.end());
+  h->ch_levels.assign(kCalLevels, 0.0f);
+  for (int b = 1; b <= kCalMaxBits; ++b) FitLevels(z, b, h->ch_levels.data() + ((1 << b) - 2));
+  // Rows past the sample's largest |z| clamp to it: a margin for the text not seen.
+  h->ch_zmax = float(std::max(zmax * 1.25, 1.0));
 }
 
 Result<Calibration> CalibrationBuilder::Finish(int outliers, uint64_t model_hash,
@@ -410,6 +504,11 @@ Result<Calibration> CalibrationBuilder::Finish(int outliers, uint64_t model_hash
         h.distortion[b] =
             std::min(h.distortion[b - 1], float(FitLevels(z, b, h.levels.data() + ((1 << b) - 2))));
       }
+      const Acc& ch = ch_acc_[size_t(t) * 2 + (role == Role::kValue)];
+      if (ch.n < 2) {
+        return InvalidArgument("calibration: too few channel rows (" + std::to_string(ch.n) + ")");
+      }
+      FinishChannels(ch, &h);
       c.heads.push_back(std::move(h));
     }
   }

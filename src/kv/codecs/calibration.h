@@ -1,5 +1,6 @@
 // Calibrated KV codecs: what `cachet calibrate` measures per (layer, KV head) and role on
-// calibration text (a .kvcal file next to the model), and the plans the pca codecs derive from it.
+// calibration text (a .kvcal file next to the model), and the plans the pca and kvq codecs derive
+// from it.
 #pragma once
 
 #include <cstdint>
@@ -33,15 +34,26 @@ struct HeadStats {
   std::vector<float> levels;
   std::vector<float> distortion;  // [9]: their mean square error at 0 .. 8 bits
   const float* Levels(int bits) const { return levels.data() + ((1 << bits) - 2); }
+
+  // The kvq codecs' per-channel statistics, of rows as they store them (keys before RoPE): each
+  // channel's mean and standard deviation, Lloyd-Max levels (as `levels`) of z = (x - mean) / std
+  // once each row's KvqOutliers largest |z| are set apart, and the range of |z| the outliers'
+  // codes span.
+  std::vector<float> ch_mean, ch_scale;  // [dim]
+  std::vector<float> ch_levels;          // [kCalLevels]
+  float ch_zmax = 0;
+  const float* ChannelLevels(int bits) const { return ch_levels.data() + ((1 << bits) - 2); }
 };
 
-// How a pca codec stores one (layer, KV head, role): a row x becomes c = A (x - mean) on the
-// principal axes, then each axis i gets bits[i] bits (the budget of `bits` per value spent where
-// weight x variance is largest, by greedy reverse water-filling), coded as the nearest level of
-// c_i / (sigma_i r) with r the row's f16 scale.
-struct PcaPlan {
+// How a calibrated codec stores one (layer, KV head, role).
+// pca: a row x becomes c = A (x - mean) on the principal axes, then each axis i gets bits[i] bits
+// (the budget of `bits` per value spent where weight x variance is largest, by greedy reverse
+// water-filling), coded as the nearest level of c_i / (sigma_i r) with r the row's f16 scale.
+// kvq: channel i is coded as the nearest of ch_levels to (x_i - ch_mean_i) / ch_scale_i.
+struct CalPlan {
   const HeadStats* stats = nullptr;
   int dim = 0;
+  int uniform_bits = 0;       // kvq: every channel's
   std::vector<uint8_t> bits;  // [dim]
   std::vector<float> sigma;   // [dim] standard deviation along each axis
   std::vector<float> weight;  // [dim] what the row scale's fit weighs each axis by
@@ -51,6 +63,10 @@ struct PcaPlan {
   // shift[i], masked by mask[i] (what the SIMD decoder gathers).
   std::vector<int32_t> level_at, byte_at, shift, mask;
 };
+
+// The plans of each calibrated codec kind, in Calibration::plans.
+enum class CalKind : uint8_t { kPca, kKvq };
+inline constexpr int kCalKinds = 2;
 
 // Move-only: the plans point into heads.
 struct Calibration {
@@ -65,14 +81,17 @@ struct Calibration {
   int64_t tokens = 0;            // calibration tokens evaluated
   std::string source;            // what they were
   std::vector<HeadStats> heads;  // [layer][kv head][K, V]
-  // Plans for 2, 3 and 4 bits, [bits - 2][table][K, V]: MakePlans.
-  std::vector<PcaPlan> plans;
+  // Plans of each kind for 2, 3 and 4 bits, [kind][bits - 2][table][K, V]: MakePlans.
+  std::vector<CalPlan> plans;
 
   const HeadStats& head(int table, Role role) const {
     return heads[size_t(table) * 2 + (role == Role::kValue)];
   }
-  const PcaPlan& plan(int table, Role role, int bits) const {
-    return plans[(size_t(bits - 2) * n_layers * n_kv_heads + table) * 2 + (role == Role::kValue)];
+  // c: a calibrated codec.
+  const CalPlan& plan(int table, Role role, Codec c) const {
+    const size_t kind = IsKvq(c) ? 1 : 0, tables = size_t(n_layers) * n_kv_heads;
+    return plans[((kind * 3 + size_t(CalBits(c) - 2)) * tables + table) * 2 +
+                 (role == Role::kValue)];
   }
   // Of every statistic: pages one calibration encoded, no other can read.
   uint64_t Hash() const;
@@ -91,6 +110,8 @@ class CalibrationBuilder {
  public:
   CalibrationBuilder(int n_layers, int n_kv_heads, int head_dim, int max_rows = 4096);
   void AddRows(int table, Role role, std::span<const float> rows);  // [n][head_dim]
+  // Rows as the kvq codecs store them (keys before RoPE), [n][head_dim].
+  void AddChannelRows(int table, Role role, std::span<const float> rows);
   // The second moment E[q q^T] of the queries that read this table, [dim][dim], over n queries.
   void AddQueryMoment(int table, std::span<const double> moment, int64_t n);
   // outliers: channels listed per head and role.
@@ -98,12 +119,14 @@ class CalibrationBuilder {
 
  private:
   struct Acc {
-    std::vector<double> sum, outer;  // [dim], [dim][dim]
+    std::vector<double> sum, outer;  // [dim], [dim][dim] (channel rows: the diagonal only)
     int64_t n = 0;                   // rows seen
     std::vector<float> sample;       // rows kept for the levels
   };
+  void Add(Acc& a, std::span<const float> rows, bool full_outer);
+  void FinishChannels(const Acc& a, HeadStats* h) const;
   int n_layers_, n_kv_heads_, dim_, max_rows_;
-  std::vector<Acc> acc_;                 // [table][K, V]
+  std::vector<Acc> acc_, ch_acc_;        // [table][K, V]
   std::vector<std::vector<double>> q2_;  // [table][dim][dim]
   std::vector<int64_t> q_n_;
 };

@@ -35,9 +35,16 @@ enum class Codec : uint8_t {
   kPca4,
   kPca3,
   kPca2,
+  // Calibrated, KVQuant: each channel over its calibrated mean and scale (keys before RoPE, where
+  // a channel keeps its scale at every position: rows are turned back by their position's RoPE
+  // when written and turned again when read), coded to 4/3/2-bit non-uniform levels times a
+  // one-byte row scale; a row's KvqOutliers(dim) largest values are kept apart (11/10/9 bits).
+  kKvq4,
+  kKvq3,
+  kKvq2,
 };
 
-struct PcaPlan;  // calibration.h: one (layer, KV head, role)'s axes, bits and levels
+struct CalPlan;  // calibration.h: how a calibrated codec codes one (layer, KV head, role)
 
 enum class Role : uint8_t { kKey, kValue };
 
@@ -52,9 +59,22 @@ size_t PageBytes(Codec c, Role role, int tokens, int dim);
 // Nominal bits per stored value, metadata included, for a full page.
 double BitsPerValue(Codec c, Role role, int tokens, int dim);
 bool IsRotated(Codec c);
-// The pca codecs: every page operation needs their (layer, KV head, role)'s plan.
+// The calibrated codecs (pca*, kvq*): every page operation needs their (layer, KV head, role)'s
+// plan.
 bool IsCalibrated(Codec c);
-int PcaBits(Codec c);
+bool IsPca(Codec c);
+bool IsKvq(Codec c);
+int CalBits(Codec c);  // a calibrated codec's bits per value, outliers and scales aside
+// Values a kvq row keeps apart (its largest over the calibrated scales): 1 per 64 channels.
+int KvqOutliers(int dim);
+// Rows this codec stores before RoPE (kvq keys): the KV layer turns them back by their position's
+// angles before EncodePage and forward after DecodePage / DecodeStored (RopeTable).
+bool StoredBeforeRope(Codec c, Role role);
+// A kvq row: where its packed codes start, its scale, and its outliers written over x (its
+// channels decoded from codes, the row's unpacked codes).
+size_t KvqCodesOffset(int dim);
+float KvqRowScale(const uint8_t* row);
+void PatchKvqOutliers(const CalPlan& p, const uint8_t* row, const uint8_t* codes, float* x);
 // The basis a codec stores rows in: attention scores rotated or projected queries against them.
 enum class Basis : uint8_t { kPlain, kHadamard, kPca };
 Basis BasisOf(Codec c);
@@ -73,28 +93,28 @@ bool NeedsFullPage(Codec c, Role role);
 // Encodes rows [n][dim] (n <= tokens) into a page laid out for `tokens` rows. Rows past n are
 // unspecified. Rotation codecs rotate the rows themselves.
 void EncodePage(Codec c, Role role, const float* rows, int n, int tokens, int dim, uint8_t* page,
-                const PcaPlan* plan = nullptr);
+                const CalPlan* plan = nullptr);
 // Bytes of one row of a row-wise codec (all but KIVI keys): row t of a page starts at t * stride,
 // so rows can be encoded one at a time as tokens arrive.
 size_t RowStride(Codec c, int dim);
 // Decodes rows back to f32 (rotation codecs: into the original basis).
 void DecodePage(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim, float* rows,
-                const PcaPlan* plan = nullptr);
+                const CalPlan* plan = nullptr);
 
 // Decodes rows into the basis they are stored in (rotated for rotation codecs, centered and
 // projected for pca codecs): what attention scores against rotated queries and accumulates into a
 // rotated accumulator.
 void DecodeStored(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim, float* rows,
-                  const PcaPlan* plan = nullptr);
+                  const CalPlan* plan = nullptr);
 
 // out[t] = q . k_t for the first n keys of a page. For rotation codecs q must be rotated
 // (Rotate) first.
 void DotKeys(Codec c, const uint8_t* page, int n, int tokens, int dim, const float* q, float* out,
-             const PcaPlan* plan = nullptr);
+             const CalPlan* plan = nullptr);
 // acc += sum_t p[t] * v_t over the first n values of a page. For rotation codecs acc is in the
 // rotated basis: Unrotate it once after the last page.
 void AccumulateValues(Codec c, const uint8_t* page, int n, int tokens, int dim, const float* p,
-                      float* acc, const PcaPlan* plan = nullptr);
+                      float* acc, const CalPlan* plan = nullptr);
 
 // The fixed randomized Hadamard transform: x <- H D x / sqrt(dim) (orthogonal), and its inverse.
 void Rotate(float* x, int dim);
@@ -102,7 +122,7 @@ void Unrotate(float* x, int dim);
 // x into the basis codec c stores rows in, and back: the Hadamard rotation, or for pca codecs
 // the plan's axes, x - mean first when centered (rows; a query is not centered: q.mean is the
 // same for every key, so scores only shift).
-void IntoBasis(Codec c, const PcaPlan* plan, float* x, int dim, bool centered);
-void OutOfBasis(Codec c, const PcaPlan* plan, float* x, int dim, bool centered);
+void IntoBasis(Codec c, const CalPlan* plan, float* x, int dim, bool centered);
+void OutOfBasis(Codec c, const CalPlan* plan, float* x, int dim, bool centered);
 
 }  // namespace cachet::codecs

@@ -116,7 +116,7 @@ HWY_INLINE void Unpack(const uint8_t* in, int n, int bits, uint8_t* codes) {
 // A pca page's rows on the plan's axes: per lane (axis), the 32-bit word holding its code is
 // gathered from a copy of the row (padded, so no gather reads past it), shifted and masked, and
 // sigma_i level[code] gathered from the plan's table, times the row's scale.
-void DecodePcaImpl(const PcaPlan& p, Codec c, const uint8_t* page, int n, int dim, float* rows) {
+void DecodePcaImpl(const CalPlan& p, Codec c, const uint8_t* page, int n, int dim, float* rows) {
   const DF df;
   const hn::RebindToSigned<DF> di;
   const hn::RebindToUnsigned<DF> du;
@@ -148,9 +148,40 @@ void DecodePcaImpl(const PcaPlan& p, Codec c, const uint8_t* page, int n, int di
   }
 }
 
+// kvq: mean + scale * level[code] per channel, then the row's outliers patched in by the scalar
+// path's rule.
+void DecodeKvqImpl(const CalPlan& p, Codec c, const uint8_t* page, int n, int dim, float* rows) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  const hn::Rebind<int32_t, DF> di;
+  const hn::Rebind<uint8_t, DF> d8;
+  const HeadStats& h = *p.stats;
+  const int bits = p.uniform_bits;
+  const float* lv = h.ChannelLevels(bits);
+  const size_t stride = RowStride(c, dim);
+  uint8_t codes[512];
+  for (int t = 0; t < n; ++t) {
+    const uint8_t* in = page + t * stride;
+    float* x = rows + size_t(t) * dim;
+    Unpack(in + KvqCodesOffset(dim), dim, bits, codes);
+    const float r = KvqRowScale(in);
+    const auto vr = hn::Set(df, r);
+    int i = 0;
+    for (; i + N <= dim; i += N) {
+      const auto idx = hn::PromoteTo(di, hn::LoadU(d8, codes + i));
+      const auto s = hn::Mul(hn::LoadU(df, h.ch_scale.data() + i), vr);
+      hn::StoreU(hn::MulAdd(s, hn::GatherIndex(df, lv, idx), hn::LoadU(df, h.ch_mean.data() + i)),
+                 df, x + i);
+    }
+    for (; i < dim; ++i) x[i] = h.ch_mean[i] + h.ch_scale[i] * r * lv[codes[i]];
+    PatchKvqOutliers(p, in, codes, x);
+  }
+}
+
 void DecodeStoredImpl(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim,
-                      float* rows, const PcaPlan* plan) {
-  if (IsCalibrated(c)) return DecodePcaImpl(*plan, c, page, n, dim, rows);
+                      float* rows, const CalPlan* plan) {
+  if (IsPca(c)) return DecodePcaImpl(*plan, c, page, n, dim, rows);
+  if (IsKvq(c)) return DecodeKvqImpl(*plan, c, page, n, dim, rows);
   const DF df;
   const int N = static_cast<int>(hn::Lanes(df));
   constexpr int kBlock = 32;
@@ -289,7 +320,7 @@ namespace cachet::codecs::simd {
 HWY_EXPORT(DecodeStoredImpl);
 
 void DecodeStored(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim, float* rows,
-                  const PcaPlan* plan) {
+                  const CalPlan* plan) {
   if (IsCalibrated(c) && plan == nullptr) {  // a bug, not bad input: the scalar path says so
     return codecs::DecodeStored(c, role, page, n, tokens, dim, rows, plan);
   }

@@ -10,6 +10,6 @@ namespace cachet::codecs::simd {
 
 // Same contract as codecs::DecodeStored.
 void DecodeStored(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim, float* rows,
-                  const PcaPlan* plan = nullptr);
+                  const CalPlan* plan = nullptr);
 
 }  // namespace cachet::codecs::simd
