@@ -15,14 +15,14 @@ namespace cachet::codecs {
 namespace {
 
 constexpr char kMagic[8] = {'C', 'K', 'V', 'C', 'A', 'L', '\n', 0};
-constexpr uint32_t kVersion = 2;  // 2: the kvq channel statistics
+constexpr uint32_t kVersion = 3;  // 3: the kvq channel statistics
 constexpr uint32_t kMaxDimInFile = 512;
 constexpr uint32_t kMaxTablesInFile = 1u << 16;
 
-// The weights' pooled greedy allotment: a bit goes where it removes the most weighted error,
-// weight_i variance_i (D(b) - D(b + 1)), until bits * dim are spent.
-std::vector<uint8_t> AllotBits(const HeadStats& h, int bits) {
-  const int dim = static_cast<int>(h.variance.size());
+// The pooled greedy allotment: a bit goes where it removes the most weighted error,
+// weight_i sigma_i^2 (D(b) - D(b + 1)), until bits * dim are spent.
+std::vector<uint8_t> AllotBits(int dim, int bits, const float* sigma, const float* weight,
+                               const float* distortion) {
   std::vector<uint8_t> b(dim, 0);
   for (int spent = 0; spent < bits * dim; ++spent) {
     int best = -1;
@@ -30,7 +30,7 @@ std::vector<uint8_t> AllotBits(const HeadStats& h, int bits) {
     for (int i = 0; i < dim; ++i) {
       if (b[i] >= kCalMaxBits) continue;
       const double g =
-          double(h.weight[i]) * h.variance[i] * (h.distortion[b[i]] - h.distortion[b[i] + 1]);
+          double(weight[i]) * sigma[i] * sigma[i] * (distortion[b[i]] - distortion[b[i] + 1]);
       if (g > gain) gain = g, best = i;
     }
     if (best < 0) break;
@@ -135,10 +135,13 @@ double FitLevels(std::span<const float> sorted, int bits, float* levels) {
 
 namespace {
 
-void MakePcaPlan(const HeadStats& h, int dim, int bits, CalPlan* p) {
-  p->bits = AllotBits(h, bits);
-  p->sigma.resize(dim);
-  p->weight.resize(dim);
+// Allots the bits over the coordinates and lays their codes out after `header` bytes of a row;
+// table: each coordinate's levels times its sigma.
+void LayOut(int dim, int bits, const float* sigma, const float* weight, const float* distortion,
+            const float* pooled_levels, size_t header, CalPlan* p) {
+  p->bits = AllotBits(dim, bits, sigma, weight, distortion);
+  p->sigma.assign(sigma, sigma + dim);
+  p->weight.assign(weight, weight + dim);
   p->level_at.resize(dim);
   p->byte_at.resize(dim);
   p->shift.resize(dim);
@@ -146,16 +149,14 @@ void MakePcaPlan(const HeadStats& h, int dim, int bits, CalPlan* p) {
   p->table.clear();
   int bit = 0;
   for (int i = 0; i < dim; ++i) {
-    p->sigma[i] = std::sqrt(std::max(h.variance[i], 1e-20f));
-    p->weight[i] = h.weight[i];
-    p->byte_at[i] = 2 + bit / 8;  // after the row's f16 scale
+    p->byte_at[i] = static_cast<int32_t>(header) + bit / 8;
     p->shift[i] = bit % 8;
     p->mask[i] = (1 << p->bits[i]) - 1;
     bit += p->bits[i];
     p->level_at[i] = static_cast<int32_t>(p->table.size());
     if (p->bits[i] == 0) continue;
-    const float* lv = h.Levels(p->bits[i]);
-    for (int l = 0; l < 1 << p->bits[i]; ++l) p->table.push_back(p->sigma[i] * lv[l]);
+    const float* lv = pooled_levels + ((1 << p->bits[i]) - 2);
+    for (int l = 0; l < 1 << p->bits[i]; ++l) p->table.push_back(sigma[i] * lv[l]);
   }
   p->table.push_back(0.0f);
   for (int i = 0; i < dim; ++i) {
@@ -177,8 +178,17 @@ void MakePlans(Calibration* c) {
               c->plans[((size_t(kind) * 3 + bits - 2) * tables + t) * 2 + (role == Role::kValue)];
           p.stats = &h;
           p.dim = c->head_dim;
-          p.uniform_bits = bits;
-          if (kind == int(CalKind::kPca)) MakePcaPlan(h, c->head_dim, bits, &p);
+          p.bits_per_value = bits;
+          const int d = c->head_dim;
+          if (kind == int(CalKind::kPca)) {
+            std::vector<float> sigma(d);
+            for (int i = 0; i < d; ++i) sigma[i] = std::sqrt(std::max(h.variance[i], 1e-20f));
+            LayOut(d, bits, sigma.data(), h.weight.data(), h.distortion.data(), h.levels.data(), 2,
+                   &p);  // after the row's f16 scale
+          } else {
+            LayOut(d, bits, h.ch_scale.data(), h.ch_weight.data(), h.ch_distortion.data(),
+                   h.ch_levels.data(), KvqCodesOffset(d), &p);
+          }
         }
       }
     }
@@ -194,7 +204,7 @@ uint64_t Calibration::Hash() const {
   XXH3_64bits_update(s, &model_hash, sizeof(model_hash));
   for (const HeadStats& h : heads) {
     add(h.mean), add(h.axes), add(h.variance), add(h.weight), add(h.levels);
-    add(h.ch_mean), add(h.ch_scale), add(h.ch_levels);
+    add(h.ch_mean), add(h.ch_scale), add(h.ch_weight), add(h.ch_levels);
     XXH3_64bits_update(s, &h.ch_zmax, sizeof(h.ch_zmax));
   }
   const uint64_t out = XXH3_64bits_digest(s);
@@ -223,7 +233,9 @@ Status SaveCalibration(const Calibration& c, const std::string& path) {
     w.PutVector(h.distortion);
     w.PutVector(h.ch_mean);
     w.PutVector(h.ch_scale);
+    w.PutVector(h.ch_weight);
     w.PutVector(h.ch_levels);
+    w.PutVector(h.ch_distortion);
     w.Put<float>(h.ch_zmax);
   }
   const uint64_t sum = XXH3_64bits(w.out().data(), w.out().size());
@@ -296,8 +308,12 @@ Result<Calibration> LoadCalibration(const std::string& path) {
     expect(h.ch_mean.size(), d, "channel mean");
     h.ch_scale = r.GetVector<float>(d, "channel scale");
     expect(h.ch_scale.size(), d, "channel scale");
+    h.ch_weight = r.GetVector<float>(d, "channel weight");
+    expect(h.ch_weight.size(), d, "channel weight");
     h.ch_levels = r.GetVector<float>(kCalLevels, "channel levels");
     expect(h.ch_levels.size(), kCalLevels, "channel levels");
+    h.ch_distortion = r.GetVector<float>(kCalMaxBits + 1, "channel distortion");
+    expect(h.ch_distortion.size(), kCalMaxBits + 1, "channel distortion");
     h.ch_zmax = r.Get<float>("outlier range");
     c.heads.push_back(std::move(h));
   }
@@ -365,7 +381,7 @@ void CalibrationBuilder::AddQueryMoment(int table, std::span<const double> momen
   q_n_[table] += n;
 }
 
-void CalibrationBuilder::FinishChannels(const Acc& a, HeadStats* h) const {
+void CalibrationBuilder::FinishChannels(int table, Role role, const Acc& a, HeadStats* h) const {
   const int d = dim_, k = KvqOutliers(d);
   h->ch_mean.resize(d);
   h->ch_scale.resize(d);
@@ -412,7 +428,27 @@ void CalibrationBuilder::FinishChannels(const Acc& a, HeadStats* h) const {
   }
   std::sort(z.begin(), z.end());
   h->ch_levels.assign(kCalLevels, 0.0f);
-  for (int b = 1; b <= kCalMaxBits; ++b) FitLevels(z, b, h->ch_levels.data() + ((1 << b) - 2));
+  h->ch_distortion.assign(kCalMaxBits + 1, 0.0f);
+  double m2 = 0;
+  for (float v : z) m2 += double(v) * v;
+  h->ch_distortion[0] = z.empty() ? 1.0f : float(m2 / double(z.size()));
+  for (int b = 1; b <= kCalMaxBits; ++b) {
+    h->ch_distortion[b] = std::min(h->ch_distortion[b - 1],
+                                   float(FitLevels(z, b, h->ch_levels.data() + ((1 << b) - 2))));
+  }
+  // What an error in a channel costs. A key's error e before RoPE moves a score by
+  // (R(p_q - p_k) q) . e: the rotation mixes each channel pair, so a channel weighs its pair's
+  // mean query energy (E[q q^T]'s diagonal, after RoPE: a pair's energy is the same either side).
+  h->ch_weight.assign(d, 1.0f);
+  if (role == Role::kKey && q_n_[table] > 0) {
+    const std::vector<double>& m = q2_[table];
+    const int half = d / 2;
+    for (int j = 0; j < half; ++j) {
+      const double w =
+          0.5 * (m[size_t(j) * d + j] + m[size_t(j + half) * d + j + half]) / double(q_n_[table]);
+      h->ch_weight[j] = h->ch_weight[j + half] = float(w);
+    }
+  }
   // Rows past the sample's largest |z| clamp to it: a margin for the text not seen.
   h->ch_zmax = float(std::max(zmax * 1.25, 1.0));
 }
@@ -508,7 +544,7 @@ Result<Calibration> CalibrationBuilder::Finish(int outliers, uint64_t model_hash
       if (ch.n < 2) {
         return InvalidArgument("calibration: too few channel rows (" + std::to_string(ch.n) + ")");
       }
-      FinishChannels(ch, &h);
+      FinishChannels(t, role, ch, &h);
       c.heads.push_back(std::move(h));
     }
   }

@@ -36,11 +36,13 @@ struct HeadStats {
   const float* Levels(int bits) const { return levels.data() + ((1 << bits) - 2); }
 
   // The kvq codecs' per-channel statistics, of rows as they store them (keys before RoPE): each
-  // channel's mean and standard deviation, Lloyd-Max levels (as `levels`) of z = (x - mean) / std
-  // once each row's KvqOutliers largest |z| are set apart, and the range of |z| the outliers'
-  // codes span.
+  // channel's mean and standard deviation, what an error in it costs, Lloyd-Max levels (as
+  // `levels`) of z = (x - mean) / std over the row's RMS once each row's KvqOutliers largest |z|
+  // are set apart, and the range of |z| the outliers' codes span.
   std::vector<float> ch_mean, ch_scale;  // [dim]
+  std::vector<float> ch_weight;          // [dim] what an error in each channel costs (as weight)
   std::vector<float> ch_levels;          // [kCalLevels]
+  std::vector<float> ch_distortion;      // [9]
   float ch_zmax = 0;
   const float* ChannelLevels(int bits) const { return ch_levels.data() + ((1 << bits) - 2); }
 };
@@ -49,11 +51,12 @@ struct HeadStats {
 // pca: a row x becomes c = A (x - mean) on the principal axes, then each axis i gets bits[i] bits
 // (the budget of `bits` per value spent where weight x variance is largest, by greedy reverse
 // water-filling), coded as the nearest level of c_i / (sigma_i r) with r the row's f16 scale.
-// kvq: channel i is coded as the nearest of ch_levels to (x_i - ch_mean_i) / ch_scale_i.
+// kvq: the same allotment over the channels (sigma: ch_scale, weight: ch_weight), channel i coded
+// as the nearest of its levels to (x_i - ch_mean_i) / (ch_scale_i r), r the row's scale byte's.
 struct CalPlan {
   const HeadStats* stats = nullptr;
   int dim = 0;
-  int uniform_bits = 0;       // kvq: every channel's
+  int bits_per_value = 0;     // kvq: every channel's
   std::vector<uint8_t> bits;  // [dim]
   std::vector<float> sigma;   // [dim] standard deviation along each axis
   std::vector<float> weight;  // [dim] what the row scale's fit weighs each axis by
@@ -124,7 +127,7 @@ class CalibrationBuilder {
     std::vector<float> sample;       // rows kept for the levels
   };
   void Add(Acc& a, std::span<const float> rows, bool full_outer);
-  void FinishChannels(const Acc& a, HeadStats* h) const;
+  void FinishChannels(int table, Role role, const Acc& a, HeadStats* h) const;
   int n_layers_, n_kv_heads_, dim_, max_rows_;
   std::vector<Acc> acc_, ch_acc_;        // [table][K, V]
   std::vector<std::vector<double>> q2_;  // [table][dim][dim]

@@ -71,10 +71,10 @@ int KvqOutliers(int dim);
 // angles before EncodePage and forward after DecodePage / DecodeStored (RopeTable).
 bool StoredBeforeRope(Codec c, Role role);
 // A kvq row: where its packed codes start, its scale, and its outliers written over x (its
-// channels decoded from codes, the row's unpacked codes).
+// other channels decoded).
 size_t KvqCodesOffset(int dim);
 float KvqRowScale(const uint8_t* row);
-void PatchKvqOutliers(const CalPlan& p, const uint8_t* row, const uint8_t* codes, float* x);
+void PatchKvqOutliers(const CalPlan& p, const uint8_t* row, float* x);
 // The basis a codec stores rows in: attention scores rotated or projected queries against them.
 enum class Basis : uint8_t { kPlain, kHadamard, kPca };
 Basis BasisOf(Codec c);

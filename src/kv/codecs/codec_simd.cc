@@ -113,23 +113,32 @@ HWY_INLINE void Unpack(const uint8_t* in, int n, int bits, uint8_t* codes) {
   }
 }
 
-// A pca page's rows on the plan's axes: per lane (axis), the 32-bit word holding its code is
-// gathered from a copy of the row (padded, so no gather reads past it), shifted and masked, and
-// sigma_i level[code] gathered from the plan's table, times the row's scale.
-void DecodePcaImpl(const CalPlan& p, Codec c, const uint8_t* page, int n, int dim, float* rows) {
+// A pca or kvq page's rows: per lane (coordinate), the 32-bit word holding its code is gathered
+// from a copy of the row (padded, so no gather reads past it), shifted and masked, and
+// sigma_i level[code] gathered from the plan's table, times the row's scale; kvq adds the
+// channels' means and patches its outliers in.
+void DecodeCalImpl(const CalPlan& p, Codec c, const uint8_t* page, int n, int dim, float* rows) {
   const DF df;
   const hn::RebindToSigned<DF> di;
   const hn::RebindToUnsigned<DF> du;
   const int N = static_cast<int>(hn::Lanes(df));
   const size_t rb = RowStride(c, dim);
-  HWY_ALIGN uint8_t buf[2 + 512 + 8] = {};  // a row of at most 8 bits x 512 axes, then padding
+  const bool kvq = IsKvq(c);
+  // A row of at most 8 bits x 512 coordinates after its header, then padding.
+  HWY_ALIGN uint8_t buf[32 + 512 + 8] = {};
   const uint32_t* words = reinterpret_cast<const uint32_t*>(buf);
+  const float* mean = kvq ? p.stats->ch_mean.data() : nullptr;
   for (int t = 0; t < n; ++t) {
     const uint8_t* in = page + t * rb;
     std::memcpy(buf, in, rb);
-    uint16_t h;
-    std::memcpy(&h, in, 2);
-    const float r = F16ToF32(h);
+    float r;
+    if (kvq) {
+      r = KvqRowScale(in);
+    } else {
+      uint16_t h;
+      std::memcpy(&h, in, 2);
+      r = F16ToF32(h);
+    }
     const auto vr = hn::Set(df, r);
     float* x = rows + size_t(t) * dim;
     int i = 0;
@@ -138,50 +147,23 @@ void DecodePcaImpl(const CalPlan& p, Codec c, const uint8_t* page, int n, int di
       const auto code = hn::And(hn::Shr(w, hn::BitCast(du, hn::LoadU(di, p.shift.data() + i))),
                                 hn::BitCast(du, hn::LoadU(di, p.mask.data() + i)));
       const auto idx = hn::Add(hn::BitCast(di, code), hn::LoadU(di, p.level_at.data() + i));
-      hn::StoreU(hn::Mul(hn::GatherIndex(df, p.table.data(), idx), vr), df, x + i);
+      auto v = hn::Mul(vr, hn::GatherIndex(df, p.table.data(), idx));
+      if (kvq) v = hn::Add(hn::LoadU(df, mean + i), v);
+      hn::StoreU(v, df, x + i);
     }
     for (; i < dim; ++i) {
       uint32_t w;
       std::memcpy(&w, buf + p.byte_at[i], 4);
-      x[i] = r * p.table[p.level_at[i] + ((w >> p.shift[i]) & uint32_t(p.mask[i]))];
+      const float v = r * p.table[p.level_at[i] + ((w >> p.shift[i]) & uint32_t(p.mask[i]))];
+      x[i] = kvq ? mean[i] + v : v;
     }
-  }
-}
-
-// kvq: mean + scale * level[code] per channel, then the row's outliers patched in by the scalar
-// path's rule.
-void DecodeKvqImpl(const CalPlan& p, Codec c, const uint8_t* page, int n, int dim, float* rows) {
-  const DF df;
-  const int N = static_cast<int>(hn::Lanes(df));
-  const hn::Rebind<int32_t, DF> di;
-  const hn::Rebind<uint8_t, DF> d8;
-  const HeadStats& h = *p.stats;
-  const int bits = p.uniform_bits;
-  const float* lv = h.ChannelLevels(bits);
-  const size_t stride = RowStride(c, dim);
-  uint8_t codes[512];
-  for (int t = 0; t < n; ++t) {
-    const uint8_t* in = page + t * stride;
-    float* x = rows + size_t(t) * dim;
-    Unpack(in + KvqCodesOffset(dim), dim, bits, codes);
-    const float r = KvqRowScale(in);
-    const auto vr = hn::Set(df, r);
-    int i = 0;
-    for (; i + N <= dim; i += N) {
-      const auto idx = hn::PromoteTo(di, hn::LoadU(d8, codes + i));
-      const auto s = hn::Mul(hn::LoadU(df, h.ch_scale.data() + i), vr);
-      hn::StoreU(hn::MulAdd(s, hn::GatherIndex(df, lv, idx), hn::LoadU(df, h.ch_mean.data() + i)),
-                 df, x + i);
-    }
-    for (; i < dim; ++i) x[i] = h.ch_mean[i] + h.ch_scale[i] * r * lv[codes[i]];
-    PatchKvqOutliers(p, in, codes, x);
+    if (kvq) PatchKvqOutliers(p, in, x);
   }
 }
 
 void DecodeStoredImpl(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim,
                       float* rows, const CalPlan* plan) {
-  if (IsPca(c)) return DecodePcaImpl(*plan, c, page, n, dim, rows);
-  if (IsKvq(c)) return DecodeKvqImpl(*plan, c, page, n, dim, rows);
+  if (IsCalibrated(c)) return DecodeCalImpl(*plan, c, page, n, dim, rows);
   const DF df;
   const int N = static_cast<int>(hn::Lanes(df));
   constexpr int kBlock = 32;
