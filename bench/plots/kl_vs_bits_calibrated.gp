@@ -32,6 +32,13 @@ $pca << EOD
 3.50 0.385 pca3 -2.5 0
 2.50 1.24 pca2 -2.5 0
 EOD
+$kvq << EOD
+4.62 0.066 kvq4 -2.5 -1.2
+4.69 0.0695 kvq4:q4_0 1 1.2
+4.12 0.162 kvq4:kvq3 -4 0.6
+3.62 0.245 kvq3 0.5 0.6
+2.62 0.879 kvq2 0.5 0.6
+EOD
 $llama << EOD
 8.5 8.5e-4 llama.cpp_q8_0 -6 0.6
 4.5 0.18 llama.cpp_q4_0 -8 0
@@ -40,5 +47,7 @@ plot $plain using 1:2 with points pt 7 ps 1.2 lc rgb '#1f77b4' title 'Cachet', \
      '' using ($1+$4*0.07):($2*10**($5*0.09)):3 with labels font ',10' notitle, \
      $pca using 1:2 with points pt 5 ps 1.3 lc rgb '#d62728' title 'Cachet, calibrated (pca)', \
      '' using ($1+$4*0.07):($2*10**($5*0.09)):3 with labels font ',10' tc rgb '#d62728' notitle, \
+     $kvq using 1:2 with points pt 13 ps 1.4 lc rgb '#9467bd' title 'Cachet, calibrated (kvq: keys before RoPE)', \
+     '' using ($1+$4*0.07):($2*10**($5*0.09)):3 with labels font ',10' tc rgb '#9467bd' notitle, \
      $llama using 1:2 with points pt 9 ps 1.6 lc rgb '#2ca02c' title 'llama.cpp (its own windows)', \
      '' using ($1+$4*0.07):($2*10**($5*0.09)):3 with labels font ',10' tc rgb '#2ca02c' notitle

@@ -162,6 +162,7 @@ void LayOut(int dim, int bits, const float* sigma, const float* weight, const fl
   for (int i = 0; i < dim; ++i) {
     if (p->bits[i] == 0) p->level_at[i] = static_cast<int32_t>(p->table.size()) - 1;
   }
+  p->uniform = std::all_of(p->bits.begin(), p->bits.end(), [&](uint8_t b) { return b == bits; });
 }
 
 }  // namespace
@@ -188,6 +189,8 @@ void MakePlans(Calibration* c) {
           } else {
             LayOut(d, bits, h.ch_scale.data(), h.ch_weight.data(), h.ch_distortion.data(),
                    h.ch_levels.data(), KvqCodesOffset(d), &p);
+            p.outlier_step.resize(d);
+            for (int i = 0; i < d; ++i) p.outlier_step[i] = KvqOutlierStep(h.ch_zmax, p.bits[i]);
           }
         }
       }

@@ -65,6 +65,8 @@ struct CalPlan {
   // code sits in a row: the little-endian 32-bit word at byte byte_at[i], shifted right by
   // shift[i], masked by mask[i] (what the SIMD decoder gathers).
   std::vector<int32_t> level_at, byte_at, shift, mask;
+  std::vector<float> outlier_step;  // kvq: [dim] an outlier's code step in z, by its channel's bits
+  bool uniform = false;             // every coordinate has bits_per_value bits
 };
 
 // The plans of each calibrated codec kind, in Calibration::plans.

@@ -232,7 +232,14 @@ uint8_t KvqScaleByte(double r) {
   if (!(r > 0)) return 0;
   return static_cast<uint8_t>(std::clamp<long>(std::lround(std::log2(r) * 32 + 128), 1, 255));
 }
-float KvqScale(uint8_t byte) { return byte == 0 ? 0.0f : std::exp2((int(byte) - 128) / 32.0f); }
+float KvqScale(uint8_t byte) {
+  static const std::array<float, 256> scales = [] {  // read once per decoded row: tabled
+    std::array<float, 256> t{};
+    for (int b = 1; b < 256; ++b) t[b] = std::exp2((b - 128) / 32.0f);
+    return t;
+  }();
+  return scales[byte];
+}
 
 // The nearest of n ascending levels, by bisection over the midpoints.
 int Nearest(float z, const float* lv, int n) {
@@ -302,21 +309,23 @@ void EncodeKvqRow(const CalPlan& p, const float* x, uint8_t* out) {
 size_t KvqCodesOffset(int dim) { return kKvqScaleBytes + 2 * size_t(KvqOutliers(dim)); }
 float KvqRowScale(const uint8_t* row) { return KvqScale(row[0]); }
 
-void PatchKvqOutliers(const CalPlan& p, const uint8_t* row, float* x) {
+void PatchKvqOutliers(const CalPlan& p, const uint8_t* row, float* x, bool padded) {
   const HeadStats& h = *p.stats;
   const size_t row_bytes = KvqCodesOffset(p.dim) + PackedBytes(p.dim, p.bits_per_value);
   for (int j = 0; j < KvqOutliers(p.dim); ++j) {
     uint16_t e;
     std::memcpy(&e, row + kKvqScaleBytes + 2 * j, 2);
     const int ch = e & ((1 << kKvqChannelBits) - 1);
-    uint32_t w = 0;  // the word holding its low bits, read within the row
-    std::memcpy(&w, row + p.byte_at[ch], std::min<size_t>(4, row_bytes - p.byte_at[ch]));
+    uint32_t w = 0;  // the word holding its low bits (read within the row unless padded)
+    std::memcpy(&w, row + p.byte_at[ch],
+                padded ? 4 : std::min<size_t>(4, row_bytes - p.byte_at[ch]));
     const int b = p.bits[ch];
     const int code = ((e >> kKvqChannelBits) << b) | int((w >> p.shift[ch]) & uint32_t(p.mask[ch]));
-    const float step = 2 * h.ch_zmax / float(KvqOutlierCodeMax(b));
-    x[ch] = h.ch_mean[ch] + h.ch_scale[ch] * (code * step - h.ch_zmax);
+    x[ch] = h.ch_mean[ch] + h.ch_scale[ch] * (code * p.outlier_step[ch] - h.ch_zmax);
   }
 }
+
+float KvqOutlierStep(float zmax, int bits) { return 2 * zmax / float(KvqOutlierCodeMax(bits)); }
 
 namespace {
 
@@ -330,7 +339,7 @@ void DecodeKvqRow(const CalPlan& p, const uint8_t* in, float* x) {
     const float t = r * p.table[p.level_at[i] + codes[i]];
     x[i] = h.ch_mean[i] + t;
   }
-  PatchKvqOutliers(p, in, x);
+  PatchKvqOutliers(p, in, x, false);
 }
 
 // Asymmetric min/max quantization of n values with stride, as KIVI: f16 min and scale.

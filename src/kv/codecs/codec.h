@@ -70,11 +70,13 @@ int KvqOutliers(int dim);
 // Rows this codec stores before RoPE (kvq keys): the KV layer turns them back by their position's
 // angles before EncodePage and forward after DecodePage / DecodeStored (RopeTable).
 bool StoredBeforeRope(Codec c, Role role);
-// A kvq row: where its packed codes start, its scale, and its outliers written over x (its
-// other channels decoded).
+// A kvq row: where its packed codes start, its scale, its outliers' code step at `bits` (in z),
+// and its outliers written over x (its other channels decoded; padded: 3 bytes past the row
+// may be read).
 size_t KvqCodesOffset(int dim);
 float KvqRowScale(const uint8_t* row);
-void PatchKvqOutliers(const CalPlan& p, const uint8_t* row, float* x);
+float KvqOutlierStep(float zmax, int bits);
+void PatchKvqOutliers(const CalPlan& p, const uint8_t* row, float* x, bool padded);
 // The basis a codec stores rows in: attention scores rotated or projected queries against them.
 enum class Basis : uint8_t { kPlain, kHadamard, kPca };
 Basis BasisOf(Codec c);

@@ -113,6 +113,44 @@ HWY_INLINE void Unpack(const uint8_t* in, int n, int bits, uint8_t* codes) {
   }
 }
 
+// A kvq page whose channels all have the same width (values, and keys whose channels are alike):
+// the codes unpacked at once and their levels looked up in a vector (gathered when they do not
+// fit one), times each channel's spread and the row's scale, plus the channels' means.
+void DecodeUniformKvq(const CalPlan& p, Codec c, const uint8_t* page, int n, int dim, float* rows) {
+  const DF df;
+  const hn::Rebind<int32_t, DF> di;
+  const hn::Rebind<uint8_t, DF> d8;
+  const int N = static_cast<int>(hn::Lanes(df));
+  const size_t rb = RowStride(c, dim);
+  const int bits = p.bits_per_value, n_levels = 1 << bits;
+  const float* lv = p.stats->ChannelLevels(bits);
+  const float *mean = p.stats->ch_mean.data(), *sigma = p.sigma.data();
+  HWY_ALIGN float table[hn::MaxLanes(DF())] = {};
+  const bool in_vector = n_levels <= N;
+  if (in_vector) std::memcpy(table, lv, n_levels * sizeof(float));
+  const auto levels = hn::Load(df, table);
+  HWY_ALIGN uint8_t buf[32 + 512 + 8] = {};
+  uint8_t codes[512];
+  for (int t = 0; t < n; ++t) {
+    const uint8_t* in = page + t * rb;
+    std::memcpy(buf, in, rb);
+    Unpack(buf + KvqCodesOffset(dim), dim, bits, codes);
+    const float r = KvqRowScale(in);
+    const auto vr = hn::Set(df, r);
+    float* x = rows + size_t(t) * dim;
+    int i = 0;
+    for (; i + N <= dim; i += N) {
+      const auto code = hn::PromoteTo(di, hn::LoadU(d8, codes + i));
+      const auto level = in_vector ? hn::TableLookupLanes(levels, hn::IndicesFromVec(df, code))
+                                   : hn::GatherIndex(df, lv, code);
+      hn::StoreU(hn::MulAdd(hn::Mul(hn::LoadU(df, sigma + i), vr), level, hn::LoadU(df, mean + i)),
+                 df, x + i);
+    }
+    for (; i < dim; ++i) x[i] = mean[i] + sigma[i] * r * lv[codes[i]];
+    PatchKvqOutliers(p, buf, x, true);
+  }
+}
+
 // A pca or kvq page's rows: per lane (coordinate), the 32-bit word holding its code is gathered
 // from a copy of the row (padded, so no gather reads past it), shifted and masked, and
 // sigma_i level[code] gathered from the plan's table, times the row's scale; kvq adds the
@@ -128,6 +166,7 @@ void DecodeCalImpl(const CalPlan& p, Codec c, const uint8_t* page, int n, int di
   HWY_ALIGN uint8_t buf[32 + 512 + 8] = {};
   const uint32_t* words = reinterpret_cast<const uint32_t*>(buf);
   const float* mean = kvq ? p.stats->ch_mean.data() : nullptr;
+  if (kvq && p.uniform) return DecodeUniformKvq(p, c, page, n, dim, rows);
   for (int t = 0; t < n; ++t) {
     const uint8_t* in = page + t * rb;
     std::memcpy(buf, in, rb);
@@ -157,7 +196,7 @@ void DecodeCalImpl(const CalPlan& p, Codec c, const uint8_t* page, int n, int di
       const float v = r * p.table[p.level_at[i] + ((w >> p.shift[i]) & uint32_t(p.mask[i]))];
       x[i] = kvq ? mean[i] + v : v;
     }
-    if (kvq) PatchKvqOutliers(p, in, x);
+    if (kvq) PatchKvqOutliers(p, buf, x, true);
   }
 }
 
