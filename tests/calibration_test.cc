@@ -460,6 +460,41 @@ TEST(CalibratedEngine, KvqKeysFollowTheirTokensToNewPositions) {
   }
 }
 
+TEST(CalibratedEngine, KvqCachesSaveLoadAndDemote) {
+  // A saved kvq cache holds keys before RoPE with their positions: loaded, it decodes alike.
+  const auto prompt = testing::LoadGolden().back().ids;
+  auto e = PcaEngine("kvq4", "kvq3", /*sinks=*/4);
+  auto s = e->NewSession();
+  ASSERT_TRUE(s->Eval(prompt, nullptr).ok());
+  const std::string path = ::testing::TempDir() + "/kvq_cache.ckv";
+  ASSERT_TRUE(s->Save(path).ok());
+  auto loaded = e->LoadSession(path);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  std::vector<float> a, b;
+  const std::vector<int32_t> next = {prompt[5], prompt[6]};
+  ASSERT_TRUE(s->Eval(next, &a).ok());
+  ASSERT_TRUE((*loaded)->Eval(next, &b).ok());
+  EXPECT_EQ(a, b);
+  // Evicted tokens demoted into kvq2 from an f16 cache: the cold pool turns its keys by RoPE too.
+  auto hot = PcaEngine("f16", "f16");
+  auto h = hot->NewSession();
+  press::PressOptions p;
+  ASSERT_TRUE(press::ParsePressSpec("keydiff", &p).ok());
+  p.ratio = 0.5;
+  p.demote = "kvq2";
+  ASSERT_TRUE(h->EvalPressed(std::span(prompt).first(200), p, nullptr).ok());
+  EXPECT_GT(hot->kv_stats().cold_bytes_used, 0);
+  std::vector<float> logits, ref;
+  ASSERT_TRUE(h->Eval(std::vector<int32_t>{prompt[200]}, &logits).ok());
+  // Against the same press demoting into f16 (the cold rows exact): close, not noise.
+  auto exact = PcaEngine("f16", "f16");
+  auto x = exact->NewSession();
+  p.demote = "f16";
+  ASSERT_TRUE(x->EvalPressed(std::span(prompt).first(200), p, nullptr).ok());
+  ASSERT_TRUE(x->Eval(std::vector<int32_t>{prompt[200]}, &ref).ok());
+  EXPECT_LT(MeanKl(ref, logits, hot->config().vocab_size), 0.1);  // 0.03; unturned keys: 0.33
+}
+
 TEST(CalibratedEngine, SavedCachesNeedTheirCalibration) {
   const auto prompt = testing::LoadGolden().back().ids;
   auto e = PcaEngine("pca4", "pca3");
