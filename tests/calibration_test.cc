@@ -460,21 +460,26 @@ TEST(CalibratedEngine, KvqKeysFollowTheirTokensToNewPositions) {
   }
 }
 
-TEST(CalibratedEngine, KvqCachesSaveLoadAndDemote) {
-  // A saved kvq cache holds keys before RoPE with their positions: loaded, it decodes alike.
-  const auto prompt = testing::LoadGolden().back().ids;
-  auto e = PcaEngine("kvq4", "kvq3", /*sinks=*/4);
-  auto s = e->NewSession();
+// Saves a session holding the prompt, loads it back, and checks the two decode alike.
+void ExpectSavedCacheReloads(Engine& e, const std::vector<int32_t>& prompt,
+                             const std::string& path) {
+  auto s = e.NewSession();
   ASSERT_TRUE(s->Eval(prompt, nullptr).ok());
-  const std::string path = ::testing::TempDir() + "/kvq_cache.ckv";
   ASSERT_TRUE(s->Save(path).ok());
-  auto loaded = e->LoadSession(path);
+  auto loaded = e.LoadSession(path);
   ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
   std::vector<float> a, b;
   const std::vector<int32_t> next = {prompt[5], prompt[6]};
   ASSERT_TRUE(s->Eval(next, &a).ok());
   ASSERT_TRUE((*loaded)->Eval(next, &b).ok());
   EXPECT_EQ(a, b);
+}
+
+TEST(CalibratedEngine, KvqCachesSaveLoadAndDemote) {
+  // A saved kvq cache holds keys before RoPE with their positions: loaded, it decodes alike.
+  const auto prompt = testing::LoadGolden().back().ids;
+  auto e = PcaEngine("kvq4", "kvq3", /*sinks=*/4);
+  ExpectSavedCacheReloads(*e, prompt, ::testing::TempDir() + "/kvq_cache.ckv");
   // Evicted tokens demoted into kvq2 from an f16 cache: the cold pool turns its keys by RoPE too.
   auto hot = PcaEngine("f16", "f16");
   auto h = hot->NewSession();
@@ -498,23 +503,12 @@ TEST(CalibratedEngine, KvqCachesSaveLoadAndDemote) {
 TEST(CalibratedEngine, SavedCachesNeedTheirCalibration) {
   const auto prompt = testing::LoadGolden().back().ids;
   auto e = PcaEngine("pca4", "pca3");
-  auto s = e->NewSession();
-  std::vector<float> logits;
-  ASSERT_TRUE(s->Eval(prompt, &logits).ok());
   const std::string path = ::testing::TempDir() + "/pca_cache.ckv";
-  ASSERT_TRUE(s->Save(path).ok());
+  ExpectSavedCacheReloads(*e, prompt, path);
   auto info = ReadSavedCacheInfo(path);
   ASSERT_TRUE(info.ok()) << info.status().ToString();
   EXPECT_EQ(info->codec_k, "pca4");
   EXPECT_EQ(info->calibration.size(), 16u);
-
-  auto loaded = e->LoadSession(path);
-  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
-  std::vector<float> a, b;
-  const std::vector<int32_t> next = {prompt[5], prompt[6]};
-  ASSERT_TRUE(s->Eval(next, &a).ok());
-  ASSERT_TRUE((*loaded)->Eval(next, &b).ok());
-  EXPECT_EQ(a, b);
 
   // Another calibration (the same statistics, another model hash, so another file hash).
   auto cal = codecs::LoadCalibration(KvtinyCalibration());

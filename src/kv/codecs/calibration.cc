@@ -282,41 +282,30 @@ Result<Calibration> LoadCalibration(const std::string& path) {
                         " KV heads x head_dim " + std::to_string(c.head_dim) + " is out of range");
   }
   const uint32_t d = static_cast<uint32_t>(std::max(c.head_dim, 0));
-  auto expect = [&](size_t got, size_t want, const char* what) {
-    if (r.ok() && got != want) {
-      r.Fail(what, std::to_string(got) + " entries, expected " + std::to_string(want));
+  auto get = [&](std::vector<float>* v, size_t n, const char* what) {
+    *v = r.GetVector<float>(n, what);
+    if (r.ok() && v->size() != n) {
+      r.Fail(what, std::to_string(v->size()) + " entries, expected " + std::to_string(n));
     }
   };
   for (int64_t i = 0; r.ok() && i < tables * 2; ++i) {
     HeadStats h;
-    h.mean = r.GetVector<float>(d, "mean");
-    expect(h.mean.size(), d, "mean");
-    h.channel_std = r.GetVector<float>(d, "channel std");
-    expect(h.channel_std.size(), d, "channel std");
+    get(&h.mean, d, "mean");
+    get(&h.channel_std, d, "channel std");
     h.outliers = r.GetVector<int32_t>(d, "outliers");
     for (int32_t o : h.outliers) {
       if (r.ok() && (o < 0 || o >= int(d))) r.Fail("outliers", "channel out of range");
     }
-    h.axes = r.GetVector<float>(d * d, "axes");
-    expect(h.axes.size(), size_t(d) * d, "axes");
-    h.variance = r.GetVector<float>(d, "variance");
-    expect(h.variance.size(), d, "variance");
-    h.weight = r.GetVector<float>(d, "weight");
-    expect(h.weight.size(), d, "weight");
-    h.levels = r.GetVector<float>(kCalLevels, "levels");
-    expect(h.levels.size(), kCalLevels, "levels");
-    h.distortion = r.GetVector<float>(kCalMaxBits + 1, "distortion");
-    expect(h.distortion.size(), kCalMaxBits + 1, "distortion");
-    h.ch_mean = r.GetVector<float>(d, "channel mean");
-    expect(h.ch_mean.size(), d, "channel mean");
-    h.ch_scale = r.GetVector<float>(d, "channel scale");
-    expect(h.ch_scale.size(), d, "channel scale");
-    h.ch_weight = r.GetVector<float>(d, "channel weight");
-    expect(h.ch_weight.size(), d, "channel weight");
-    h.ch_levels = r.GetVector<float>(kCalLevels, "channel levels");
-    expect(h.ch_levels.size(), kCalLevels, "channel levels");
-    h.ch_distortion = r.GetVector<float>(kCalMaxBits + 1, "channel distortion");
-    expect(h.ch_distortion.size(), kCalMaxBits + 1, "channel distortion");
+    get(&h.axes, d * d, "axes");
+    get(&h.variance, d, "variance");
+    get(&h.weight, d, "weight");
+    get(&h.levels, kCalLevels, "levels");
+    get(&h.distortion, kCalMaxBits + 1, "distortion");
+    get(&h.ch_mean, d, "channel mean");
+    get(&h.ch_scale, d, "channel scale");
+    get(&h.ch_weight, d, "channel weight");
+    get(&h.ch_levels, kCalLevels, "channel levels");
+    get(&h.ch_distortion, kCalMaxBits + 1, "channel distortion");
     h.ch_zmax = r.Get<float>("outlier range");
     c.heads.push_back(std::move(h));
   }

@@ -161,6 +161,39 @@ const CalPlan& NeedPlan(Codec c, const CalPlan* plan) {
   return *plan;
 }
 
+// The nearest of n ascending levels, by bisection over the midpoints.
+int Nearest(float z, const float* lv, int n) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (z > 0.5f * (lv[mid] + lv[mid + 1]))
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+// Codes z_i / rms as the nearest of coordinate i's levels (1 << bits[i] of the pooled levels, as
+// HeadStats keeps them); returns the row scale r, the weighted least-squares fit of z_i by
+// r level_i.
+double CodeToLevels(const CalPlan& p, const float* pooled_levels, const float* z, float rms,
+                    const float* weight, uint8_t* codes) {
+  const float inv_rms = rms > 0 ? 1.0f / rms : 0.0f;
+  double num = 0, den = 0;
+  for (int i = 0; i < p.dim; ++i) {
+    codes[i] = 0;
+    const int b = p.bits[i];
+    if (b == 0) continue;
+    const float* lv = pooled_levels + ((1 << b) - 2);
+    const int c = Nearest(z[i] * inv_rms, lv, 1 << b);
+    codes[i] = static_cast<uint8_t>(c);
+    num += double(weight[i]) * z[i] * lv[c];
+    den += double(weight[i]) * lv[c] * lv[c];
+  }
+  return den > 0 ? num / den : 0.0;
+}
+
 // c = A (x - mean); z_i = c_i / sigma_i over the row's RMS, coded to the nearest of its axis's
 // levels; the row's scale is then the weighted least-squares fit of sigma_i level_i to c_i.
 void EncodePcaRow(const CalPlan& p, const float* x, uint8_t* out) {
@@ -182,29 +215,14 @@ void EncodePcaRow(const CalPlan& p, const float* x, uint8_t* out) {
     }
   }
   const float rms = live > 0 ? static_cast<float>(std::sqrt(ss / live)) : 0.0f;
-  uint8_t codes[kMaxDim];
-  double num = 0, den = 0;
+  float z[kMaxDim], w[kMaxDim];  // c_i = sigma_i z_i, weighed by weight_i sigma_i^2
   for (int i = 0; i < d; ++i) {
-    codes[i] = 0;
-    const int b = p.bits[i];
-    if (b == 0) continue;
-    const float* lv = h.Levels(b);
-    const float z = rms > 0 ? c[i] / (p.sigma[i] * rms) : 0.0f;
-    // Levels ascend: the nearest is found by bisection over the midpoints.
-    int lo = 0, hi = (1 << b) - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi) / 2;
-      if (z > 0.5f * (lv[mid] + lv[mid + 1]))
-        lo = mid + 1;
-      else
-        hi = mid;
-    }
-    codes[i] = static_cast<uint8_t>(lo);
-    const double y = double(p.sigma[i]) * lv[lo];
-    num += p.weight[i] * y * c[i];
-    den += p.weight[i] * y * y;
+    z[i] = c[i] / p.sigma[i];
+    w[i] = p.weight[i] * p.sigma[i] * p.sigma[i];
   }
-  const uint16_t scale_h = H(den > 0 ? static_cast<float>(num / den) : 0.0f);
+  uint8_t codes[kMaxDim];
+  const uint16_t scale_h =
+      H(static_cast<float>(CodeToLevels(p, h.levels.data(), z, rms, w, codes)));
   std::memcpy(out, &scale_h, 2);
   PackVar(codes, p.bits.data(), d, out + 2);
 }
@@ -241,19 +259,6 @@ float KvqScale(uint8_t byte) {
   return scales[byte];
 }
 
-// The nearest of n ascending levels, by bisection over the midpoints.
-int Nearest(float z, const float* lv, int n) {
-  int lo = 0, hi = n - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi) / 2;
-    if (z > 0.5f * (lv[mid] + lv[mid + 1]))
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
-  return lo;
-}
-
 void EncodeKvqRow(const CalPlan& p, const float* x, uint8_t* out) {
   const HeadStats& h = *p.stats;
   const int d = p.dim, k = KvqOutliers(d);
@@ -275,20 +280,11 @@ void EncodeKvqRow(const CalPlan& p, const float* x, uint8_t* out) {
   double ss = 0;
   for (int i = 0; i < d; ++i) ss += outlier[i] ? 0.0 : double(z[i]) * z[i];
   const float rms = static_cast<float>(std::sqrt(ss / std::max(1, d - k)));
-  const float inv_rms = rms > 0 ? 1.0f / rms : 0.0f;
+  float w[kMaxDim];
+  for (int i = 0; i < d; ++i) w[i] = outlier[i] ? 0.0f : 1.0f;
   uint8_t codes[kMaxDim];
-  double num = 0, den = 0;
-  for (int i = 0; i < d; ++i) {
-    codes[i] = 0;
-    const int b = p.bits[i];
-    if (b == 0) continue;
-    const float* lv = h.ChannelLevels(b);
-    const int c = Nearest(z[i] * inv_rms, lv, 1 << b);
-    codes[i] = static_cast<uint8_t>(c);
-    if (!outlier[i]) num += double(z[i]) * lv[c], den += double(lv[c]) * lv[c];
-  }
   // (Coding the row again over the rounded r measured worse: 0.037 against 0.034 keys' KL.)
-  out[0] = KvqScaleByte(den > 0 ? num / den : 0.0);
+  out[0] = KvqScaleByte(CodeToLevels(p, h.ch_levels.data(), z, rms, w, codes));
   const float zmax = h.ch_zmax;
   uint8_t* entry = out + kKvqScaleBytes;
   for (int i = 0; i < d; ++i) {
