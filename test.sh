@@ -27,7 +27,7 @@ if [ "${CACHET_SANITIZE:-0}" = "1" ]; then
     'ContextShift\.APassKeySurvivesFiftyTurns.*' 'Sampler\.LargeVocabulary.*'
     'BatchForward\.TogetherEqualsAlone(F16AndQ6K|Bf16)' 'Runtime\.PreemptedRequestsResume.*'
     'RedisEngine\.Maxmemory.*' 'FitSession\.APromptThreeTimes.*'
-    'CalibratedEngine\.PcaKeysAreCloser.*'  # a quality check (the other pca tests stay)
+    'CalibratedEngine\.(Pca|Kvq)KeysAreCloser.*'  # quality checks (the other ones stay)
   )
   ASAN_SKIP=$(IFS='|'; echo "^(${skip[*]})$")
   scripts/build.sh build-asan -DCACHET_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo
