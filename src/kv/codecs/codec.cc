@@ -276,12 +276,15 @@ void EncodeKvqRow(const CalPlan& p, const float* x, uint8_t* out) {
     }
     outlier[best] = true;
   }
-  // The rest over their RMS to the nearest level, then r their least-squares fit.
+  // The rest over their RMS to the nearest level, then r their weighted least-squares fit.
   double ss = 0;
   for (int i = 0; i < d; ++i) ss += outlier[i] ? 0.0 : double(z[i]) * z[i];
   const float rms = static_cast<float>(std::sqrt(ss / std::max(1, d - k)));
+  // r weighs each channel by what its error costs (std^2 x the query energy, keys), as pca's
+  // scale does: keys 0.031 against 0.033 unweighted; an RMS so weighted measured 0.032, and
+  // outliers picked by weighted size 0.037.
   float w[kMaxDim];
-  for (int i = 0; i < d; ++i) w[i] = outlier[i] ? 0.0f : 1.0f;
+  for (int i = 0; i < d; ++i) w[i] = outlier[i] ? 0.0f : p.weight[i] * p.sigma[i] * p.sigma[i];
   uint8_t codes[kMaxDim];
   // (Coding the row again over the rounded r measured worse: 0.037 against 0.034 keys' KL.)
   out[0] = KvqScaleByte(CodeToLevels(p, h.ch_levels.data(), z, rms, w, codes));
