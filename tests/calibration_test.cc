@@ -7,8 +7,10 @@
 
 #include <gtest/gtest.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -321,6 +323,16 @@ TEST(Calibration, FileRoundTripsAndDamageIsNamed) {
             std::string::npos);
   EXPECT_NE(write("not a calibration file at all").message().find("CKVCAL"), std::string::npos);
   EXPECT_EQ(codecs::LoadCalibration(dir + "/none.kvcal").status().code(), StatusCode::kNotFound);
+  // A file of an older format (before the kvq statistics), checksummed right, asks for a new one.
+  std::string old = bytes;
+  const uint32_t v2 = 2;
+  std::memcpy(old.data() + 8, &v2, 4);  // after the 8-byte magic
+  const uint64_t sum = XXH3_64bits(old.data(), old.size() - 8);
+  std::memcpy(old.data() + old.size() - 8, &sum, 8);
+  EXPECT_NE(
+      write(old).message().find("version 2, this build reads 3 (run `cachet calibrate` again)"),
+      std::string::npos)
+      << write(old).ToString();
 }
 
 // kvtiny calibrated on a slice of the haystack (pydocs, the first quarter as `cachet calibrate`
@@ -548,6 +560,18 @@ TEST(CalibratedEngine, MissingOrMismatchedCalibrationIsAClearError) {
   e = Engine::Create(o);
   ASSERT_FALSE(e.ok());
   EXPECT_NE(e.status().message().find("other weights"), std::string::npos);
+
+  o.kv_codec_k = "f16";
+  o.kv_codec_v = "kvq3";
+  o.kv_calibration.clear();
+  e = Engine::Create(o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("KV codec kvq3 needs a calibration of this model: "
+                                      "--kv-calibration FILE"),
+            std::string::npos)
+      << e.status().ToString();
+  o.kv_codec_k = o.kv_codec_v = "pca4";
+  EXPECT_FALSE(codecs::CheckDim(Codec::kKvq4, 20).ok());  // codes pack whole bytes: head_dim % 8
 
   codecs::Calibration small = BuildSynthetic(32);
   const std::string shape = ::testing::TempDir() + "/wrong_shape.kvcal";
