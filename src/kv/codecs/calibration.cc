@@ -8,6 +8,7 @@
 #include <limits>
 #include <numeric>
 
+#include "kv/codecs/calibrated_rows.h"
 #include "util/byte_io.h"
 #include "util/mmap_file.h"
 

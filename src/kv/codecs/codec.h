@@ -14,6 +14,8 @@
 
 namespace cachet::codecs {
 
+inline constexpr int kMaxDim = 512;  // the widest head a codec stores (bounds stack scratch)
+
 enum class Codec : uint8_t {
   kF32,
   kF16,
@@ -70,13 +72,6 @@ int KvqOutliers(int dim);
 // Rows this codec stores before RoPE (kvq keys): the KV layer turns them back by their position's
 // angles before EncodePage and forward after DecodePage / DecodeStored (RopeTable).
 bool StoredBeforeRope(Codec c, Role role);
-// A kvq row: where its packed codes start, its scale, its outliers' code step at `bits` (in z),
-// and its outliers written over x (its other channels decoded; padded: 3 bytes past the row
-// may be read).
-size_t KvqCodesOffset(int dim);
-float KvqRowScale(const uint8_t* row);
-float KvqOutlierStep(float zmax, int bits);
-void PatchKvqOutliers(const CalPlan& p, const uint8_t* row, float* x, bool padded);
 // The basis a codec stores rows in: attention scores rotated or projected queries against them.
 enum class Basis : uint8_t { kPlain, kHadamard, kPca };
 Basis BasisOf(Codec c);

@@ -8,6 +8,7 @@
 
 #include <cstring>
 
+#include "kv/codecs/calibrated_rows.h"
 #include "kv/codecs/calibration.h"
 #include "util/dtype.h"
 
