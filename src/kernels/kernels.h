@@ -205,6 +205,9 @@ inline void RopeRotateHalf(float* x, int n_heads, int head_dim, const float* cos
   UseReferenceKernels() ? ref::RopeRotateHalf(x, n_heads, head_dim, cos, sin)
                         : cpu::RopeRotateHalf(x, n_heads, head_dim, cos, sin);
 }
+// RopeRotateHalf's angles at a position: cos_sin[j] and cos_sin[half + j] are the cos and sin of
+// f32(position) * inv_freq[j] (the angle in f32, as HF computes it; its cos and sin in double).
+void RopeAngles(const float* inv_freq, int half, int32_t position, float* cos_sin);
 inline void SiluMul(const float* gate, const float* up, float* out, int64_t n) {
   UseReferenceKernels() ? ref::SiluMul(gate, up, out, n) : cpu::SiluMul(gate, up, out, n);
 }

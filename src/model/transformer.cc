@@ -147,13 +147,8 @@ Status Transformer::ForwardBatch(std::span<const SeqChunk> seqs, ThreadPool& poo
     } else {
       kernels::DequantRow(weights_.embed, tokens_[i], x + static_cast<size_t>(i) * d);
     }
-    // As HF: angle = f32(position) * inv_freq in f32, then cos/sin of that f32 angle.
-    float* cs = rope_.data() + static_cast<size_t>(i) * hd;
-    for (int j = 0; j < half; ++j) {
-      const float angle = static_cast<float>(positions_[i]) * inv_freq_[j];
-      cs[j] = static_cast<float>(std::cos(static_cast<double>(angle)));
-      cs[half + j] = static_cast<float>(std::sin(static_cast<double>(angle)));
-    }
+    kernels::RopeAngles(inv_freq_.data(), half, positions_[i],
+                        rope_.data() + static_cast<size_t>(i) * hd);
   });
 
   for (int l = layers.first; l < c.n_layers; ++l) {
