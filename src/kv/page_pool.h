@@ -30,7 +30,7 @@ struct KvLayout {
   codecs::Codec codec_k = codecs::Codec::kF32;
   codecs::Codec codec_v = codecs::Codec::kF32;
   int sinks = 0;  // pages holding any of the first `sinks` tokens stay raw (full precision)
-  // The calibrated codecs' statistics (pca*; null when neither codec needs them).
+  // The calibrated codecs' statistics (pca*, kvq*; null when neither codec needs them).
   std::shared_ptr<const codecs::Calibration> calibration = nullptr;
   // The model's RoPE, when a codec stores keys before it (kvq; null otherwise).
   std::shared_ptr<const codecs::RopeTable> rope = nullptr;
@@ -72,8 +72,8 @@ struct KvLayout {
   size_t page_bytes() const { return plain() ? raw_page_bytes() : codec_page_bytes(); }
   int heads_total() const { return n_layers * n_kv_heads; }
   std::string codec_name() const;  // "f32", or "<k>/<v>"
-  // What a page of codec c needs to code table's (layer * n_kv_heads + KV head) role: its pca
-  // plan, null for every other codec.
+  // What a page of codec c needs to code table's (layer * n_kv_heads + KV head) role: its
+  // calibrated plan, null for every other codec.
   const codecs::CalPlan* plan(int table, codecs::Role role, codecs::Codec c) const;
 };
 

@@ -187,7 +187,7 @@ float KvqRowScale(const uint8_t* row) { return KvqScale(row[0]); }
 
 void PatchKvqOutliers(const CalPlan& p, const uint8_t* row, float* x, bool padded) {
   const HeadStats& h = *p.stats;
-  const size_t row_bytes = KvqCodesOffset(p.dim) + (size_t(p.dim) * p.bits_per_value + 7) / 8;
+  const size_t row_bytes = KvqCodesOffset(p.dim) + PackedBytes(p.dim, p.bits_per_value);
   for (int j = 0; j < KvqOutliers(p.dim); ++j) {
     uint16_t e;
     std::memcpy(&e, row + kKvqScaleBytes + 2 * j, 2);

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <limits>
 #include <numeric>
 
 #include "kv/codecs/calibrated_rows.h"
@@ -194,8 +193,7 @@ void MakePlans(Calibration* c) {
       for (int t = 0; t < tables; ++t) {
         for (Role role : {Role::kKey, Role::kValue}) {
           const HeadStats& h = c->head(t, role);
-          CalPlan& p =
-              c->plans[((size_t(kind) * 3 + bits - 2) * tables + t) * 2 + (role == Role::kValue)];
+          CalPlan& p = c->plans[c->PlanIndex(CalKind(kind), bits, t, role)];
           p.stats = &h;
           p.dim = c->head_dim;
           p.bits_per_value = bits;
@@ -406,37 +404,25 @@ void CalibrationBuilder::FinishChannels(int table, Role role, const Acc& a, Head
     inv[i] = sd > 1e-10 ? 1.0 / sd : 0.0;
   }
   // z of the sampled rows as the codec sees them: each row's k largest |z| are its outliers,
-  // coded apart, so the levels fit the rest.
+  // coded apart, so the levels fit the rest over their RMS.
   const int64_t rows = int64_t(a.sample.size()) / d;
-  std::vector<float> z, zr(d), mag(d);
+  std::vector<float> z, zr(d);
+  std::vector<int> order(d);
   z.reserve(size_t(rows) * (d - k));
   double zmax = 0;
   for (int64_t r = 0; r < rows; ++r) {
     const float* x = a.sample.data() + r * d;
     for (int i = 0; i < d; ++i) {
       zr[i] = float((x[i] - h->ch_mean[i]) * inv[i]);
-      mag[i] = std::fabs(zr[i]);
-      zmax = std::max(zmax, double(mag[i]));
+      zmax = std::max(zmax, double(std::fabs(zr[i])));
     }
-    std::vector<float> sorted_mag = mag;
-    float cut = std::numeric_limits<float>::infinity();
-    if (k > 0) {
-      std::nth_element(sorted_mag.begin(), sorted_mag.end() - k, sorted_mag.end());
-      cut = sorted_mag[d - k];
-    }
-    int skipped = 0;
+    std::iota(order.begin(), order.end(), 0);  // order[k..]: the channels that are not outliers
+    std::nth_element(order.begin(), order.begin() + k, order.end(),
+                     [&](int x, int y) { return std::fabs(zr[x]) > std::fabs(zr[y]); });
     double ss = 0;
-    for (int i = 0; i < d; ++i) ss += double(zr[i]) * zr[i];
-    for (int i = 0; i < d; ++i)
-      if (mag[i] >= cut) ss -= double(zr[i]) * zr[i];
-    const double rms = std::sqrt(std::max(ss, 0.0) / std::max(1, d - k));
-    for (int i = 0; i < d; ++i) {
-      if (mag[i] >= cut && skipped < k) {
-        ++skipped;
-        continue;
-      }
-      z.push_back(rms > 0 ? float(zr[i] / rms) : 0.0f);
-    }
+    for (int j = k; j < d; ++j) ss += double(zr[order[j]]) * zr[order[j]];
+    const double rms = std::sqrt(ss / std::max(1, d - k));
+    for (int j = k; j < d; ++j) z.push_back(rms > 0 ? float(zr[order[j]] / rms) : 0.0f);
   }
   std::sort(z.begin(), z.end());
   h->ch_levels.assign(kCalLevels, 0.0f);

@@ -56,7 +56,7 @@ struct HeadStats {
 struct CalPlan {
   const HeadStats* stats = nullptr;
   int dim = 0;
-  int bits_per_value = 0;     // kvq: every channel's
+  int bits_per_value = 0;     // the codec's: bits[] averages it
   std::vector<uint8_t> bits;  // [dim]
   std::vector<float> sigma;   // [dim] standard deviation along each axis
   std::vector<float> weight;  // [dim] what the row scale's fit weighs each axis by
@@ -94,9 +94,11 @@ struct Calibration {
   }
   // c: a calibrated codec.
   const CalPlan& plan(int table, Role role, Codec c) const {
-    const size_t kind = IsKvq(c) ? 1 : 0, tables = size_t(n_layers) * n_kv_heads;
-    return plans[((kind * 3 + size_t(CalBits(c) - 2)) * tables + table) * 2 +
-                 (role == Role::kValue)];
+    return plans[PlanIndex(IsKvq(c) ? CalKind::kKvq : CalKind::kPca, CalBits(c), table, role)];
+  }
+  size_t PlanIndex(CalKind kind, int bits, int table, Role role) const {
+    const size_t tables = size_t(n_layers) * n_kv_heads;
+    return ((size_t(kind) * 3 + size_t(bits - 2)) * tables + table) * 2 + (role == Role::kValue);
   }
   // Of every statistic: pages one calibration encoded, no other can read.
   uint64_t Hash() const;

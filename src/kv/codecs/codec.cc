@@ -67,8 +67,6 @@ void UnpackBits(const uint8_t* in, int n, int b, uint8_t* codes) {
   }
 }
 
-size_t PackedBytes(int n, int b) { return (static_cast<size_t>(n) * b + 7) / 8; }
-
 // Lloyd-Max reconstruction levels of N(0, 1), ascending.
 const float* LloydMax(int bits) {
   static const std::array<float, 4> k2 = {-1.5104f, -0.4528f, 0.4528f, 1.5104f};
@@ -187,7 +185,7 @@ size_t RowBytes(Codec c, int dim) {
   return 0;
 }
 
-// pca rows are coded by their (layer, KV head, role)'s plan; other codecs ignore it.
+// Calibrated rows are coded by their (layer, KV head, role)'s plan; other codecs ignore it.
 void EncodeRow(Codec c, const CalPlan* plan, const float* x, int dim, uint8_t* out) {
   switch (c) {
     case Codec::kF32:
@@ -444,6 +442,8 @@ Status CheckDim(Codec c, int dim) {
 }
 
 size_t RowStride(Codec c, int dim) { return RowBytes(c, dim); }
+
+size_t PackedBytes(int n, int b) { return (static_cast<size_t>(n) * b + 7) / 8; }
 
 std::pair<std::string, std::string> SplitKv(std::string_view kv) {
   const size_t colon = kv.find(':');

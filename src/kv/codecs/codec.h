@@ -94,6 +94,8 @@ void EncodePage(Codec c, Role role, const float* rows, int n, int tokens, int di
 // Bytes of one row of a row-wise codec (all but KIVI keys): row t of a page starts at t * stride,
 // so rows can be encoded one at a time as tokens arrive.
 size_t RowStride(Codec c, int dim);
+// Bytes of n codes of b bits packed little-endian.
+size_t PackedBytes(int n, int b);
 // Decodes rows back to f32 (rotation codecs: into the original basis).
 void DecodePage(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim, float* rows,
                 const CalPlan* plan = nullptr);

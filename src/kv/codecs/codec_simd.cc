@@ -163,11 +163,11 @@ void DecodeCalImpl(const CalPlan& p, Codec c, const uint8_t* page, int n, int di
   const int N = static_cast<int>(hn::Lanes(df));
   const size_t rb = RowStride(c, dim);
   const bool kvq = IsKvq(c);
+  if (kvq && p.uniform) return DecodeUniformKvq(p, c, page, n, dim, rows);
   // A row of at most 8 bits x 512 coordinates after its header, then padding.
   HWY_ALIGN uint8_t buf[32 + 512 + 8] = {};
   const uint32_t* words = reinterpret_cast<const uint32_t*>(buf);
   const float* mean = kvq ? p.stats->ch_mean.data() : nullptr;
-  if (kvq && p.uniform) return DecodeUniformKvq(p, c, page, n, dim, rows);
   for (int t = 0; t < n; ++t) {
     const uint8_t* in = page + t * rb;
     std::memcpy(buf, in, rb);
