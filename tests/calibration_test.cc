@@ -524,6 +524,15 @@ TEST(CalibratedEngine, KvqKeysFollowTheirTokensToNewPositions) {
   }
 }
 
+// keydiff keeping half the tokens, the evicted ones demoted into a cold pool of `codec`.
+press::PressOptions HalfDemotedInto(const std::string& codec) {
+  press::PressOptions p;
+  EXPECT_TRUE(press::ParsePressSpec("keydiff", &p).ok());
+  p.ratio = 0.5;
+  p.demote = codec;
+  return p;
+}
+
 // Saves a session holding the prompt, loads it back, and checks the two decode alike.
 void ExpectSavedCacheReloads(Engine& e, const std::vector<int32_t>& prompt,
                              const std::string& path) {
@@ -547,10 +556,7 @@ TEST(CalibratedEngine, KvqCachesSaveLoadAndDemote) {
   // Evicted tokens demoted into kvq2 from an f16 cache: the cold pool turns its keys by RoPE too.
   auto hot = PcaEngine("f16", "f16");
   auto h = hot->NewSession();
-  press::PressOptions p;
-  ASSERT_TRUE(press::ParsePressSpec("keydiff", &p).ok());
-  p.ratio = 0.5;
-  p.demote = "kvq2";
+  const press::PressOptions p = HalfDemotedInto("kvq2");
   ASSERT_TRUE(h->EvalPressed(std::span(prompt).first(200), p, nullptr).ok());
   EXPECT_GT(hot->kv_stats().cold_bytes_used, 0);
   std::vector<float> logits, ref;
@@ -558,8 +564,7 @@ TEST(CalibratedEngine, KvqCachesSaveLoadAndDemote) {
   // Against the same press demoting into f16 (the cold rows exact): close, not noise.
   auto exact = PcaEngine("f16", "f16");
   auto x = exact->NewSession();
-  p.demote = "f16";
-  ASSERT_TRUE(x->EvalPressed(std::span(prompt).first(200), p, nullptr).ok());
+  ASSERT_TRUE(x->EvalPressed(std::span(prompt).first(200), HalfDemotedInto("f16"), nullptr).ok());
   ASSERT_TRUE(x->Eval(std::vector<int32_t>{prompt[200]}, &ref).ok());
   EXPECT_LT(MeanKl(ref, logits, hot->config().vocab_size), 0.1);  // 0.03; unturned keys: 0.33
 }
@@ -634,10 +639,7 @@ TEST(CalibratedEngine, PressesDemoteIntoAPcaCodec) {
   const auto prompt = testing::LoadGolden().back().ids;
   auto e = PcaEngine("pca4", "pca4");
   auto s = e->NewSession();
-  press::PressOptions p;
-  ASSERT_TRUE(press::ParsePressSpec("keydiff", &p).ok());
-  p.ratio = 0.5;
-  p.demote = "pca2";
+  const press::PressOptions p = HalfDemotedInto("pca2");
   std::vector<float> logits;
   ASSERT_TRUE(s->EvalPressed(prompt, p, &logits).ok());
   EXPECT_GT(e->kv_stats().cold_bytes_used, 0);
