@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "kv/codecs/codec_simd.h"
+
 namespace cachet {
 
 using codecs::Role;
@@ -27,10 +29,23 @@ void EncodePageRows(PagePool& pool, int table, int32_t page, Role role, const fl
   }
 }
 
+namespace {
+
+// Rows decoded in the basis they are stored in made ready for attention: keys stored before RoPE
+// are turned by their positions. Other rows are left as they are.
 void RopeStoredRows(const PagePool& pool, int32_t page, Role role, int cnt, float* rows) {
   if (!codecs::StoredBeforeRope(pool.codec_of(page, role), role)) return;
   const KvLayout& lay = pool.layout();
   lay.rope->Turn(rows, cnt, lay.head_dim, pool.positions(page), false);
+}
+
+}  // namespace
+
+void DecodeStoredRows(PagePool& pool, int table, int32_t page, Role role, int cnt, float* rows) {
+  const KvLayout& lay = pool.layout();
+  codecs::simd::DecodeStored(pool.codec_of(page, role), role, pool.rows(page, role), cnt,
+                             lay.page_tokens, lay.head_dim, rows, pool.plan_of(page, table, role));
+  RopeStoredRows(pool, page, role, cnt, rows);
 }
 
 void WriteRow(PagePool& pool, int table, int32_t page, int off, const float* k, const float* v,

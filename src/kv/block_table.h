@@ -26,9 +26,10 @@ struct BlockTable {
 // rows' positions must be set: keys a codec stores before RoPE (kvq) are turned back by them.
 void EncodePageRows(PagePool& pool, int table, int32_t page, codecs::Role role, const float* rows,
                     int first, int n);
-// Rows decoded in the basis they are stored in (codecs::DecodeStored) made ready for attention:
-// keys stored before RoPE are turned by their positions. Other rows are left as they are.
-void RopeStoredRows(const PagePool& pool, int32_t page, codecs::Role role, int cnt, float* rows);
+// The first cnt rows of a page's role as attention and Quest read them: decoded (SIMD) into the
+// basis they are stored in, keys stored before RoPE (kvq) turned by their positions.
+void DecodeStoredRows(PagePool& pool, int table, int32_t page, codecs::Role role, int cnt,
+                      float* rows);
 
 // Encodes one token's K and V rows into row `off` of a page, in the page's codecs.
 void WriteRow(PagePool& pool, int table, int32_t page, int off, const float* k, const float* v,

@@ -5,7 +5,6 @@
 #include <utility>
 
 #include "kv/block_table.h"
-#include "kv/codecs/codec_simd.h"
 #include "util/dtype.h"
 
 namespace cachet {
@@ -32,9 +31,7 @@ void QuestIndex::Extend(PagePool& pool, int table, std::span<const int32_t> page
     // are turned back.
     const codecs::Codec c = pool.codec_of(page, Role::kKey);
     const codecs::CalPlan* plan = pool.plan_of(page, table, Role::kKey);
-    codecs::simd::DecodeStored(c, Role::kKey, pool.rows(page, Role::kKey), pt, pt, hd, kbuf.data(),
-                               plan);
-    RopeStoredRows(pool, page, Role::kKey, pt, kbuf.data());
+    DecodeStoredRows(pool, table, page, Role::kKey, pt, kbuf.data());
     if (codecs::BasisOf(c) != codecs::Basis::kPlain) {
       for (int j = 0; j < pt; ++j)
         codecs::OutOfBasis(c, plan, kbuf.data() + size_t(j) * hd, hd, true);

@@ -3,8 +3,6 @@
 #include <algorithm>
 #include <span>
 
-#include "kv/codecs/codec_simd.h"
-
 namespace cachet {
 
 using codecs::Role;
@@ -104,11 +102,10 @@ struct RefRows final : kernels::PageRows {
     const uint8_t* data = pool.rows(id, role);
     const codecs::CalPlan* plan = pool.plan_of(id, table_, role);
     const codecs::Codec basis = role == Role::kKey ? layout_.codec_k : layout_.codec_v;
-    const int hd = layout_.head_dim, pt = layout_.page_tokens;
+    const int hd = layout_.head_dim;
     if (codecs::BasisOf(c) != codecs::BasisOf(basis)) {
       const codecs::CalPlan* to = layout_.plan(table_, role, basis);
-      codecs::simd::DecodeStored(c, role, data, cnt, pt, hd, buf, plan);
-      RopeStoredRows(pool, id, role, cnt, buf);
+      DecodeStoredRows(pool, table_, id, role, cnt, buf);
       for (int t = 0; t < cnt; ++t) {
         codecs::OutOfBasis(c, plan, buf + size_t(t) * hd, hd, true);
         codecs::IntoBasis(basis, to, buf + size_t(t) * hd, hd, true);
@@ -133,8 +130,7 @@ struct RefRows final : kernels::PageRows {
         *type = DType::kQ4_0;
         return data;
       default:
-        codecs::simd::DecodeStored(c, role, data, cnt, pt, hd, buf, plan);
-        RopeStoredRows(pool, id, role, cnt, buf);
+        DecodeStoredRows(pool, table_, id, role, cnt, buf);
         *type = DType::kF32;
         return buf;
     }
