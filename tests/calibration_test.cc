@@ -253,6 +253,20 @@ TEST(Calibration, KvqCodesChannelsAndKeepsOutliers) {
       for (size_t i = 0; i < ref.size(); ++i) {
         ASSERT_NEAR(simd[i], ref[i], 1e-5f * (1 + std::fabs(ref[i]))) << i;
       }
+      // Keys stored before RoPE: the SIMD decoder turns each row as RopeTable::Turn does, at
+      // positions in its table and past it.
+      std::vector<float> inv(d / 2);
+      for (int j = 0; j < d / 2; ++j) inv[j] = 1.0f / std::pow(10000.0f, 2.0f * j / d);
+      const codecs::RopeTable rope(inv, 20);
+      std::vector<int32_t> pos(n);
+      for (int t = 0; t < n; ++t) pos[t] = t * 3;
+      std::vector<float> turned = ref;
+      rope.Turn(turned.data(), n, d, pos.data(), false);
+      codecs::simd::DecodeStored(kvq, Role::kKey, page.data(), n, n, d, simd.data(), plan, &rope,
+                                 pos.data());
+      for (size_t i = 0; i < ref.size(); ++i) {
+        ASSERT_NEAR(simd[i], turned[i], 1e-5f * (1 + std::fabs(turned[i]))) << i;
+      }
       double e = 0, e_peer = 0;
       std::vector<uint8_t> peer(codecs::PageBytes(q, Role::kKey, n, d));
       std::vector<float> back(rows.size());

@@ -1015,6 +1015,58 @@ TEST(KernelsAttention, TypedPageRowsMatchContiguous) {
   }
 }
 
+// A source that decodes its pages (as codec pages are: into the buffers the kernel passes),
+// counting the calls; stale rows are left in the buffers it is handed, so a page read from a buffer
+// it was not decoded into shows.
+struct DecodingPages final : PageRows {
+  explicit DecodingPages(const TypedPages& tp) : tp(tp), calls(tp.n_pages(), 0) {}
+  int n_pages() const override { return tp.n_pages(); }
+  int n_keys() const override { return tp.n_keys(); }
+  int page_tokens() const override { return tp.pt; }
+  int head_dim() const override { return tp.hd; }
+  const int32_t* Positions(int page, int* n) const override { return tp.Positions(page, n); }
+  PageData Rows(int page, float* k_buf, float* v_buf) const override {
+    ++calls[page];
+    int64_t first = 0;
+    for (int p = 0; p < page; ++p) first += tp.cnt[p];
+    const size_t n = size_t(tp.cnt[page]) * tp.hd;
+    std::copy_n(tp.k.begin() + first * tp.hd, n, k_buf);
+    std::copy_n(tp.v.begin() + first * tp.hd, n, v_buf);
+    return {k_buf, v_buf, DType::kF32, DType::kF32};
+  }
+  const TypedPages& tp;
+  mutable std::vector<int> calls;
+};
+
+// A prompt's tiles share the pages the source decodes: each page is decoded once (by the first
+// tile that sees it), and every tile attends as if it had decoded the page itself.
+TEST(KernelsAttention, PromptTilesDecodeEachPageOnce) {
+  std::mt19937 rng(16);
+  int32_t last = 0;
+  const std::vector<int32_t> k_pos = GappedShuffledPositions(300, rng, &last);
+  const TypedPages tp = MakeTypedPages(k_pos, 16, 64, rng);
+  for (int n_heads : {1, 3}) {
+    std::vector<int32_t> q_pos;  // 70 tokens: three tiles of one head, seven of three
+    for (int t = 0; t < 70; ++t) q_pos.push_back(t == 69 ? last : (t * 37) % (last + 1));
+    const TestQueries q = MakeQueries(q_pos, n_heads, 64, rng);
+    const float scale = 0.25f;
+    std::vector<float> out_contig, out_cpu;
+    ref::ContiguousAttention(q.Batch(out_contig, scale), tp.k.data(), tp.v.data(), tp.k_pos.data(),
+                             tp.n_keys(), 64);
+    for (int64_t target : KernelTargets()) {
+      ScopedTarget scoped(target);
+      const DecodingPages pages(tp);
+      cpu::PagedAttentionRows(q.Batch(out_cpu, scale), pages);
+      EXPECT_LT(NormErr(q.Compact(out_cpu), q.Compact(out_contig)), 1e-5)
+          << "heads=" << n_heads << TargetString(target);
+      for (int p = 0; p < tp.n_pages(); ++p) {
+        ASSERT_EQ(pages.calls[p], 1)
+            << "page " << p << " heads=" << n_heads << TargetString(target);
+      }
+    }
+  }
+}
+
 // A decode step reads block and KIVI key pages fused, a tile of more rows unpacks them first: the
 // same query gets the same bits either way (a prefix-cached prompt must equal a cold one).
 TEST(KernelsAttention, FusedAndUnpackedPagesGiveTheSameBits) {

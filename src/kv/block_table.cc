@@ -44,8 +44,8 @@ void RopeStoredRows(const PagePool& pool, int32_t page, Role role, int cnt, floa
 void DecodeStoredRows(PagePool& pool, int table, int32_t page, Role role, int cnt, float* rows) {
   const KvLayout& lay = pool.layout();
   codecs::simd::DecodeStored(pool.codec_of(page, role), role, pool.rows(page, role), cnt,
-                             lay.page_tokens, lay.head_dim, rows, pool.plan_of(page, table, role));
-  RopeStoredRows(pool, page, role, cnt, rows);
+                             lay.page_tokens, lay.head_dim, rows, pool.plan_of(page, table, role),
+                             lay.rope.get(), pool.positions(page));
 }
 
 void WriteRow(PagePool& pool, int table, int32_t page, int off, const float* k, const float* v,

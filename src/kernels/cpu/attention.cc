@@ -57,6 +57,9 @@ constexpr int kMaxTileRows = 32;
 // work (max, rescale, sums) is paid once per chunk rather than once per small page.
 constexpr int kChunkKeys = 64;
 constexpr int kMaxSlots = kChunkKeys / 4;  // pages of a chunk: s_stride >= 4
+// The most a call keeps of pages decoded for later tiles (AttendPages): 16k keys of head_dim 128
+// (per thread; a longer context decodes the pages past them per tile, as before).
+constexpr size_t kMaxKeptBytes = size_t{17} << 20;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // K/V rows are f32, or f16 / bf16 (KV codecs) widened to f32 as they are loaded.
@@ -582,6 +585,21 @@ void AttendPages(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys
     PageData rows;
   };
   Slot slots[kMaxSlots];
+  // A prompt's tiles each walk the pages: pages the source decodes (codec pages) are decoded by
+  // the first tile that sees them into a buffer of their own and read from there by the others
+  // (a 512-token chunk is 52 tiles of a GQA-3 group): the first n_keep pages, kMaxKeptBytes.
+  const int n_keep = std::is_base_of_v<PageRows, Pages> && b.n_tok > tile_tok
+                         ? static_cast<int>(std::min<size_t>(
+                               n_pages, kMaxKeptBytes / (2 * page_floats * sizeof(float))))
+                         : 0;
+  float* kept_buf = nullptr;
+  thread_local std::vector<PageData> kept_rows;
+  thread_local std::vector<uint8_t> kept;  // page i decoded (or read in place): kept_rows[i]
+  if (n_keep > 0) {
+    kept_buf = ThreadScratch(kScratchAttentionKept, size_t(n_keep) * 2 * page_floats);
+    kept_rows.resize(n_keep);
+    kept.assign(n_keep, 0);
+  }
   // The tile's query rows quantized, once a block-quantized key page needs them.
   const int nb = std::max(1, hd / 32);
   int8_t* q8 = reinterpret_cast<int8_t*>(
@@ -660,7 +678,15 @@ void AttendPages(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys
         if (p_min > q_max) continue;  // no key of the page is visible to the tile
         sl.all_visible = p_max <= q_min;
         float* kb = k_buf + n_slots * page_floats;
-        sl.rows = pages.Rows(page, kb, v_buf + n_slots * page_floats);
+        if (page >= n_keep) {
+          sl.rows = pages.Rows(page, kb, v_buf + n_slots * page_floats);
+        } else if (kept[page]) {
+          sl.rows = kept_rows[page];
+        } else {
+          float* own = kept_buf + size_t(page) * 2 * page_floats;
+          sl.rows = kept_rows[page] = pages.Rows(page, own, own + page_floats);
+          kept[page] = 1;
+        }
         float* s0 = scores + n_slots * s_stride;
         if (sl.rows.k_channels != nullptr) {
           ScoreChannelPage(sl.rows, sl.cnt, hd, rows, q_row, b.scale, s0, c_stride, kb, chan);

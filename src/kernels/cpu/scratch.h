@@ -15,7 +15,8 @@ enum ScratchSlot : int {
   kScratchInt8Acts = 5,          // Int8MatMul: quantized activations (filled by the calling thread)
   kScratchInt8Scales = 6,   // Int8MatMul: block scales of a task's weight rows (each worker thread)
   kScratchAttentionQ8 = 7,  // PagedAttention: the tile's query rows quantized for block keys
-  kScratchSlots = 8,
+  kScratchAttentionKept = 8,  // PagedAttention: pages decoded by the first tile, for the others
+  kScratchSlots = 9,
 };
 
 // At least n floats, 64-byte aligned, owned by the calling thread; contents are unspecified.

@@ -83,8 +83,6 @@ double CodeToLevels(const CalPlan& p, const float* pooled_levels, const float* z
 // ch_mean_i + r table[level_at_i + code_i] (table: ch_scale_i times its levels). An outlier's slot
 // holds its code's low bits[i] bits; its code is uniform over [-zmax, zmax] of
 // (x_i - ch_mean_i) / ch_scale_i, whatever r.
-constexpr int kKvqChannelBits = 9;
-constexpr size_t kKvqScaleBytes = 1;
 int KvqOutlierCodeMax(int bits) { return (1 << (16 - kKvqChannelBits + bits)) - 1; }
 uint8_t KvqScaleByte(double r) {
   if (!(r > 0)) return 0;
@@ -185,21 +183,17 @@ void EncodeKvqRow(const CalPlan& p, const float* x, uint8_t* out) {
 size_t KvqCodesOffset(int dim) { return kKvqScaleBytes + 2 * size_t(KvqOutliers(dim)); }
 float KvqRowScale(const uint8_t* row) { return KvqScale(row[0]); }
 
-void PatchKvqOutliers(const CalPlan& p, const uint8_t* row, float* x, bool padded) {
-  const HeadStats& h = *p.stats;
-  const size_t row_bytes = KvqCodesOffset(p.dim) + PackedBytes(p.dim, p.bits_per_value);
-  for (int j = 0; j < KvqOutliers(p.dim); ++j) {
-    uint16_t e;
-    std::memcpy(&e, row + kKvqScaleBytes + 2 * j, 2);
-    const int ch = e & ((1 << kKvqChannelBits) - 1);
-    uint32_t w = 0;  // the word holding its low bits (read within the row unless padded)
-    std::memcpy(&w, row + p.byte_at[ch],
-                padded ? 4 : std::min<size_t>(4, row_bytes - p.byte_at[ch]));
-    const int b = p.bits[ch];
-    const int code = ((e >> kKvqChannelBits) << b) | int((w >> p.shift[ch]) & uint32_t(p.mask[ch]));
-    x[ch] = h.ch_mean[ch] + h.ch_scale[ch] * (code * p.outlier_step[ch] - h.ch_zmax);
-  }
-}
+KvqOutlierPatch::KvqOutlierPatch(const CalPlan& p)
+    : mean_(p.stats->ch_mean.data()),
+      scale_(p.stats->ch_scale.data()),
+      step_(p.outlier_step.data()),
+      byte_at_(p.byte_at.data()),
+      shift_(p.shift.data()),
+      mask_(p.mask.data()),
+      bits_(p.bits.data()),
+      zmax_(p.stats->ch_zmax),
+      n_(KvqOutliers(p.dim)),
+      row_bytes_(static_cast<int>(KvqCodesOffset(p.dim) + PackedBytes(p.dim, p.bits_per_value))) {}
 
 float KvqOutlierStep(float zmax, int bits) { return 2 * zmax / float(KvqOutlierCodeMax(bits)); }
 
@@ -213,7 +207,7 @@ void DecodeKvqRow(const CalPlan& p, const uint8_t* in, float* x) {
     const float t = r * p.table[p.level_at[i] + codes[i]];
     x[i] = h.ch_mean[i] + t;
   }
-  PatchKvqOutliers(p, in, x, false);
+  KvqOutlierPatch(p).Apply(in, x);
 }
 
 }  // namespace cachet::codecs

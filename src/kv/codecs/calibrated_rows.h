@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "kv/codecs/calibration.h"
 
@@ -17,12 +18,42 @@ void DecodePcaRow(const CalPlan& p, const uint8_t* in, float* c);
 void EncodeKvqRow(const CalPlan& p, const float* x, uint8_t* out);
 void DecodeKvqRow(const CalPlan& p, const uint8_t* in, float* x);
 
-// A kvq row: where its packed codes start, its scale, its outliers' code step at `bits` (in z),
-// and its outliers written over x (its other channels decoded; padded: 3 bytes past the row
-// may be read).
+// A kvq row: where its packed codes start, its scale, its outliers' code step at `bits` (in z).
+inline constexpr int kKvqChannelBits =
+    9;  // an outlier entry: the channel, then its code's high bits
+inline constexpr size_t kKvqScaleBytes = 1;
 size_t KvqCodesOffset(int dim);
 float KvqRowScale(const uint8_t* row);
 float KvqOutlierStep(float zmax, int bits);
-void PatchKvqOutliers(const CalPlan& p, const uint8_t* row, float* x, bool padded);
+
+// A kvq plan's outliers written over a decoded row (its other channels decoded), the plan's arrays
+// looked up once for a page's rows: decoders call Apply per row.
+class KvqOutlierPatch {
+ public:
+  explicit KvqOutlierPatch(const CalPlan& p);
+  void Apply(const uint8_t* row, float* x) const {
+    for (int j = 0; j < n_; ++j) {
+      uint16_t e;
+      std::memcpy(&e, row + kKvqScaleBytes + 2 * j, 2);
+      const int ch = e & ((1 << kKvqChannelBits) - 1);
+      const int at = byte_at_[ch];
+      uint32_t w = 0;  // the word holding its low bits, read within the row
+      if (at + 4 <= row_bytes_) {
+        std::memcpy(&w, row + at, 4);
+      } else {
+        for (int b = 0; at + b < row_bytes_; ++b) w |= uint32_t{row[at + b]} << (8 * b);
+      }
+      const int code = ((e >> kKvqChannelBits) << bits_[ch]) | int((w >> shift_[ch]) & mask_[ch]);
+      x[ch] = mean_[ch] + scale_[ch] * (code * step_[ch] - zmax_);
+    }
+  }
+
+ private:
+  const float *mean_, *scale_, *step_;
+  const int32_t *byte_at_, *shift_, *mask_;
+  const uint8_t* bits_;
+  float zmax_;
+  int n_, row_bytes_;
+};
 
 }  // namespace cachet::codecs

@@ -7,9 +7,11 @@
 #include "kv/codecs/codec_simd.h"
 
 #include <cstring>
+#include <optional>
 
 #include "kv/codecs/calibrated_rows.h"
 #include "kv/codecs/calibration.h"
+#include "kv/codecs/rope_table.h"
 #include "util/dtype.h"
 
 // clang-format off
@@ -114,60 +116,133 @@ HWY_INLINE void Unpack(const uint8_t* in, int n, int bits, uint8_t* codes) {
   }
 }
 
+// N 4-bit codes from N / 2 bytes (little-endian: byte j holds codes 2j and 2j + 1), in order.
+#if HWY_TARGET != HWY_SCALAR
+HWY_INLINE hn::Vec<hn::Rebind<int32_t, DF>> Nibbles(const uint8_t* HWY_RESTRICT in) {
+  const hn::Rebind<uint8_t, DF> d8;
+  const hn::Half<decltype(d8)> d8h;
+  const auto b = hn::ZeroExtendVector(d8, hn::LoadU(d8h, in));
+  const auto c = hn::InterleaveLower(d8, hn::And(b, hn::Set(d8, 15)), hn::ShiftRight<4>(b));
+  return hn::BitCast(hn::Rebind<int32_t, DF>(), hn::PromoteTo(hn::Rebind<uint32_t, DF>(), c));
+}
+#endif
+
+// Levels of a codec looked up per lane: in a vector when they fit one, else gathered.
+struct LevelLookup {
+  explicit LevelLookup(const float* lv, int n_levels)
+      : levels(lv), in_vector(n_levels <= static_cast<int>(hn::Lanes(DF()))) {
+    if (in_vector) std::memcpy(table, lv, n_levels * sizeof(float));
+  }
+  HWY_INLINE hn::Vec<DF> operator()(hn::Vec<hn::Rebind<int32_t, DF>> code) const {
+    const DF df;
+    return in_vector ? hn::TableLookupLanes(hn::Load(df, table), hn::IndicesFromVec(df, code))
+                     : hn::GatherIndex(df, levels, code);
+  }
+  HWY_ALIGN float table[hn::MaxLanes(DF())] = {};
+  const float* levels;
+  bool in_vector;
+};
+
+// Rotate-half RoPE of one row by its position's angles (cos half, sin half), as
+// kernels::RopeRotateHalf turns it.
+HWY_INLINE void TurnRow(float* HWY_RESTRICT x, int dim, const float* HWY_RESTRICT cs) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  const int half = dim / 2;
+  float* HWY_RESTRICT hi = x + half;
+  const float* sn = cs + half;
+  int i = 0;
+  for (; i + N <= half; i += N) {
+    const auto x0 = hn::LoadU(df, x + i), x1 = hn::LoadU(df, hi + i);
+    const auto c = hn::LoadU(df, cs + i), s = hn::LoadU(df, sn + i);
+    hn::StoreU(hn::NegMulAdd(x1, s, hn::Mul(x0, c)), df, x + i);
+    hn::StoreU(hn::MulAdd(x0, s, hn::Mul(x1, c)), df, hi + i);
+  }
+  for (; i < half; ++i) {
+    const float x0 = x[i], x1 = hi[i];
+    x[i] = x0 * cs[i] - x1 * sn[i];
+    hi[i] = x1 * cs[i] + x0 * sn[i];
+  }
+}
+
+// Rows turned by their positions' RoPE once decoded (keys stored before RoPE), or not (null).
+struct RowTurn {
+  const RopeTable* rope;
+  const int32_t* positions;
+  HWY_INLINE void operator()(int t, float* x, int dim) const {
+    if (rope == nullptr) return;
+    float own[2 * kMaxDim];
+    TurnRow(x, dim, rope->Angles(positions[t], own));
+  }
+};
+
 // A kvq page whose channels all have the same width (values, and keys whose channels are alike):
-// the codes unpacked at once and their levels looked up in a vector (gathered when they do not
-// fit one), times each channel's spread and the row's scale, plus the channels' means.
-void DecodeUniformKvq(const CalPlan& p, Codec c, const uint8_t* page, int n, int dim, float* rows) {
+// each row's codes unpacked (4 bits: straight from the row into lanes) and their levels looked
+// up, times each channel's spread and the row's scale, plus the channels' means; then its
+// outliers, then (keys) its RoPE.
+void DecodeUniformKvq(const CalPlan& p, Codec c, const uint8_t* page, int n, int dim, float* rows,
+                      const RowTurn& turn) {
   const DF df;
   const hn::Rebind<int32_t, DF> di;
   const hn::Rebind<uint8_t, DF> d8;
   const int N = static_cast<int>(hn::Lanes(df));
   const size_t rb = RowStride(c, dim);
-  const int bits = p.bits_per_value, n_levels = 1 << bits;
+  const int bits = p.bits_per_value;
   const float* lv = p.stats->ChannelLevels(bits);
+  const LevelLookup level(lv, 1 << bits);
   const float *mean = p.stats->ch_mean.data(), *sigma = p.sigma.data();
-  HWY_ALIGN float table[hn::MaxLanes(DF())] = {};
-  const bool in_vector = n_levels <= N;
-  if (in_vector) std::memcpy(table, lv, n_levels * sizeof(float));
-  const auto levels = hn::Load(df, table);
-  HWY_ALIGN uint8_t buf[32 + 512 + 8] = {};
-  uint8_t codes[512];
+  const KvqOutlierPatch outliers(p);
+  const size_t at = KvqCodesOffset(dim);
+  uint8_t codes[kMaxDim];
   for (int t = 0; t < n; ++t) {
     const uint8_t* in = page + t * rb;
-    std::memcpy(buf, in, rb);
-    Unpack(buf + KvqCodesOffset(dim), dim, bits, codes);
-    const float r = KvqRowScale(in);
-    const auto vr = hn::Set(df, r);
+    const auto vr = hn::Set(df, KvqRowScale(in));
     float* x = rows + size_t(t) * dim;
     int i = 0;
-    for (; i + N <= dim; i += N) {
-      const auto code = hn::PromoteTo(di, hn::LoadU(d8, codes + i));
-      const auto level = in_vector ? hn::TableLookupLanes(levels, hn::IndicesFromVec(df, code))
-                                   : hn::GatherIndex(df, lv, code);
-      hn::StoreU(hn::MulAdd(hn::Mul(hn::LoadU(df, sigma + i), vr), level, hn::LoadU(df, mean + i)),
-                 df, x + i);
+#if HWY_TARGET != HWY_SCALAR
+    if (bits == 4) {
+      for (; i + N <= dim; i += N) {
+        hn::StoreU(hn::MulAdd(hn::Mul(hn::LoadU(df, sigma + i), vr),
+                              level(Nibbles(in + at + i / 2)), hn::LoadU(df, mean + i)),
+                   df, x + i);
+      }
     }
-    for (; i < dim; ++i) x[i] = mean[i] + sigma[i] * r * lv[codes[i]];
-    PatchKvqOutliers(p, buf, x, true);
+#endif
+    if (i < dim) {
+      Unpack(in + at, dim, bits, codes);
+      for (; i + N <= dim; i += N) {
+        const auto code = hn::PromoteTo(di, hn::LoadU(d8, codes + i));
+        hn::StoreU(
+            hn::MulAdd(hn::Mul(hn::LoadU(df, sigma + i), vr), level(code), hn::LoadU(df, mean + i)),
+            df, x + i);
+      }
+      const float r = KvqRowScale(in);
+      for (; i < dim; ++i) x[i] = mean[i] + sigma[i] * r * lv[codes[i]];
+    }
+    outliers.Apply(in, x);
+    turn(t, x, dim);
   }
 }
 
 // A pca or kvq page's rows: per lane (coordinate), the 32-bit word holding its code is gathered
 // from a copy of the row (padded, so no gather reads past it), shifted and masked, and
 // sigma_i level[code] gathered from the plan's table, times the row's scale; kvq adds the
-// channels' means and patches its outliers in.
-void DecodeCalImpl(const CalPlan& p, Codec c, const uint8_t* page, int n, int dim, float* rows) {
+// channels' means, patches its outliers in and (keys) turns the row by its RoPE.
+void DecodeCalImpl(const CalPlan& p, Codec c, const uint8_t* page, int n, int dim, float* rows,
+                   const RowTurn& turn) {
   const DF df;
   const hn::RebindToSigned<DF> di;
   const hn::RebindToUnsigned<DF> du;
   const int N = static_cast<int>(hn::Lanes(df));
   const size_t rb = RowStride(c, dim);
   const bool kvq = IsKvq(c);
-  if (kvq && p.uniform) return DecodeUniformKvq(p, c, page, n, dim, rows);
+  if (kvq && p.uniform) return DecodeUniformKvq(p, c, page, n, dim, rows, turn);
   // A row of at most 8 bits x 512 coordinates after its header, then padding.
   HWY_ALIGN uint8_t buf[32 + 512 + 8] = {};
   const uint32_t* words = reinterpret_cast<const uint32_t*>(buf);
   const float* mean = kvq ? p.stats->ch_mean.data() : nullptr;
+  const std::optional<KvqOutlierPatch> outliers =
+      kvq ? std::optional<KvqOutlierPatch>(p) : std::nullopt;
   for (int t = 0; t < n; ++t) {
     const uint8_t* in = page + t * rb;
     std::memcpy(buf, in, rb);
@@ -197,13 +272,15 @@ void DecodeCalImpl(const CalPlan& p, Codec c, const uint8_t* page, int n, int di
       const float v = r * p.table[p.level_at[i] + ((w >> p.shift[i]) & uint32_t(p.mask[i]))];
       x[i] = kvq ? mean[i] + v : v;
     }
-    if (kvq) PatchKvqOutliers(p, buf, x, true);
+    if (kvq) outliers->Apply(in, x);
+    turn(t, x, dim);
   }
 }
 
 void DecodeStoredImpl(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim,
-                      float* rows, const CalPlan* plan) {
-  if (IsCalibrated(c)) return DecodeCalImpl(*plan, c, page, n, dim, rows);
+                      float* rows, const CalPlan* plan, const RopeTable* rope,
+                      const int32_t* positions) {
+  if (IsCalibrated(c)) return DecodeCalImpl(*plan, c, page, n, dim, rows, {rope, positions});
   const DF df;
   const int N = static_cast<int>(hn::Lanes(df));
   constexpr int kBlock = 32;
@@ -304,26 +381,24 @@ void DecodeStoredImpl(Codec c, Role role, const uint8_t* page, int n, int tokens
         std::memcpy(&h, in, 2);
         const float scale = F16ToF32(h);
         const auto vs = hn::Set(df, scale);
-        const int n_levels = 1 << RotBits(c);
-        Unpack(in + 2, dim, RotBits(c), codes);
-        const hn::Rebind<int32_t, DF> di;
-        const hn::Rebind<uint8_t, DF> d8;
+        const LevelLookup level(RotLevels(c), 1 << RotBits(c));
         int i = 0;
-        if (n_levels <= N) {
-          HWY_ALIGN float table[hn::MaxLanes(DF())] = {};
-          std::memcpy(table, RotLevels(c), n_levels * sizeof(float));
-          const auto levels = hn::Load(df, table);
+#if HWY_TARGET != HWY_SCALAR
+        if (c == Codec::kRot4) {
           for (; i + N <= dim; i += N) {
-            const auto idx = hn::IndicesFromVec(df, hn::PromoteTo(di, hn::LoadU(d8, codes + i)));
-            hn::StoreU(hn::Mul(hn::TableLookupLanes(levels, idx), vs), df, x + i);
-          }
-        } else {
-          for (; i + N <= dim; i += N) {
-            const auto idx = hn::PromoteTo(di, hn::LoadU(d8, codes + i));
-            hn::StoreU(hn::Mul(hn::GatherIndex(df, RotLevels(c), idx), vs), df, x + i);
+            hn::StoreU(hn::Mul(level(Nibbles(in + 2 + i / 2)), vs), df, x + i);
           }
         }
-        for (; i < dim; ++i) x[i] = scale * RotLevels(c)[codes[i]];
+#endif
+        if (i < dim) {
+          Unpack(in + 2, dim, RotBits(c), codes);
+          const hn::Rebind<int32_t, DF> di;
+          const hn::Rebind<uint8_t, DF> d8;
+          for (; i + N <= dim; i += N) {
+            hn::StoreU(hn::Mul(level(hn::PromoteTo(di, hn::LoadU(d8, codes + i))), vs), df, x + i);
+          }
+          for (; i < dim; ++i) x[i] = scale * RotLevels(c)[codes[i]];
+        }
         break;
       }
       default:  // rotation codecs with QJL (a Hadamard transform per row): the scalar path
@@ -342,11 +417,13 @@ namespace cachet::codecs::simd {
 HWY_EXPORT(DecodeStoredImpl);
 
 void DecodeStored(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim, float* rows,
-                  const CalPlan* plan) {
+                  const CalPlan* plan, const RopeTable* rope, const int32_t* positions) {
   if (IsCalibrated(c) && plan == nullptr) {  // a bug, not bad input: the scalar path says so
     return codecs::DecodeStored(c, role, page, n, tokens, dim, rows, plan);
   }
-  HWY_DYNAMIC_DISPATCH(DecodeStoredImpl)(c, role, page, n, tokens, dim, rows, plan);
+  if (!StoredBeforeRope(c, role)) rope = nullptr;
+  HWY_DYNAMIC_DISPATCH(DecodeStoredImpl)
+  (c, role, page, n, tokens, dim, rows, plan, rope, positions);
 }
 }  // namespace cachet::codecs::simd
 #endif

@@ -15,17 +15,18 @@ RopeTable::RopeTable(std::vector<float> inv_freq, int n_positions)
   }
 }
 
+const float* RopeTable::Angles(int32_t pos, float* own) const {
+  const int half = static_cast<int>(inv_freq_.size());
+  if (pos >= 0 && pos < n_positions_) return cs_.data() + size_t(pos) * 2 * half;
+  kernels::RopeAngles(inv_freq_.data(), half, pos, own);
+  return own;
+}
+
 void RopeTable::Turn(float* rows, int n, int dim, const int32_t* positions, bool back) const {
   const int half = dim / 2;
   float own[1024];  // the angles of a position past the table; back: the sines negated
   for (int t = 0; t < n; ++t) {
-    const int32_t pos = positions[t];
-    const float* cs = own;
-    if (pos >= 0 && pos < n_positions_) {
-      cs = cs_.data() + size_t(pos) * dim;
-    } else {
-      kernels::RopeAngles(inv_freq_.data(), half, pos, own);
-    }
+    const float* cs = Angles(positions[t], own);
     if (back) {  // the inverse rotation: the angle negated
       if (cs != own) std::copy_n(cs, half, own);
       for (int j = 0; j < half; ++j) own[half + j] = -cs[half + j];

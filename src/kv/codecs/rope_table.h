@@ -15,6 +15,8 @@ class RopeTable {
   // Rotate-half RoPE of n rows of dim (2 * inv_freq.size()) values at positions[t]; back: the
   // inverse rotation.
   void Turn(float* rows, int n, int dim, const int32_t* positions, bool back) const;
+  // A position's angles, cos half then sin half: the table's row, or made in own (dim floats).
+  const float* Angles(int32_t pos, float* own) const;
 
  private:
   std::vector<float> inv_freq_;
