@@ -181,6 +181,14 @@ void LayOut(int dim, int bits, const float* sigma, const float* weight, const fl
     if (p->bits[i] == 0) p->level_at[i] = static_cast<int32_t>(p->table.size()) - 1;
   }
   p->uniform = std::all_of(p->bits.begin(), p->bits.end(), [&](uint8_t b) { return b == bits; });
+  const int widest = *std::max_element(p->bits.begin(), p->bits.end());
+  p->mids.assign(size_t(2) << widest, 0.0f);
+  for (int b = 1; b <= widest; ++b) {
+    const size_t at = (size_t(1) << b) - 2;
+    for (int l = 0; l + 1 < 1 << b; ++l) {
+      p->mids[at + l] = 0.5f * (pooled_levels[at + l] + pooled_levels[at + l + 1]);
+    }
+  }
 }
 
 }  // namespace

@@ -67,6 +67,9 @@ struct CalPlan {
   std::vector<int32_t> level_at, byte_at, shift, mask;
   std::vector<float> outlier_step;  // kvq: [dim] an outlier's code step in z, by its channel's bits
   bool uniform = false;             // every coordinate has bits_per_value bits
+  // Midpoints of the pooled levels the codes index, laid out as they are (width b's 1 << b levels
+  // at (1 << b) - 2: their midpoints from there): the encoder's thresholds.
+  std::vector<float> mids;
 };
 
 // The plans of each calibrated codec kind, in Calibration::plans.
