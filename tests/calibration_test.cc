@@ -25,6 +25,7 @@
 #include "kv/codecs/rope_table.h"
 #include "kv/paged_sequence.h"
 #include "runtime/engine_access.h"
+#include "simd_targets.h"
 #include "test_util.h"
 #include "util/dtype.h"
 
@@ -33,6 +34,9 @@ namespace {
 
 using codecs::Codec;
 using codecs::Role;
+using testing::KernelTargets;
+using testing::ScopedTarget;
+using testing::TargetString;
 
 TEST(Calibration, SymmetricEigenFindsOrthonormalEigenvectors) {
   const int n = 7;
@@ -208,18 +212,58 @@ TEST(Calibration, SimdDecodingMatchesTheReferenceOnAwkwardShapes) {
 }
 
 // Rows with a few channels far wider than the rest and now and then a spike: what keys look like.
-std::vector<float> SpikyRows(int n, int d, uint32_t seed) {
+// Rows whose every `wide`-th channel (from channel 2) spreads `spread` times the others, with
+// spikes.
+std::vector<float> SpikyRows(int n, int d, uint32_t seed, int wide = 13, float spread = 6.0f) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> g(0.0f, 1.0f);
   std::vector<float> rows(size_t(n) * d);
   for (int t = 0; t < n; ++t) {
     const float row_scale = 0.5f + 0.1f * (t % 11);
     for (int i = 0; i < d; ++i) {
-      rows[size_t(t) * d + i] = 0.3f * (i % 5) + row_scale * g(rng) * (i % 13 == 2 ? 6.0f : 1.0f);
+      rows[size_t(t) * d + i] =
+          0.3f * (i % 5) + row_scale * g(rng) * (i % wide == 2 ? spread : 1.0f);
     }
     if (t % 7 == 3) rows[size_t(t) * d + (t * 5) % d] += 40.0f;
   }
   return rows;
+}
+
+// Keys of mixed widths, a few channels past 5 bits (what kvtiny's kvq4 keys look like): the SIMD
+// decoder (on AVX-512 the lanes reader, the wide channels apart) gives the scalar decoder's rows.
+TEST(Calibration, KvqMixedWidthsDecodeAsTheScalarDecoder) {
+  for (int d : {64, 128}) {
+    codecs::CalibrationBuilder b(1, 1, d, 2048);
+    const auto train = SpikyRows(4000, d, 3, 37, 40.0f);
+    b.AddChannelRows(0, Role::kKey, train);
+    b.AddRows(0, Role::kKey, train);
+    b.AddRows(0, Role::kValue, train);
+    b.AddChannelRows(0, Role::kValue, train);
+    auto cal = b.Finish(2, 7, "spiky");
+    ASSERT_TRUE(cal.ok()) << cal.status().ToString();
+    const codecs::CalPlan& plan = cal->plan(0, Role::kKey, Codec::kKvq4);
+    ASSERT_FALSE(plan.uniform) << d;
+    ASSERT_TRUE(plan.lanes_ok) << d;
+    ASSERT_FALSE(plan.wide.empty())
+        << d << " max " << int(*std::max_element(plan.bits.begin(), plan.bits.end())) << " min "
+        << int(*std::min_element(plan.bits.begin(), plan.bits.end()));
+    const int n = 37;
+    const auto rows = SpikyRows(n, d, 78, 37, 40.0f);
+    std::vector<uint8_t> page(codecs::PageBytes(Codec::kKvq4, Role::kKey, n, d));
+    codecs::EncodePage(Codec::kKvq4, Role::kKey, rows.data(), n, n, d, page.data(), &plan);
+    std::vector<float> ref(rows.size()), simd(rows.size());
+    codecs::DecodePage(Codec::kKvq4, Role::kKey, page.data(), n, n, d, ref.data(), &plan);
+    for (int64_t target : KernelTargets()) {
+      ScopedTarget scoped(target);
+      std::fill(simd.begin(), simd.end(), 0.0f);
+      codecs::simd::DecodeStored(Codec::kKvq4, Role::kKey, page.data(), n, n, d, simd.data(),
+                                 &plan);
+      for (size_t i = 0; i < ref.size(); ++i) {
+        ASSERT_NEAR(simd[i], ref[i], 1e-5f * (1 + std::fabs(ref[i])))
+            << "dim " << d << " at " << i << TargetString(target);
+      }
+    }
+  }
 }
 
 TEST(Calibration, KvqCodesChannelsAndKeepsOutliers) {

@@ -182,6 +182,24 @@ void LayOut(int dim, int bits, const float* sigma, const float* weight, const fl
   }
   p->uniform = std::all_of(p->bits.begin(), p->bits.end(), [&](uint8_t b) { return b == bits; });
   const int widest = *std::max_element(p->bits.begin(), p->bits.end());
+  const int narrowest = *std::min_element(p->bits.begin(), p->bits.end());
+  p->wide.clear();
+  for (int i = 0; i < dim; ++i) {
+    if (p->bits[i] > 5) p->wide.push_back(i);
+  }
+  p->lanes_ok = dim % 16 == 0 && narrowest >= 1 && int(p->wide.size()) <= CalPlan::kMaxWide;
+  p->lane_base.assign(dim / 16, 0);
+  p->lane_word.assign(dim, 0);
+  p->lane_bit.assign(dim, 0);
+  p->lane_level.assign(dim, 0);
+  for (int i = 0; i < dim && p->lanes_ok; ++i) {
+    const int at = 8 * p->byte_at[i] + p->shift[i];
+    if (i % 16 == 0) p->lane_base[i / 16] = at / 32;
+    p->lane_word[i] = at / 32 - p->lane_base[i / 16];
+    p->lane_bit[i] = at % 32;
+    p->lane_level[i] = p->bits[i] <= 5 ? (1 << p->bits[i]) - 2 : 0;
+    p->lanes_ok = p->lane_word[i] <= 14;  // (16 codes of <= 8 bits span at most 5 dwords)
+  }
   p->mids.assign(size_t(2) << widest, 0.0f);
   for (int b = 1; b <= widest; ++b) {
     const size_t at = (size_t(1) << b) - 2;

@@ -67,6 +67,14 @@ struct CalPlan {
   std::vector<int32_t> level_at, byte_at, shift, mask;
   std::vector<float> outlier_step;  // kvq: [dim] an outlier's code step in z, by its channel's bits
   bool uniform = false;             // every coordinate has bits_per_value bits
+  // The kvq decoder's view of rows of mixed widths (lanes_ok: dim a multiple of 16, every width at
+  // least 1 bit and at most kMaxWide of more than 5): code i's first bit is bit lane_bit[i] of
+  // dword lane_word[i] of the row's 16-dword window that starts at dword lane_base[i / 16]; its
+  // levels start at lane_level[i] among the pooled ones, which fit four vectors of 16 up to 5 bits.
+  // The wider channels are decoded apart.
+  static constexpr int kMaxWide = 4;
+  std::vector<int32_t> lane_base, lane_word, lane_bit, lane_level, wide;
+  bool lanes_ok = false;
   // Midpoints of the pooled levels the codes index, laid out as they are (width b's 1 << b levels
   // at (1 << b) - 2: their midpoints from there): the encoder's thresholds.
   std::vector<float> mids;

@@ -6,6 +6,7 @@
 
 #include "kv/codecs/codec_simd.h"
 
+#include <algorithm>
 #include <cstring>
 #include <optional>
 
@@ -224,6 +225,71 @@ void DecodeUniformKvq(const CalPlan& p, Codec c, const uint8_t* page, int n, int
   }
 }
 
+#if HWY_TARGET <= HWY_AVX3
+// A kvq page of mixed widths (CalPlan::lanes_ok) on AVX-512, without gathers (a row's two gathers
+// per 16 channels were half of a kvtiny kvq4 decode step): per 16 channels the row's 16-dword
+// window is loaded once, each lane's code is cut out of the two dwords it spans (permuted into
+// it), and its level looked up in the pooled levels of widths 1 to 5 (64 floats: two two-table
+// permutes and a blend), times its channel's spread and the row's scale, plus the channel's mean;
+// the few channels of more bits are then decoded one by one.
+void DecodeKvqLanes(const CalPlan& p, Codec c, const uint8_t* page, int n, int dim, float* rows,
+                    const RowTurn& turn) {
+  const hn::Full512<float> df;
+  const hn::Full512<uint32_t> du;
+  const hn::Full512<int32_t> di;
+  const size_t rb = RowStride(c, dim);
+  HWY_ALIGN float pooled[64] = {};
+  std::copy_n(p.stats->ch_levels.data(), 62, pooled);  // widths 1 .. 5: 2 + 4 + ... + 32
+  const __m512 t0 = _mm512_load_ps(pooled), t1 = _mm512_load_ps(pooled + 16);
+  const __m512 t2 = _mm512_load_ps(pooled + 32), t3 = _mm512_load_ps(pooled + 48);
+  const float *mean = p.stats->ch_mean.data(), *sigma = p.sigma.data();
+  const KvqOutlierPatch outliers(p);
+  const auto one = hn::Set(du, 1u), k31 = hn::Set(du, 31u);
+  const auto k32 = hn::Set(di, 32);
+  for (int t = 0; t < n; ++t) {
+    const uint8_t* in = page + t * rb;
+    const auto vr = hn::Set(df, KvqRowScale(in));
+    float* x = rows + size_t(t) * dim;
+    for (int i = 0; i < dim; i += 16) {
+      // The window's bytes within the row, straight from it (masked: no fault past the page, and
+      // no copy of the row whose stores a wider load could not be forwarded from).
+      const int64_t first = 4 * int64_t{p.lane_base[i / 16]}, valid = int64_t(rb) - first;
+      const __mmask64 in_row = valid >= 64 ? ~__mmask64{0} : (__mmask64{1} << valid) - 1;
+      const auto window = hn::Vec512<uint32_t>{_mm512_maskz_loadu_epi8(in_row, in + first)};
+      const auto at = hn::LoadU(di, p.lane_word.data() + i);
+      const auto lo = hn::TableLookupLanes(window, hn::IndicesFromVec(du, hn::BitCast(du, at)));
+      const auto hi = hn::TableLookupLanes(
+          window, hn::IndicesFromVec(du, hn::BitCast(du, hn::Add(at, hn::Set(di, 1)))));
+      const auto bit = hn::BitCast(du, hn::LoadU(di, p.lane_bit.data() + i));
+      // (hi << 1) << (31 - bit): hi's bits above the code's start, without a shift by 32.
+      const auto word = hn::Or(hn::Shr(lo, bit), hn::Shl(hn::Shl(hi, one), hn::Sub(k31, bit)));
+      const auto mask = hn::BitCast(du, hn::LoadU(di, p.mask.data() + i));
+      const auto idx =
+          hn::Add(hn::BitCast(di, hn::And(word, mask)), hn::LoadU(di, p.lane_level.data() + i));
+      const __m512 a = _mm512_permutex2var_ps(t0, idx.raw, t1);
+      const __m512 b = _mm512_permutex2var_ps(t2, idx.raw, t3);
+      const auto level =
+          hn::Vec512<float>{_mm512_mask_blend_ps(_mm512_test_epi32_mask(idx.raw, k32.raw), a, b)};
+      hn::StoreU(hn::MulAdd(hn::Mul(hn::LoadU(df, sigma + i), vr), level, hn::LoadU(df, mean + i)),
+                 df, x + i);
+    }
+    for (int ch : p.wide) {  // (the lanes looked their codes up among narrower levels)
+      const size_t at = p.byte_at[ch];
+      uint32_t w = 0;
+      if (at + 4 <= rb) {
+        std::memcpy(&w, in + at, 4);
+      } else {
+        for (size_t b = 0; at + b < rb; ++b) w |= uint32_t{in[at + b]} << (8 * b);
+      }
+      x[ch] = mean[ch] + hn::GetLane(vr) *
+                             p.table[p.level_at[ch] + ((w >> p.shift[ch]) & uint32_t(p.mask[ch]))];
+    }
+    outliers.Apply(in, x);
+    turn(t, x, dim);
+  }
+}
+#endif
+
 // A pca or kvq page's rows: per lane (coordinate), the 32-bit word holding its code is gathered
 // from a copy of the row (padded, so no gather reads past it), shifted and masked, and
 // sigma_i level[code] gathered from the plan's table, times the row's scale; kvq adds the
@@ -237,6 +303,9 @@ void DecodeCalImpl(const CalPlan& p, Codec c, const uint8_t* page, int n, int di
   const size_t rb = RowStride(c, dim);
   const bool kvq = IsKvq(c);
   if (kvq && p.uniform) return DecodeUniformKvq(p, c, page, n, dim, rows, turn);
+#if HWY_TARGET <= HWY_AVX3
+  if (kvq && p.lanes_ok && N == 16) return DecodeKvqLanes(p, c, page, n, dim, rows, turn);
+#endif
   // A row of at most 8 bits x 512 coordinates after its header, then padding.
   HWY_ALIGN uint8_t buf[32 + 512 + 8] = {};
   const uint32_t* words = reinterpret_cast<const uint32_t*>(buf);
