@@ -226,29 +226,40 @@ void DecodeUniformKvq(const CalPlan& p, Codec c, const uint8_t* page, int n, int
 }
 
 #if HWY_TARGET <= HWY_AVX3
-// A kvq page of mixed widths (CalPlan::lanes_ok) on AVX-512, without gathers (a row's two gathers
-// per 16 channels were half of a kvtiny kvq4 decode step): per 16 channels the row's 16-dword
-// window is loaded once, each lane's code is cut out of the two dwords it spans (permuted into
-// it), and its level looked up in the pooled levels of widths 1 to 5 (64 floats: two two-table
-// permutes and a blend), times its channel's spread and the row's scale, plus the channel's mean;
-// the few channels of more bits are then decoded one by one.
-void DecodeKvqLanes(const CalPlan& p, Codec c, const uint8_t* page, int n, int dim, float* rows,
+// A pca or kvq page of mixed widths (CalPlan::lanes_ok) on AVX-512, without gathers (a row's two
+// gathers per 16 channels were half of a kvtiny kvq4 decode step): per 16 channels (axes) the
+// row's 16-dword window is loaded once, each lane's code is cut out of the two dwords it spans
+// (permuted into it), and its level looked up in the pooled levels of widths 1 to 5 (64 floats:
+// two two-table permutes and a blend), times its spread and the row's scale (kvq: plus the
+// channel's mean); the few channels of more bits are then decoded one by one (kvq: then the
+// outliers, then RoPE).
+void DecodeCalLanes(const CalPlan& p, Codec c, const uint8_t* page, int n, int dim, float* rows,
                     const RowTurn& turn) {
   const hn::Full512<float> df;
   const hn::Full512<uint32_t> du;
   const hn::Full512<int32_t> di;
   const size_t rb = RowStride(c, dim);
-  HWY_ALIGN float pooled[64] = {};
-  std::copy_n(p.stats->ch_levels.data(), 62, pooled);  // widths 1 .. 5: 2 + 4 + ... + 32
+  const bool kvq = IsKvq(c);
+  HWY_ALIGN float pooled[64] = {};  // widths 1 .. 5: 2 + 4 + ... + 32
+  std::copy_n(kvq ? p.stats->ch_levels.data() : p.stats->levels.data(), 62, pooled);
   const __m512 t0 = _mm512_load_ps(pooled), t1 = _mm512_load_ps(pooled + 16);
   const __m512 t2 = _mm512_load_ps(pooled + 32), t3 = _mm512_load_ps(pooled + 48);
-  const float *mean = p.stats->ch_mean.data(), *sigma = p.sigma.data();
-  const KvqOutlierPatch outliers(p);
+  const float *mean = kvq ? p.stats->ch_mean.data() : nullptr, *sigma = p.sigma.data();
+  const std::optional<KvqOutlierPatch> outliers =
+      kvq ? std::optional<KvqOutlierPatch>(p) : std::nullopt;
   const auto one = hn::Set(du, 1u), k31 = hn::Set(du, 31u);
   const auto k32 = hn::Set(di, 32);
   for (int t = 0; t < n; ++t) {
     const uint8_t* in = page + t * rb;
-    const auto vr = hn::Set(df, KvqRowScale(in));
+    float r;
+    if (kvq) {
+      r = KvqRowScale(in);
+    } else {
+      uint16_t h;
+      std::memcpy(&h, in, 2);
+      r = F16ToF32(h);
+    }
+    const auto vr = hn::Set(df, r);
     float* x = rows + size_t(t) * dim;
     for (int i = 0; i < dim; i += 16) {
       // The window's bytes within the row, straight from it (masked: no fault past the page, and
@@ -270,8 +281,9 @@ void DecodeKvqLanes(const CalPlan& p, Codec c, const uint8_t* page, int n, int d
       const __m512 b = _mm512_permutex2var_ps(t2, idx.raw, t3);
       const auto level =
           hn::Vec512<float>{_mm512_mask_blend_ps(_mm512_test_epi32_mask(idx.raw, k32.raw), a, b)};
-      hn::StoreU(hn::MulAdd(hn::Mul(hn::LoadU(df, sigma + i), vr), level, hn::LoadU(df, mean + i)),
-                 df, x + i);
+      // r (sigma level), as the plan's table and the scalar decoder round it: the same bits.
+      const auto v = hn::Mul(vr, hn::Mul(hn::LoadU(df, sigma + i), level));
+      hn::StoreU(kvq ? hn::Add(hn::LoadU(df, mean + i), v) : v, df, x + i);
     }
     for (int ch : p.wide) {  // (the lanes looked their codes up among narrower levels)
       const size_t at = p.byte_at[ch];
@@ -281,10 +293,10 @@ void DecodeKvqLanes(const CalPlan& p, Codec c, const uint8_t* page, int n, int d
       } else {
         for (size_t b = 0; at + b < rb; ++b) w |= uint32_t{in[at + b]} << (8 * b);
       }
-      x[ch] = mean[ch] + hn::GetLane(vr) *
-                             p.table[p.level_at[ch] + ((w >> p.shift[ch]) & uint32_t(p.mask[ch]))];
+      const float v = r * p.table[p.level_at[ch] + ((w >> p.shift[ch]) & uint32_t(p.mask[ch]))];
+      x[ch] = kvq ? mean[ch] + v : v;
     }
-    outliers.Apply(in, x);
+    if (kvq) outliers->Apply(in, x);
     turn(t, x, dim);
   }
 }
@@ -304,7 +316,7 @@ void DecodeCalImpl(const CalPlan& p, Codec c, const uint8_t* page, int n, int di
   const bool kvq = IsKvq(c);
   if (kvq && p.uniform) return DecodeUniformKvq(p, c, page, n, dim, rows, turn);
 #if HWY_TARGET <= HWY_AVX3
-  if (kvq && p.lanes_ok && N == 16) return DecodeKvqLanes(p, c, page, n, dim, rows, turn);
+  if (p.lanes_ok && N == 16) return DecodeCalLanes(p, c, page, n, dim, rows, turn);
 #endif
   // A row of at most 8 bits x 512 coordinates after its header, then padding.
   HWY_ALIGN uint8_t buf[32 + 512 + 8] = {};
