@@ -229,18 +229,22 @@ std::vector<float> SpikyRows(int n, int d, uint32_t seed, int wide = 13, float s
   return rows;
 }
 
+// A one-table calibration whose K and V rows (as cached and as kvq stores them) are `train`.
+Result<codecs::Calibration> SpikyCalibration(const std::vector<float>& train, int d) {
+  codecs::CalibrationBuilder b(1, 1, d, 2048);
+  for (Role role : {Role::kKey, Role::kValue}) {
+    b.AddRows(0, role, train);
+    b.AddChannelRows(0, role, train);
+  }
+  return b.Finish(2, 7, "spiky");
+}
+
 // Keys of mixed widths, a few channels past 5 bits (what kvtiny's kvq4 and pca4 keys look like):
 // the SIMD decoder (on AVX-512 the lanes reader, the wide channels apart) gives the scalar
 // decoder's rows.
 TEST(Calibration, MixedWidthsDecodeAsTheScalarDecoder) {
   for (int d : {64, 128}) {
-    codecs::CalibrationBuilder b(1, 1, d, 2048);
-    const auto train = SpikyRows(4000, d, 3, 37, 40.0f);
-    b.AddChannelRows(0, Role::kKey, train);
-    b.AddRows(0, Role::kKey, train);
-    b.AddRows(0, Role::kValue, train);
-    b.AddChannelRows(0, Role::kValue, train);
-    auto cal = b.Finish(2, 7, "spiky");
+    auto cal = SpikyCalibration(SpikyRows(4000, d, 3, 37, 40.0f), d);
     ASSERT_TRUE(cal.ok()) << cal.status().ToString();
     for (Codec c : {Codec::kKvq4, Codec::kPca4}) {
       SCOPED_TRACE(std::string(codecs::CodecName(c)) + " dim " + std::to_string(d));
@@ -273,13 +277,7 @@ TEST(Calibration, MixedWidthsDecodeAsTheScalarDecoder) {
 
 TEST(Calibration, KvqCodesChannelsAndKeepsOutliers) {
   for (int d : {24, 40, 64, 72, 128}) {
-    codecs::CalibrationBuilder b(1, 1, d, 2048);
-    const auto train = SpikyRows(4000, d, 3);
-    b.AddRows(0, Role::kKey, train);
-    b.AddRows(0, Role::kValue, train);
-    b.AddChannelRows(0, Role::kKey, train);
-    b.AddChannelRows(0, Role::kValue, train);
-    auto cal = b.Finish(2, 7, "spiky");
+    auto cal = SpikyCalibration(SpikyRows(4000, d, 3), d);
     ASSERT_TRUE(cal.ok()) << cal.status().ToString();
     const int n = 29;
     const auto rows = SpikyRows(n, d, 77);  // held out

@@ -225,6 +225,29 @@ void DecodeUniformKvq(const CalPlan& p, Codec c, const uint8_t* page, int n, int
   }
 }
 
+// A pca or kvq row's scale: kvq's byte, pca's f16.
+HWY_INLINE float CalRowScale(bool kvq, const uint8_t* row) {
+  if (kvq) return KvqRowScale(row);
+  uint16_t h;
+  std::memcpy(&h, row, 2);
+  return F16ToF32(h);
+}
+
+// Coordinate i of a pca or kvq row of rb bytes and scale r decoded alone (mean: kvq's, else null),
+// its code's word read within the row.
+HWY_INLINE float CalValue(const CalPlan& p, const uint8_t* row, size_t rb, float r,
+                          const float* mean, int i) {
+  const size_t at = p.byte_at[i];
+  uint32_t w = 0;
+  if (at + 4 <= rb) {
+    std::memcpy(&w, row + at, 4);
+  } else {
+    for (size_t b = 0; at + b < rb; ++b) w |= uint32_t{row[at + b]} << (8 * b);
+  }
+  const float v = r * p.table[p.level_at[i] + ((w >> p.shift[i]) & uint32_t(p.mask[i]))];
+  return mean != nullptr ? mean[i] + v : v;
+}
+
 #if HWY_TARGET <= HWY_AVX3
 // A pca or kvq page of mixed widths (CalPlan::lanes_ok) on AVX-512, without gathers (a row's two
 // gathers per 16 channels were half of a kvtiny kvq4 decode step): per 16 channels (axes) the
@@ -251,14 +274,7 @@ void DecodeCalLanes(const CalPlan& p, Codec c, const uint8_t* page, int n, int d
   const auto k32 = hn::Set(di, 32);
   for (int t = 0; t < n; ++t) {
     const uint8_t* in = page + t * rb;
-    float r;
-    if (kvq) {
-      r = KvqRowScale(in);
-    } else {
-      uint16_t h;
-      std::memcpy(&h, in, 2);
-      r = F16ToF32(h);
-    }
+    const float r = CalRowScale(kvq, in);
     const auto vr = hn::Set(df, r);
     float* x = rows + size_t(t) * dim;
     for (int i = 0; i < dim; i += 16) {
@@ -285,17 +301,8 @@ void DecodeCalLanes(const CalPlan& p, Codec c, const uint8_t* page, int n, int d
       const auto v = hn::Mul(vr, hn::Mul(hn::LoadU(df, sigma + i), level));
       hn::StoreU(kvq ? hn::Add(hn::LoadU(df, mean + i), v) : v, df, x + i);
     }
-    for (int ch : p.wide) {  // (the lanes looked their codes up among narrower levels)
-      const size_t at = p.byte_at[ch];
-      uint32_t w = 0;
-      if (at + 4 <= rb) {
-        std::memcpy(&w, in + at, 4);
-      } else {
-        for (size_t b = 0; at + b < rb; ++b) w |= uint32_t{in[at + b]} << (8 * b);
-      }
-      const float v = r * p.table[p.level_at[ch] + ((w >> p.shift[ch]) & uint32_t(p.mask[ch]))];
-      x[ch] = kvq ? mean[ch] + v : v;
-    }
+    // (The lanes looked the wide channels' codes up among narrower levels.)
+    for (int ch : p.wide) x[ch] = CalValue(p, in, rb, r, mean, ch);
     if (kvq) outliers->Apply(in, x);
     turn(t, x, dim);
   }
@@ -327,14 +334,7 @@ void DecodeCalImpl(const CalPlan& p, Codec c, const uint8_t* page, int n, int di
   for (int t = 0; t < n; ++t) {
     const uint8_t* in = page + t * rb;
     std::memcpy(buf, in, rb);
-    float r;
-    if (kvq) {
-      r = KvqRowScale(in);
-    } else {
-      uint16_t h;
-      std::memcpy(&h, in, 2);
-      r = F16ToF32(h);
-    }
+    const float r = CalRowScale(kvq, in);
     const auto vr = hn::Set(df, r);
     float* x = rows + size_t(t) * dim;
     int i = 0;
@@ -347,12 +347,7 @@ void DecodeCalImpl(const CalPlan& p, Codec c, const uint8_t* page, int n, int di
       if (kvq) v = hn::Add(hn::LoadU(df, mean + i), v);
       hn::StoreU(v, df, x + i);
     }
-    for (; i < dim; ++i) {
-      uint32_t w;
-      std::memcpy(&w, buf + p.byte_at[i], 4);
-      const float v = r * p.table[p.level_at[i] + ((w >> p.shift[i]) & uint32_t(p.mask[i]))];
-      x[i] = kvq ? mean[i] + v : v;
-    }
+    for (; i < dim; ++i) x[i] = CalValue(p, in, rb, r, mean, i);
     if (kvq) outliers->Apply(in, x);
     turn(t, x, dim);
   }
