@@ -366,9 +366,13 @@ TEST(Calibration, KvqPagesOfOneWidthDecodeAlikeOnTheFastPath) {
       codecs::EncodePage(kvq, Role::kValue, rows.data(), n, n, d, page.data(), &plan);
       std::vector<float> ref(rows.size()), simd(rows.size());
       codecs::DecodeStored(kvq, Role::kValue, page.data(), n, n, d, ref.data(), &plan);
-      codecs::simd::DecodeStored(kvq, Role::kValue, page.data(), n, n, d, simd.data(), &plan);
-      for (size_t i = 0; i < ref.size(); ++i) {
-        ASSERT_NEAR(simd[i], ref[i], 1e-5f * (1 + std::fabs(ref[i]))) << i;
+      for (int64_t target : KernelTargets()) {  // (4 bits: unpacked from the row into lanes)
+        ScopedTarget scoped(target);
+        codecs::simd::DecodeStored(kvq, Role::kValue, page.data(), n, n, d, simd.data(), &plan);
+        for (size_t i = 0; i < ref.size(); ++i) {
+          ASSERT_NEAR(simd[i], ref[i], 1e-5f * (1 + std::fabs(ref[i])))
+              << i << TargetString(target);
+        }
       }
       double err = 0, var = 0;
       for (size_t i = 0; i < rows.size(); ++i) {
