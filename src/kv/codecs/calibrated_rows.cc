@@ -100,12 +100,8 @@ void EncodePcaRow(const CalPlan& p, const float* x, uint8_t* out) {
   const HeadStats& h = *p.stats;
   const int d = p.dim;
   float c[kMaxDim] = {};  // (zeroed: GCC cannot tell CodeToLevels reads only dim of them)
-  for (int i = 0; i < d; ++i) {
-    const float* ax = h.axes.data() + size_t(i) * d;
-    float s = 0;
-    for (int k = 0; k < d; ++k) s += ax[k] * (x[k] - h.mean[k]);
-    c[i] = s;
-  }
+  std::copy_n(x, d, c);
+  IntoBasis(Codec::kPca4, &p, c, d, /*centered=*/true);  // (every pca codec: the plan's axes)
   double ss = 0;
   int live = 0;
   for (int i = 0; i < d; ++i) {
