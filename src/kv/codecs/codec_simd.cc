@@ -132,7 +132,7 @@ HWY_INLINE hn::Vec<hn::Rebind<int32_t, DF>> Nibbles(const uint8_t* HWY_RESTRICT 
 struct LevelLookup {
   explicit LevelLookup(const float* lv, int n_levels)
       : levels(lv), in_vector(n_levels <= static_cast<int>(hn::Lanes(DF()))) {
-    if (in_vector) std::memcpy(table, lv, n_levels * sizeof(float));
+    if (in_vector && n_levels > 0) std::memcpy(table, lv, n_levels * sizeof(float));
   }
   HWY_INLINE hn::Vec<DF> operator()(hn::Vec<hn::Rebind<int32_t, DF>> code) const {
     const DF df;
@@ -388,6 +388,10 @@ void DecodeStoredImpl(Codec c, Role role, const uint8_t* page, int n, int tokens
     return;
   }
   const size_t stride = RowStride(c, dim);
+  // Made once per page: the levels copied into a vector per row stalled every row's first lookup
+  // (a wide load waiting on the copy's narrow stores; a third of a rot4 decode step).
+  const bool rot = c == Codec::kRot4 || c == Codec::kRot3 || c == Codec::kRot2;
+  const LevelLookup level(rot ? RotLevels(c) : nullptr, rot ? 1 << RotBits(c) : 0);
   for (int t = 0; t < n; ++t) {
     const uint8_t* in = page + t * stride;
     float* x = rows + size_t(t) * dim;
@@ -457,7 +461,6 @@ void DecodeStoredImpl(Codec c, Role role, const uint8_t* page, int n, int tokens
         std::memcpy(&h, in, 2);
         const float scale = F16ToF32(h);
         const auto vs = hn::Set(df, scale);
-        const LevelLookup level(RotLevels(c), 1 << RotBits(c));
         int i = 0;
 #if HWY_TARGET != HWY_SCALAR
         if (c == Codec::kRot4) {
