@@ -270,6 +270,20 @@ TEST(Calibration, MixedWidthsDecodeAsTheScalarDecoder) {
           ASSERT_NEAR(simd[i], ref[i], 1e-5f * (1 + std::fabs(ref[i])))
               << "at " << i << TargetString(target);
         }
+        // Turned by RoPE in the decoder, the wide channels and outliers patched through it.
+        std::vector<float> inv(d / 2);
+        for (int j = 0; j < d / 2; ++j) inv[j] = 1.0f / std::pow(10000.0f, 2.0f * j / d);
+        const codecs::RopeTable rope(inv, 64);
+        std::vector<int32_t> pos(n);
+        for (int t = 0; t < n; ++t) pos[t] = 5 + 2 * t;  // some past the table
+        std::vector<float> turned = ref;
+        rope.Turn(turned.data(), n, d, pos.data(), false);
+        codecs::simd::DecodeStored(c, Role::kKey, page.data(), n, n, d, simd.data(), &plan, &rope,
+                                   pos.data());
+        for (size_t i = 0; i < ref.size(); ++i) {
+          ASSERT_NEAR(simd[i], turned[i], 1e-5f * (1 + std::fabs(turned[i])))
+              << "turned, at " << i << TargetString(target);
+        }
       }
     }
   }

@@ -28,11 +28,15 @@ for tool in redis-server haproxy curl; do
   command -v "$tool" >/dev/null || die "$tool is missing: run scripts/install-deps.sh"
 done
 
-# A port nothing listens on (bash's /dev/tcp connects or fails at once on loopback).
+# A port nothing listens on (bash's /dev/tcp connects or fails at once on loopback), below the
+# kernel's ephemeral range: a port there may be bound by some client's outgoing connection, which
+# no connect sees but a listener's bind fails on ("Address already in use": it failed a run so).
 free_port() {
-  local p
+  local p low=32768
+  read -r low _ </proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || true
+  [ "$low" -gt 11000 ] || low=32768
   for _ in $(seq 1 200); do
-    p=$((20000 + RANDOM % 30000))
+    p=$((10000 + RANDOM % (low - 10000)))
     if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then
       echo "$p"
       return
