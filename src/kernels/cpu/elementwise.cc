@@ -72,27 +72,8 @@ void RmsNormImpl(const float* x, const float* weight, int64_t dim, float eps, fl
 }
 
 void RopeRotateHalfImpl(float* x, int n_heads, int head_dim, const float* cos, const float* sin) {
-  const DF df;
-  const int N = static_cast<int>(hn::Lanes(df));
-  const int half = head_dim / 2;
   for (int h = 0; h < n_heads; ++h) {
-    float* HWY_RESTRICT lo = x + static_cast<int64_t>(h) * head_dim;
-    float* HWY_RESTRICT hi = lo + half;
-    int i = 0;
-    for (; i + N <= half; i += N) {
-      const VF x0 = hn::LoadU(df, lo + i);
-      const VF x1 = hn::LoadU(df, hi + i);
-      const VF c = hn::LoadU(df, cos + i);
-      const VF s = hn::LoadU(df, sin + i);
-      hn::StoreU(hn::NegMulAdd(x1, s, hn::Mul(x0, c)), df, lo + i);  // x0*c - x1*s
-      hn::StoreU(hn::MulAdd(x0, s, hn::Mul(x1, c)), df, hi + i);     // x1*c + x0*s
-    }
-    for (; i < half; ++i) {
-      const float x0 = lo[i];
-      const float x1 = hi[i];
-      lo[i] = x0 * cos[i] - x1 * sin[i];
-      hi[i] = x1 * cos[i] + x0 * sin[i];
-    }
+    RotateHalfRow(x + static_cast<int64_t>(h) * head_dim, head_dim, cos, sin);
   }
 }
 

@@ -52,6 +52,32 @@ HWY_INLINE V4 Reduce4(VF a0, VF a1, VF a2, VF a3) {
 
 HWY_INLINE float ReduceSum(VF v) { return hn::GetLane(hn::SumOfLanes(DF(), v)); }
 
+// Rotate-half RoPE of one head of head_dim values in place: (x0, x1) = (x[i], x[half + i]) turned
+// by (cos[i], sin[i]). RopeRotateHalf runs it per head; the KV decoders per key stored before
+// RoPE.
+HWY_INLINE void RotateHalfRow(float* HWY_RESTRICT x, int head_dim, const float* HWY_RESTRICT cos,
+                              const float* HWY_RESTRICT sin) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  const int half = head_dim / 2;
+  float* HWY_RESTRICT hi = x + half;
+  int i = 0;
+  for (; i + N <= half; i += N) {
+    const VF x0 = hn::LoadU(df, x + i);
+    const VF x1 = hn::LoadU(df, hi + i);
+    const VF c = hn::LoadU(df, cos + i);
+    const VF s = hn::LoadU(df, sin + i);
+    hn::StoreU(hn::NegMulAdd(x1, s, hn::Mul(x0, c)), df, x + i);  // x0*c - x1*s
+    hn::StoreU(hn::MulAdd(x0, s, hn::Mul(x1, c)), df, hi + i);    // x1*c + x0*s
+  }
+  for (; i < half; ++i) {
+    const float x0 = x[i];
+    const float x1 = hi[i];
+    x[i] = x0 * cos[i] - x1 * sin[i];
+    hi[i] = x1 * cos[i] + x0 * sin[i];
+  }
+}
+
 }  // namespace cachet::kernels::cpu::HWY_NAMESPACE
 HWY_AFTER_NAMESPACE();
 #endif  // HWY_TARGET != HWY_SCALAR

@@ -94,6 +94,24 @@ float KvqScale(uint8_t byte) {
 
 }  // namespace
 
+void ProjectOnAxes(const HeadStats& h, float* x, int dim, bool centered) {
+  float y[kMaxDim];
+  for (int k = 0; k < dim; ++k) y[k] = centered ? x[k] - h.mean[k] : x[k];
+  for (int i = 0; i < dim; ++i) {
+    const float* ax = h.axes.data() + size_t(i) * dim;
+    // Eight running sums, which the compiler keeps in one vector (one sum was a chain of dim
+    // dependent adds: encoding a pca4 row, the projection was most of a prefill's codec work).
+    float acc[8] = {};
+    int k = 0;
+    for (; k + 8 <= dim; k += 8) {
+      for (int j = 0; j < 8; ++j) acc[j] += ax[k + j] * y[k + j];
+    }
+    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; k < dim; ++k) s += ax[k] * y[k];
+    x[i] = s;
+  }
+}
+
 // c = A (x - mean); z_i = c_i / sigma_i over the row's RMS, coded to the nearest of its axis's
 // levels; the row's scale is then the weighted least-squares fit of sigma_i level_i to c_i.
 void EncodePcaRow(const CalPlan& p, const float* x, uint8_t* out) {
@@ -101,7 +119,7 @@ void EncodePcaRow(const CalPlan& p, const float* x, uint8_t* out) {
   const int d = p.dim;
   float c[kMaxDim] = {};  // (zeroed: GCC cannot tell CodeToLevels reads only dim of them)
   std::copy_n(x, d, c);
-  IntoBasis(Codec::kPca4, &p, c, d, /*centered=*/true);  // (every pca codec: the plan's axes)
+  ProjectOnAxes(h, c, d, /*centered=*/true);
   double ss = 0;
   int live = 0;
   for (int i = 0; i < d; ++i) {

@@ -11,6 +11,9 @@
 
 namespace cachet::codecs {
 
+// x <- A x on a head's principal axes (A: h.axes), x - mean first when centered: how pca rows
+// are coded and queries scored (IntoBasis).
+void ProjectOnAxes(const HeadStats& h, float* x, int dim, bool centered);
 // pca: an f16 row scale, then each axis's bits[i]-bit code (stored basis: the plan's axes).
 void EncodePcaRow(const CalPlan& p, const float* x, uint8_t* out);
 void DecodePcaRow(const CalPlan& p, const uint8_t* in, float* c);

@@ -480,23 +480,7 @@ Basis BasisOf(Codec c) {
 void IntoBasis(Codec c, const CalPlan* plan, float* x, int dim, bool centered) {
   if (IsRotated(c)) return Rotate(x, dim);
   if (!IsPca(c)) return;
-  const CalPlan& p = NeedPlan(c, plan);
-  const HeadStats& h = *p.stats;
-  float y[kMaxDim];
-  for (int k = 0; k < dim; ++k) y[k] = centered ? x[k] - h.mean[k] : x[k];
-  for (int i = 0; i < dim; ++i) {
-    const float* ax = h.axes.data() + size_t(i) * dim;
-    // Eight running sums, which the compiler keeps in one vector (one sum was a chain of dim
-    // dependent adds: encoding a pca4 row, the projection was most of a prefill's codec work).
-    float acc[8] = {};
-    int k = 0;
-    for (; k + 8 <= dim; k += 8) {
-      for (int j = 0; j < 8; ++j) acc[j] += ax[k + j] * y[k + j];
-    }
-    float s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (; k < dim; ++k) s += ax[k] * y[k];
-    x[i] = s;
-  }
+  ProjectOnAxes(*NeedPlan(c, plan).stats, x, dim, centered);
 }
 
 void OutOfBasis(Codec c, const CalPlan* plan, float* x, int dim, bool centered) {

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <optional>
 
+#include "kernels/kernels.h"
 #include "kv/codecs/calibrated_rows.h"
 #include "kv/codecs/calibration.h"
 #include "kv/codecs/rope_table.h"
@@ -20,6 +21,7 @@
 #define HWY_TARGET_INCLUDE "kv/codecs/codec_simd.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
+#include "kernels/cpu/hwy_util-inl.h"
 // clang-format on
 
 HWY_BEFORE_NAMESPACE();
@@ -144,26 +146,14 @@ struct LevelLookup {
   bool in_vector;
 };
 
-// Rotate-half RoPE of one row by its position's angles (cos half, sin half), as
-// kernels::RopeRotateHalf turns it.
-HWY_INLINE void TurnRow(float* HWY_RESTRICT x, int dim, const float* HWY_RESTRICT cs) {
-  const DF df;
-  const int N = static_cast<int>(hn::Lanes(df));
-  const int half = dim / 2;
-  float* HWY_RESTRICT hi = x + half;
-  const float* sn = cs + half;
-  int i = 0;
-  for (; i + N <= half; i += N) {
-    const auto x0 = hn::LoadU(df, x + i), x1 = hn::LoadU(df, hi + i);
-    const auto c = hn::LoadU(df, cs + i), s = hn::LoadU(df, sn + i);
-    hn::StoreU(hn::NegMulAdd(x1, s, hn::Mul(x0, c)), df, x + i);
-    hn::StoreU(hn::MulAdd(x0, s, hn::Mul(x1, c)), df, hi + i);
-  }
-  for (; i < half; ++i) {
-    const float x0 = x[i], x1 = hi[i];
-    x[i] = x0 * cs[i] - x1 * sn[i];
-    hi[i] = x1 * cs[i] + x0 * sn[i];
-  }
+// Rotate-half RoPE of one row by its position's angles (cos half, sin half), inline as
+// kernels::RopeRotateHalf turns it (one dispatched call per row would not be).
+HWY_INLINE void TurnRow(float* x, int dim, const float* cs) {
+#if HWY_TARGET != HWY_SCALAR
+  kernels::cpu::HWY_NAMESPACE::RotateHalfRow(x, dim, cs, cs + dim / 2);
+#else
+  kernels::ref::RopeRotateHalf(x, 1, dim, cs, cs + dim / 2);
+#endif
 }
 
 // Rows turned by their positions' RoPE once decoded (keys stored before RoPE), or not (null).
@@ -197,7 +187,8 @@ void DecodeUniformKvq(const CalPlan& p, Codec c, const uint8_t* page, int n, int
   uint8_t codes[kMaxDim];
   for (int t = 0; t < n; ++t) {
     const uint8_t* in = page + t * rb;
-    const auto vr = hn::Set(df, KvqRowScale(in));
+    const float r = KvqRowScale(in);
+    const auto vr = hn::Set(df, r);
     float* x = rows + size_t(t) * dim;
     int i = 0;
 #if HWY_TARGET != HWY_SCALAR
@@ -217,7 +208,6 @@ void DecodeUniformKvq(const CalPlan& p, Codec c, const uint8_t* page, int n, int
             hn::MulAdd(hn::Mul(hn::LoadU(df, sigma + i), vr), level(code), hn::LoadU(df, mean + i)),
             df, x + i);
       }
-      const float r = KvqRowScale(in);
       for (; i < dim; ++i) x[i] = mean[i] + sigma[i] * r * lv[codes[i]];
     }
     outliers.Apply(in, x);
