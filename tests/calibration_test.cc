@@ -6,10 +6,13 @@
 #include "kv/codecs/calibration.h"
 
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -462,6 +465,20 @@ TEST(Calibration, FileRoundTripsAndDamageIsNamed) {
       << write(old).ToString();
 }
 
+// Removes the shared calibrations of ctest runs that have ended (their parent pid is gone), so
+// repeated runs leave at most the live ones' files in the temporary directory.
+void RemoveEndedRunsCalibrations() {
+  std::error_code ec;
+  for (const auto& f : std::filesystem::directory_iterator(::testing::TempDir(), ec)) {
+    const std::string name = f.path().filename().string();
+    int pid = 0;
+    if (std::sscanf(name.c_str(), "kvtiny_test_%d.kvcal", &pid) == 1 && pid > 1 &&
+        ::kill(pid, 0) != 0 && errno == ESRCH) {
+      std::filesystem::remove(f.path(), ec);
+    }
+  }
+}
+
 // kvtiny calibrated on a slice of the haystack (pydocs, the first quarter as `cachet calibrate`
 // takes it), shared by the engine tests below: made once per process, or read back from an
 // earlier test process of the same ctest run (each test runs in its own, ctest is their parent),
@@ -479,6 +496,7 @@ const std::string& KvtinyCalibration() {
         c.ok() && c->model_hash == EngineAccess::model_hash(**e) && c->tokens == 2048) {
       return p;
     }
+    RemoveEndedRunsCalibrations();
     std::string text = testing::ReadFile(eval::DefaultHaystackDir() + "/pydocs.txt");
     text.resize(text.size() / 4);
     std::vector<int32_t> ids = (*e)->tokenizer().Encode(text);
@@ -673,6 +691,7 @@ TEST(CalibratedEngine, SavedCachesNeedTheirCalibration) {
                                             info->calibration + " (this engine: "),
             std::string::npos)
       << refused.status().ToString();
+  std::filesystem::remove(other);
 }
 
 TEST(CalibratedEngine, MissingOrMismatchedCalibrationIsAClearError) {
@@ -712,6 +731,8 @@ TEST(CalibratedEngine, MissingOrMismatchedCalibrationIsAClearError) {
   e = Engine::Create(o);
   ASSERT_FALSE(e.ok());
   EXPECT_NE(e.status().message().find("head_dim 32"), std::string::npos);
+  std::filesystem::remove(wrong);
+  std::filesystem::remove(shape);
 }
 
 TEST(CalibratedEngine, PressesDemoteIntoAPcaCodec) {
