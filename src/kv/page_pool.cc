@@ -21,7 +21,10 @@ const codecs::CalPlan* KvLayout::plan(int table, codecs::Role role, codecs::Code
   return &calibration->plan(table, role, c);
 }
 
-void PagePool::MapArena(Arena& a, size_t data_bytes_per_slot, size_t capacity_bytes) {
+void PagePool::MapArena(Arena& a, size_t k_bytes, size_t v_bytes, size_t capacity_bytes) {
+  const size_t data_bytes_per_slot = k_bytes + v_bytes;
+  a.k_bytes = k_bytes;
+  a.data_bytes = data_bytes_per_slot;
   const size_t page_bytes = data_bytes_per_slot + layout_.page_tokens * sizeof(int32_t);
   a.slots = static_cast<int32_t>(std::min<size_t>(capacity_bytes / page_bytes, kCodecPageBit - 1));
   const size_t data = static_cast<size_t>(a.slots) * data_bytes_per_slot;
@@ -41,9 +44,9 @@ void PagePool::MapArena(Arena& a, size_t data_bytes_per_slot, size_t capacity_by
 
 PagePool::PagePool(const KvLayout& layout, size_t capacity_bytes)
     : layout_(layout), capacity_bytes_(capacity_bytes) {
-  MapArena(raw_, layout.raw_data_bytes(), capacity_bytes);
+  MapArena(raw_, layout.raw_k_bytes(), layout.raw_k_bytes(), capacity_bytes);
   if (!layout.plain()) {
-    MapArena(codec_, codec_data_bytes(), capacity_bytes);
+    MapArena(codec_, layout.codec_k_bytes(), layout.codec_v_bytes(), capacity_bytes);
   }
 }
 

@@ -147,18 +147,15 @@ class PagePool {
   const codecs::CalPlan* plan_of(int32_t page, int table, codecs::Role role) const {
     return layout_.plan(table, role, codec_of(page, role));
   }
+  // Read per page by every attention pass: the sizes are the arenas' own, not recomputed.
   uint8_t* rows(int32_t page, codecs::Role role) {
-    if (!IsCodecPage(page)) {
-      uint8_t* k = raw_.base + static_cast<size_t>(page) * layout_.raw_data_bytes();
-      return role == codecs::Role::kKey ? k : k + layout_.raw_k_bytes();
-    }
-    return role == codecs::Role::kKey ? codec_keys(page) : codec_values(page);
+    const Arena& a = IsCodecPage(page) ? codec_ : raw_;
+    uint8_t* k = a.base + static_cast<size_t>(page & ~kCodecPageBit) * a.data_bytes;
+    return role == codecs::Role::kKey ? k : k + a.k_bytes;
   }
   // Codec pages: encoded K, then encoded V.
-  uint8_t* codec_keys(int32_t page) {
-    return codec_.base + static_cast<size_t>(page & ~kCodecPageBit) * codec_data_bytes();
-  }
-  uint8_t* codec_values(int32_t page) { return codec_keys(page) + layout_.codec_k_bytes(); }
+  uint8_t* codec_keys(int32_t page) { return rows(page | kCodecPageBit, codecs::Role::kKey); }
+  uint8_t* codec_values(int32_t page) { return rows(page | kCodecPageBit, codecs::Role::kValue); }
   int32_t* positions(int32_t page) {
     return (IsCodecPage(page) ? codec_.positions : raw_.positions) +
            static_cast<size_t>(page & ~kCodecPageBit) * layout_.page_tokens;
@@ -180,13 +177,15 @@ class PagePool {
   struct Arena {
     uint8_t* base = nullptr;
     int32_t* positions = nullptr;
+    size_t data_bytes = 0;  // a page's K and V rows
+    size_t k_bytes = 0;     // its K rows, the V rows' offset
     size_t mapped = 0;
     int32_t slots = 0;
     int32_t used = 0;
     std::vector<int32_t> refs;
     std::vector<int32_t> free;  // a stack: recently freed (cache-warm) slots are reused first
   };
-  void MapArena(Arena& a, size_t data_bytes_per_slot, size_t capacity_bytes);
+  void MapArena(Arena& a, size_t k_bytes, size_t v_bytes, size_t capacity_bytes);
   size_t codec_data_bytes() const { return layout_.codec_k_bytes() + layout_.codec_v_bytes(); }
   int32_t& refs(int32_t page) {
     return IsCodecPage(page) ? codec_.refs[page & ~kCodecPageBit] : raw_.refs[page];

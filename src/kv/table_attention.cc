@@ -100,10 +100,10 @@ struct RefRows final : kernels::PageRows {
   const void* Rows(PagePool& pool, int32_t id, Role role, int cnt, float* buf, DType* type) const {
     const codecs::Codec c = pool.codec_of(id, role);
     const uint8_t* data = pool.rows(id, role);
-    const codecs::CalPlan* plan = pool.plan_of(id, table_, role);
     const codecs::Codec basis = role == Role::kKey ? layout_.codec_k : layout_.codec_v;
     const int hd = layout_.head_dim;
-    if (codecs::BasisOf(c) != codecs::BasisOf(basis)) {
+    if (c != basis && codecs::BasisOf(c) != codecs::BasisOf(basis)) {
+      const codecs::CalPlan* plan = pool.plan_of(id, table_, role);
       const codecs::CalPlan* to = layout_.plan(table_, role, basis);
       DecodeStoredRows(pool, table_, id, role, cnt, buf);
       for (int t = 0; t < cnt; ++t) {
