@@ -564,6 +564,23 @@ TEST(KernelsRef, F16RoundedOutwardBoundsItsValue) {
 // Quest's page bounds: the per-channel min/max of a page's keys (exact), and the upper bound of
 // q.k they give in f16 rounded outward, max over a group's heads (the cpu kernel sums in lanes:
 // 1e-5), which no key of the page exceeds.
+// The read-bandwidth probe sums every word once, whatever the start's alignment and the tail.
+TEST(KernelsCpu, SumWordsMatchesRef) {
+  std::mt19937_64 rng(3);
+  std::vector<uint64_t> words(1000);
+  for (uint64_t& w : words) w = rng();  // wraps: the sums are mod 2^64 on both sides
+  for (int64_t target : KernelTargets()) {
+    ScopedTarget scoped(target);
+    for (int64_t start : {0, 1, 3}) {
+      for (int64_t n : {0, 1, 7, 31, 32, 33, 64, 997 - 3}) {
+        EXPECT_EQ(cpu::SumWords(words.data() + start, n), ref::SumWords(words.data() + start, n))
+            << "start " << start << " n " << n << TargetString(target);
+      }
+    }
+  }
+  EXPECT_EQ(ref::SumWords(words.data(), 2), words[0] + words[1]);
+}
+
 TEST(KernelsCpu, QuestBoundsMatchRef) {
   for (int64_t target : KernelTargets()) {
     ScopedTarget scoped(target);

@@ -14,6 +14,7 @@
 
 #include "cachet/eval/harness.h"
 #include "cachet/kv_codecs.h"
+#include "cachet/machine.h"
 #include "cachet/model_config.h"
 #include "cachet/press.h"
 #include "cachet/progress.h"
@@ -37,32 +38,6 @@ Summary Summarize(std::vector<double> v) {
   s.max = v.back();
   s.median = v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]);
   return s;
-}
-
-// Read bandwidth of `threads` threads streaming a buffer far larger than the caches, in bytes/s.
-double MeasureReadBandwidth(int threads) {
-  const size_t n = (size_t{512} << 20) / sizeof(uint64_t);
-  std::vector<uint64_t> buf(n, 1);
-  std::vector<uint64_t> sums(threads);
-  std::vector<double> runs;
-  for (int rep = 0; rep < 5; ++rep) {
-    auto t0 = Clock::now();
-    std::vector<std::thread> workers;
-    for (int t = 0; t < threads; ++t) {
-      workers.emplace_back([&, t] {
-        const size_t lo = n * t / threads, hi = n * (t + 1) / threads;
-        uint64_t s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-        for (size_t i = lo; i + 4 <= hi; i += 4) {
-          s0 += buf[i], s1 += buf[i + 1], s2 += buf[i + 2], s3 += buf[i + 3];
-        }
-        sums[t] += s0 + s1 + s2 + s3;
-      });
-    }
-    for (std::thread& w : workers) w.join();
-    runs.push_back(n * sizeof(uint64_t) / std::chrono::duration<double>(Clock::now() - t0).count());
-  }
-  if (std::accumulate(sums.begin(), sums.end(), uint64_t{0}) == 0) std::fputs("", stderr);
-  return Summarize(runs).median;
 }
 
 // Fraction of a cold prefill's FLOPs left when the first f*N tokens are cached: weights (all

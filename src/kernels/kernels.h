@@ -118,7 +118,9 @@ class PageRows {
   /* sum_i max(q_i lo_i, q_i hi_i), an upper bound of q.k over page p's keys; page p's lo */      \
   /* is bounds + 2 p head_dim, its hi the head_dim values after, f16 (bits) rounded outward. */   \
   void PageBoundScores(const float* q, int n_heads, int head_dim, const uint16_t* bounds,         \
-                       int n_pages, float* out);
+                       int n_pages, float* out);                                                  \
+  /* Sum of n 64-bit words (wrapping), read as one stream: the read-bandwidth probe. */           \
+  uint64_t SumWords(const uint64_t* x, int64_t n);
 
 namespace ref {
 CACHET_KERNEL_DECLS
@@ -216,6 +218,9 @@ inline void PagedAttention(const AttnBatch& b, const PagedKv& kv) {
 }
 inline void PagedAttentionRows(const AttnBatch& b, const PageRows& kv) {
   UseReferenceKernels() ? ref::PagedAttentionRows(b, kv) : cpu::PagedAttentionRows(b, kv);
+}
+inline uint64_t SumWords(const uint64_t* x, int64_t n) {
+  return UseReferenceKernels() ? ref::SumWords(x, n) : cpu::SumWords(x, n);
 }
 inline void KeyBounds(const float* keys, int n, int head_dim, float* lo, float* hi) {
   UseReferenceKernels() ? ref::KeyBounds(keys, n, head_dim, lo, hi)

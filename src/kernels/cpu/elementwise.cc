@@ -1,5 +1,5 @@
-// Highway RmsNorm, RopeRotateHalf, SiluMul and the Quest bounds: full vectors, then a scalar
-// tail.
+// Highway RmsNorm, RopeRotateHalf, SiluMul, the Quest bounds and the read-bandwidth probe: full
+// vectors, then a scalar tail.
 
 // clang-format off
 #include "kernels/cpu/hwy_targets.h"  // must precede every Highway header
@@ -16,6 +16,7 @@
 #define HWY_TARGET_INCLUDE "kernels/cpu/elementwise.cc"
 #include "hwy/foreach_target.h"  // IWYU pragma: keep
 #include "hwy/highway.h"
+#include "hwy/cache_control.h"
 #include "hwy/contrib/math/math-inl.h"
 #include "kernels/cpu/hwy_util-inl.h"
 // clang-format on
@@ -37,6 +38,7 @@ void SiluMulImpl(const float* gate, const float* up, float* out, int64_t n) {
 void KeyBoundsImpl(const float* keys, int n, int head_dim, float* lo, float* hi) {
   ref::KeyBounds(keys, n, head_dim, lo, hi);
 }
+uint64_t SumWordsImpl(const uint64_t* x, int64_t n) { return ref::SumWords(x, n); }
 void PageBoundScoresImpl(const float* q, int n_heads, int head_dim, const uint16_t* bounds,
                          int n_pages, float* out) {
   ref::PageBoundScores(q, n_heads, head_dim, bounds, n_pages, out);
@@ -145,6 +147,26 @@ void PageBoundScoresImpl(const float* q, int n_heads, int head_dim, const uint16
   }
 }
 
+// Four full vectors an iteration and a software prefetch 1 KiB ahead, as the decode kernels read
+// their weight rows: a scalar loop without prefetch reads a fifth less per thread on some CPUs,
+// and would understate the roofline.
+uint64_t SumWordsImpl(const uint64_t* x, int64_t n) {
+  const hn::ScalableTag<uint64_t> d;
+  const int64_t N = static_cast<int64_t>(hn::Lanes(d));
+  auto a0 = hn::Zero(d), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 4 * N <= n; i += 4 * N) {
+    hwy::Prefetch(x + i + 128);
+    a0 = hn::Add(a0, hn::LoadU(d, x + i));
+    a1 = hn::Add(a1, hn::LoadU(d, x + i + N));
+    a2 = hn::Add(a2, hn::LoadU(d, x + i + 2 * N));
+    a3 = hn::Add(a3, hn::LoadU(d, x + i + 3 * N));
+  }
+  uint64_t s = hn::GetLane(hn::SumOfLanes(d, hn::Add(hn::Add(a0, a1), hn::Add(a2, a3))));
+  for (; i < n; ++i) s += x[i];
+  return s;
+}
+
 #endif  // HWY_TARGET == HWY_SCALAR
 
 }  // namespace cachet::kernels::cpu::HWY_NAMESPACE
@@ -158,6 +180,7 @@ HWY_EXPORT(RopeRotateHalfImpl);
 HWY_EXPORT(SiluMulImpl);
 HWY_EXPORT(KeyBoundsImpl);
 HWY_EXPORT(PageBoundScoresImpl);
+HWY_EXPORT(SumWordsImpl);
 
 void RmsNorm(const float* x, const float* weight, int64_t dim, float eps, float* y) {
   HWY_DYNAMIC_DISPATCH(RmsNormImpl)(x, weight, dim, eps, y);
@@ -179,6 +202,8 @@ void PageBoundScores(const float* q, int n_heads, int head_dim, const uint16_t* 
                      float* out) {
   HWY_DYNAMIC_DISPATCH(PageBoundScoresImpl)(q, n_heads, head_dim, bounds, n_pages, out);
 }
+
+uint64_t SumWords(const uint64_t* x, int64_t n) { return HWY_DYNAMIC_DISPATCH(SumWordsImpl)(x, n); }
 
 }  // namespace cachet::kernels::cpu
 #endif  // HWY_ONCE

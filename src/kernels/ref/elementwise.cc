@@ -36,6 +36,12 @@ void SiluMul(const float* gate, const float* up, float* out, int64_t n) {
   }
 }
 
+uint64_t SumWords(const uint64_t* x, int64_t n) {
+  uint64_t s = 0;
+  for (int64_t i = 0; i < n; ++i) s += x[i];
+  return s;
+}
+
 void KeyBounds(const float* keys, int n, int head_dim, float* lo, float* hi) {
   std::copy(keys, keys + head_dim, lo);
   std::copy(keys, keys + head_dim, hi);

@@ -1,0 +1,11 @@
+// What this machine can do, as the benchmarks' rooflines need it.
+#pragma once
+
+namespace cachet {
+
+// Bytes per second that `threads` threads read from memory, each streaming its share of a 512 MiB
+// buffer (far larger than the caches) with full-vector loads and a software prefetch, as the
+// decode kernels read weights; the median of five passes. Allocates and touches the buffer first.
+double MeasureReadBandwidth(int threads);
+
+}  // namespace cachet
