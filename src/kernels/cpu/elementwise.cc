@@ -162,7 +162,11 @@ uint64_t SumWordsImpl(const uint64_t* x, int64_t n) {
     a2 = hn::Add(a2, hn::LoadU(d, x + i + 2 * N));
     a3 = hn::Add(a3, hn::LoadU(d, x + i + 3 * N));
   }
-  uint64_t s = hn::GetLane(hn::SumOfLanes(d, hn::Add(hn::Add(a0, a1), hn::Add(a2, a3))));
+  // Lanes summed as unsigned words: SumOfLanes reduces u64 with a signed intrinsic (UBSan).
+  HWY_ALIGN uint64_t lanes[hn::MaxLanes(d)];
+  hn::Store(hn::Add(hn::Add(a0, a1), hn::Add(a2, a3)), d, lanes);
+  uint64_t s = 0;
+  for (int64_t j = 0; j < N; ++j) s += lanes[j];
   for (; i < n; ++i) s += x[i];
   return s;
 }
