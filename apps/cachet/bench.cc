@@ -7,7 +7,6 @@
 #include <cstdio>
 #include <mutex>
 #include <nlohmann/json.hpp>
-#include <numeric>
 #include <random>
 #include <thread>
 #include <tuple>
