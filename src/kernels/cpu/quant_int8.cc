@@ -40,7 +40,10 @@ constexpr int64_t kMinParallelWeights = 1 << 16;
 constexpr int kLanes = 16;                  // tokens per prefill vector
 constexpr int64_t kPrefillRowBlock = 64;    // weight rows a prefill task owns
 constexpr int64_t kPrefillTokenChunk = 64;  // tokens whose codes a prefill task streams at once
-constexpr int64_t kPrefetchBytes = 1024;    // how far ahead of its reads decode prefetches a row
+// How far ahead of its reads decode prefetches a row: DRAM latency times one core's bandwidth.
+// `kernels_bench 1 quant` on the Intel VM, q4_0 from DRAM: 1 KiB 10.0-10.8 GB/s, 2 KiB 10.2-12.3,
+// 4 KiB 12.5-13.3, 8-16 KiB no better.
+constexpr int64_t kPrefetchBytes = 4096;
 // kInt8MaxDecodeTokens (kernels.h) goes by `kernels_bench 1 quant` (5632x2048 from DRAM, 1 thread):
 // decode at 240 us + 210-250 us per further token, prefill at 1450-1850 us for 2-16 tokens in 16
 // lanes and 2100-2800 us for 32.
@@ -87,32 +90,27 @@ CACHET_INT8_TARGET inline __m256i Codes(const uint8_t* row, int64_t b) {
   }
 }
 
-// Codes of blocks b and b + 1 (b even): block b in the low 256 bits.
+// Codes of blocks b and b + 1 (b even): block b in the low 256 bits. Each half is built from one
+// load broadcast to both of its 128-bit (q4_0) or 256-bit (q4_K) places, which costs no shuffle
+// port, and a per-qword shift that turns the second copy's high nibbles into codes 16-31: the
+// decode loop runs out of vector ports (0 and 5) before it runs out of DRAM bandwidth.
 template <DType kType>
 CACHET_INT8_TARGET inline __m512i CodePair(const uint8_t* row, int64_t b) {
   if constexpr (kType == DType::kQ4_K) {  // one 32-byte load holds both sub-blocks
-    const __m256i v = Q4KQuants(row, b);
-    return _mm512_and_si512(
-        _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1),
-        _mm512_set1_epi8(0x0F));
+    const __m512i v = _mm512_broadcast_i64x4(Q4KQuants(row, b));
+    return _mm512_and_si512(_mm512_srlv_epi64(v, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)),
+                            _mm512_set1_epi8(0x0F));
   } else if constexpr (kType == DType::kQ4_0) {
-    // Both blocks' nibble bytes, then their high nibbles: codes 0-15 of b and b + 1, then codes
-    // 16-31 of each (Decode swaps the middle quarters of each pair of activation blocks to match).
-    const __m256i v = _mm256_inserti128_si256(
-        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 18 + 2))),
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 18 + 20)), 1);
-    return _mm512_and_si512(
-        _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1),
-        _mm512_set1_epi8(0x0F));
+    const __m512i v = _mm512_mask_broadcast_i32x4(
+        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 18 + 2))),
+        0xFF00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 18 + 20)));
+    return _mm512_and_si512(_mm512_srlv_epi64(v, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0)),
+                            _mm512_set1_epi8(0x0F));
   } else {
     return _mm512_inserti64x4(_mm512_castsi256_si512(Codes<kType>(row, b)),
                               Codes<kType>(row, b + 1), 1);
   }
 }
-
-// q4_0 pairs hold 16-byte quarters in the order (b 0-15, b+1 0-15, b 16-31, b+1 16-31): the
-// i32 lanes of a pair's dot product are then blocks b, b+1, b, b+1 four at a time.
-constexpr bool kQuarterOrder(DType t) { return t == DType::kQ4_0; }
 
 // The eight sub-block scales d * sc_j and minimums dmin * m_j of a q4_K super-block, unpacked
 // from their 6-bit fields four at a time as llama.cpp's kernels do.
@@ -152,19 +150,26 @@ CACHET_INT8_TARGET void RowScales(const uint8_t* row, int64_t nb, float* dw, flo
   }
 }
 
-// The f16 scales of blocks b and b + 1 (q4_0, q8_0) in the lanes of their products:
-// [dw_b x 8, dw_b+1 x 8], or (quarter order) [dw_b x 4, dw_b+1 x 4] twice.
+// The f16 scales of blocks b and b + 1 (q4_0, q8_0) in the lanes of their products,
+// [dw_b x 8, dw_b+1 x 8]: each 128-bit lane of one 32-byte window holds one of them (q4_0 blocks
+// are 18 bytes apart; q8_0's 34 take two 16-byte loads), and one in-lane byte shuffle spreads it.
 template <DType kType>
 CACHET_INT8_TARGET inline __m512 ScalePair(const uint8_t* row, int64_t b) {
-  int16_t h0, h1;
-  std::memcpy(&h0, row + b * BlockBytes<kType>(), 2);
-  std::memcpy(&h1, row + (b + 1) * BlockBytes<kType>(), 2);
-  if constexpr (kQuarterOrder(kType)) {
-    const __m128i quad = _mm_unpacklo_epi64(_mm_set1_epi16(h0), _mm_set1_epi16(h1));
-    return _mm512_cvtph_ps(_mm256_broadcastsi128_si256(quad));
+  const uint8_t* p = row + b * BlockBytes<kType>();
+  __m256i w;  // the scale of block b at byte 0, that of b + 1 at byte 16 + kHigh
+  constexpr int kHigh = kType == DType::kQ4_0 ? 2 : 0;
+  if constexpr (kType == DType::kQ4_0) {
+    w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   } else {
-    return _mm512_cvtph_ps(_mm256_set_m128i(_mm_set1_epi16(h1), _mm_set1_epi16(h0)));
+    w = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + BlockBytes<kType>())), 1);
   }
+  const __m256i spread =
+      _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, kHigh, kHigh + 1, kHigh,
+                       kHigh + 1, kHigh, kHigh + 1, kHigh, kHigh + 1, kHigh, kHigh + 1, kHigh,
+                       kHigh + 1, kHigh, kHigh + 1, kHigh, kHigh + 1);
+  return _mm512_cvtph_ps(_mm256_shuffle_epi8(w, spread));
 }
 
 CACHET_INT8_TARGET inline float HorizontalSum(__m256 v) {
@@ -181,13 +186,14 @@ CACHET_INT8_TARGET inline float HorizontalSum(__m512 v) {
 // Decode.
 
 // What decode needs of the activation row beyond its codes, per pair of blocks, in the i32 lanes
-// of the pair's products ([b x 8, b+1 x 8], or [b x 4, b+1 x 4] twice in quarter order): the
+// of the pair's products ([b x 8, b+1 x 8]): the
 // scales dx, and for q4_0 / q8_0 the integer sum's start, -k * sum(codes) of each block in the
 // first lane of that block.
 struct DecodeActs {
   const int8_t* q;
   const float* dx2;     // 16 floats per block pair
   const int32_t* off2;  // 16 ints per block pair
+  const float* d;       // per block, for q4_K's scales
   const float* s;       // per block, for q4_K's offsets
 };
 
@@ -197,8 +203,8 @@ struct DecodeActs {
 template <DType kType>
 CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64_t nb, int64_t r0,
                                    int64_t r1, const DecodeActs& a, const float* bias, float* y) {
-  // Pair p of blocks: codes times activations, scaled by [dw_2p x 8, dw_2p+1 x 8].
-  auto pair = [&](const uint8_t* row, int64_t p, __m512 dw, __m512 acc) CACHET_INT8_TARGET {
+  // Pair p of blocks: codes times activations, scaled by [dw dx of 2p x 8, of 2p+1 x 8].
+  auto pair = [&](const uint8_t* row, int64_t p, __m512 scale, __m512 acc) CACHET_INT8_TARGET {
     const int64_t b = 2 * p;
     _mm_prefetch(reinterpret_cast<const char*>(row + b * BlockBytes<kType>() + kPrefetchBytes),
                  _MM_HINT_T0);
@@ -206,8 +212,10 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
         kType == DType::kQ4_K ? _mm512_setzero_si512() : _mm512_load_si512(a.off2 + p * 16);
     const __m512i z =
         _mm512_dpbusd_epi32(start, CodePair<kType>(row, b), _mm512_loadu_si512(a.q + b * 32));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(z), _mm512_mul_ps(dw, _mm512_load_ps(a.dx2 + p * 16)),
-                           acc);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(z), scale, acc);
+  };
+  auto scale_pair = [&](const uint8_t* row, int64_t p) CACHET_INT8_TARGET {
+    return _mm512_mul_ps(ScalePair<kType>(row, 2 * p), _mm512_load_ps(a.dx2 + p * 16));
   };
   const int64_t pairs = nb / 2;
   for (int64_t r = r0; r < r1; ++r) {
@@ -215,7 +223,8 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
     __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
     float v;
     if constexpr (kType == DType::kQ4_K) {
-      // Per super-block: its scales once, four pairs, and the minimums' share sum_j o_j sx_j.
+      // Per super-block: its scales once, times the activations' (dw dx of its eight sub-blocks
+      // in one product), four pairs, and the minimums' share sum_j o_j sx_j.
       const __m512i lo = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
       const __m512i step = _mm512_set1_epi32(2);
       __m256 corr = _mm256_setzero_ps();
@@ -223,7 +232,7 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
         __m256 dw8, o8;
         Q4KScales(row + sb * 144, &dw8, &o8);
         corr = _mm256_fmadd_ps(o8, _mm256_loadu_ps(a.s + sb * 8), corr);
-        const __m512 dw = _mm512_castps256_ps512(dw8);
+        const __m512 dw = _mm512_castps256_ps512(_mm256_mul_ps(dw8, _mm256_loadu_ps(a.d + sb * 8)));
         __m512i idx = lo;
         acc0 = pair(row, 4 * sb, _mm512_permutexvar_ps(idx, dw), acc0);
         idx = _mm512_add_epi32(idx, step);
@@ -237,10 +246,10 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
     } else {
       int64_t p = 0;
       for (; p + 2 <= pairs; p += 2) {
-        acc0 = pair(row, p, ScalePair<kType>(row, 2 * p), acc0);
-        acc1 = pair(row, p + 1, ScalePair<kType>(row, 2 * p + 2), acc1);
+        acc0 = pair(row, p, scale_pair(row, p), acc0);
+        acc1 = pair(row, p + 1, scale_pair(row, p + 1), acc1);
       }
-      if (p < pairs) acc0 = pair(row, p, ScalePair<kType>(row, 2 * p), acc0);
+      if (p < pairs) acc0 = pair(row, p, scale_pair(row, p), acc0);
       v = HorizontalSum(_mm512_add_ps(acc0, acc1));
       if (nb % 2 != 0) {  // the last, unpaired block
         const int64_t b = nb - 1;
@@ -277,25 +286,11 @@ CACHET_INT8_TARGET DecodeActs PrepareDecodeActs(const float* x, int64_t cols, fl
     for (int j = 0; j < 32; ++j) sum += q[b * 32 + j];
     const int64_t pair = (b / 2) * 16;
     const int half = static_cast<int>(b % 2);
-    for (int lane = 0; lane < 16; ++lane) {
-      // Which block a lane's products belong to, in the pair's layout.
-      const int of = kQuarterOrder(kType) ? (lane / 4) % 2 : lane / 8;
-      if (of != half) continue;  // the other block's lane
-      dx2[pair + lane] = d[b];
-      off2[pair + lane] = 0;
-    }
-    const int first = kQuarterOrder(kType) ? 4 * half : 8 * half;
-    if constexpr (kType != DType::kQ4_K) off2[pair + first] = -kOffset<kType>() * sum;
+    std::fill(dx2 + pair + 8 * half, dx2 + pair + 8 * half + 8, d[b]);
+    std::fill(off2 + pair + 8 * half, off2 + pair + 8 * half + 8, 0);
+    if constexpr (kType != DType::kQ4_K) off2[pair + 8 * half] = -kOffset<kType>() * sum;
   }
-  if constexpr (kQuarterOrder(kType)) {  // swap the middle quarters of each pair's codes
-    for (int64_t b = 0; b + 1 < nb; b += 2) {
-      int8_t tmp[16];
-      std::memcpy(tmp, q + b * 32 + 16, 16);
-      std::memcpy(q + b * 32 + 16, q + b * 32 + 32, 16);
-      std::memcpy(q + b * 32 + 32, tmp, 16);
-    }
-  }
-  return DecodeActs{q, dx2, off2, s};
+  return DecodeActs{q, dx2, off2, d, s};
 }
 
 // n <= kMaxDecodeTokens tokens, each by DecodeRows, so each gets the bits it gets alone. The
