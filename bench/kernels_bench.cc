@@ -94,6 +94,27 @@ void BenchMatMul(ThreadPool& pool, std::mt19937& rng) {
                   s.rows * s.cols * cachet::DTypeSize(dtype) / t / 1e9);
     }
   }
+  // From DRAM: copies of an mha-85m FFN matrix (2048x768 and its transpose) that together take 512
+  // MiB, cycled as a real model's decode streams its layers.
+  for (Shape s : {Shape{2048, 768}, Shape{768, 2048}}) {
+    for (DType dtype : {DType::kBF16, DType::kF16}) {
+      Weights w(s.rows, s.cols, dtype, rng);
+      const int64_t bytes = s.rows * s.cols * cachet::DTypeSize(dtype);
+      const int64_t n_mats = ((int64_t{512} << 20) + bytes - 1) / bytes;
+      std::vector<uint8_t> copies(n_mats * bytes + 64);
+      uint8_t* base = copies.data() + (64 - reinterpret_cast<uintptr_t>(copies.data()) % 64) % 64;
+      for (int64_t m = 0; m < n_mats; ++m) std::memcpy(base + m * bytes, w.m.data, bytes);
+      std::vector<float> x = RandomVec(s.cols, rng), y(s.rows);
+      int64_t next = 0;
+      const double t = SecondsPerCall([&] {
+        const Matrix m{base + (next++ % n_mats) * bytes, dtype, s.rows, s.cols};
+        MatMul(x.data(), 1, m, nullptr, y.data(), s.rows, pool);
+      });
+      std::printf("  decode  %-4s %5lldx%-5lld DRAM     %9.2f us %7.1f GB/s\n",
+                  cachet::DTypeName(dtype), static_cast<long long>(s.rows),
+                  static_cast<long long>(s.cols), t * 1e6, bytes / t / 1e9);
+    }
+  }
   for (Shape s : {Shape{1024, 384}, Shape{4864, 896}, Shape{896, 4864}}) {
     for (int64_t n : {4, 64, 512}) {
       Weights w(s.rows, s.cols, DType::kBF16, rng);
