@@ -139,6 +139,29 @@ TEST_F(Synthetic, EveryTypeLoadsAndGivesFiniteLogits) {
   }
 }
 
+// Matrices whose rows do not split into q4_K's 256-value super-blocks are written q8_0 (they split
+// into 32s), the others q4_K; the file loads and computes.
+TEST_F(Synthetic, RowsOffTheSuperBlockFallBackToQ8_0) {
+  constexpr char kShape[] = R"({
+    "model_type": "llama", "num_hidden_layers": 1, "hidden_size": 320,
+    "num_attention_heads": 5, "num_key_value_heads": 1, "intermediate_size": 512,
+    "vocab_size": 600, "max_position_embeddings": 512, "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": false
+  })";
+  const std::string path = Write(kShape, DType::kQ4_K, 2);
+  auto f = GgufFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  EXPECT_EQ(f->FindTensor("blk.0.attn_q.weight")->dtype, DType::kQ8_0);    // 320 columns
+  EXPECT_EQ(f->FindTensor("blk.0.ffn_up.weight")->dtype, DType::kQ8_0);    // 320 columns
+  EXPECT_EQ(f->FindTensor("blk.0.ffn_down.weight")->dtype, DType::kQ4_K);  // 512 columns
+  auto engine = MakeEngine(path);
+  ASSERT_NE(engine, nullptr);
+  const std::vector<int32_t> ids = {3, 4, 5, 6};
+  std::vector<float> logits;
+  ASSERT_TRUE(engine->NewSession()->Eval(ids, &logits, /*all_logits=*/true).ok());
+  for (float x : logits) ASSERT_TRUE(std::isfinite(x));
+}
+
 TEST_F(Synthetic, BytesDependOnTheSeedOnly) {
   for (DType type : {DType::kF16, DType::kQ4_K}) {
     SCOPED_TRACE(DTypeName(type));

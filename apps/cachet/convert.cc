@@ -37,8 +37,11 @@ void AddConvert(CLI::App& app) {
   cmd->add_option("--seed", o->seed,
                   "--synthetic: seed of the weights (the file depends on it alone, not on -t)")
       ->default_val(1);
-  cmd->add_option("--type", o->type,
-                  "Matrix type: f32, f16, bf16, q8_0, q4_0, q4_k, q6_k (norms stay f32)")
+  cmd->add_option(
+         "--type", o->type,
+         "Matrix type: f32, f16, bf16, q8_0, q4_0, q4_k, q6_k (norms stay f32; a matrix whose "
+         "rows do not split into the type's blocks, 256 values for q4_k / q6_k, is "
+         "written q8_0, or f16 if its rows do not split into 32s either)")
       ->default_val("f16");
   cmd->add_option("-t,--threads", o->threads, "Threads converting rows (0 = one per core)")
       ->default_val(0);

@@ -287,7 +287,12 @@ void TensorAdder::Add(const ModelTensor& t, RowSource rows) {
     return;
   }
   const int64_t n_rows = t.shape[0], cols = t.shape[1];
-  const DType out = DTypeRowBytes(type_, cols) < 0 ? DType::kF16 : type_;
+  // Rows that do not split into the type's blocks (q4_K's 256 values: qwen2.5-0.5b's 896 columns)
+  // fall back to q8_0 where they split into 32s, as llama.cpp's quantizer falls back to a legacy
+  // block type (q5_0 for q4_K): f16 read twice q8_0's bytes per decode step. f16 past that.
+  const DType out = DTypeRowBytes(type_, cols) >= 0          ? type_
+                    : DTypeRowBytes(DType::kQ8_0, cols) >= 0 ? DType::kQ8_0
+                                                             : DType::kF16;
   const int64_t row_bytes = DTypeRowBytes(out, cols);
   ++state_->tensors;
   state_->total_values += n_rows * cols;
