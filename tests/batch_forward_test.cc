@@ -469,11 +469,9 @@ TEST_F(BatchForward, TogetherEqualsAloneBf16) {
   }
 }
 
-// f16 weights, and q6_K (widened to f32 in registers): bit for bit too.
-TEST_F(BatchForward, TogetherEqualsAloneF16AndQ6K) {
-  for (DType t : {DType::kF16, DType::kQ6_K}) {
-    ExpectTogetherEqualsAlone(Model(t), "f16", false, std::string(DTypeName(t)) + ", KV f16");
-  }
+// f16 weights: bit for bit too.
+TEST_F(BatchForward, TogetherEqualsAloneF16) {
+  ExpectTogetherEqualsAlone(Model(DType::kF16), "f16", false, "f16, KV f16");
 }
 
 // q8_0, q4_0 and q4_K on the int8 kernels (AVX-512 VNNI): a matrix-vector product (a step of one
@@ -483,8 +481,11 @@ TEST_F(BatchForward, TogetherEqualsAloneF16AndQ6K) {
 // ~1.5% of their scale and q4_0's greedy tokens can differ from the sequence's alone. What is
 // checked: two batched schedules give a sequence the same bits as long as neither took it through
 // a matrix-vector product. Without the int8 kernels: bit for bit, as the other types.
+// kvtiny's q6_K file is one of them: its 384-column matrices do not split into q6_K's 256-value
+// super-blocks, so `cachet convert` writes them q8_0 (ffn_down, 1024 columns, is q6_K, widened to
+// f32 in registers).
 TEST_F(BatchForward, TogetherEqualsAloneInt8Weights) {
-  for (DType t : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K}) {
+  for (DType t : {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kQ6_K}) {
     ExpectTogetherEqualsAlone(Model(t), "f32", kernels::cpu::HasInt8Kernels(),
                               std::string(DTypeName(t)) + ", KV f32");
   }
