@@ -186,9 +186,8 @@ CACHET_INT8_TARGET inline float HorizontalSum(__m512 v) {
 // Decode.
 
 // What decode needs of the activation row beyond its codes, per pair of blocks, in the i32 lanes
-// of the pair's products ([b x 8, b+1 x 8]): the
-// scales dx, and for q4_0 / q8_0 the integer sum's start, -k * sum(codes) of each block in the
-// first lane of that block.
+// of the pair's products ([b x 8, b+1 x 8]): the scales dx, and for q4_0 / q8_0 the integer sum's
+// start, -k * sum(codes) of each block in the first lane of that block.
 struct DecodeActs {
   const int8_t* q;
   const float* dx2;     // 16 floats per block pair
