@@ -96,10 +96,12 @@ CACHET_INT8_TARGET inline __m256i Codes(const uint8_t* row, int64_t b) {
 // decode loop runs out of vector ports (0 and 5) before it runs out of DRAM bandwidth.
 template <DType kType>
 CACHET_INT8_TARGET inline __m512i CodePair(const uint8_t* row, int64_t b) {
-  if constexpr (kType == DType::kQ4_K) {  // one 32-byte load holds both sub-blocks
+  if constexpr (kType == DType::kQ4_K) {
+    // One 32-byte load holds both sub-blocks. The odd one's high nibbles stay in place: its codes
+    // count 16 times (exact in the integer sum), and DecodeRows scales it by 1/16 (exact too).
     const __m512i v = _mm512_broadcast_i64x4(Q4KQuants(row, b));
-    return _mm512_and_si512(_mm512_srlv_epi64(v, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)),
-                            _mm512_set1_epi8(0x0F));
+    return _mm512_and_si512(v, _mm512_inserti64x4(_mm512_set1_epi8(0x0F),
+                                                  _mm256_set1_epi8(static_cast<char>(0xF0)), 1));
   } else if constexpr (kType == DType::kQ4_0) {
     const __m512i v = _mm512_mask_broadcast_i32x4(
         _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 18 + 2))),
@@ -231,7 +233,10 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
         __m256 dw8, o8;
         Q4KScales(row + sb * 144, &dw8, &o8);
         corr = _mm256_fmadd_ps(o8, _mm256_loadu_ps(a.s + sb * 8), corr);
-        const __m512 dw = _mm512_castps256_ps512(_mm256_mul_ps(dw8, _mm256_loadu_ps(a.d + sb * 8)));
+        // The odd sub-blocks' codes come 16 times too large (CodePair).
+        const __m256 sixteenth = _mm256_setr_ps(1, 0.0625f, 1, 0.0625f, 1, 0.0625f, 1, 0.0625f);
+        const __m512 dw = _mm512_castps256_ps512(
+            _mm256_mul_ps(_mm256_mul_ps(dw8, _mm256_loadu_ps(a.d + sb * 8)), sixteenth));
         __m512i idx = lo;
         acc0 = pair(row, 4 * sb, _mm512_permutexvar_ps(idx, dw), acc0);
         idx = _mm512_add_epi32(idx, step);
