@@ -71,6 +71,22 @@ struct Weights {
   }
 };
 
+// Copies of one matrix's bytes, 64-byte aligned, that together take 512 MiB: more than any L3
+// these benches run on (260 MiB on the Intel VM), so a decode cycling through them (Next) streams
+// its weights from DRAM as a real model's decode does.
+struct DramCopies {
+  std::vector<uint8_t> storage;
+  uint8_t* base;
+  int64_t bytes, n, next = 0;
+  DramCopies(const void* src, int64_t bytes_) : bytes(bytes_) {
+    n = ((int64_t{512} << 20) + bytes - 1) / bytes;
+    storage.resize(n * bytes + 64);
+    base = storage.data() + (64 - reinterpret_cast<uintptr_t>(storage.data()) % 64) % 64;
+    for (int64_t m = 0; m < n; ++m) std::memcpy(base + m * bytes, src, bytes);
+  }
+  const uint8_t* Next() { return base + (next++ % n) * bytes; }
+};
+
 std::vector<float> RandomVec(size_t n, std::mt19937& rng) {
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
   std::vector<float> v(n);
@@ -94,25 +110,20 @@ void BenchMatMul(ThreadPool& pool, std::mt19937& rng) {
                   s.rows * s.cols * cachet::DTypeSize(dtype) / t / 1e9);
     }
   }
-  // From DRAM: copies of an mha-85m FFN matrix (2048x768 and its transpose) that together take 512
-  // MiB, cycled as a real model's decode streams its layers.
+  // From DRAM: copies of an mha-85m FFN matrix (2048x768 and its transpose), cycled as a real
+  // model's decode streams its layers.
   for (Shape s : {Shape{2048, 768}, Shape{768, 2048}}) {
     for (DType dtype : {DType::kBF16, DType::kF16}) {
       Weights w(s.rows, s.cols, dtype, rng);
-      const int64_t bytes = s.rows * s.cols * cachet::DTypeSize(dtype);
-      const int64_t n_mats = ((int64_t{512} << 20) + bytes - 1) / bytes;
-      std::vector<uint8_t> copies(n_mats * bytes + 64);
-      uint8_t* base = copies.data() + (64 - reinterpret_cast<uintptr_t>(copies.data()) % 64) % 64;
-      for (int64_t m = 0; m < n_mats; ++m) std::memcpy(base + m * bytes, w.m.data, bytes);
+      DramCopies copies(w.m.data, s.rows * s.cols * cachet::DTypeSize(dtype));
       std::vector<float> x = RandomVec(s.cols, rng), y(s.rows);
-      int64_t next = 0;
       const double t = SecondsPerCall([&] {
-        const Matrix m{base + (next++ % n_mats) * bytes, dtype, s.rows, s.cols};
+        const Matrix m{copies.Next(), dtype, s.rows, s.cols};
         MatMul(x.data(), 1, m, nullptr, y.data(), s.rows, pool);
       });
       std::printf("  decode  %-4s %5lldx%-5lld DRAM     %9.2f us %7.1f GB/s\n",
                   cachet::DTypeName(dtype), static_cast<long long>(s.rows),
-                  static_cast<long long>(s.cols), t * 1e6, bytes / t / 1e9);
+                  static_cast<long long>(s.cols), t * 1e6, copies.bytes / t / 1e9);
     }
   }
   for (Shape s : {Shape{1024, 384}, Shape{4864, 896}, Shape{896, 4864}}) {
@@ -129,21 +140,17 @@ void BenchMatMul(ThreadPool& pool, std::mt19937& rng) {
 }
 
 // Quantized weights: the int8 kernels (QuantMatMul) beside the f32 dequantizing ones
-// (DequantMatMul). Decode cycles through copies of a TinyLlama FFN matrix that together take 512
-// MiB, more than any L3 these benches run on (260 MiB on the Intel VM), so it streams from DRAM as
-// a real model's decode does.
+// (DequantMatMul). Decode cycles through DramCopies of a TinyLlama FFN matrix.
 void BenchQuantMatMul(ThreadPool& pool, std::mt19937& rng) {
   const int64_t rows = 5632, cols = 2048;
   for (DType dtype : {DType::kQ4_0, DType::kQ4_K, DType::kQ8_0}) {
     const int64_t rb = cachet::DTypeRowBytes(dtype, cols);
-    const int64_t n_mats = ((int64_t{512} << 20) + rows * rb - 1) / (rows * rb);
-    std::vector<uint8_t> bytes(n_mats * rows * rb);
+    std::vector<uint8_t> one(rows * rb);
     const std::vector<float> src = RandomVec(cols, rng);
-    for (int64_t r = 0; r < rows; ++r)
-      ref::QuantizeRow(dtype, src.data(), cols, bytes.data() + r * rb);
-    for (int64_t m = 1; m < n_mats; ++m) {
-      std::memcpy(bytes.data() + m * rows * rb, bytes.data(), rows * rb);
+    for (int64_t r = 0; r < rows; ++r) {
+      ref::QuantizeRow(dtype, src.data(), cols, one.data() + r * rb);
     }
+    DramCopies copies(one.data(), rows * rb);
     std::vector<float> x = RandomVec(512 * cols, rng), y(512 * rows);
     for (bool int8 : {false, true}) {
       if (int8 && !cpu::HasInt8Kernels()) continue;
@@ -151,28 +158,21 @@ void BenchQuantMatMul(ThreadPool& pool, std::mt19937& rng) {
         (int8 ? cpu::QuantMatMul : cpu::DequantMatMul)(x.data(), n, m, nullptr, y.data(), rows,
                                                        pool);
       };
-      int64_t next = 0;
-      const double t = SecondsPerCall([&] {
-        run(Matrix{bytes.data() + (next++ % n_mats) * rows * rb, dtype, rows, cols}, 1);
-      });
+      const double t = SecondsPerCall([&] { run(Matrix{copies.Next(), dtype, rows, cols}, 1); });
       std::printf("  decode  %-4s %5lldx%-5lld %-5s    %9.2f us %7.1f GB/s\n",
                   cachet::DTypeName(dtype), static_cast<long long>(rows),
                   static_cast<long long>(cols), int8 ? "int8" : "f32", t * 1e6,
                   rows * rb / t / 1e9);
       // The same rows again and again from L2: what the kernel computes, memory aside.
       const int64_t hot_rows = 512;
-      const double th = SecondsPerCall([&] {
-        run(Matrix{bytes.data(), dtype, hot_rows, cols}, 1);
-      });
+      const double th = SecondsPerCall([&] { run(Matrix{copies.base, dtype, hot_rows, cols}, 1); });
       std::printf("  decode  %-4s %5lldx%-5lld %-5s L2 %9.2f us %7.1f GB/s\n",
                   cachet::DTypeName(dtype), static_cast<long long>(hot_rows),
                   static_cast<long long>(cols), int8 ? "int8" : "f32", th * 1e6,
                   hot_rows * rb / th / 1e9);
       // A continuous-batching decode step: n tokens, weights streamed from DRAM once for all.
       for (int64_t n : {2, 4, 8, 16, 32}) {
-        const double tb = SecondsPerCall([&] {
-          run(Matrix{bytes.data() + (next++ % n_mats) * rows * rb, dtype, rows, cols}, n);
-        });
+        const double tb = SecondsPerCall([&] { run(Matrix{copies.Next(), dtype, rows, cols}, n); });
         std::printf(
             "  batch   %-4s %5lldx%-5lld n=%-4lld %-5s %9.2f us %7.1f GB/s %6.2f us/token\n",
             cachet::DTypeName(dtype), static_cast<long long>(rows), static_cast<long long>(cols),
@@ -180,7 +180,7 @@ void BenchQuantMatMul(ThreadPool& pool, std::mt19937& rng) {
             tb * 1e6 / n);
       }
       for (int64_t n : {64, 512}) {
-        const Matrix m{bytes.data(), dtype, 2048, cols};
+        const Matrix m{copies.base, dtype, 2048, cols};
         const double tp = SecondsPerCall([&] { run(m, n); }, 1.0);
         std::printf("  prefill %-4s 2048x%-5lld n=%-4lld %-5s %9.3f ms %7.1f GMAC/s\n",
                     cachet::DTypeName(dtype), static_cast<long long>(cols),

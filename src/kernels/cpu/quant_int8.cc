@@ -90,10 +90,10 @@ CACHET_INT8_TARGET inline __m256i Codes(const uint8_t* row, int64_t b) {
   }
 }
 
-// Codes of blocks b and b + 1 (b even): block b in the low 256 bits. Each half is built from one
-// load broadcast to both of its 128-bit (q4_0) or 256-bit (q4_K) places, which costs no shuffle
-// port, and a per-qword shift that turns the second copy's high nibbles into codes 16-31: the
-// decode loop runs out of vector ports (0 and 5) before it runs out of DRAM bandwidth.
+// Codes of blocks b and b + 1 (b even): block b in the low 256 bits. The nibble bytes arrive by
+// loads broadcast to every place they fill, which cost no shuffle port, and one mask (q4_K) or one
+// per-qword shift and a mask (q4_0) separate the nibbles: the decode loop runs out of vector ports
+// (0 and 5) before it runs out of DRAM bandwidth.
 template <DType kType>
 CACHET_INT8_TARGET inline __m512i CodePair(const uint8_t* row, int64_t b) {
   if constexpr (kType == DType::kQ4_K) {
