@@ -158,7 +158,7 @@ bool HasInt8Kernels();
 // Int8MatMul takes up to this many tokens through its matrix-vector path (each token gets the
 // bits it gets alone), more through its prefill path (any batch of more gives a token the same
 // bits); the two paths round the same integer products differently.
-inline constexpr int64_t kInt8MaxDecodeTokens = 6;
+inline constexpr int64_t kInt8MaxDecodeTokens = 8;
 void Int8MatMul(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
                 int64_t y_stride, ThreadPool& pool);  // kernels/cpu/quant_int8.cc
 void QuantizeQ8(const float* x, int64_t cols, int8_t* q, float* d, float* s);

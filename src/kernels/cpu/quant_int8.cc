@@ -44,9 +44,10 @@ constexpr int64_t kPrefillTokenChunk = 64;  // tokens whose codes a prefill task
 // `kernels_bench 1 quant` on the Intel VM, q4_0 from DRAM: 1 KiB 10.0-10.8 GB/s, 2 KiB 10.2-12.3,
 // 4 KiB 12.5-13.3, 8-16 KiB no better.
 constexpr int64_t kPrefetchBytes = 4096;
-// kInt8MaxDecodeTokens (kernels.h) goes by `kernels_bench 1 quant` (5632x2048 from DRAM, 1 thread):
-// decode at 240 us + 210-250 us per further token, prefill at 1450-1850 us for 2-16 tokens in 16
-// lanes and 2100-2800 us for 32.
+// kInt8MaxDecodeTokens (kernels.h) goes by `kernels_bench 1 quant` (q4_0 5632x2048 from DRAM, 1
+// thread, AMD EPYC Zen 5): decode 240-250 us for one token, 330 for two, 470-540 for four (one
+// unpacking of the rows shared), 1110-1370 for eight; prefill 1410-1650 us for 8 tokens in 16
+// lanes, 1550-1720 for 16.
 constexpr int64_t kMaxDecodeTokens = kInt8MaxDecodeTokens;
 constexpr int64_t kDecodeRowChunk = 16;  // rows decode takes through every token at once
 
@@ -198,73 +199,104 @@ struct DecodeActs {
   const float* s;       // per block, for q4_K's offsets
 };
 
-// y[r] for rows [r0, r1) of a matrix of nb blocks per row. One row at a time, so that a task
-// reads one sequential stream (several rows at once measured up to 2x slower: the prefetchers
-// lose track), with two accumulators to hide the latency of the FMA chain.
-template <DType kType>
+// y_t[r] (y_t = y + t * y_stride) for rows [r0, r1) of a matrix of nb blocks per row and kT
+// tokens. One row at a time, so that a task reads one sequential stream (several rows at once
+// measured up to 2x slower: the prefetchers lose track), with two accumulators per token to hide
+// the latency of the FMA chain. A row's codes and scales are unpacked once for all kT tokens; each
+// token's products, scales and sums go through the same steps in the same order whatever kT is,
+// so a token gets the bits it gets alone.
+template <DType kType, int kT>
 CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64_t nb, int64_t r0,
-                                   int64_t r1, const DecodeActs& a, const float* bias, float* y) {
-  // Pair p of blocks: codes times activations, scaled by [dw dx of 2p x 8, of 2p+1 x 8].
-  auto pair = [&](const uint8_t* row, int64_t p, __m512 scale, __m512 acc) CACHET_INT8_TARGET {
+                                   int64_t r1, const DecodeActs* a, const float* bias, float* y,
+                                   int64_t y_stride) {
+  // Pair p of blocks for every token: codes times activations, scaled by scale(t).
+  auto pair = [&](const uint8_t* row, int64_t p, const auto& scale,
+                  __m512* acc) CACHET_INT8_TARGET {
     const int64_t b = 2 * p;
     _mm_prefetch(reinterpret_cast<const char*>(row + b * BlockBytes<kType>() + kPrefetchBytes),
                  _MM_HINT_T0);
-    const __m512i start =
-        kType == DType::kQ4_K ? _mm512_setzero_si512() : _mm512_load_si512(a.off2 + p * 16);
-    const __m512i z =
-        _mm512_dpbusd_epi32(start, CodePair<kType>(row, b), _mm512_loadu_si512(a.q + b * 32));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(z), scale, acc);
-  };
-  auto scale_pair = [&](const uint8_t* row, int64_t p) CACHET_INT8_TARGET {
-    return _mm512_mul_ps(ScalePair<kType>(row, 2 * p), _mm512_load_ps(a.dx2 + p * 16));
+    const __m512i codes = CodePair<kType>(row, b);
+#pragma GCC unroll 8
+    for (int t = 0; t < kT; ++t) {
+      const __m512i start =
+          kType == DType::kQ4_K ? _mm512_setzero_si512() : _mm512_load_si512(a[t].off2 + p * 16);
+      const __m512i z = _mm512_dpbusd_epi32(start, codes, _mm512_loadu_si512(a[t].q + b * 32));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(z), scale(t), acc[t]);
+    }
   };
   const int64_t pairs = nb / 2;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = base + r * row_bytes;
-    __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-    float v;
+    __m512 acc0[kT], acc1[kT];
+    float v[kT];
+#pragma GCC unroll 8
+    for (int t = 0; t < kT; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
     if constexpr (kType == DType::kQ4_K) {
       // Per super-block: its scales once, times the activations' (dw dx of its eight sub-blocks
       // in one product), four pairs, and the minimums' share sum_j o_j sx_j.
       const __m512i lo = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
       const __m512i step = _mm512_set1_epi32(2);
-      __m256 corr = _mm256_setzero_ps();
+      __m256 corr[kT];
+#pragma GCC unroll 8
+      for (int t = 0; t < kT; ++t) corr[t] = _mm256_setzero_ps();
       for (int64_t sb = 0; sb < nb / 8; ++sb) {
         __m256 dw8, o8;
         Q4KScales(row + sb * 144, &dw8, &o8);
-        corr = _mm256_fmadd_ps(o8, _mm256_loadu_ps(a.s + sb * 8), corr);
         // The odd sub-blocks' codes come 16 times too large (CodePair).
         const __m256 sixteenth = _mm256_setr_ps(1, 0.0625f, 1, 0.0625f, 1, 0.0625f, 1, 0.0625f);
-        const __m512 dw = _mm512_castps256_ps512(
-            _mm256_mul_ps(_mm256_mul_ps(dw8, _mm256_loadu_ps(a.d + sb * 8)), sixteenth));
+        __m512 dw[kT];
+#pragma GCC unroll 8
+        for (int t = 0; t < kT; ++t) {
+          corr[t] = _mm256_fmadd_ps(o8, _mm256_loadu_ps(a[t].s + sb * 8), corr[t]);
+          dw[t] = _mm512_castps256_ps512(
+              _mm256_mul_ps(_mm256_mul_ps(dw8, _mm256_loadu_ps(a[t].d + sb * 8)), sixteenth));
+        }
         __m512i idx = lo;
-        acc0 = pair(row, 4 * sb, _mm512_permutexvar_ps(idx, dw), acc0);
+        auto sub = [&](int t) CACHET_INT8_TARGET { return _mm512_permutexvar_ps(idx, dw[t]); };
+        pair(row, 4 * sb, sub, acc0);
         idx = _mm512_add_epi32(idx, step);
-        acc1 = pair(row, 4 * sb + 1, _mm512_permutexvar_ps(idx, dw), acc1);
+        pair(row, 4 * sb + 1, sub, acc1);
         idx = _mm512_add_epi32(idx, step);
-        acc0 = pair(row, 4 * sb + 2, _mm512_permutexvar_ps(idx, dw), acc0);
+        pair(row, 4 * sb + 2, sub, acc0);
         idx = _mm512_add_epi32(idx, step);
-        acc1 = pair(row, 4 * sb + 3, _mm512_permutexvar_ps(idx, dw), acc1);
+        pair(row, 4 * sb + 3, sub, acc1);
       }
-      v = HorizontalSum(_mm512_add_ps(acc0, acc1)) - HorizontalSum(corr);
+#pragma GCC unroll 8
+      for (int t = 0; t < kT; ++t) {
+        v[t] = HorizontalSum(_mm512_add_ps(acc0[t], acc1[t])) - HorizontalSum(corr[t]);
+      }
     } else {
+      auto pair_at = [&](int64_t p, __m512* acc) CACHET_INT8_TARGET {
+        const __m512 w = ScalePair<kType>(row, 2 * p);
+        pair(
+            row, p,
+            [&](int t)
+                CACHET_INT8_TARGET { return _mm512_mul_ps(w, _mm512_load_ps(a[t].dx2 + p * 16)); },
+            acc);
+      };
       int64_t p = 0;
       for (; p + 2 <= pairs; p += 2) {
-        acc0 = pair(row, p, scale_pair(row, p), acc0);
-        acc1 = pair(row, p + 1, scale_pair(row, p + 1), acc1);
+        pair_at(p, acc0);
+        pair_at(p + 1, acc1);
       }
-      if (p < pairs) acc0 = pair(row, p, scale_pair(row, p), acc0);
-      v = HorizontalSum(_mm512_add_ps(acc0, acc1));
+      if (p < pairs) pair_at(p, acc0);
+#pragma GCC unroll 8
+      for (int t = 0; t < kT; ++t) v[t] = HorizontalSum(_mm512_add_ps(acc0[t], acc1[t]));
       if (nb % 2 != 0) {  // the last, unpaired block
         const int64_t b = nb - 1;
-        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q + b * 32));
-        const __m256i start = _mm256_castsi128_si256(_mm_cvtsi32_si128(a.off2[(b / 2) * 16]));
-        const __m256i z = _mm256_dpbusd_epi32(start, Codes<kType>(row, b), x);
+        const __m256i codes = Codes<kType>(row, b);
         const float dw = HardF16::Load(row + b * BlockBytes<kType>());
-        v += HorizontalSum(_mm256_cvtepi32_ps(z)) * (dw * a.dx2[(b / 2) * 16]);
+#pragma GCC unroll 8
+        for (int t = 0; t < kT; ++t) {
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[t].q + b * 32));
+          const __m256i start = _mm256_castsi128_si256(_mm_cvtsi32_si128(a[t].off2[(b / 2) * 16]));
+          const __m256i z = _mm256_dpbusd_epi32(start, codes, x);
+          v[t] += HorizontalSum(_mm256_cvtepi32_ps(z)) * (dw * a[t].dx2[(b / 2) * 16]);
+        }
       }
     }
-    y[r] = v + (bias != nullptr ? bias[r] : 0.0f);
+#pragma GCC unroll 8
+    for (int t = 0; t < kT; ++t) y[t * y_stride + r] = v[t] + (bias != nullptr ? bias[r] : 0.0f);
   }
 }
 
@@ -297,9 +329,13 @@ CACHET_INT8_TARGET DecodeActs PrepareDecodeActs(const float* x, int64_t cols, fl
   return DecodeActs{q, dx2, off2, d, s};
 }
 
-// n <= kMaxDecodeTokens tokens, each by DecodeRows, so each gets the bits it gets alone. The
-// weights still stream from DRAM once: a task takes kDecodeRowChunk rows at a time through every
-// token, and the later tokens read them from L1/L2.
+// Tokens that share one unpacking of a weight row (DecodeRows). 8 measured no better: q4_K 10%
+// faster at 8 tokens, q8_0 10% slower (its accumulators and activations spill).
+constexpr int kDecodeShare = 4;
+
+// n <= kMaxDecodeTokens tokens by DecodeRows, up to kDecodeShare at once, so each gets the bits it
+// gets alone. The weights still stream from DRAM once: a task takes kDecodeRowChunk rows at a time
+// through every token, and the later tokens read them from L1/L2.
 template <DType kType>
 CACHET_INT8_TARGET void Decode(const float* x, int64_t n, const Matrix& w, const float* bias,
                                float* y, int64_t y_stride, ThreadPool& pool) {
@@ -319,8 +355,23 @@ CACHET_INT8_TARGET void Decode(const float* x, int64_t n, const Matrix& w, const
     const int64_t r_end = std::min(w.rows, (task + 1) * block);
     for (int64_t r0 = task * block; r0 < r_end; r0 += kDecodeRowChunk) {
       const int64_t r1 = std::min(r_end, r0 + kDecodeRowChunk);
-      for (int64_t t = 0; t < n; ++t) {
-        DecodeRows<kType>(base, row_bytes, nb, r0, r1, acts[t], bias, y + t * y_stride);
+      for (int64_t t = 0; t < n; t += kDecodeShare) {
+        const DecodeActs* at = acts + t;
+        float* yt = y + t * y_stride;
+        switch (std::min<int64_t>(kDecodeShare, n - t)) {
+          case 1:
+            DecodeRows<kType, 1>(base, row_bytes, nb, r0, r1, at, bias, yt, y_stride);
+            break;
+          case 2:
+            DecodeRows<kType, 2>(base, row_bytes, nb, r0, r1, at, bias, yt, y_stride);
+            break;
+          case 3:
+            DecodeRows<kType, 3>(base, row_bytes, nb, r0, r1, at, bias, yt, y_stride);
+            break;
+          default:
+            DecodeRows<kType, 4>(base, row_bytes, nb, r0, r1, at, bias, yt, y_stride);
+            break;
+        }
       }
     }
   });
