@@ -110,7 +110,12 @@ struct EngineOptions {
   std::string kv_calibration = "";
   int kv_sinks = 0;   // pages holding the first kv_sinks tokens stay f16
   int kv_window = 0;  // pages stay f16 until kv_window newer tokens follow
-  int n_ctx = 0;      // max tokens of a sequence; 0: the model's max_position_embeddings
+  // Precision by age: full pages whose tokens are all kv_cold_after or more tokens old move to a
+  // second pool in the row-wise codec kv_cold ("" = off), which attention reads whole. Codec
+  // layouts only, as kv_window (f32 K and V is the reference layout).
+  std::string kv_cold = "";
+  int kv_cold_after = 256;
+  int n_ctx = 0;  // max tokens of a sequence; 0: the model's max_position_embeddings
   // A disk tier under the prefix cache (empty: none): published prefixes are written there and
   // read back by any later process with the same model and KV layout. disk_cache_mib caps it
   // (0: 4096 MiB); least recently used runs go first.
@@ -311,9 +316,9 @@ class Engine {
   // in their stored types): with KvStats::bytes_per_token, a decode step's memory traffic.
   int64_t weight_bytes_per_token() const;
   KvStats kv_stats() const;
-  // The pool demoted tokens go to in this codec (row-wise codecs only), created on first use with
-  // the hot pool's capacity.
-  Result<PagePool*> ColdPool(std::string_view codec);
+  // The pool demoted (or, with kv_cold, aged) tokens go to in this codec (row-wise codecs only),
+  // created on first use with the hot pool's capacity; flag names the option in errors.
+  Result<PagePool*> ColdPool(std::string_view codec, std::string_view flag = "--demote");
   void ClearPrefixCache();  // drops every cached page no session uses (prefix and chunk caches)
   int n_ctx() const { return n_ctx_; }
 

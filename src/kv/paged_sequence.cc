@@ -5,6 +5,7 @@
 #include <limits>
 #include <string>
 
+#include "kv/aging.h"
 #include "kv/compaction.h"
 #include "kv/staging.h"
 #include "kv/table_attention.h"
@@ -49,6 +50,7 @@ std::unique_ptr<PagedSequence> PagedSequence::Fork() const {
   }
   child->cold_pool_ = cold_pool_;
   child->cold_fetch_ = cold_fetch_;
+  child->age_after_ = age_after_;
   child->cold_tables_.resize(cold_tables_.size());
   for (size_t i = 0; i < cold_tables_.size(); ++i) {
     child->cold_tables_[i].pages = cold_tables_[i].pages;
@@ -113,6 +115,11 @@ bool PagedSequence::BlockPages(int block, std::vector<int32_t>* pages) const {
 
 Status PagedSequence::Reserve(int n) {
   if (n <= 0) return OkStatus();
+  if (age_after_ > 0 && cold_pool_ != nullptr && observer_ == nullptr) {
+    // A full cold pool is not an error here: the pages stay hot (and the hot pool says when it
+    // is full). A move that succeeded stays when the reservation below fails: the same tokens.
+    (void)AgeOutPages(pool_, tables_, *cold_pool_, cold_tables_, n_tokens_, age_after_, nullptr);
+  }
   const KvLayout& lay = pool_.layout();
   const int64_t pt = lay.page_tokens;
   // Plan: count the pages each table needs (new pages of the right kind, private copies of shared

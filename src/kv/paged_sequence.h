@@ -111,6 +111,12 @@ class PagedSequence final : public KvSequence {
     cold_pool_ = cold;
     cold_fetch_ = fetch;
   }
+  // Precision by age (kv/aging.h): before each reservation, full pages whose tokens are all
+  // `after` or more tokens old move to the cold pool (set_cold_pool, fetch 1: attention reads them
+  // all); 0 turns it off. Not while an observer is set (a press's scores index the hot tables). A
+  // full cold pool leaves the pages hot.
+  void set_age_out(int after) { age_after_ = after; }
+  int age_out() const { return age_after_; }
   int cold_length(int layer, int kv_head) const {
     return cold_tables_.empty()
                ? 0
@@ -173,6 +179,7 @@ class PagedSequence final : public KvSequence {
   PagePool* cold_pool_ = nullptr;
   double cold_fetch_ = 1.0;
   std::vector<BlockTable> cold_tables_;  // per (layer, KV head), in cold_pool_; empty: none
+  int age_after_ = 0;
   int n_tokens_ = 0;
   // Tokens from the start whose K/V are what a fresh computation of them gives (Renumber lowers
   // it): BlockPages offers no block past it.

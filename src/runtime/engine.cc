@@ -71,6 +71,11 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
                                            ((e->n_ctx_ + o.page_tokens - 1) / o.page_tokens) *
                                            default_page_bytes;
   e->kv_pool_ = std::make_unique<PagePool>(layout, capacity);
+  // As --kv-window, --kv-cold acts on codec layouts only: f32 K and V is the reference layout.
+  if (!o.kv_cold.empty() && !layout.plain()) {
+    if (o.kv_cold_after < 1) return InvalidArgument("--kv-cold-after must be >= 1");
+    CACHET_RETURN_IF_ERROR(e->ColdPool(o.kv_cold, "--kv-cold").status());
+  }
   if (o.prefix_cache) {
     // Cached pages are only valid for the same weights: key them by config and tensor layout.
     // (A GGUF file has no config.json: its path and tensor table identify it.)
@@ -152,8 +157,12 @@ uint64_t Engine::SaltKey(std::string_view cache_salt) {
 }
 
 std::unique_ptr<Session> Engine::NewSession(std::string_view cache_salt) {
-  return std::unique_ptr<Session>(
-      new Session(*this, std::make_unique<PagedSequence>(*kv_pool_), SaltKey(cache_salt)));
+  auto seq = std::make_unique<PagedSequence>(*kv_pool_);
+  if (!options_.kv_cold.empty() && !kv_pool_->layout().plain()) {  // made and checked by Create
+    seq->set_cold_pool(ColdPool(options_.kv_cold).value(), 1.0);
+    seq->set_age_out(options_.kv_cold_after);
+  }
+  return std::unique_ptr<Session>(new Session(*this, std::move(seq), SaltKey(cache_salt)));
 }
 
 Result<GenerateResult> Engine::Generate(std::string_view prompt, const GenerateOptions& options,
@@ -223,7 +232,7 @@ KvStats Engine::kv_stats() const {
   return s;
 }
 
-Result<PagePool*> Engine::ColdPool(std::string_view codec) {
+Result<PagePool*> Engine::ColdPool(std::string_view codec, std::string_view flag) {
   for (auto& [name, pool] : cold_pools_) {
     if (name == codec) return pool.get();
   }
@@ -234,14 +243,14 @@ Result<PagePool*> Engine::ColdPool(std::string_view codec) {
   layout.window = 0;
   CACHET_RETURN_IF_ERROR(codecs::CheckDim(layout.codec_k, layout.head_dim));
   if (codecs::IsCalibrated(layout.codec_k) && !layout.calibration) {
-    return InvalidArgument("--demote " + std::string(codec) +
+    return InvalidArgument(std::string(flag) + " " + std::string(codec) +
                            " needs a calibration of this model: --kv-calibration FILE (make one "
                            "with `cachet calibrate`)");
   }
   AddRopeTable(config(), n_ctx_, &layout);
   if (layout.staged()) {
-    return InvalidArgument("--demote " + std::string(codec) +
-                           ": demoted tokens are appended one by one, so the cold codec must be "
+    return InvalidArgument(std::string(flag) + " " + std::string(codec) +
+                           ": cold tokens are appended one by one, so the cold codec must be "
                            "row-wise (not kivi4 or kivi2, whose keys are encoded per page)");
   }
   cold_pools_.emplace_back(std::string(codec),
@@ -494,6 +503,12 @@ Result<press::PressResult> Session::RunPress(const press::PressOptions& options,
   }
   if (keep_observing && !options.demote.empty()) {
     return InvalidArgument("pressing again while decoding does not combine with --demote yet");
+  }
+  if (!options.demote.empty() && seq_->age_out() > 0) {
+    return InvalidArgument(
+        "--demote does not combine with --kv-cold (both move tokens to the "
+        "cold pool: the press's demoted tokens would be fetched by score, the "
+        "aged ones all read)");
   }
   if (!options.demote.empty()) {
     CACHET_ASSIGN_OR_RETURN(PagePool * cold, engine_.ColdPool(options.demote));
