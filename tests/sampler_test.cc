@@ -66,6 +66,23 @@ TEST(Sampler, TopPAndMinPTruncate) {
   }
 }
 
+// Filters that would keep nothing (top_p 0, min_p above 1) keep the most likely token: the sampler
+// once read before its candidates and returned token 0.
+TEST(Sampler, FiltersKeepTheMostLikelyToken) {
+  for (const auto& [top_p, min_p] : {std::pair{0.0f, 0.0f}, {1.0f, 1.5f}, {0.0f, 2.0f}}) {
+    SamplingParams p;
+    p.temperature = 1.0f;
+    p.top_k = 0;
+    p.top_p = top_p;
+    p.min_p = min_p;
+    Sampler s(p, 6);
+    for (int i = 0; i < 50; ++i) {
+      auto l = Logits();
+      EXPECT_EQ(s.Sample(l, {}), 1) << top_p << " " << min_p;
+    }
+  }
+}
+
 // The kept tokens and their probabilities as the filters define them, by sorting everything:
 // top_k, then softmax over those, min_p against the most likely, then the top_p prefix.
 std::map<int, double> Expected(const std::vector<float>& logits, const SamplingParams& p) {

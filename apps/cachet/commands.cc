@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <iostream>
@@ -53,6 +55,15 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o) {
                  "Keep each page in f16 until N newer tokens follow it, then "
                  "store it in the --cache-type codec (the recent window of mixed precision)")
       ->check(CLI::NonNegativeNumber);
+  app.add_option("--kv-cold", o.kv_cold,
+                 "Precision by age: move each full page whose tokens are all --kv-cold-after or "
+                 "more tokens old to a second pool in this row-wise codec (e.g. kvq2, rot3, "
+                 "q4_0), which attention reads whole: recent tokens in --kv-window's f16 and the "
+                 "--cache-type codec, older ones in fewer bits");
+  app.add_option("--kv-cold-after", o.kv_cold_after,
+                 "With --kv-cold: the age in tokens at which a page moves to the cold codec")
+      ->default_val(256)
+      ->check(CLI::PositiveNumber);
   app.add_flag("!--no-prefix-cache", o.prefix_cache,
                "Do not share or reuse KV pages of common prompt prefixes");
   app.add_option("--disk-cache", o.disk_cache_dir,
@@ -74,18 +85,38 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o) {
 
 void AddSamplingFlags(CLI::App& app, GenerateOptions& o) {
   SamplingParams& s = o.sampling;
-  app.add_option("-n,--n-predict", o.max_tokens, "Max tokens to generate")->default_val(128);
-  app.add_option("--temp", s.temperature, "Sampling temperature; 0 = greedy")->default_val(0.8);
-  app.add_option("--top-k", s.top_k, "Keep the k most likely tokens (0 = off)")->default_val(40);
+  // A finite value in [lo, hi] (CLI::Range lets NaN through).
+  auto finite_in = [](double lo, double hi) {
+    return CLI::Validator(
+        [lo, hi](std::string& v) -> std::string {
+          const double x = std::strtod(v.c_str(), nullptr);
+          if (std::isfinite(x) && x >= lo && x <= hi) return {};
+          return "value " + v + " is not a number in [" + CLI::detail::to_string(lo) + ", " +
+                 CLI::detail::to_string(hi) + "]";
+        },
+        "FLOAT in [" + CLI::detail::to_string(lo) + " - " + CLI::detail::to_string(hi) + "]");
+  };
+  app.add_option("-n,--n-predict", o.max_tokens, "Max tokens to generate")
+      ->default_val(128)
+      ->check(CLI::NonNegativeNumber);
+  app.add_option("--temp", s.temperature, "Sampling temperature; 0 = greedy")
+      ->default_val(0.8)
+      ->check(finite_in(0, 100));
+  app.add_option("--top-k", s.top_k, "Keep the k most likely tokens (0 = off)")
+      ->default_val(40)
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--top-p", s.top_p,
-                 "Nucleus sampling: keep the smallest set with this mass "
-                 "(1 = off)")
-      ->default_val(0.95);
+                 "Nucleus sampling: keep the smallest set with this mass, the most likely token "
+                 "at least (1 = off)")
+      ->default_val(0.95)
+      ->check(finite_in(0, 1));
   app.add_option("--min-p", s.min_p, "Drop tokens below min_p x the top probability (0 = off)")
-      ->default_val(0.05);
+      ->default_val(0.05)
+      ->check(finite_in(0, 1));
   app.add_option("--repeat-penalty", s.repeat_penalty,
                  "Penalize tokens seen in the last --repeat-last-n (1 = off)")
-      ->default_val(1.0);
+      ->default_val(1.0)
+      ->check(finite_in(1e-3, 1e3));
   app.add_option("--repeat-last-n", s.repeat_last_n,
                  "Window of the repetition penalty "
                  "(-1 = whole context)")

@@ -57,6 +57,11 @@ int32_t Sampler::Sample(std::span<float> logits, std::span<const int32_t> histor
     n = std::partition(cand_.begin(), cand_.end(),
                        [&](const Candidate& c) { return c.logit >= floor; }) -
         cand_.begin();
+    if (n == 0) {  // min_p > 1 keeps nothing: the most likely token stays
+      auto below = [](const Candidate& a, const Candidate& b) { return a.logit < b.logit; };
+      std::iter_swap(cand_.begin(), std::max_element(cand_.begin(), cand_.end(), below));
+      n = 1;
+    }
   }
   // top_p: the most likely tokens whose probabilities (over the top k) reach top_p, found by
   // sorting a growing prefix rather than everything.
@@ -65,7 +70,7 @@ int32_t Sampler::Sample(std::span<float> logits, std::span<const int32_t> histor
       std::partial_sort(cand_.begin(), cand_.begin() + m, cand_.begin() + n, by_logit);
       double cum = 0.0;
       size_t keep = 0;
-      while (keep < m && cum < p_.top_p) {
+      while (keep < m && (keep == 0 || cum < p_.top_p)) {  // the most likely token at least
         cum += std::exp(static_cast<double>(cand_[keep++].logit - max)) / sum;
       }
       if (cum >= p_.top_p || m == n) {
