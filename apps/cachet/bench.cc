@@ -548,6 +548,9 @@ void AddBench(CLI::App& app) {
     };
     auto run_rep = [&](Engine& e, int ctx) {
       Rep r;
+      // Every rep prefills the whole prompt: the prefix cache would serve an earlier rep's pages
+      // (and a longer --ctx a shorter one's), reporting prefill speeds 20x too high.
+      e.ClearPrefixCache();
       auto session = e.NewSession();
       if (press) session->PrepareForPress(*press, ctx);  // Quest: page bounds built in prefill
       auto t0 = Clock::now();
