@@ -512,6 +512,15 @@ Server::Server(Runtime& runtime, ServerOptions options)
     setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, reinterpret_cast<const char*>(&yes), sizeof(yes));
   });
   m.http.set_pre_routing_handler([&m](const httplib::Request& req, httplib::Response& res) {
+    // Bodies are JSON whatever their Content-Type. `curl -d` sends form-urlencoded, whose bodies
+    // httplib (the Debian library, built with an 8 KiB cap) refuses past 8 KiB with a 413: such a
+    // request is relabelled before its body is read (the handler runs first), so that
+    // --max-body is the one limit. (The request is httplib's own, non-const object.)
+    if (req.get_header_value("Content-Type") == "application/x-www-form-urlencoded") {
+      auto& headers = const_cast<httplib::Headers&>(req.headers);
+      headers.erase("Content-Type");
+      headers.emplace("Content-Type", "application/json");
+    }
     if (m.opt.api_key.empty() || req.path == "/health" || req.path == "/metrics") {
       return httplib::Server::HandlerResponse::Unhandled;
     }

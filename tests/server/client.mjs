@@ -656,6 +656,13 @@ if (group === "errors") {
     const big = await post("/v1/completions", JSON.stringify({ prompt: "x".repeat(17 << 20) }));
     assert.equal(big.status, 413);
     assert.ok(big.json?.error, big.text);
+    // `curl -d` sends JSON as form-urlencoded: past 8 KiB httplib refused it with a 413 of its own.
+    const form = await post(
+      "/v1/completions",
+      JSON.stringify({ prompt: "word ".repeat(2000), max_tokens: 1 }),
+      { ...authHeaders, "Content-Type": "application/x-www-form-urlencoded" },
+    );
+    assert.equal(form.status, 200, form.text);
   });
 
   check("503 + Retry-After when the queue is full (-np 1 --max-waiting 1)", async () => {
