@@ -150,6 +150,16 @@ TEST(Cli, CalibrateThenRunWithAPcaCache) {
   r = RunCachet("calibrate --ctk q4_0 -o " + cal);  // rows are measured in f32: no such flag
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.err.find("--ctk"), std::string::npos) << r.err;
+  // Too few rows for head_dim's principal axes (the pca codecs decoded NaN from such a file), or
+  // windows too short to measure: refused, nothing written.
+  const std::string small = dir.path() + "/small.kvcal";
+  r = RunCachet("calibrate -t 1 --tokens 64 --no-progress -o " + small);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("at least 256"), std::string::npos) << r.err;
+  r = RunCachet("calibrate -t 1 --tokens 512 --window 4 --no-progress -o " + small);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("--window must be >= 16"), std::string::npos) << r.err;
+  EXPECT_FALSE(std::ifstream(small).good());
 }
 
 TEST(Cli, OversizePromptIsAClearError) {

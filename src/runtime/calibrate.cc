@@ -19,10 +19,14 @@ Result<CalibrateResult> Calibrate(Engine& engine, std::span<const int32_t> text,
     return InvalidArgument("calibrate: the engine must keep K and V in f32 (--ctk/--ctv f32)");
   }
   const int window = std::min(o.window, engine.n_ctx());
-  if (window < 2) return InvalidArgument("calibrate: --window must be >= 2");
-  if (text.size() < 16) {
+  if (window < 16) return InvalidArgument("calibrate: --window must be >= 16 tokens");
+  // Principal axes of head_dim coordinates need several times head_dim rows: fewer left axes of
+  // no variance, and the pca codecs decoded NaN from such a file.
+  const size_t min_tokens = size_t(4) * c.head_dim;
+  if (text.size() < min_tokens) {
     return InvalidArgument("calibrate: the text has " + std::to_string(text.size()) +
-                           " tokens; at least 16 are needed");
+                           " tokens; at least " + std::to_string(min_tokens) +
+                           " (4 x head_dim) are needed (--tokens, -f)");
   }
   const Tokenizer& tok = engine.tokenizer();
   const bool bos = tok.add_bos() && tok.bos_id() >= 0;  // as the eval harness's windows
