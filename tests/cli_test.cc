@@ -52,6 +52,16 @@ TEST(Cli, ChatKeepsTheConversationCached) {
   EXPECT_FALSE(r.out.empty());
 }
 
+// The plain template's end of turn ("\nUser:") is never printed, not even the part of it that
+// comes before the token completing it (kvtiny's second reply here writes "\nUser" then ":").
+TEST(Cli, ChatPrintsNoPartOfTheStopString) {
+  RunResult r = RunCachet("chat -t 1 -n 24 --temp 0",
+                          "Hello there\nWhat is the pass key?\nTell me a story about a king.\n");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.out.find("User"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("Beware that it beware of them."), std::string::npos) << r.out;
+}
+
 // --on-full: a 50-turn scripted chat in a 1024-token context runs to the end by shifting or
 // pressing, where `error` (the default) stops with a clear error; each policy says when it acts,
 // and the context never passes -c. (That the system prompt's fact is still answered after 50

@@ -165,21 +165,40 @@ bool Chat::MakeRoom(int need) {
 std::string Chat::Generate(const std::vector<int32_t>& ids) {
   std::string reply;
   bool at_stop = false;
+  size_t printed = 0;  // of reply
+  auto print_to = [&](size_t end) {
+    if (end <= printed) return;
+    std::fwrite(reply.data() + printed, 1, end - printed, stdout);
+    std::fflush(stdout);
+    printed = end;
+  };
   auto r = session_->Generate(ids, gen_, [&](std::string_view piece) {
     reply += piece;
     // End the turn at the template's end of turn (the model would otherwise write the user's
-    // turn too); what precedes a stop string in its piece is dropped with it.
+    // turn too): the text before the stop string is the reply.
+    size_t stop_at = std::string::npos;
+    for (const std::string& stop : stops_) stop_at = std::min(stop_at, reply.find(stop));
+    if (stop_at != std::string::npos) {
+      at_stop = true;
+      print_to(stop_at);
+      return false;
+    }
+    // Text that may be the start of a stop string waits until the next pieces tell.
+    size_t held = 0;
     for (const std::string& stop : stops_) {
-      if (reply.find(stop) != std::string::npos) {
-        at_stop = true;
-        return false;
+      if (stop.empty()) continue;
+      for (size_t k = std::min(stop.size() - 1, reply.size()); k > held; --k) {
+        if (reply.compare(reply.size() - k, k, stop, 0, k) == 0) {
+          held = k;
+          break;
+        }
       }
     }
-    std::fwrite(piece.data(), 1, piece.size(), stdout);
-    std::fflush(stdout);
+    print_to(reply.size() - held);
     return true;
   });
   if (!r.ok()) Fail(r.status());
+  if (!at_stop) print_to(reply.size());
   // The reply as the session holds it. At a stop string, only the tokens whose text comes before
   // it: the session drops the rest (those the stop string began in were evaluated; the one that
   // completed it was not), so the next turn's template text follows the reply.
