@@ -19,8 +19,7 @@ namespace cachet {
 // decoded, appended to the table's cold pages in the cold codec, the hot pages released. Tables
 // stay in position order (sinks, then the recent pages; the cold table in order too). Plan, then
 // apply: when the cold pool cannot supply the pages, nothing changes (ResourceExhausted).
-// Returns the pages moved through *moved (may be null).
 Status AgeOutPages(PagePool& pool, std::vector<BlockTable>& tables, PagePool& cold_pool,
-                   std::vector<BlockTable>& cold_tables, int n_tokens, int after, int* moved);
+                   std::vector<BlockTable>& cold_tables, int n_tokens, int after);
 
 }  // namespace cachet

@@ -56,6 +56,27 @@ void WriteRow(PagePool& pool, int table, int32_t page, int off, const float* k, 
   }
 }
 
+int64_t ColdPagesNeeded(const PagePool& cold, const BlockTable& c, int64_t n) {
+  const int64_t pt = cold.layout().page_tokens;
+  return (c.n_tokens + n + pt - 1) / pt - int64_t(c.pages.size()) +
+         (n > 0 && c.n_tokens % pt != 0 && cold.refcount(c.pages.back()) > 1);
+}
+
+void AppendColdRow(PagePool& cold, int table, BlockTable& c, const std::vector<int32_t>& fresh,
+                   size_t* next, const float* k, const float* v, int32_t pos) {
+  const int off = c.n_tokens % cold.layout().page_tokens;
+  if (off == 0) {
+    c.pages.push_back(fresh[(*next)++]);
+  } else if (cold.refcount(c.pages.back()) > 1) {  // shared with a fork
+    const int32_t shared = c.pages.back(), copy = fresh[(*next)++];
+    cold.CopyPage(shared, copy);
+    cold.Unref(shared);
+    c.pages.back() = copy;
+  }
+  WriteRow(cold, table, c.pages.back(), off, k, v, pos);
+  ++c.n_tokens;  // key bounds cover full pages before the last only: appending keeps them valid
+}
+
 void DecodeRows(PagePool& pool, int table, int32_t page, int cnt, float* k, float* v) {
   const KvLayout& lay = pool.layout();
   for (Role role : {Role::kKey, Role::kValue}) {

@@ -31,6 +31,15 @@ void EncodePageRows(PagePool& pool, int table, int32_t page, codecs::Role role, 
 void DecodeStoredRows(PagePool& pool, int table, int32_t page, codecs::Role role, int cnt,
                       float* rows);
 
+// Cold tables (a press's demoted tokens, kv/compaction.cc; pages aged out, kv/aging.cc) grow row
+// by row. The pages appending n rows to c takes: new pages past its last, and a private copy of a
+// shared (forked), partly filled last page.
+int64_t ColdPagesNeeded(const PagePool& cold, const BlockTable& c, int64_t n);
+// Appends one token to c (table `table` of the cold pool), taking the pages it needs from
+// fresh[*next], as ColdPagesNeeded counted them.
+void AppendColdRow(PagePool& cold, int table, BlockTable& c, const std::vector<int32_t>& fresh,
+                   size_t* next, const float* k, const float* v, int32_t pos);
+
 // Encodes one token's K and V rows into row `off` of a page, in the page's codecs.
 void WriteRow(PagePool& pool, int table, int32_t page, int off, const float* k, const float* v,
               int32_t pos);

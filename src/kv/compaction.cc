@@ -181,12 +181,8 @@ Status Compaction::TakePages() {
     if (cold_tables_.empty()) cold_tables_.resize(tables_.size());  // empty tables: no state
     int need_cold = 0;
     for (size_t ti = 0; ti < tables_.size(); ++ti) {
-      const BlockTable& c = cold_tables_[ti];
       const int64_t dropped = tables_[ti].n_tokens - int64_t(keep_[ti].size());
-      const int64_t n = c.n_tokens + dropped;
-      need_cold += static_cast<int>((n + pt - 1) / pt - int64_t(c.pages.size()));
-      // A shared, partly filled last cold page is copied before it is appended to.
-      need_cold += dropped > 0 && c.n_tokens % pt != 0 && cold_pool_->refcount(c.pages.back()) > 1;
+      need_cold += static_cast<int>(ColdPagesNeeded(*cold_pool_, cold_tables_[ti], dropped));
     }
     // A pool of one codec: all its pages are codec pages, or all raw when its codec is f32.
     const bool raw = cold_pool_->layout().plain();
@@ -205,18 +201,7 @@ Status Compaction::TakePages() {
 }
 
 void Compaction::Demote(size_t ti, const float* k, const float* v, int32_t pos) {
-  BlockTable& c = cold_tables_[ti];
-  const int off = c.n_tokens % cold_pool_->layout().page_tokens;
-  if (off == 0) {
-    c.pages.push_back(fresh_cold_[next_cold_++]);
-  } else if (cold_pool_->refcount(c.pages.back()) > 1) {  // shared with a fork
-    const int32_t shared = c.pages.back(), copy = fresh_cold_[next_cold_++];
-    cold_pool_->CopyPage(shared, copy);
-    cold_pool_->Unref(shared);
-    c.pages.back() = copy;
-  }
-  WriteRow(*cold_pool_, int(ti), c.pages.back(), off, k, v, pos);
-  ++c.n_tokens;  // key bounds cover full pages before the last only: appending keeps them valid
+  AppendColdRow(*cold_pool_, int(ti), cold_tables_[ti], fresh_cold_, &next_cold_, k, v, pos);
 }
 
 void Compaction::Shrink(size_t ti, int pages) {

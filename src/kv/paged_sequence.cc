@@ -118,7 +118,7 @@ Status PagedSequence::Reserve(int n) {
   if (age_after_ > 0 && cold_pool_ != nullptr && observer_ == nullptr) {
     // A full cold pool is not an error here: the pages stay hot (and the hot pool says when it
     // is full). A move that succeeded stays when the reservation below fails: the same tokens.
-    (void)AgeOutPages(pool_, tables_, *cold_pool_, cold_tables_, n_tokens_, age_after_, nullptr);
+    (void)AgeOutPages(pool_, tables_, *cold_pool_, cold_tables_, n_tokens_, age_after_);
   }
   const KvLayout& lay = pool_.layout();
   const int64_t pt = lay.page_tokens;
