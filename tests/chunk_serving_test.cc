@@ -142,11 +142,22 @@ TEST(RuntimeChunks, ServedAsEvalChunkedComputesThemAndFoundCachedTheSecondTime) 
       r.max_tokens = 6;
       r.sampling.temperature = 0;
       testing::Collector d;
+      const int64_t computed = (*rt)->Metrics().prompt_tokens;
       ASSERT_TRUE((*rt)->Submit(r, d.Callback()).ok());
       d.Wait();
       EXPECT_TRUE(d.last.error.ok()) << d.last.error.ToString();
       EXPECT_EQ(d.tokens, want->tokens) << "round " << round;
       EXPECT_EQ(d.last.usage.cached_tokens, round == 0 ? 0 : int(a.size() + b.size()));
+      // Prompt tokens computed: all of them, then all but the cached chunks', and blending
+      // computes some chunk tokens again (in place, after splicing them).
+      const int64_t now_computed = (*rt)->Metrics().prompt_tokens - computed;
+      const int64_t fresh = int64_t(r.prompt.size()) - d.last.usage.cached_tokens;
+      if (blend == "none") {
+        EXPECT_EQ(now_computed, fresh);
+      } else {
+        EXPECT_GT(now_computed, fresh);
+        EXPECT_LT(now_computed, fresh + int64_t(a.size() + b.size()));
+      }
     }
     (*rt)->ClearPrefixCache();  // the next blend computes its chunks again
   }

@@ -226,6 +226,7 @@ TEST(FitServing, TheRuntimeServesWhatEvalFittingComputes) {
   EXPECT_EQ(d.last.usage.prompt_tokens, int(prompt.size()));
   const RuntimeMetrics m = (*rt)->Metrics();
   EXPECT_EQ(m.fit_requests, 1);
+  EXPECT_EQ(m.prompt_tokens, int64_t(prompt.size()));  // each computed once, then pressed
   EXPECT_GT(m.fit_pressed_tokens, int64_t(prompt.size()) - o.engine.n_ctx);
   // Of its pages only the protected start's full ones went to the prefix cache (a chat's system
   // prompt, shared): the rest lacks tokens.

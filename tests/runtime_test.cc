@@ -269,6 +269,30 @@ TEST(Runtime, PromptBeyondThePoolIsInvalid) {
   EXPECT_NE(s.message().find("--kv-mem"), std::string::npos) << s.ToString();
 }
 
+// A request alone whose cache outgrows the pool while it generates has nothing left to preempt:
+// it ends as at the end of the context (finish_reason length, its tokens kept), not with the
+// ResourceExhausted that tells a client to retry. Chunked-prompt metrics count what was computed.
+TEST(Runtime, RequestOutgrowingThePoolEndsWithLength) {
+  auto rt = Runtime::Create(Options("f32", /*kv_mem_mib=*/1));
+  ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+  Runtime& r = **rt;
+  const KvStats kv = r.kv_stats();
+  const int heads = r.config().n_layers * r.config().n_kv_heads;
+  const int fits = kv.pages_total / heads * kv.page_tokens;
+  ASSERT_LT(fits + 8, r.n_ctx());
+  CompletionRequest q = Greedy(std::vector<int32_t>(fits - 8, 10), r.n_ctx());
+  q.stop_at_eos = false;
+  Collector c;
+  ASSERT_TRUE(r.Submit(q, c.Callback()).ok());
+  c.Wait();
+  EXPECT_TRUE(c.last.error.ok()) << c.last.error.ToString();
+  EXPECT_EQ(c.last.finish_reason, "length");
+  EXPECT_GE(c.last.usage.completion_tokens, 8);
+  EXPECT_LE(c.last.usage.prompt_tokens + c.last.usage.completion_tokens, fits + 1);
+  EXPECT_EQ(static_cast<int>(c.tokens.size()), c.last.usage.completion_tokens);
+  EXPECT_EQ(r.Metrics().prompt_tokens, fits - 8);
+}
+
 // A press as `cachet run --press SPEC --ratio R` sets it (the same parser).
 press::PressOptions Press(const char* spec, double ratio) {
   press::PressOptions p;

@@ -180,6 +180,7 @@ class Runtime {
   const Tokenizer& tokenizer() const;
   const ModelConfig& config() const;
   int n_ctx() const;
+  int max_waiting() const;  // RuntimeOptions::max_waiting: the most choices one request may queue
 
  private:
   struct Impl;

@@ -228,5 +228,6 @@ void Runtime::ClearPrefixCache() {
 const Tokenizer& Runtime::tokenizer() const { return impl_->engine->tokenizer(); }
 const ModelConfig& Runtime::config() const { return impl_->engine->config(); }
 int Runtime::n_ctx() const { return impl_->engine->n_ctx(); }
+int Runtime::max_waiting() const { return impl_->opt.max_waiting; }
 
 }  // namespace cachet

@@ -353,6 +353,11 @@ Status Runtime::Impl::EvalChunks(Request& q) {
   q.evaluated = q.session->n_tokens();
   if (!q.ever_admitted) q.cached = stats.hit_tokens;
   std::lock_guard<std::mutex> lock(mu);
+  // Computed here: the prompt but its last token, less what the chunk cache and the prefix
+  // cache's tiers gave, plus the cached chunks' tokens blending computed again.
+  metrics.prompt_tokens +=
+      std::max<int64_t>(0, static_cast<int64_t>(prompt.size()) - stats.hit_tokens -
+                               stats.prefix_tokens + stats.recomputed_tokens);
   metrics.chunk_hits += stats.chunk_hits;
   metrics.chunk_misses += stats.chunk_misses;
   metrics.chunk_tokens += stats.chunk_tokens;
@@ -377,6 +382,7 @@ Status Runtime::Impl::EvalFitted(Request& q) {
   q.tokens = std::move(tokens);
   q.evaluated = q.session->n_tokens();
   std::lock_guard<std::mutex> lock(mu);
+  metrics.prompt_tokens += static_cast<int64_t>(prompt.size()) - 1;  // all computed, then pressed
   metrics.fit_requests += 1;
   metrics.fit_pressed_tokens += away;
   return OkStatus();
@@ -529,10 +535,17 @@ bool Runtime::Impl::Step() {
       Preempt();
       continue;
     }
-    // Nothing else to free: the request alone does not fit (or the step is broken).
+    // Nothing else to free: the request alone does not fit (or the step is broken). One that
+    // has generated ends as a context limit would (its text so far stands; trying again would
+    // fail the same way); one still in its prompt is an error.
     std::unique_ptr<Request> q = std::move(running.front());
     running.erase(running.begin());
-    Finish(*q, "error", s);
+    const bool generating = static_cast<int>(q->tokens.size()) > q->n_prompt;
+    if (s.code() == StatusCode::kResourceExhausted && generating) {
+      Finish(*q, "length");
+    } else {
+      Finish(*q, "error", s);
+    }
     return true;
   }
   int64_t prompt_tokens = 0;

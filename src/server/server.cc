@@ -211,6 +211,12 @@ void Server::Impl::Generate(const httplib::Request& req, httplib::Response& res,
       Prepare(parsed.value(), model, NextSeed(), cache ? &*cache : nullptr);
   if (!prepared.ok()) return SendError(res, prepared.status());
   const PreparedRequest& p = prepared.value();
+  if (p.n > runtime.max_waiting()) {  // its choices queue as requests: they never would all fit
+    return SendError(res,
+                     InvalidArgument("n: " + std::to_string(p.n) +
+                                     " choices exceed the requests this server queues (" +
+                                     std::to_string(runtime.max_waiting()) + ", --max-waiting)"));
+  }
 
   auto ex = std::make_shared<Exchange>();
   for (int i = 0; i < p.n; ++i) {

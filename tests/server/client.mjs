@@ -647,6 +647,17 @@ if (group === "errors") {
     );
     const ids = Array.from({ length: n_ctx }, () => 5);
     await expectError("/v1/completions", { prompt: ids }, 400, { code: "context_length_exceeded" });
+    // --on-full error: a chat's reply of max_tokens must fit after its messages (as OpenAI).
+    await expectError(
+      "/v1/chat/completions",
+      { messages: [{ role: "user", content: "Hi" }], max_tokens: n_ctx },
+      400,
+      { param: "messages", code: "context_length_exceeded", contains: "max_tokens" },
+    );
+  });
+
+  check("400 for n above --max-waiting (its choices could never all queue)", async () => {
+    await bad({ prompt: "x", n: 2 }, "n", { contains: "--max-waiting" });
   });
 
   check("404 JSON for an unknown endpoint; 413 for a body over the limit", async () => {
