@@ -62,6 +62,16 @@ TEST(Cli, ChatPrintsNoPartOfTheStopString) {
   EXPECT_NE(r.out.find("Beware that it beware of them."), std::string::npos) << r.out;
 }
 
+// A script with CRLF line ends chats as with LF ones (the \r is not part of the message).
+TEST(Cli, ChatReadsCrlfLinesAsLf) {
+  const RunResult lf = RunCachet("chat -t 1 -n 12 --temp 0", "Hello there\nTom had a cat.\n");
+  const RunResult crlf = RunCachet("chat -t 1 -n 12 --temp 0", "Hello there\r\nTom had a cat.\r\n");
+  ASSERT_EQ(lf.status, 0) << lf.err;
+  ASSERT_EQ(crlf.status, 0) << crlf.err;
+  EXPECT_FALSE(lf.out.empty());
+  EXPECT_EQ(crlf.out, lf.out);
+}
+
 // --on-full: a 50-turn scripted chat in a 1024-token context runs to the end by shifting or
 // pressing, where `error` (the default) stops with a clear error; each policy says when it acts,
 // and the context never passes -c. (That the system prompt's fact is still answered after 50
@@ -341,6 +351,19 @@ TEST(Cli, ConvertSyntheticAndLogitsOf) {
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.err.find("bad.json: not a non-empty JSON array of token ids"), std::string::npos)
       << r.err;
+  // 2^32 + 5 once wrapped to 5; ids past the vocabulary and beyond -c are named.
+  r = RunCachet("run -t 1 -m " + model + " --logits-of " +
+                dir.Write("big.json", "[1, 4294967301]"));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("[1] = 4294967301 is not a token id (0 to 399)"), std::string::npos)
+      << r.err;
+  r = RunCachet("run -t 1 -c 4 -m " + model + " --logits-of " + ids);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("5 tokens do not fit in the context of 4 (-c)"), std::string::npos) << r.err;
+  // Integer flags name the bound they missed.
+  r = RunCachet("run -t 1 -m " + model + " --ubatch 0 -p x");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("--ubatch: value 0 must be > 0"), std::string::npos) << r.err;
 
   r = RunCachet("convert --synthetic no-such-shape " + model);
   EXPECT_EQ(r.status >> 8, 1);

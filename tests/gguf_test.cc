@@ -15,6 +15,7 @@
 #include "model/gguf_model.h"
 #include "runtime/sampler.h"
 #include "test_util.h"
+#include "util/mmap_file.h"
 
 namespace cachet {
 namespace {
@@ -186,6 +187,22 @@ TEST_F(GgufRoundTrip, MetadataAndLayout) {
   EXPECT_EQ(c->head_dim, 64);
   EXPECT_FLOAT_EQ(c->rope_theta, 100000.0f);
   EXPECT_FLOAT_EQ(c->rms_norm_eps, 1e-5f);
+}
+
+// A GGUF is known by its magic whatever its name (`-m model.bin`), and a regular file that is
+// not one is refused as such, not looked into as a directory.
+TEST_F(GgufRoundTrip, AnyFileNameLoadsByMagic) {
+  const std::string bin = dir_->path() + "/kvtiny-q8.bin";
+  ASSERT_TRUE(WriteFileAtomically(bin, ReadFile(Converted(DType::kQ8_0))).ok());
+  auto engine = MakeEngine(bin);
+  ASSERT_NE(engine, nullptr);
+  EXPECT_EQ(engine->config().n_layers, 8);
+  const std::string junk = dir_->path() + "/junk.bin";
+  ASSERT_TRUE(WriteFileAtomically(junk, std::string(64, 'x')).ok());
+  auto e = Engine::Create(EngineOptions{.model_dir = junk});
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("junk.bin: bad magic"), std::string::npos)
+      << e.status().message();
 }
 
 // GgufRopeRow is llama.cpp's LlamaModel.permute: w.reshape(n_head, 2, d/2, ...).swapaxes(1, 2).

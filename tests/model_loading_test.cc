@@ -278,6 +278,45 @@ TEST(ModelLoadingErrors, MalformedConfig) {
   EXPECT_NE(e.find("hidden_size"), std::string::npos) << e;
 }
 
+// Values of the right type but no sense are refused by name: they would divide by zero, size
+// buffers from garbage or never generate.
+TEST(ModelLoadingErrors, ConfigValuesOutOfRange) {
+  const json good = MakeTinyModel("llama", "F32", 1).config;
+  ASSERT_TRUE(ModelConfig::FromJson(good.dump(), "config.json").ok());
+  const std::pair<const char*, json> bad[] = {{"max_position_embeddings", 0},
+                                              {"max_position_embeddings", -5},
+                                              {"rope_theta", 0},
+                                              {"rope_theta", -1.0},
+                                              {"hidden_size", 64.5},
+                                              {"num_hidden_layers", 0},
+                                              {"rms_norm_eps", -1e-6},
+                                              {"vocab_size", 1e12},
+                                              {"head_dim", 3.5}};
+  for (const auto& [key, value] : bad) {
+    json config = good;
+    config[key] = value;
+    auto r = ModelConfig::FromJson(config.dump(), "config.json");
+    ASSERT_FALSE(r.ok()) << key << " = " << value.dump();
+    EXPECT_NE(r.status().message().find(std::string("config.json: field '") + key + "'"),
+              std::string::npos)
+        << r.status().message();
+  }
+  json whole = good;
+  whole["max_position_embeddings"] = 4096.0;  // a count written as a float: still a count
+  EXPECT_TRUE(ModelConfig::FromJson(whole.dump(), "config.json").ok());
+}
+
+// A config with fewer layers than its checkpoint holds describes other weights.
+TEST(ModelLoadingErrors, FewerLayersThanTheWeights) {
+  TempDir dir;
+  TinyModel m = MakeTinyModel("llama", "F32", 1);
+  m.config["num_hidden_layers"] = m.config["num_hidden_layers"].get<int>() - 1;
+  WriteModel(dir, m);
+  const std::string e = LoadError(dir.path());
+  EXPECT_NE(e.find("more layers"), std::string::npos) << e;
+  EXPECT_NE(e.find("num_hidden_layers"), std::string::npos) << e;
+}
+
 // An unsupported hidden_act is shown cut short: dumping it whole recursed once per nesting level
 // (a few MB of "[[[[" crashed the loader).
 TEST(ModelLoadingErrors, DeeplyNestedConfigValue) {

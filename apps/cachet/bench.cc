@@ -369,14 +369,14 @@ void AddBench(CLI::App& app) {
   AddPressFlags(*cmd, o->gen);
   cmd->add_option("--ctx", o->ctx, "Context lengths to measure, e.g. 512,4096")
       ->delimiter(',')
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   cmd->add_option("--reps", o->reps, "Runs per measurement (the median is reported)")
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   auto* n_decode =
       cmd->add_option("--n-decode", o->n_decode,
                       "Tokens decoded after each prefill (--serve-capacity: by each request; "
                       "default there: N, at least 8)")
-          ->check(CLI::PositiveNumber);
+          ->check(Positive());
   cmd->add_option("--vs", o->vs,
                   "Also measure these KV cache types (K[:V], e.g. q4_0 or q8_0:q4_0), one engine "
                   "each, running every rep on each engine in turn so that machine noise hits them "
@@ -402,11 +402,11 @@ void AddBench(CLI::App& app) {
                   "--kv-mem in --ctk/--ctv, every request pressed with --press if given. Reports "
                   "how many decoded at once before any preemption and the KV bytes a sequence "
                   "holds (JSON keys concurrent, seq_kv_bytes)")
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   cmd->add_option("--batch-tokens", o->batch_tokens,
                   "--serve-capacity: tokens per runtime step (default: the --ctx plus N, a whole "
                   "prompt and every request's next token)")
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   cmd->add_option("--agents", o->agents,
                   "Instead: N agents that share one context of the largest --ctx (random tokens) "
                   "and differ in a 32-token instruction and --n-decode greedy tokens: KV bytes "

@@ -28,10 +28,10 @@ void AddCalibrate(CLI::App& app) {
                   "HF model directory or GGUF file; default: the embedded kvtiny")
       ->check(CLI::ExistingPath);
   cmd->add_option("-t,--threads", o->engine.threads, "Worker threads (0 = one per core)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(NonNegative());
   cmd->add_option("--ubatch", o->engine.ubatch, "Prompt tokens per prefill chunk")
       ->default_val(512)
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   cmd->add_option("-o,--output", o->out, "The .kvcal file to write")->required();
   cmd->add_option("-f,--file", o->text_file,
                   "Calibration text (default: the first quarter of the haystack's pydocs.txt, "

@@ -307,6 +307,7 @@ void AddChat(CLI::App& app) {
     for (std::string line;;) {
       std::fprintf(stderr, "> ");
       if (!std::getline(std::cin, line)) break;
+      if (line.ends_with('\r')) line.pop_back();  // a CRLF script or terminal
       if (!line.empty()) chat.Turn(line, *verbose_prompt);
     }
   });

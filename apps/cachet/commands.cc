@@ -20,22 +20,44 @@
 
 namespace cachet::cli {
 
+namespace {
+CLI::Validator AtLeast(double lo, const char* bound, const char* type) {
+  return CLI::Validator(
+      [lo, bound](std::string& v) -> std::string {
+        char* end = nullptr;
+        const double x = std::strtod(v.c_str(), &end);
+        if (end != v.c_str() && *end == '\0' && std::isfinite(x) && x >= lo) return {};
+        return "value " + v + " must be " + bound;
+      },
+      type);
+}
+}  // namespace
+
+const CLI::Validator& Positive() {
+  static const CLI::Validator v = AtLeast(1e-300, "> 0", "POSITIVE");
+  return v;
+}
+const CLI::Validator& NonNegative() {
+  static const CLI::Validator v = AtLeast(0, ">= 0", "NONNEGATIVE");
+  return v;
+}
+
 void AddEngineFlags(CLI::App& app, EngineOptions& o) {
   app.add_option("-m,--model", o.model_dir,
                  "HF model directory (config.json, *.safetensors, tokenizer.json or "
                  "tokenizer.model); default: the embedded kvtiny")
       ->check(CLI::ExistingPath);
   app.add_option("-t,--threads", o.threads, "Worker threads (0 = one per core)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(NonNegative());
   app.add_option("--ubatch", o.ubatch, "Prompt tokens per prefill chunk")
       ->default_val(512)
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   app.add_option("-c,--ctx-size", o.n_ctx,
                  "Max tokens per sequence (0 = the model's max_position_embeddings)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(NonNegative());
   app.add_option("--kv-mem", o.kv_mem_mib,
                  "KV cache pool capacity in MiB (0 = enough for one full context)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(NonNegative());
   app.add_option("--page-tokens", o.page_tokens, "Tokens per KV page (one layer, one KV head)")
       ->default_val(16)
       ->check(CLI::Range(1, 256));
@@ -50,11 +72,11 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o) {
                  "it are only read with it");
   app.add_option("--kv-sinks", o.kv_sinks,
                  "Keep the pages holding the first N tokens in f16 (attention sinks)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(NonNegative());
   app.add_option("--kv-window", o.kv_window,
                  "Keep each page in f16 until N newer tokens follow it, then "
                  "store it in the --cache-type codec (the recent window of mixed precision)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(NonNegative());
   app.add_option("--kv-cold", o.kv_cold,
                  "Precision by age: move each full page whose tokens are all --kv-cold-after or "
                  "more tokens old to a second pool in this row-wise codec (e.g. kvq2, rot3, "
@@ -63,7 +85,7 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o) {
   app.add_option("--kv-cold-after", o.kv_cold_after,
                  "With --kv-cold: the age in tokens at which a page moves to the cold codec")
       ->default_val(256)
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   app.add_flag("!--no-prefix-cache", o.prefix_cache,
                "Do not share or reuse KV pages of common prompt prefixes");
   app.add_option("--disk-cache", o.disk_cache_dir,
@@ -71,7 +93,7 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o) {
                  "later run with the same model and KV layout reuses them, after a restart too");
   app.add_option("--disk-cache-mib", o.disk_cache_mib,
                  "Size cap of --disk-cache in MiB (0 = 4096); least recently used runs go first")
-      ->check(CLI::NonNegativeNumber);
+      ->check(NonNegative());
   app.add_flag("--tier-zstd", o.tier_zstd,
                "Compress the runs --disk-cache and --redis store with zstd (level 1): about half "
                "the bytes for f32/f16 pages, little for quantized ones; readers inflate any run");
@@ -98,13 +120,13 @@ void AddSamplingFlags(CLI::App& app, GenerateOptions& o) {
   };
   app.add_option("-n,--n-predict", o.max_tokens, "Max tokens to generate")
       ->default_val(128)
-      ->check(CLI::NonNegativeNumber);
+      ->check(NonNegative());
   app.add_option("--temp", s.temperature, "Sampling temperature; 0 = greedy")
       ->default_val(0.8)
       ->check(finite_in(0, 100));
   app.add_option("--top-k", s.top_k, "Keep the k most likely tokens (0 = off)")
       ->default_val(40)
-      ->check(CLI::NonNegativeNumber);
+      ->check(NonNegative());
   app.add_option("--top-p", s.top_p,
                  "Nucleus sampling: keep the smallest set with this mass, the most likely token "
                  "at least (1 = off)")
@@ -143,12 +165,12 @@ void AddPressFlags(CLI::App& app, GenerateOptions& o) {
                     ->default_val(0.5);
   app.add_option("--budget", opts->budget,
                  "Press: tokens kept per layer and KV head on average, instead of --ratio")
-      ->check(CLI::PositiveNumber)
+      ->check(Positive())
       ->excludes(ratio);
   app.add_option("--window", opts->window,
                  "Press: observation window, the last prompt tokens whose attention SnapKV and "
                  "expected attention score by (always kept)")
-      ->check(CLI::PositiveNumber)
+      ->check(Positive())
       ->default_val(opts->window);
   app.add_flag("--compress-during-prefill", opts->during_prefill,
                "Press: compress after every --ubatch chunk of the prompt, so the KV never holds "
@@ -164,7 +186,7 @@ void AddPressFlags(CLI::App& app, GenerateOptions& o) {
   app.add_option("--decode-every", opts->decode_every,
                  "Press: press again every N decoded tokens, back to the prompt's budget; "
                  "attention scores keep accumulating while decoding (H2O's heavy hitters)")
-      ->check(CLI::NonNegativeNumber)
+      ->check(NonNegative())
       ->default_val(0);
   app.add_flag("--merge", opts->merge,
                "Press: fold each evicted token's value into its more similar kept neighbour "
@@ -173,7 +195,7 @@ void AddPressFlags(CLI::App& app, GenerateOptions& o) {
                "Press: reserve 10% of the budget for the first and last tokens of the prompt "
                "(the +protect modifier)");
   app.add_option("--sinks", opts->sinks, "Press: the first N tokens are always kept")
-      ->check(CLI::NonNegativeNumber)
+      ->check(NonNegative())
       ->default_val(opts->sinks);
   auto share = std::make_shared<std::string>();
   app.add_option("--share-layers", *share,
@@ -187,7 +209,7 @@ void AddPressFlags(CLI::App& app, GenerateOptions& o) {
   app.add_option("--quest-pages", opts->quest_pages,
                  "Press quest: pages each head reads per decode step (plus the current page), "
                  "instead of the fraction 1 - --ratio of its pages")
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   app.parse_complete_callback([spec, opts, share, &o] {
     if (!spec->empty()) {
       press::PressOptions p = *opts;
@@ -256,16 +278,28 @@ void PrintLogitsOf(const EngineOptions& eo, const std::string& path) {
   bool ok = j.is_array() && !j.empty();
   for (size_t i = 0; ok && i < j.size(); ++i) {
     ok = j[i].is_number_integer();
-    if (ok) ids.push_back(j[i].get<int32_t>());
+    if (ok)
+      ids.push_back(static_cast<int32_t>(std::clamp<int64_t>(j[i].get<int64_t>(), -1, INT32_MAX)));
   }
   if (!ok) {
     std::fprintf(stderr, "cachet: %s: not a non-empty JSON array of token ids\n", path.c_str());
     throw CLI::RuntimeError(1);
   }
-  EngineOptions o = eo;
-  o.n_ctx = std::max<int>(o.n_ctx, static_cast<int>(ids.size()));
-  auto engine = LoadEngine(o);
+  auto engine = LoadEngine(eo);  // -c as given: 0 is the model's context
   if (!engine) throw CLI::RuntimeError(1);
+  const int vocab_size = engine->config().vocab_size;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0 || ids[i] >= vocab_size) {
+      std::fprintf(stderr, "cachet: %s: [%zu] = %s is not a token id (0 to %d)\n", path.c_str(), i,
+                   j[i].dump().c_str(), vocab_size - 1);
+      throw CLI::RuntimeError(1);
+    }
+  }
+  if (static_cast<int64_t>(ids.size()) > engine->n_ctx()) {
+    std::fprintf(stderr, "cachet: %s: %zu tokens do not fit in the context of %d (-c)\n",
+                 path.c_str(), ids.size(), engine->n_ctx());
+    throw CLI::RuntimeError(1);
+  }
   std::vector<float> logits;
   const Status s = engine->NewSession()->Eval(ids, &logits, /*all_logits=*/true);
   if (!s.ok()) {

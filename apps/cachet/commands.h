@@ -16,6 +16,11 @@ struct CommonOptions {
 };
 
 // -m, -t, --ubatch, --ctx, --kv-mem, --page-tokens.
+// Checks of integer flags whose failures name the value and the bound (CLI11's own print the
+// range up to DBL_MAX in full).
+const CLI::Validator& Positive();     // > 0
+const CLI::Validator& NonNegative();  // >= 0
+
 void AddEngineFlags(CLI::App& app, EngineOptions& o);
 // -n, --temp, --top-k, --top-p, --min-p, --repeat-penalty, --repeat-last-n, --seed.
 void AddSamplingFlags(CLI::App& app, GenerateOptions& o);

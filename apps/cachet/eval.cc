@@ -282,7 +282,7 @@ void AddEval(CLI::App& app) {
       ->check(CLI::Range(16, 1 << 20))
       ->capture_default_str();
   cmd->add_option("--samples", o->samples, "Samples per task, length, needles and depth")
-      ->check(CLI::PositiveNumber)
+      ->check(Positive())
       ->capture_default_str();
   cmd->add_option("--needles", o->needles,
                   "niah: needles in the haystack (1, 2, 4, 8; a list sweeps; 0 = the mix kvtiny "
@@ -312,7 +312,7 @@ void AddEval(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--max-new", o->max_new,
                   "Max tokens decoded per answer (decoding also stops at a newline or EOS)")
-      ->check(CLI::PositiveNumber)
+      ->check(Positive())
       ->capture_default_str();
   cmd->add_option("--press", o->presses,
                   "Presses: full, or a scorer (streaming, h2o, snapkv, tova, knorm, keydiff, "
@@ -329,14 +329,14 @@ void AddEval(CLI::App& app) {
   cmd->add_option("--window", o->press_window,
                   "Presses: observation window (last prompt tokens whose attention SnapKV and "
                   "expected attention score by; always kept)")
-      ->check(CLI::PositiveNumber)
+      ->check(Positive())
       ->capture_default_str();
   cmd->add_option("--demote-fetch", o->demote_fetch,
                   "Presses with +demote:CODEC: fraction of the cold pages each decode step reads")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
   cmd->add_option("--sinks", o->press_sinks, "Presses: the first N tokens are always kept")
-      ->check(CLI::NonNegativeNumber)
+      ->check(NonNegative())
       ->capture_default_str();
   auto* ratio = cmd->add_option("--ratio", o->ratios,
                                 "Fraction of the KV removed by each press (0.5 = half the "
@@ -346,7 +346,7 @@ void AddEval(CLI::App& app) {
                     ->capture_default_str();
   cmd->add_option("--budget", o->budgets, "Tokens kept by each press, instead of --ratio")
       ->delimiter(',')
-      ->check(CLI::PositiveNumber)
+      ->check(Positive())
       ->excludes(ratio);
   cmd->add_option("--codec", o->codecs,
                   "KV codecs: " + codecs::CodecNames() +
@@ -367,7 +367,7 @@ void AddEval(CLI::App& app) {
                 "Measure KL divergence, top-1 agreement and perplexity on text against --kl-ref "
                 "instead of task accuracy");
   cmd->add_option("--windows", o->windows, "KL: text windows")
-      ->check(CLI::PositiveNumber)
+      ->check(Positive())
       ->capture_default_str();
   cmd->add_option("--window-len", o->window_len,
                   "KL: tokens per window, BOS included; the first half is context, the second "

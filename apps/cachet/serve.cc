@@ -63,19 +63,19 @@ void AddServe(CLI::App& app) {
   cmd->add_option("--batch-tokens", o->runtime.batch_tokens,
                   "Tokens per batched step: one per decoding request plus chunks of prompts")
       ->default_val(512)
-      ->check(CLI::PositiveNumber);
+      ->check(Positive());
   cmd->add_option("--max-waiting", o->runtime.max_waiting,
                   "Requests that may wait for a place beyond --np; more are refused with 503 "
                   "and Retry-After")
       ->default_val(256)
-      ->check(CLI::NonNegativeNumber);
+      ->check(NonNegative());
   cmd->add_option("--cache-mem-mib", o->cache_mem_mib,
                   "MiB of KV pages that kept caches (POST /v1/caches) may hold in RAM; past it "
                   "the least recently used leave RAM and are loaded again from --disk-cache or "
                   "--redis when asked for (without either, a cache past it is refused). Default "
                   "0: half of --kv-mem")
       ->default_val(0)
-      ->check(CLI::NonNegativeNumber);
+      ->check(NonNegative());
   cmd->add_option("--api-key", o->server.api_key,
                   "Require \"Authorization: Bearer KEY\" on every endpoint but /health and "
                   "/metrics (401 otherwise); also read from $CACHET_API_KEY")
@@ -93,7 +93,7 @@ void AddServe(CLI::App& app) {
                   "HTTP connections served at once (each streaming request holds one; default "
                   "0: --np + --max-waiting, at least 16, at most 512)")
       ->default_val(0)
-      ->check(CLI::NonNegativeNumber);
+      ->check(NonNegative());
   cmd->add_option_function<std::string>(
          "--on-full",
          [o](const std::string& policy) {

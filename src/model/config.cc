@@ -1,5 +1,8 @@
 #include <cmath>
+#include <limits>
 #include <nlohmann/json.hpp>
+#include <sstream>
+#include <type_traits>
 
 #include "cachet/model_config.h"
 #include "model/gguf_model.h"
@@ -36,18 +39,35 @@ bool ParseArch(const std::string& name, Arch* arch) {
 
 namespace {
 
-// Reads an optional number field; a present field of the wrong type is an error.
+// Reads a number field within [lo, hi]; a present field of the wrong type (a fraction where a
+// count belongs, a string), out of range or not finite is an error naming it.
 template <class T>
-Status GetNumber(const json& j, const char* key, T* out, bool required, const std::string& where) {
+Status GetNumber(const json& j, const char* key, T* out, bool required, const std::string& where,
+                 double lo, double hi) {
   auto it = j.find(key);
   if (it == j.end() || it->is_null()) {
     return required ? InvalidArgument(where + ": missing required field '" + key + "'")
                     : OkStatus();
   }
   if (!it->is_number()) return InvalidArgument(where + ": field '" + key + "' must be a number");
-  *out = it->get<T>();
+  const double v = it->get<double>();
+  if (std::is_integral_v<T> && !it->is_number_integer() && v != std::floor(v)) {
+    return InvalidArgument(where + ": field '" + key + "' must be a whole number, not " +
+                           JsonExcerpt(*it));
+  }
+  if (!(v >= lo && v <= hi)) {
+    std::ostringstream range;
+    range << lo << " to " << hi;
+    return InvalidArgument(where + ": field '" + key + "' is " + JsonExcerpt(*it) +
+                           ", not in the range " + range.str());
+  }
+  *out = static_cast<T>(v);
   return OkStatus();
 }
+
+// Bounds of the fields: generous, but a count is positive and fits the int math downstream.
+constexpr double kMaxDim = 1 << 20, kMaxCount = 1 << 16, kMaxVocab = 1 << 24;
+constexpr double kMaxPositions = 1 << 30, kMaxId = (1u << 31) - 1;
 
 }  // namespace
 
@@ -64,27 +84,31 @@ Result<ModelConfig> ParseConfig(const std::string& text, const std::string& wher
   if (j.contains("hidden_act") && j["hidden_act"] != "silu") {
     return Unimplemented(where + ": unsupported hidden_act " + JsonExcerpt(j["hidden_act"]));
   }
-  CACHET_RETURN_IF_ERROR(GetNumber(j, "vocab_size", &c.vocab_size, true, where));
-  CACHET_RETURN_IF_ERROR(GetNumber(j, "hidden_size", &c.hidden_size, true, where));
-  CACHET_RETURN_IF_ERROR(GetNumber(j, "intermediate_size", &c.intermediate_size, true, where));
-  CACHET_RETURN_IF_ERROR(GetNumber(j, "num_hidden_layers", &c.n_layers, true, where));
-  CACHET_RETURN_IF_ERROR(GetNumber(j, "num_attention_heads", &c.n_heads, true, where));
-  c.n_kv_heads = c.n_heads;
-  CACHET_RETURN_IF_ERROR(GetNumber(j, "num_key_value_heads", &c.n_kv_heads, false, where));
-  if (c.n_heads > 0) c.head_dim = c.hidden_size / c.n_heads;
-  CACHET_RETURN_IF_ERROR(GetNumber(j, "head_dim", &c.head_dim, false, where));
-  CACHET_RETURN_IF_ERROR(GetNumber(j, "rope_theta", &c.rope_theta, false, where));
-  CACHET_RETURN_IF_ERROR(GetNumber(j, "rms_norm_eps", &c.rms_norm_eps, false, where));
+  CACHET_RETURN_IF_ERROR(GetNumber(j, "vocab_size", &c.vocab_size, true, where, 1, kMaxVocab));
+  CACHET_RETURN_IF_ERROR(GetNumber(j, "hidden_size", &c.hidden_size, true, where, 1, kMaxDim));
   CACHET_RETURN_IF_ERROR(
-      GetNumber(j, "max_position_embeddings", &c.max_position_embeddings, false, where));
+      GetNumber(j, "intermediate_size", &c.intermediate_size, true, where, 1, kMaxDim));
+  CACHET_RETURN_IF_ERROR(GetNumber(j, "num_hidden_layers", &c.n_layers, true, where, 1, kMaxCount));
+  CACHET_RETURN_IF_ERROR(
+      GetNumber(j, "num_attention_heads", &c.n_heads, true, where, 1, kMaxCount));
+  c.n_kv_heads = c.n_heads;
+  CACHET_RETURN_IF_ERROR(
+      GetNumber(j, "num_key_value_heads", &c.n_kv_heads, false, where, 1, kMaxCount));
+  c.head_dim = c.hidden_size / c.n_heads;
+  CACHET_RETURN_IF_ERROR(GetNumber(j, "head_dim", &c.head_dim, false, where, 1, kMaxCount));
+  constexpr double kHuge = std::numeric_limits<float>::max();
+  CACHET_RETURN_IF_ERROR(GetNumber(j, "rope_theta", &c.rope_theta, false, where, 1e-30, kHuge));
+  CACHET_RETURN_IF_ERROR(GetNumber(j, "rms_norm_eps", &c.rms_norm_eps, false, where, 0, 1));
+  CACHET_RETURN_IF_ERROR(GetNumber(j, "max_position_embeddings", &c.max_position_embeddings, false,
+                                   where, 1, kMaxPositions));
   c.tie_word_embeddings = j.value("tie_word_embeddings", false);
   c.attention_bias = c.arch == Arch::kQwen2 || j.value("attention_bias", false);
   c.qk_norm = c.arch == Arch::kQwen3;
-  CACHET_RETURN_IF_ERROR(GetNumber(j, "bos_token_id", &c.bos_token_id, false, where));
+  CACHET_RETURN_IF_ERROR(GetNumber(j, "bos_token_id", &c.bos_token_id, false, where, -1, kMaxId));
   if (j.contains("eos_token_id") && j["eos_token_id"].is_array() && !j["eos_token_id"].empty()) {
     c.eos_token_id = j["eos_token_id"][0].get<int>();
   } else {
-    CACHET_RETURN_IF_ERROR(GetNumber(j, "eos_token_id", &c.eos_token_id, false, where));
+    CACHET_RETURN_IF_ERROR(GetNumber(j, "eos_token_id", &c.eos_token_id, false, where, -1, kMaxId));
   }
 
   if (c.vocab_size <= 0 || c.hidden_size <= 0 || c.intermediate_size <= 0 || c.n_layers <= 0 ||
@@ -114,8 +138,11 @@ Result<ModelConfig> ParseConfig(const std::string& text, const std::string& wher
       return Unimplemented(where + ": rope_scaling.type '" + type +
                            "' is not supported (supported: linear, llama3)");
     }
-    if (!(c.rope_scaling.factor > 0)) {
-      return InvalidArgument(where + ": rope_scaling.factor must be > 0");
+    if (!(c.rope_scaling.factor > 0 && std::isfinite(c.rope_scaling.factor))) {
+      return InvalidArgument(where + ": rope_scaling.factor must be a finite number > 0");
+    }
+    if (c.rope_scaling.original_max_position_embeddings <= 0) {
+      return InvalidArgument(where + ": rope_scaling.original_max_position_embeddings must be > 0");
     }
   }
   return c;

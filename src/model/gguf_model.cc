@@ -1,5 +1,7 @@
 #include "model/gguf_model.h"
 
+#include <sys/stat.h>
+
 #include <cmath>
 #include <utility>
 
@@ -43,6 +45,14 @@ std::string GgufTensorName(const std::string& hf) {
     if (rest == h) return "blk." + layer + "." + g;
   }
   return hf;
+}
+
+bool IsGgufPath(const std::string& path) {
+  if (path.ends_with(".gguf")) return true;
+  // Any other regular file is read as GGUF too: one that is not gets GGUF's "bad magic" error,
+  // which names it, rather than "FILE/config.json: cannot open".
+  struct stat st;
+  return stat(path.c_str(), &st) == 0 && S_ISREG(st.st_mode);
 }
 
 Result<ModelConfig> GgufConfig(const GgufFile& f) {

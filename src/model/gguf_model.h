@@ -18,9 +18,8 @@
 
 namespace cachet {
 
-inline bool IsGgufPath(const std::string& path) {
-  return path.size() >= 5 && path.compare(path.size() - 5, 5, ".gguf") == 0;
-}
+// A .gguf name, or any file that starts with GGUF's magic (llama.cpp reads `-m model.bin` too).
+bool IsGgufPath(const std::string& path);
 
 // The model's hyper-parameters from general.architecture and {arch}.* keys.
 Result<ModelConfig> GgufConfig(const GgufFile& f);

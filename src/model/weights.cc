@@ -92,6 +92,14 @@ Result<ModelWeights> ModelWeights::Load(const ModelConfig& c, TensorStore store)
       }
     }
   }
+  // Weights of a layer past num_hidden_layers: a config that does not describe these weights.
+  if (const std::string extra =
+          "model.layers." + std::to_string(c.n_layers) + ".input_layernorm.weight";
+      ld.Has(extra)) {
+    return InvalidArgument("the weights hold more layers than the config's " +
+                           std::to_string(c.n_layers) + " (tensor '" + ld.Name(extra) +
+                           "' is not used): num_hidden_layers does not describe this checkpoint");
+  }
   return w;
 }
 
