@@ -170,6 +170,15 @@ TEST(KvAging, LossyColdHoldsFewerBytes) {
   // Recent tokens in q8_0 and old ones in q4_0: closer to f32 than q4_0 everywhere.
   EXPECT_LT(testing::MeanKl(ref, aged, vocab), testing::MeanKl(ref, q4, vocab));
   EXPECT_GT(testing::MeanKl(ref, aged, vocab), testing::MeanKl(ref, q8, vocab));
+  // K:V apart: old keys kept in q8_0, old values in q4_0: between the two.
+  size_t split_bytes = 0;
+  int split_cold = 0;
+  const auto split =
+      StepLogits(*MakeEngine("q8_0", "q8_0:q4_0"), prompt, &split_bytes, &split_cold);
+  EXPECT_EQ(split_cold, n_cold[3]);
+  EXPECT_GT(split_bytes, bytes[3]);
+  EXPECT_LT(split_bytes, bytes[1]);
+  EXPECT_LT(testing::MeanKl(ref, split, vocab), testing::MeanKl(ref, aged, vocab));
 }
 
 TEST(KvAging, BadOptionsAreRefused) {
@@ -182,6 +191,10 @@ TEST(KvAging, BadOptionsAreRefused) {
   ASSERT_FALSE(e.ok());
   EXPECT_NE(e.status().message().find("--kv-cold kivi4"), std::string::npos);
   o.kv_cold = "nonsense";
+  EXPECT_FALSE(Engine::Create(o).ok());
+  o.kv_cold = "q4_0:nonsense";  // the values' codec is checked as the keys'
+  EXPECT_FALSE(Engine::Create(o).ok());
+  o.kv_cold = "q4_0:";
   EXPECT_FALSE(Engine::Create(o).ok());
   o.kv_cold = "q4_0";
   o.kv_cold_after = 0;

@@ -79,7 +79,8 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o) {
       ->check(NonNegative());
   app.add_option("--kv-cold", o.kv_cold,
                  "Precision by age: move each full page whose tokens are all --kv-cold-after or "
-                 "more tokens old to a second pool in this row-wise codec (e.g. kvq2, rot3, "
+                 "more tokens old to a second pool in this row-wise codec, K[:V] (e.g. kvq2, "
+                 "kvq3:kvq2 for 3-bit keys and 2-bit values, rot3, "
                  "q4_0), which attention reads whole: recent tokens in --kv-window's f16 and the "
                  "--cache-type codec, older ones in fewer bits");
   app.add_option("--kv-cold-after", o.kv_cold_after,

@@ -237,12 +237,19 @@ Result<PagePool*> Engine::ColdPool(std::string_view codec, std::string_view flag
     if (name == codec) return pool.get();
   }
   KvLayout layout = kv_pool_->layout();
-  CACHET_ASSIGN_OR_RETURN(layout.codec_k, codecs::ParseCodec(codec));
+  // K[:V]: one codec for both, or the keys' and the values' apart (kvq3:kvq2).
+  const size_t colon = codec.find(':');
+  CACHET_ASSIGN_OR_RETURN(layout.codec_k, codecs::ParseCodec(codec.substr(0, colon)));
   layout.codec_v = layout.codec_k;
+  if (colon != std::string_view::npos) {
+    CACHET_ASSIGN_OR_RETURN(layout.codec_v, codecs::ParseCodec(codec.substr(colon + 1)));
+  }
   layout.sinks = 0;
   layout.window = 0;
   CACHET_RETURN_IF_ERROR(codecs::CheckDim(layout.codec_k, layout.head_dim));
-  if (codecs::IsCalibrated(layout.codec_k) && !layout.calibration) {
+  CACHET_RETURN_IF_ERROR(codecs::CheckDim(layout.codec_v, layout.head_dim));
+  if ((codecs::IsCalibrated(layout.codec_k) || codecs::IsCalibrated(layout.codec_v)) &&
+      !layout.calibration) {
     return InvalidArgument(std::string(flag) + " " + std::string(codec) +
                            " needs a calibration of this model: --kv-calibration FILE (make one "
                            "with `cachet calibrate`)");
