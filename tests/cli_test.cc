@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdio>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -364,6 +365,14 @@ TEST(Cli, ConvertSyntheticAndLogitsOf) {
   r = RunCachet("run -t 1 -m " + model + " --ubatch 0 -p x");
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.err.find("--ubatch: value 0 must be > 0"), std::string::npos) << r.err;
+
+  // Written to a temporary file, then renamed: nothing else is left beside the output.
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+    EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
+  }
+  r = RunCachet("convert --synthetic " + shape + " " + dir.path() + "/no/such/dir.gguf");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("cannot create"), std::string::npos) << r.err;
 
   r = RunCachet("convert --synthetic no-such-shape " + model);
   EXPECT_EQ(r.status >> 8, 1);

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <random>
 
+#include "cachet/convert.h"
 #include "cachet/model_config.h"
 #include "kv/paged_sequence.h"
 #include "model/safetensors.h"
@@ -304,6 +305,20 @@ TEST(ModelLoadingErrors, ConfigValuesOutOfRange) {
   json whole = good;
   whole["max_position_embeddings"] = 4096.0;  // a count written as a float: still a count
   EXPECT_TRUE(ModelConfig::FromJson(whole.dump(), "config.json").ok());
+}
+
+// Converting onto one of the model's own files is refused before anything is written (it once
+// truncated the shard it was reading: SIGBUS and a destroyed model).
+TEST(ModelLoadingErrors, ConvertNeverWritesOverItsInput) {
+  TempDir dir;
+  WriteModel(dir, MakeTinyModel("llama", "F32", 1));
+  const std::string shard = dir.path() + "/model.safetensors";
+  const std::string before = testing::ReadFile(shard);
+  const Status s = ConvertHfToGguf(dir.path(), shard, DType::kQ8_0, 1, false);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("is a file of the model being converted"), std::string::npos)
+      << s.message();
+  EXPECT_EQ(testing::ReadFile(shard), before);
 }
 
 // A config with fewer layers than its checkpoint holds describes other weights.

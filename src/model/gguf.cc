@@ -1,5 +1,7 @@
 #include "model/gguf.h"
 
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -548,7 +550,10 @@ Status GgufWriter::Write(const std::string& path) const {
     offset += (t.n_bytes + kAlign - 1) / kAlign * kAlign;
   }
   head.resize((head.size() + kAlign - 1) / kAlign * kAlign, '\0');
-  std::unique_ptr<FILE, int (*)(FILE*)> f(std::fopen(path.c_str(), "wb"), &std::fclose);
+  // Written beside the target, then renamed over it: an interrupted or failed write leaves any
+  // file already there as it was (and a model being read, mapped, is never written into).
+  const std::string temp = path + ".tmp" + std::to_string(::getpid());
+  std::unique_ptr<FILE, int (*)(FILE*)> f(std::fopen(temp.c_str(), "wb"), &std::fclose);
   if (!f) return NotFound(path + ": cannot create");
   bool ok = std::fwrite(head.data(), 1, head.size(), f.get()) == head.size();
   std::vector<uint8_t> buf;
@@ -558,7 +563,12 @@ Status GgufWriter::Write(const std::string& path) const {
     t.fill(buf.data());
     ok = ok && std::fwrite(buf.data(), 1, buf.size(), f.get()) == buf.size();
   }
-  if (std::fflush(f.get()) != 0 || !ok) return DataLoss(path + ": write failed");
+  ok = std::fflush(f.get()) == 0 && ok;
+  ok = std::fclose(f.release()) == 0 && ok;
+  if (!ok || std::rename(temp.c_str(), path.c_str()) != 0) {
+    std::remove(temp.c_str());
+    return DataLoss(path + ": write failed");
+  }
   return OkStatus();
 }
 

@@ -319,6 +319,13 @@ void TensorAdder::AddVector(const std::string& gguf_name, int64_t n, RowSource r
 Status ConvertHfToGguf(const std::string& dir, const std::string& out_path, DType type, int threads,
                        bool progress) {
   using namespace gguf_convert_internal;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    if (std::filesystem::equivalent(entry.path(), out_path, ec)) {
+      return InvalidArgument(out_path + ": is a file of the model being converted (" + dir +
+                             "); write the GGUF elsewhere");
+    }
+  }
   CACHET_ASSIGN_OR_RETURN(ModelConfig c, ModelConfig::Load(dir));
   CACHET_ASSIGN_OR_RETURN(TensorStore store, TensorStore::OpenDir(dir));
   CACHET_ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> tok, Tokenizer::Load(dir));
@@ -331,7 +338,6 @@ Status ConvertHfToGguf(const std::string& dir, const std::string& out_path, DTyp
   SetModelMetadata(c, std::filesystem::path(dir).filename().string(), type, w);
 
   const std::filesystem::path d(dir);
-  std::error_code ec;
   if (std::filesystem::exists(d / "tokenizer.json", ec)) {
     CACHET_RETURN_IF_ERROR(AddBpeVocab((d / "tokenizer.json").string(), c.vocab_size, w));
   } else {
