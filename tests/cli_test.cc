@@ -148,6 +148,21 @@ TEST(Cli, CacheSaveInfoAndRunFromIt) {
   r = RunCachet("run --cache " + ckv + " --press snapkv -p x");
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.err.find("excludes"), std::string::npos) << r.err;
+  // --ids after a cache: the question's ids and the completion's, as JSON (it printed text).
+  r = RunCachet(run + " --ids");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["completion"].size(), 8u);
+  EXPECT_FALSE(j["prompt"].empty());
+  // No context given: an error, not a BOS-only cache.
+  r = RunCachet("cache save -t 1 -o " + dir.path() + "/empty.ckv");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("-p TEXT or -f FILE"), std::string::npos) << r.err;
+  // With a disk tier (it failed: "drop --no-prefix-cache") the context's pages go there too.
+  r = RunCachet("cache save -t 1 -f " + text + " --disk-cache " + dir.path() + "/tier -o " +
+                dir.path() + "/t.ckv");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_FALSE(std::filesystem::is_empty(dir.path() + "/tier"));
 }
 
 TEST(Cli, CalibrateThenRunWithAPcaCache) {

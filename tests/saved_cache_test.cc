@@ -21,6 +21,8 @@ struct Layout {
   std::string k = "f32", v = "f32";
   int window = 0, sinks = 0;
   int64_t kv_mem_mib = 0;
+  std::string cold = "";  // precision by age: kv_cold, kv_cold_after
+  int cold_after = 48;
 };
 
 std::unique_ptr<Engine> MakeEngine(const Layout& l) {
@@ -32,6 +34,8 @@ std::unique_ptr<Engine> MakeEngine(const Layout& l) {
   o.kv_window = l.window;
   o.kv_sinks = l.sinks;
   o.kv_mem_mib = l.kv_mem_mib;
+  o.kv_cold = l.cold;
+  o.kv_cold_after = l.cold_after;
   o.prefix_cache = false;
   auto e = Engine::Create(o);
   EXPECT_TRUE(e.ok()) << e.status().ToString();
@@ -126,6 +130,51 @@ TEST(SavedCache, LoadedSessionContinuesBitForBit) {
     std::vector<float> other;
     EXPECT_TRUE((*again)->Eval(Slice(700, 9), &other).ok());
   }
+}
+
+// A cache whose old pages went cold (--kv-cold K:V) is saved with its cold codecs and age, and a
+// loading engine ages it on as the saving one did, with or without --kv-cold of its own; one
+// whose --kv-cold or --kv-cold-after differs is refused by name.
+TEST(SavedCache, AgedCacheAgesOnWhenLoaded) {
+  testing::TempDir dir;
+  const Layout aged{"q8_0", "q8_0", 0, 0, 0, "q8_0:q4_0", 48};
+  auto saver = MakeEngine(aged);
+  auto s = saver->NewSession();
+  ASSERT_TRUE(s->Eval(Slice(0, 200), nullptr).ok());
+  ASSERT_TRUE(s->Eval(Slice(200, 100), nullptr).ok());  // pages 48+ tokens old move
+  ASSERT_GT(EngineAccess::kv(*s).cold_length(0, 0), 100);
+  const std::string path = dir.path() + "/aged.ckv";
+  ASSERT_TRUE(s->Save(path, "none").ok());
+  auto info = ReadSavedCacheInfo(path);
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  EXPECT_EQ(info->cold_codec, "q8_0:q4_0");
+  EXPECT_EQ(info->cold_after, 48);
+  const auto want = Continue(*s, Slice(600, 40));
+  Layout plain = aged;
+  plain.cold = "";
+  for (const Layout& l : {plain, aged}) {
+    auto engine = MakeEngine(l);  // outlives its sessions
+    auto loaded = engine->LoadSession(path);
+    ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+    EXPECT_EQ(EngineAccess::kv(**loaded).age_out(), 48);
+    const auto got = Continue(**loaded, Slice(600, 40));
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(std::memcmp(got[i].data(), want[i].data(), got[i].size() * sizeof(float)), 0)
+          << "step " << i;
+    }
+  }
+  Layout other_codec = aged, other_age = aged;
+  other_codec.cold = "q4_0";
+  other_age.cold_after = 64;
+  auto r = MakeEngine(other_codec)->LoadSession(path);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("coded q8_0:q4_0, not --kv-cold q4_0"), std::string::npos)
+      << r.status().message();
+  r = MakeEngine(other_age)->LoadSession(path);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("not --kv-cold-after 64"), std::string::npos)
+      << r.status().message();
 }
 
 // Generate continues from the saved logits when no new tokens are given.

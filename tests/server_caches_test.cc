@@ -65,6 +65,11 @@ TEST(ServerCaches, CacheRequestBodies) {
       {R"({"prompt": "a", "kv_press": {"name": "snapkv", "ratio": 2}})", "kv_press.ratio"},
       {R"({"prompt": "a", "cache_salt": 5})", "cache_salt"},
       {R"([1])", ""},
+      // A completion's fields do nothing here: refused, not dropped.
+      {R"({"prompt": "a", "cache_id": "kvc-1"})", "cache_id"},
+      {R"({"prompt": "a", "stream": true})", "stream"},
+      {R"({"prompt": "a", "max_tokens": 5})", "max_tokens"},
+      {R"({"prompt": "a", "chunks": ["a"]})", "chunks"},
   };
   for (const auto& [body, param] : bad) {
     auto r = ParseCacheRequest(body, Limits());

@@ -33,6 +33,10 @@ void ApplySavedLayout(const CLI::App& cmd, const SavedCacheInfo& info, EngineOpt
   if (unset("--page-tokens")) o.page_tokens = info.page_tokens;
   if (unset("--kv-sinks")) o.kv_sinks = info.sinks;
   if (unset("--kv-window")) o.kv_window = info.window;
+  if (info.cold_after > 0) {  // it ages its pages: as it did unless the command line says
+    if (unset("--kv-cold")) o.kv_cold = info.cold_codec;
+    if (unset("--kv-cold-after")) o.kv_cold_after = info.cold_after;
+  }
 }
 
 void AddCache(CLI::App& app) {
@@ -59,9 +63,15 @@ void AddCache(CLI::App& app) {
       ->excludes(p);
   save->add_option("-o,--output", *out, "The cache file to write (e.g. doc.ckv)")->required();
   save->callback([=] {
+    if (text->empty() && file->empty()) {
+      std::fprintf(stderr, "cachet cache save: give the context with -p TEXT or -f FILE\n");
+      throw CLI::RuntimeError(2);
+    }
     const std::string context = ReadPrompt(*text, *file);
     EngineOptions eo = opts->engine;
-    eo.prefix_cache = false;  // the context is computed here, not looked up
+    // The context is computed here; with a disk or Redis tier given, its prefix is looked up
+    // there (another process may have computed it) and published to it.
+    eo.prefix_cache = !eo.disk_cache_dir.empty() || !eo.redis_url.empty();
     auto engine = LoadEngine(eo);
     if (!engine) throw CLI::RuntimeError(1);
     const std::vector<int32_t> ids = engine->tokenizer().EncodePrompt(context);

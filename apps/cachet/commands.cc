@@ -82,7 +82,8 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o) {
                  "more tokens old to a second pool in this row-wise codec, K[:V] (e.g. kvq2, "
                  "kvq3:kvq2 for 3-bit keys and 2-bit values, rot3, "
                  "q4_0), which attention reads whole: recent tokens in --kv-window's f16 and the "
-                 "--cache-type codec, older ones in fewer bits");
+                 "--cache-type codec, older ones in fewer bits (not in the plain f32 layout, the "
+                 "reference, which keeps every row as computed)");
   app.add_option("--kv-cold-after", o.kv_cold_after,
                  "With --kv-cold: the age in tokens at which a page moves to the cold codec")
       ->default_val(256)
@@ -383,7 +384,7 @@ ChunkedPrompt BuildChunkedPrompt(const Tokenizer& tok, const std::string& text,
 // run --cache: the saved context's session, then the prompt (no BOS) and the completion.
 void RunFromCache(const CLI::App& cmd, const std::string& path, const CommonOptions& opts,
                   const std::string& prompt, const std::string& prompt_file, bool quiet,
-                  bool kv_stats, const std::string& salt) {
+                  bool kv_stats, const std::string& salt, bool print_ids) {
   auto info = ReadSavedCacheInfo(path);
   if (!info.ok()) Fail(info.status());
   EngineOptions eo = opts.engine;
@@ -393,8 +394,11 @@ void RunFromCache(const CLI::App& cmd, const std::string& path, const CommonOpti
   auto session = engine->LoadSession(path, salt);
   if (!session.ok()) Fail(session.status());
   const std::vector<int32_t> ids = engine->tokenizer().Encode(ReadPrompt(prompt, prompt_file));
-  auto r = (*session)->Generate(ids, opts.gen, PrintPiece);
+  auto r = (*session)->Generate(ids, opts.gen, print_ids ? nullptr : PrintPiece);
   if (!r.ok()) Fail(r.status());
+  if (print_ids) {  // the prompt after the cached context
+    std::printf("%s", nlohmann::json{{"prompt", ids}, {"completion", r->tokens}}.dump().c_str());
+  }
   std::fputc('\n', stdout);
   if (!quiet) {
     std::fprintf(stderr, "[cachet] context: %d cached tokens from %s (%s)\n", info->n_tokens,
@@ -487,7 +491,8 @@ void AddRun(CLI::App& app) {
   cmd->callback([=] {
     if (!logits_of->empty()) return PrintLogitsOf(opts->engine, *logits_of);
     if (!cache->empty())
-      return RunFromCache(*cmd, *cache, *opts, *prompt, *prompt_file, *quiet, *kv_stats, *salt);
+      return RunFromCache(*cmd, *cache, *opts, *prompt, *prompt_file, *quiet, *kv_stats, *salt,
+                          *ids);
     const std::string text = ReadPrompt(*prompt, *prompt_file);
     auto engine = LoadEngine(opts->engine);
     if (!engine) throw CLI::RuntimeError(1);

@@ -74,8 +74,8 @@ struct TempCacheDir {
 }
 
 template <class T>
-T OrFail(Result<T> r) {
-  if (!r.ok()) Fail(r.status().message());
+T OrFail(Result<T> r, const char* flag = nullptr) {
+  if (!r.ok()) Fail(flag ? std::string(flag) + ": " + r.status().message() : r.status().message());
   return std::move(r).value();
 }
 
@@ -102,7 +102,7 @@ std::vector<Method> MethodGrid(const EvalOpts& o) {
       for (const std::string& codec : o.codecs) {
         std::tie(m.codec_k, m.codec_v) = codecs::SplitKv(codec);
         for (const std::string& at : o.compress_at) {
-          m.compress_at = OrFail(ParseCompressAt(at));
+          m.compress_at = OrFail(ParseCompressAt(at), "--compress-at");
           Check(ValidateMethod(m));
           const bool dup = std::any_of(out.begin(), out.end(), [&](const Method& x) {
             return x.Label() == m.Label() && x.compress_at == m.compress_at;
@@ -133,7 +133,15 @@ std::string ModelName(const std::string& dir) {
 void Run(const EvalOpts& o) {
   const bool run_tasks = !o.kl || o.prompts_only;
   std::vector<TaskKind> tasks;
-  for (const std::string& t : o.tasks) tasks.push_back(OrFail(ParseTaskKind(t)));
+  if (!o.report.empty()) {  // before the evaluation, not after it
+    std::error_code ec;
+    std::filesystem::create_directories(o.report, ec);
+    if (ec || !std::filesystem::is_directory(o.report)) {
+      Fail("--report " + o.report + ": cannot create the directory" +
+           (ec ? ": " + ec.message() : std::string(": a file is in the way")));
+    }
+  }
+  for (const std::string& t : o.tasks) tasks.push_back(OrFail(ParseTaskKind(t), "--task"));
   std::vector<double> depths;
   for (const std::string& d : o.depths) {
     if (d == "random") {
@@ -174,7 +182,7 @@ void Run(const EvalOpts& o) {
   // multidoc keeps the cached documents beside the prompt (and the prompt it blends).
   const bool multidoc = std::find(tasks.begin(), tasks.end(), TaskKind::kMultidoc) != tasks.end();
   std::vector<BlendOptions> blends;
-  for (const std::string& b : o.blends) blends.push_back(OrFail(ParseBlend(b)));
+  for (const std::string& b : o.blends) blends.push_back(OrFail(ParseBlend(b), "--blend"));
   if (eo.kv_mem_mib == 0) {
     eo.kv_mem_mib = KvPoolMibFor(OrFail(ModelConfig::Load(eo.model_dir)), eo.page_tokens, eo.n_ctx,
                                  /*sequences=*/multidoc ? 3 : 2);
@@ -236,7 +244,7 @@ void Run(const EvalOpts& o) {
     ko.windows = o.windows;
     ko.window_len = o.window_len;
     ko.methods = methods;
-    ko.reference = OrFail(ParseMethod(o.kl_ref));
+    ko.reference = OrFail(ParseMethod(o.kl_ref), "--kl-ref");
     ko.seed = o.seed;
     ko.model_name = model;
     ko.progress = o.progress;

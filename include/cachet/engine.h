@@ -82,7 +82,8 @@ struct SavedCacheInfo {
   std::string codec_k, codec_v;  // the engine options it needs: kv_codec_k / kv_codec_v,
   int page_tokens = 0;           // page_tokens, kv_sinks, kv_window
   int sinks = 0, window = 0;
-  std::string cold_codec;   // demoted tokens' codec ("" for none)
+  std::string cold_codec;   // cold tokens' codec, K or K:V ("" for none)
+  int cold_after = 0;       // kv_cold_after of a cache that ages (0: its cold tokens are demoted)
   std::string compression;  // as given to Save
   int n_tokens = 0;         // tokens of the context it caches
   int64_t held_rows = 0;    // token rows kept over all (layer, KV head) tables

@@ -77,8 +77,9 @@ Result<KvLayout> LayoutOf(const tiers::TierNamespace& ns) {
   return l;
 }
 
-KvLayout ColdLayoutOf(KvLayout l, codecs::Codec c) {
-  l.codec_k = l.codec_v = c;
+KvLayout ColdLayoutOf(KvLayout l, codecs::CodecPair c) {
+  l.codec_k = c.k;
+  l.codec_v = c.v;
   l.sinks = l.window = 0;
   return l;
 }
@@ -108,14 +109,17 @@ Result<Header> ParseHeader(ByteReader& r, std::span<const uint8_t> bytes) {
     return DataLoss("saved cache: checksum mismatch (the file is damaged or truncated)");
   }
   const uint32_t version = r.Get<uint32_t>("version");
-  if (r.ok() && version != kSequenceFileVersion) {
+  if (r.ok() && (version < 1 || version > kSequenceFileVersion)) {
     return FailedPrecondition("saved cache: format version " + std::to_string(version) +
-                              ", this build reads version " + std::to_string(kSequenceFileVersion));
+                              ", this build reads versions 1 to " +
+                              std::to_string(kSequenceFileVersion));
   }
   Header h;
   h.info.ns = GetNamespace(r);
   h.info.cold_codec = r.GetString("cold codec");
   h.info.cold_fetch = r.Get<double>("cold fetch");
+  if (version >= 2) h.info.age_out = r.Get<int32_t>("age out");
+  if (r.ok() && h.info.age_out < 0) r.Fail("age out", std::to_string(h.info.age_out));
   h.info.quest_pages = r.Get<int32_t>("quest pages");
   h.info.quest_keep = r.Get<double>("quest keep");
   h.image.compression = h.info.compression = r.GetString("compression");
@@ -212,8 +216,9 @@ std::string SaveSequence(const PagedSequence& seq, const tiers::TierNamespace& n
   w.Put<uint32_t>(kSequenceFileVersion);
   PutNamespace(w, ns);
   PagePool* cold = seq.cold_tables().empty() ? nullptr : seq.cold_pool();
-  w.PutString(cold ? codecs::CodecName(cold->layout().codec_k) : "");
+  w.PutString(cold ? codecs::PairName({cold->layout().codec_k, cold->layout().codec_v}) : "");
   w.Put<double>(seq.cold_fetch());
+  w.Put<int32_t>(cold ? seq.age_out() : 0);
   w.Put<int32_t>(seq.quest_pages());
   w.Put<double>(seq.quest_keep());
   w.PutString(image.compression);
@@ -262,7 +267,7 @@ Result<Parsed> Parse(std::span<const uint8_t> bytes) {
   CACHET_ASSIGN_OR_RETURN(KvLayout hot, LayoutOf(p.h.info.ns));
   KvLayout cold_layout;
   if (!p.h.info.cold_codec.empty()) {
-    CACHET_ASSIGN_OR_RETURN(codecs::Codec c, codecs::ParseCodec(p.h.info.cold_codec));
+    CACHET_ASSIGN_OR_RETURN(const codecs::CodecPair c, codecs::ParseCodecPair(p.h.info.cold_codec));
     cold_layout = ColdLayoutOf(hot, c);
   }
   p.tables_at = r.at();
@@ -338,7 +343,10 @@ Status LoadSequence(std::span<const uint8_t> bytes, const tiers::TierNamespace& 
   ByteReader r(bytes, "saved cache", p.tables_at);
   CACHET_RETURN_IF_ERROR(WalkTables(r, h, hot.layout(), cold ? &cold->layout() : nullptr, fill));
   seq->Adopt(std::move(tables), std::move(cold_tables), h.seq_tokens);
-  if (cold) seq->set_cold_pool(cold, h.info.cold_fetch);
+  if (cold) {
+    seq->set_cold_pool(cold, h.info.cold_fetch);
+    seq->set_age_out(h.info.age_out);  // ages on as the saving session did
+  }
   seq->set_quest(h.info.quest_pages, h.info.quest_keep);
   *image = std::move(p.h.image);
   return OkStatus();

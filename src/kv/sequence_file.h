@@ -19,7 +19,9 @@
 
 namespace cachet {
 
-inline constexpr uint32_t kSequenceFileVersion = 1;
+// 2: the cold codecs as "K[:V]" and the age at which pages go cold (precision by age); version 1
+// files (no age) are still read.
+inline constexpr uint32_t kSequenceFileVersion = 2;
 
 // What a saved cache holds besides its pages.
 struct SequenceImage {
@@ -32,8 +34,9 @@ struct SequenceImage {
 // The header of a saved cache, readable without a model.
 struct SequenceFileInfo {
   tiers::TierNamespace ns;  // model content hash and KV layout
-  std::string cold_codec;   // "" without demoted tokens
+  std::string cold_codec;   // "" without cold tokens; "K" or "K:V" (codecs::PairName)
   double cold_fetch = 1.0;
+  int32_t age_out = 0;  // pages this many tokens old go cold (PagedSequence::age_out); 0: demoted
   int32_t quest_pages = 0;
   double quest_keep = 1.0;
   int32_t n_tokens = 0;    // tokens of the sequence (SequenceImage::tokens)

@@ -120,9 +120,14 @@ Result<KvCacheInfo> CacheRegistry::Add(std::unique_ptr<Session> session,
   e.salt = EngineAccess::SaltOf(cache_salt);
   e.info = Describe(*session, NewId(), std::time(nullptr), std::move(compression), std::move(note));
   if (!has_store() && bytes() + e.info.bytes > max_resident_bytes_) {
+    auto mib = [](int64_t b) {
+      char s[32];
+      std::snprintf(s, sizeof(s), "%.1f MiB", double(b) / (1 << 20));
+      return std::string(s);
+    };
     return ResourceExhausted(
-        "kept caches: " + std::to_string((bytes() + e.info.bytes) >> 20) + " MiB with this one, " +
-        "over the " + std::to_string(max_resident_bytes_ >> 20) + " MiB they may hold in RAM " +
+        "kept caches: " + mib(bytes() + e.info.bytes) + " with this one, over the " +
+        mib(max_resident_bytes_) + " they may hold in RAM " +
         "(--cache-mem-mib); delete one, or give --disk-cache or --redis so that caches can leave " +
         "RAM and come back");
   }

@@ -233,17 +233,15 @@ KvStats Engine::kv_stats() const {
 }
 
 Result<PagePool*> Engine::ColdPool(std::string_view codec, std::string_view flag) {
-  for (auto& [name, pool] : cold_pools_) {
-    if (name == codec) return pool.get();
+  // K[:V]: one codec for both, or the keys' and the values' apart (kvq3:kvq2).
+  CACHET_ASSIGN_OR_RETURN(const codecs::CodecPair pair, codecs::ParseCodecPair(codec));
+  const std::string name = codecs::PairName(pair);
+  for (auto& [have, pool] : cold_pools_) {
+    if (have == name) return pool.get();
   }
   KvLayout layout = kv_pool_->layout();
-  // K[:V]: one codec for both, or the keys' and the values' apart (kvq3:kvq2).
-  const size_t colon = codec.find(':');
-  CACHET_ASSIGN_OR_RETURN(layout.codec_k, codecs::ParseCodec(codec.substr(0, colon)));
-  layout.codec_v = layout.codec_k;
-  if (colon != std::string_view::npos) {
-    CACHET_ASSIGN_OR_RETURN(layout.codec_v, codecs::ParseCodec(codec.substr(colon + 1)));
-  }
+  layout.codec_k = pair.k;
+  layout.codec_v = pair.v;
   layout.sinks = 0;
   layout.window = 0;
   CACHET_RETURN_IF_ERROR(codecs::CheckDim(layout.codec_k, layout.head_dim));
@@ -260,8 +258,7 @@ Result<PagePool*> Engine::ColdPool(std::string_view codec, std::string_view flag
                            ": cold tokens are appended one by one, so the cold codec must be "
                            "row-wise (not kivi4 or kivi2, whose keys are encoded per page)");
   }
-  cold_pools_.emplace_back(std::string(codec),
-                           std::make_unique<PagePool>(layout, kv_pool_->capacity_bytes()));
+  cold_pools_.emplace_back(name, std::make_unique<PagePool>(layout, kv_pool_->capacity_bytes()));
   return cold_pools_.back().second.get();
 }
 

@@ -51,6 +51,7 @@ class EngineAccess {
   static Result<std::unique_ptr<Session>> LoadBytes(Engine& e, std::span<const uint8_t> bytes,
                                                     std::string_view cache_salt,
                                                     const std::string& what);
+  static Status CheckAging(Engine& e, const PagedSequence& seq, const std::string& what);
 };
 
 }  // namespace cachet

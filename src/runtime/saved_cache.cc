@@ -18,6 +18,31 @@ Status Prefixed(const std::string& path, const Status& s) {
 
 }  // namespace
 
+// An engine that ages pages (--kv-cold) continues a cache only if the cache's cold pages are its
+// cold pool's and went cold at the same age; a cache whose cold pages are a press's demoted
+// tokens does not age at all.
+Status EngineAccess::CheckAging(Engine& e, const PagedSequence& seq, const std::string& what) {
+  const EngineOptions& o = e.options_;
+  if (o.kv_cold.empty() || e.kv_pool_->layout().plain() || seq.cold_pool() == nullptr) {
+    return OkStatus();
+  }
+  auto fail = [&](const std::string& why) { return FailedPrecondition(what + ": " + why); };
+  const KvLayout& cold = seq.cold_pool()->layout();
+  const std::string file_cold = codecs::PairName({cold.codec_k, cold.codec_v});
+  if (seq.age_out() == 0) {
+    return fail("its cold tokens were demoted by a press (" + file_cold +
+                "), which does not combine with --kv-cold");
+  }
+  if (seq.cold_pool() != e.ColdPool(o.kv_cold).value()) {
+    return fail("its old pages are coded " + file_cold + ", not --kv-cold " + o.kv_cold);
+  }
+  if (seq.age_out() != o.kv_cold_after) {
+    return fail("its pages went cold after " + std::to_string(seq.age_out()) +
+                " tokens, not --kv-cold-after " + std::to_string(o.kv_cold_after));
+  }
+  return OkStatus();
+}
+
 std::string EngineAccess::SaveBytes(const Session& s, std::string_view compression) {
   SequenceImage image;
   image.tokens = s.tokens_;
@@ -36,6 +61,7 @@ Result<std::unique_ptr<Session>> EngineAccess::LoadBytes(Engine& e, std::span<co
       bytes, *e.kv_namespace_, [&e](std::string_view codec) { return e.ColdPool(codec); },
       s->seq_.get(), &image);
   if (!st.ok()) return Prefixed(what, st);
+  CACHET_RETURN_IF_ERROR(CheckAging(e, *s->seq_, what));
   const int vocab = e.config().vocab_size;
   for (const auto* ids : {&image.tokens, &image.pending}) {
     for (int32_t t : *ids) {
@@ -81,6 +107,7 @@ Result<SavedCacheInfo> ReadSavedCacheInfo(const std::string& path) {
   info.sinks = r->ns.sinks;
   info.window = r->ns.window;
   info.cold_codec = r->cold_codec;
+  info.cold_after = r->age_out;
   info.compression = r->compression;
   info.n_tokens = r->n_tokens;
   info.held_rows = r->held_rows;

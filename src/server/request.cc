@@ -1,5 +1,6 @@
 #include "request.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -516,6 +517,17 @@ Result<ParsedRequest> ParseRequest(std::string_view text, Endpoint endpoint,
 
 Result<ParsedCacheRequest> ParseCacheRequest(std::string_view text, const ParseLimits& limits) {
   CACHET_ASSIGN_OR_RETURN(json body, ParseObject(text));
+  // Every field is one this endpoint acts on: a completion's (stream, max_tokens, cache_id,
+  // chunks, ...) sent here would otherwise be dropped without a word.
+  for (const auto& [key, value] : body.items()) {
+    static constexpr std::string_view kFields[] = {"model", "prompt", "messages", "kv_press",
+                                                   "cache_salt"};
+    if (std::find(std::begin(kFields), std::end(kFields), key) == std::end(kFields)) {
+      return Bad(key,
+                 "not a field of POST /v1/caches (it takes prompt or messages, kv_press, "
+                 "cache_salt and model)");
+    }
+  }
   std::optional<std::string> model;
   CACHET_RETURN_IF_ERROR(GetString(body, "model", &model));
   if (model && !model->empty() && !limits.model_name.empty() && *model != limits.model_name) {

@@ -421,6 +421,21 @@ Result<Codec> ParseCodec(std::string_view name) {
                          ")");
 }
 
+Result<CodecPair> ParseCodecPair(std::string_view name) {
+  const size_t colon = name.find(':');
+  CodecPair c;
+  CACHET_ASSIGN_OR_RETURN(c.k, ParseCodec(name.substr(0, colon)));
+  c.v = c.k;
+  if (colon != std::string_view::npos) {
+    CACHET_ASSIGN_OR_RETURN(c.v, ParseCodec(name.substr(colon + 1)));
+  }
+  return c;
+}
+
+std::string PairName(CodecPair c) {
+  return c.k == c.v ? CodecName(c.k) : std::string(CodecName(c.k)) + ":" + CodecName(c.v);
+}
+
 Status CheckDim(Codec c, int dim) {
   if (dim <= 0 || dim > kMaxDim) {
     return InvalidArgument("head_dim " + std::to_string(dim) + " outside [1, 512]");

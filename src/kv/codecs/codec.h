@@ -52,6 +52,13 @@ enum class Role : uint8_t { kKey, kValue };
 
 const char* CodecName(Codec c);
 Result<Codec> ParseCodec(std::string_view name);
+// "K" or "K:V": the keys' and the values' codecs (one name: both). PairName gives the canonical
+// spelling back: "K" when they are the same.
+struct CodecPair {
+  Codec k, v;
+};
+Result<CodecPair> ParseCodecPair(std::string_view name);
+std::string PairName(CodecPair c);
 // Checks the codec can store rows of this width (block codecs need multiples of 32, rotation
 // codecs a power of two).
 Status CheckDim(Codec c, int dim);
