@@ -830,7 +830,15 @@ TEST(EvalCli, UnknownNamesAreErrors) {
   EXPECT_NE(r.err.find("unknown press 'magic'"), std::string::npos) << r.err;
   r = Cachet("--task ruler --len 256 --samples 1", dir);
   EXPECT_NE(r.code, 0);
-  EXPECT_NE(r.err.find("unknown task 'ruler'"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("--task: unknown task 'ruler'"), std::string::npos) << r.err;
+  // A report directory that cannot be made is said before the evaluation, not after it.
+  const std::string file = dir.Write("taken", "x");
+  const std::string rows = dir.path() + "/rows.jsonl";
+  r = Cachet("--len 256 --samples 1 --json " + rows + " --report " + file, dir);
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find("--report " + file + ": cannot create the directory"), std::string::npos)
+      << r.err;
+  EXPECT_FALSE(std::filesystem::exists(rows));  // nothing ran (the rows came before the error)
 }
 
 TEST(EvalCli, DumpedPromptsAreTheGeneratorsPrompts) {
