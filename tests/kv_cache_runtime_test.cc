@@ -165,6 +165,38 @@ TEST(RuntimeCaches, RequestsOnAPressedCacheEqualTheSavedSessionInProcess) {
   EXPECT_TRUE(r.ListCaches("").empty());
 }
 
+// A prompt that fits the pool alone but not beside the kept caches: an error that says what holds
+// the pool and how to free it (it was the engine's "KV pool exhausted ... shorten the prompt").
+TEST(RuntimeCaches, APromptTheKeptCachesLeaveNoRoomForSaysSo) {
+  RuntimeOptions o = Options("");
+  o.engine.kv_mem_mib = 1;
+  o.cache_mem_bytes = 1 << 20;
+  auto rt = Runtime::Create(o);
+  ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+  Runtime& r = **rt;
+  const KvStats kv = r.kv_stats();
+  const int heads = r.config().n_layers * r.config().n_kv_heads;
+  const int fits = kv.pages_total / heads * kv.page_tokens;
+  auto info = Create(r, {std::vector<int32_t>(fits * 4 / 10, 10), "", std::nullopt, ""});
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  Collector c;
+  CompletionRequest q;
+  q.prompt.assign(fits * 3 / 4, 11);
+  q.max_tokens = 4;
+  ASSERT_TRUE(r.Submit(q, c.Callback()).ok());
+  c.Wait();
+  EXPECT_EQ(c.last.error.code(), StatusCode::kResourceExhausted) << c.last.error.ToString();
+  EXPECT_NE(c.last.error.message().find("beside the 1 kept caches"), std::string::npos)
+      << c.last.error.message();
+  EXPECT_NE(c.last.error.message().find("DELETE /v1/caches/ID"), std::string::npos);
+  // Once the cache is deleted, the same prompt runs.
+  ASSERT_TRUE(r.DeleteCache(info->id, "").ok());
+  Collector again;
+  ASSERT_TRUE(r.Submit(q, again.Callback()).ok());
+  again.Wait();
+  EXPECT_TRUE(again.last.error.ok()) << again.last.error.ToString();
+}
+
 TEST(RuntimeCaches, UnknownIdsOtherSaltsAndPressesAreRefused) {
   testing::TempDir dir;
   auto rt = Runtime::Create(Options(dir.path()));

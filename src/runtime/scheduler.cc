@@ -543,6 +543,13 @@ bool Runtime::Impl::Step() {
     const bool generating = static_cast<int>(q->tokens.size()) > q->n_prompt;
     if (s.code() == StatusCode::kResourceExhausted && generating) {
       Finish(*q, "length");
+    } else if (s.code() == StatusCode::kResourceExhausted && caches->count() > 0) {
+      // What holds the pool is the kept caches, which only their owners' DELETE frees.
+      Finish(*q, "error",
+             ResourceExhausted("the KV pool (--kv-mem) cannot hold this prompt beside the " +
+                               std::to_string(caches->count()) + " kept caches (" +
+                               std::to_string(caches->bytes() >> 20) +
+                               " MiB): delete one (DELETE /v1/caches/ID), or raise --kv-mem"));
     } else {
       Finish(*q, "error", s);
     }
