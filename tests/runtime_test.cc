@@ -13,6 +13,7 @@
 
 #include "cachet/model_config.h"
 #include "cachet/serving.h"
+#include "cachet/tokenizer.h"
 #include "kv/press/press.h"
 #include "runtime_collector.h"
 #include "test_util.h"
@@ -291,6 +292,41 @@ TEST(Runtime, RequestOutgrowingThePoolEndsWithLength) {
   EXPECT_LE(c.last.usage.prompt_tokens + c.last.usage.completion_tokens, fits + 1);
   EXPECT_EQ(static_cast<int>(c.tokens.size()), c.last.usage.completion_tokens);
   EXPECT_EQ(r.Metrics().prompt_tokens, fits - 8);
+}
+
+// Special tokens are tokens of the reply but none of its text unless asked (vLLM's
+// skip_special_tokens); one that is a stop string ends the reply as EOS does. After an EOS in the
+// prompt kvtiny's greedy next token is BOS.
+TEST(Runtime, SpecialTokensAddNoTextAndMayStop) {
+  auto rt = Runtime::Create(Options("f32"));
+  ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+  Runtime& r = **rt;
+  const Tokenizer& tok = r.tokenizer();
+  std::vector<int32_t> prompt = tok.EncodePrompt("Tom had a red ball. The end.");
+  prompt.push_back(tok.eos_id());
+  const std::string bos_text = tok.TokenBytes(tok.bos_id());
+  std::string texts[2];
+  for (bool skip : {true, false}) {
+    CompletionRequest q = Greedy(prompt, 3);
+    q.skip_special_tokens = skip;
+    Collector c;
+    ASSERT_TRUE(r.Submit(q, c.Callback()).ok());
+    c.Wait();
+    ASSERT_FALSE(c.tokens.empty());
+    ASSERT_EQ(c.tokens[0], tok.bos_id());
+    texts[skip] = c.text;
+  }
+  EXPECT_EQ(texts[1].find(bos_text), std::string::npos) << texts[1];
+  EXPECT_TRUE(texts[0].starts_with(bos_text)) << texts[0];
+  EXPECT_EQ(texts[0].substr(bos_text.size()), texts[1]);
+  CompletionRequest q = Greedy(prompt, 3);
+  q.stop = {bos_text};
+  Collector c;
+  ASSERT_TRUE(r.Submit(q, c.Callback()).ok());
+  c.Wait();
+  EXPECT_EQ(c.last.finish_reason, "stop");
+  EXPECT_TRUE(c.tokens.empty());
+  EXPECT_EQ(c.text, "");
 }
 
 // A press as `cachet run --press SPEC --ratio R` sets it (the same parser).

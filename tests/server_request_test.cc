@@ -67,7 +67,7 @@ TEST(ServerRequest, CompletionEveryField) {
     "top_k": 5, "min_p": 0.1, "seed": 42, "stop": ["\n", "END"], "n": 3, "logprobs": 2,
     "stream": true, "stream_options": {"include_usage": true}, "cache_salt": "tenant-a",
     "kv_press": {"name": "snapkv+max", "ratio": 0.75}, "ignore_eos": true,
-    "repetition_penalty": 1.1, "user": "someone", "presence_penalty": 0,
+    "skip_special_tokens": false, "repetition_penalty": 1.1, "user": "someone", "presence_penalty": 0,
     "frequency_penalty": 0.0, "logit_bias": {}, "echo": false, "best_of": 3,
     "some_unknown_field": [1, 2, 3]})");
   ASSERT_TRUE(r.ok()) << r.status().ToString();
@@ -85,6 +85,7 @@ TEST(ServerRequest, CompletionEveryField) {
   EXPECT_TRUE(r->include_usage);
   EXPECT_EQ(r->cache_salt, "tenant-a");
   EXPECT_TRUE(r->ignore_eos);
+  EXPECT_FALSE(r->skip_special_tokens);
   ASSERT_TRUE(r->press.has_value());
   EXPECT_EQ(r->press->scorer, press::Scorer::kSnapKV);
   EXPECT_EQ(r->press->share, press::ShareLayers::kMax);

@@ -45,6 +45,10 @@ struct CompletionRequest {
   SamplingParams sampling;        // temperature <= 0: greedy
   std::vector<std::string> stop;  // stop strings: the text ends before the first match
   bool stop_at_eos = true;
+  // Special tokens (BOS, a chat template's markers) are tokens of the reply but add none of its
+  // text, as vLLM's skip_special_tokens and llama-server; one whose text is a stop string ends
+  // the reply there, as EOS does.
+  bool skip_special_tokens = true;
   int top_logprobs = -1;                     // -1: no logprobs; n >= 0: the token's and the top n
   std::string cache_salt;                    // tenant isolation in the prefix cache
   std::optional<press::PressOptions> press;  // applied after the prompt, before the first token

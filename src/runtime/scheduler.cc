@@ -412,7 +412,9 @@ void Runtime::Impl::TruncateAtStop(Request& q, size_t text_end) {
   StreamDecoder replay(engine->tokenizer());
   size_t len = 0;
   int kept = 0;
+  const Tokenizer& tok = engine->tokenizer();
   for (size_t i = q.n_prompt; i < q.tokens.size(); ++i) {
+    if (q.r.skip_special_tokens && tok.IsSpecial(q.tokens[i])) continue;  // no text (Sample)
     len += replay.Push(q.tokens[i]).size();
     if (len > text_end) break;
     if (!replay.holding()) kept = static_cast<int>(i) + 1 - q.n_prompt;  // its bytes all out
@@ -448,6 +450,12 @@ bool Runtime::Impl::Sample(Request& q) {
     Finish(q, "stop");
     return false;
   }
+  const bool silent = q.r.skip_special_tokens && tok.IsSpecial(next);
+  if (silent &&
+      std::find(q.r.stop.begin(), q.r.stop.end(), tok.TokenBytes(next)) != q.r.stop.end()) {
+    Finish(q, "stop");  // a chat template's end of turn, as a token: as EOS
+    return false;
+  }
   q.tokens.push_back(next);
   q.pending.tokens.push_back(next);
   if (logprobs) q.pending.logprobs.push_back(Logprobs(q.raw_logits, next, q.r.top_logprobs));
@@ -455,7 +463,7 @@ bool Runtime::Impl::Sample(Request& q) {
     std::lock_guard<std::mutex> lock(mu);
     ++metrics.generation_tokens;
   }
-  const std::string piece = q.decoder->Push(next);
+  const std::string piece = silent ? std::string() : q.decoder->Push(next);
   q.decoded += piece.size();
   q.held += piece;
   // The earliest stop string ends the text before it.

@@ -269,6 +269,7 @@ Result<PreparedRequest> Prepare(const ParsedRequest& parsed, const ServedModel& 
     }
   }
   r.stop_at_eos = !parsed.ignore_eos;
+  r.skip_special_tokens = parsed.skip_special_tokens;
   r.top_logprobs = parsed.logprobs;
   r.cache_salt = parsed.cache_salt;
   r.press = parsed.press;

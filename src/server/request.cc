@@ -493,6 +493,7 @@ Result<ParsedRequest> ParseRequest(std::string_view text, Endpoint endpoint,
         Inside("stream_options", GetBool(*so, "include_usage", &r.include_usage)));
   }
   CACHET_RETURN_IF_ERROR(GetBool(body, "ignore_eos", &r.ignore_eos));
+  CACHET_RETURN_IF_ERROR(GetBool(body, "skip_special_tokens", &r.skip_special_tokens));
 
   std::optional<std::string> salt;
   CACHET_RETURN_IF_ERROR(GetString(body, "cache_salt", &salt));

@@ -57,6 +57,7 @@ struct ParsedRequest {
   bool stream = false;
   bool include_usage = false;                // stream_options.include_usage
   bool ignore_eos = false;                   // vLLM's extension: generate past EOS
+  bool skip_special_tokens = true;           // vLLM's: special tokens add no text
   std::string cache_salt;                    // prefix-cache namespace; empty: the shared one
   std::optional<press::PressOptions> press;  // kv_press: {name, ratio | budget}
   // Continue from this kept cache (POST /v1/caches); never with press.
