@@ -10,6 +10,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <filesystem>
+#include <fstream>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -279,6 +280,18 @@ TEST(RuntimeCaches, RestartedRuntimeFindsTheCacheOnDisk) {
   ASSERT_TRUE((*rt)->Submit(req, c.Callback()).ok());
   c.Wait();
   EXPECT_EQ(c.tokens, first);
+  // Damaged on disk: a reason for the client, without the server's paths.
+  const std::string ckv = dir.path() + "/" + id + ".ckv";
+  const std::string bytes = testing::ReadFile(ckv);
+  { std::ofstream(ckv, std::ios::binary | std::ios::trunc) << bytes.substr(0, bytes.size() / 2); }
+  auto other = Runtime::Create(Options(dir.path()));
+  ASSERT_TRUE(other.ok());
+  auto damaged = (*other)->FindCache(id, "t");
+  EXPECT_EQ(damaged.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(damaged.status().message().find("checksum"), std::string::npos)
+      << damaged.status().message();
+  EXPECT_EQ(damaged.status().message().find(dir.path()), std::string::npos)
+      << damaged.status().message();
   ASSERT_TRUE((*rt)->DeleteCache(id, "t").ok());
   EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
 }

@@ -222,19 +222,25 @@ Result<CacheRegistry::Stored> CacheRegistry::Fetch(const std::string& id, bool k
 Result<std::shared_ptr<Session>> CacheRegistry::Load(Engine& engine, const std::string& id,
                                                      std::string_view cache_salt) {
   const uint64_t salt = EngineAccess::SaltOf(cache_salt);
+  // Why a stored cache is unusable goes to the client without the server's paths.
+  auto unusable = [&](const Status& s) {
+    std::string why = s.message();
+    for (size_t at; !dir_.empty() && (at = why.find(dir_ + "/")) != std::string::npos;) {
+      why.erase(at, dir_.size() + 1);
+    }
+    return NotFound("cache_id: the cache '" + id + "' cannot be loaded: " + why);
+  };
   std::string from;
   Result<Stored> stored = Fetch(id, /*kv_too=*/false, &from);
   if (!stored.ok() && stored.status().code() != StatusCode::kNotFound) {
     if (stored.status().code() == StatusCode::kUnavailable) return stored.status();
-    return NotFound("cache_id: the cache '" + id +
-                    "' cannot be loaded: " + stored.status().message());
+    return unusable(stored.status());
   }
   if (!stored.ok() || !SaltMatches(stored->meta, salt)) return Unknown(id);
   stored = Fetch(id, /*kv_too=*/true, &from);
   if (!stored.ok()) {
     if (stored.status().code() == StatusCode::kUnavailable) return stored.status();
-    return NotFound("cache_id: the cache '" + id +
-                    "' cannot be loaded: " + stored.status().message());
+    return unusable(stored.status());
   }
   const json side = json::parse(stored->meta, nullptr, /*allow_exceptions=*/false);
   Result<std::unique_ptr<Session>> s = EngineAccess::LoadBytes(
@@ -244,7 +250,7 @@ Result<std::shared_ptr<Session>> CacheRegistry::Load(Engine& engine, const std::
     // No room in the pool is worth a retry; anything else (another model or layout, damaged
     // bytes) makes the cache unusable here.
     if (s.status().code() == StatusCode::kResourceExhausted) return s.status();
-    return NotFound("cache_id: the cache '" + id + "' cannot be loaded: " + s.status().message());
+    return unusable(s.status());
   }
   Entry e;
   e.salt = salt;
