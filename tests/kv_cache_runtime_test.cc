@@ -175,9 +175,7 @@ TEST(RuntimeCaches, APromptTheKeptCachesLeaveNoRoomForSaysSo) {
   auto rt = Runtime::Create(o);
   ASSERT_TRUE(rt.ok()) << rt.status().ToString();
   Runtime& r = **rt;
-  const KvStats kv = r.kv_stats();
-  const int heads = r.config().n_layers * r.config().n_kv_heads;
-  const int fits = kv.pages_total / heads * kv.page_tokens;
+  const int fits = testing::TokensThePoolHolds(r);
   auto info = Create(r, {std::vector<int32_t>(fits * 4 / 10, 10), "", std::nullopt, ""});
   ASSERT_TRUE(info.ok()) << info.status().ToString();
   Collector c;

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "cachet/model_config.h"
 #include "cachet/serving.h"
 
 namespace cachet::testing {
@@ -46,5 +47,11 @@ struct Collector {
     ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(120), [&] { return done; }));
   }
 };
+
+// Tokens one request's cache can hold in the runtime's whole KV pool (every table's pages).
+inline int TokensThePoolHolds(const Runtime& r) {
+  const KvStats kv = r.kv_stats();
+  return kv.pages_total / (r.config().n_layers * r.config().n_kv_heads) * kv.page_tokens;
+}
 
 }  // namespace cachet::testing

@@ -260,9 +260,7 @@ TEST(Runtime, PromptBeyondThePoolIsInvalid) {
   auto rt = Runtime::Create(o);
   ASSERT_TRUE(rt.ok()) << rt.status().ToString();
   Runtime& r = **rt;
-  const KvStats kv = r.kv_stats();
-  const int heads = r.config().n_layers * r.config().n_kv_heads;
-  const int fits = kv.pages_total / heads * kv.page_tokens;
+  const int fits = testing::TokensThePoolHolds(r);
   ASSERT_LT(fits + 1, r.n_ctx());
   std::vector<int32_t> prompt(fits + 1, 10);
   const Status s = r.Submit(Greedy(prompt, 4), [](const TokenEvent&) {}).status();
@@ -277,9 +275,7 @@ TEST(Runtime, RequestOutgrowingThePoolEndsWithLength) {
   auto rt = Runtime::Create(Options("f32", /*kv_mem_mib=*/1));
   ASSERT_TRUE(rt.ok()) << rt.status().ToString();
   Runtime& r = **rt;
-  const KvStats kv = r.kv_stats();
-  const int heads = r.config().n_layers * r.config().n_kv_heads;
-  const int fits = kv.pages_total / heads * kv.page_tokens;
+  const int fits = testing::TokensThePoolHolds(r);
   ASSERT_LT(fits + 8, r.n_ctx());
   CompletionRequest q = Greedy(std::vector<int32_t>(fits - 8, 10), r.n_ctx());
   q.stop_at_eos = false;
