@@ -582,6 +582,38 @@ TEST(DiskTier, EvictsLeastRecentlyUsedUnderTheCap) {
   EXPECT_EQ(FilesUnder(dir.path()).size(), 3u);
 }
 
+// A chain of runs is useful only from its first run on: the cap evicts chains from their end,
+// and never makes room for a run by evicting the runs before it. With room for two of a
+// three-run chain, the third is not stored (it was, by evicting the first: every later lookup
+// then found nothing, and stored the first again, evicting the second).
+TEST(DiskTier, ChainsAreEvictedFromTheirEnd) {
+  testing::TempDir dir;
+  std::vector<TestRun> chain(3);
+  RunKey parent = NamespaceKey(Ns());
+  for (uint32_t i = 0; i < 3; ++i) {
+    TestRun& r = chain[i];
+    r.tokens = Tokens(1, 50 + i);
+    r.payload = Payload(1000, 50 + i, false);
+    r.key = RunKey::Of(parent, 7, r.tokens);
+    r.bytes = EncodeRun(Ns(), RunMeta{parent, 7, r.tokens}, r.payload, false);
+    parent = r.key;
+  }
+  const auto other = EqualRuns(1, 60);  // a run of one block and 1000 payload bytes, as these
+  ASSERT_EQ(chain[0].bytes.size(), other[0].bytes.size());
+  auto tier = OpenTier(dir.path(), 2 * chain[0].bytes.size());
+  ASSERT_TRUE(tier);
+  ASSERT_TRUE(PutRuns(*tier, {&chain[0], &chain[1], &chain[2]}).ok());
+  EXPECT_TRUE(Has(*tier, chain[0].key) && Has(*tier, chain[1].key));
+  EXPECT_FALSE(Has(*tier, chain[2].key));
+  EXPECT_EQ(tier->stats().evicted, 0);
+  // The chain was read first to last: its end goes first when another run needs the room.
+  const RunKey keys[] = {chain[0].key, chain[1].key};
+  ASSERT_TRUE(tier->Get(keys)[1]);
+  ASSERT_TRUE(PutRuns(*tier, {&other[0]}).ok());
+  EXPECT_TRUE(Has(*tier, chain[0].key));
+  EXPECT_FALSE(Has(*tier, chain[1].key));
+}
+
 TEST(DiskTier, AccessOrderSurvivesARestart) {
   testing::TempDir dir;
   const auto r = EqualRuns(12, 70);

@@ -12,6 +12,7 @@
 #include <random>
 #include <system_error>
 #include <tuple>
+#include <unordered_set>
 
 namespace cachet::tiers {
 
@@ -138,6 +139,7 @@ Status DiskTier::Scan() {
     int64_t mtime;
     RunKey key;
     uint64_t bytes;
+    RunKey parent;
   };
   std::vector<Found> found;
   struct timespec now;
@@ -179,7 +181,7 @@ Status DiskTier::Scan() {
         ++stats_.corrupt;
         continue;
       }
-      found.push_back({MtimeNs(st), *key, uint64_t(st.st_size)});
+      found.push_back({MtimeNs(st), *key, uint64_t(st.st_size), h->parent});
     }
     if (ec && ec != std::errc::no_such_file_or_directory && ec != std::errc::not_a_directory) {
       return InvalidArgument("disk cache " + options_.dir + ": cannot list " + shard + ": " +
@@ -190,24 +192,33 @@ Status DiskTier::Scan() {
     return std::tie(a.mtime, a.key.hi, a.key.lo) < std::tie(b.mtime, b.key.hi, b.key.lo);
   });
   for (const Found& f : found) {
-    Index(f.key, f.bytes);
+    Index(f.key, f.bytes, f.parent);
     last_stamp_ = std::max(last_stamp_, f.mtime);
   }
   EvictFor(0);  // the cap may have shrunk since these were written
   return OkStatus();
 }
 
-void DiskTier::Index(const RunKey& key, uint64_t bytes) {
+void DiskTier::Index(const RunKey& key, uint64_t bytes, const RunKey& parent) {
   auto it = index_.find(key);
   if (it == index_.end()) {
     lru_.push_back(key);
-    index_.emplace(key, Entry{bytes, std::prev(lru_.end())});
+    index_.emplace(key, Entry{bytes, std::prev(lru_.end()), parent});
   } else {
     lru_.splice(lru_.end(), lru_, it->second.lru);
     bytes_held_ -= it->second.bytes;
     it->second.bytes = bytes;
+    it->second.parent = parent;
   }
   bytes_held_ += bytes;
+  // A chain is evicted from its end, as a prefix cache's blocks are: the runs before this one
+  // (it is useless without them) become more recent than it, the first run the most recent.
+  // Bounded by the index, so a cycle of forged parents cannot loop.
+  size_t steps = 0;
+  for (auto p = index_.find(parent); p != index_.end() && steps++ < index_.size();
+       p = index_.find(p->second.parent)) {
+    lru_.splice(lru_.end(), lru_, p->second.lru);
+  }
 }
 
 void DiskTier::Drop(const RunKey& key) {
@@ -218,13 +229,24 @@ void DiskTier::Drop(const RunKey& key) {
   index_.erase(it);
 }
 
-void DiskTier::EvictFor(uint64_t incoming) {
-  while (!lru_.empty() && bytes_held_ + incoming > options_.capacity_bytes) {
-    const RunKey victim = lru_.front();
+bool DiskTier::EvictFor(uint64_t incoming, const RunKey* parent) {
+  std::unordered_set<RunKey, RunKeyHash> keep;
+  uint64_t kept_bytes = 0;
+  for (auto p = parent ? index_.find(*parent) : index_.end();
+       p != index_.end() && !keep.count(p->first); p = index_.find(p->second.parent)) {
+    keep.insert(p->first);
+    kept_bytes += p->second.bytes;
+  }
+  if (kept_bytes + incoming > options_.capacity_bytes) return false;
+  for (auto it = lru_.begin();
+       it != lru_.end() && bytes_held_ + incoming > options_.capacity_bytes;) {
+    const RunKey victim = *it++;
+    if (keep.count(victim)) continue;
     if (::unlink(PathOf(victim).c_str()) != 0 && errno != ENOENT) ++stats_.errors;
     Drop(victim);
     ++stats_.evicted;
   }
+  return true;
 }
 
 std::optional<std::string> DiskTier::ReadRun(const RunKey& key) {
@@ -271,10 +293,8 @@ std::optional<std::string> DiskTier::ReadRun(const RunKey& key) {
   struct timespec times[2];
   StampTimes(NextStamp(), times);
   ::futimens(fd.get(), times);  // best effort: the order is a hint for eviction
-  if (index_.count(key) || bytes.size() <= options_.capacity_bytes) {
-    if (!index_.count(key)) EvictFor(bytes.size());  // a run another process wrote, now ours too
-    Index(key, bytes.size());
-  }
+  // A run another process wrote becomes ours too, when it fits beside its chain.
+  if (index_.count(key) || EvictFor(bytes.size(), &h->parent)) Index(key, bytes.size(), h->parent);
   return bytes;
 }
 
@@ -335,6 +355,7 @@ Status DiskTier::WriteRun(const RunKey& key, const std::string& bytes) {
 Status DiskTier::Put(std::span<const std::pair<RunKey, std::string>> runs) {
   // Checked before anything is stored, and outside the lock: a checksum over megabytes must not
   // hold up other callers.
+  std::vector<RunKey> parents(runs.size());
   for (size_t i = 0; i < runs.size(); ++i) {
     const auto& [key, bytes] = runs[i];
     const Result<RunHeader> h = CheckRun(bytes);
@@ -343,15 +364,17 @@ Status DiskTier::Put(std::span<const std::pair<RunKey, std::string>> runs) {
                              " of " + std::to_string(runs.size()) + " (key " + key.Hex() + "): " +
                              (h.ok() ? "the bytes are run " + h->key.Hex() : h.status().message()));
     }
+    parents[i] = h->parent;
   }
   std::lock_guard<std::mutex> lock(mu_);
   Status first_error;
-  for (const auto& [key, bytes] : runs) {
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const auto& [key, bytes] = runs[i];
     if (index_.count(key)) {
       struct timespec times[2];
       StampTimes(NextStamp(), times);
       if (::utimensat(AT_FDCWD, PathOf(key).c_str(), times, 0) == 0) {
-        Index(key, index_.at(key).bytes);
+        Index(key, index_.at(key).bytes, parents[i]);
         continue;
       }
       Drop(key);  // the file went away: write it again
@@ -365,14 +388,15 @@ Status DiskTier::Put(std::span<const std::pair<RunKey, std::string>> runs) {
       }
       continue;
     }
-    EvictFor(bytes.size());
+    // Not stored when only its own chain could make room: it would evict what it needs.
+    if (!EvictFor(bytes.size(), &parents[i])) continue;
     Status s = WriteRun(key, bytes);
     if (!s.ok()) {
       ++stats_.errors;
       if (first_error.ok()) first_error = std::move(s);
       continue;
     }
-    Index(key, bytes.size());
+    Index(key, bytes.size(), parents[i]);
     stats_.bytes_written += static_cast<int64_t>(bytes.size());
   }
   return first_error;

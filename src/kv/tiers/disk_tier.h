@@ -61,14 +61,18 @@ class DiskTier final : public Tier {
   struct Entry {
     uint64_t bytes = 0;
     std::list<RunKey>::iterator lru;
+    RunKey parent;  // the run before it in its chain
   };
   Status Scan();
   std::optional<std::string> ReadRun(const RunKey& key);
   Status WriteRun(const RunKey& key, const std::string& bytes);
-  int64_t NextStamp();                            // the next access time, ns since the epoch
-  void Index(const RunKey& key, uint64_t bytes);  // adds or refreshes, as most recent
+  int64_t NextStamp();  // the next access time, ns since the epoch
+  // Adds or refreshes, as most recent; then the runs before it in its chain, more recent still.
+  void Index(const RunKey& key, uint64_t bytes, const RunKey& parent);
   void Drop(const RunKey& key);
-  void EvictFor(uint64_t incoming);  // oldest first, until incoming bytes fit under the cap
+  // Oldest first, until incoming bytes fit under the cap; never the chain before `parent` (a run
+  // is useless without it): false, nothing evicted, when that is what it would take.
+  bool EvictFor(uint64_t incoming, const RunKey* parent = nullptr);
 
   DiskTierOptions options_;
   uint64_t writer_id_ = 0;  // tells this object's temp files from other writers'
