@@ -833,6 +833,10 @@ TEST(EvalCli, UnknownNamesAreErrors) {
   EXPECT_NE(r.err.find("--task: unknown task 'ruler'"), std::string::npos) << r.err;
   // A report directory that cannot be made is said before the evaluation, not after it.
   const std::string file = dir.Write("taken", "x");
+  r = Cachet("--kl --task niah --windows 1 --window-len 64", dir);
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find("--task sets the tasks, which --kl does not run"), std::string::npos)
+      << r.err;
   const std::string rows = dir.path() + "/rows.jsonl";
   r = Cachet("--len 256 --samples 1 --json " + rows + " --report " + file, dir);
   EXPECT_NE(r.code, 0);

@@ -416,7 +416,19 @@ void AddEval(CLI::App& app) {
   cmd->add_option("--test-perturb-logits", o->test_perturb_logits,
                   "Test only: add Gaussian noise of this stddev to the tested logits (KL)")
       ->group("");  // hidden: it exists to show the KL metric can fail
-  cmd->callback([o] { Run(*o); });
+  cmd->callback([o, cmd] {
+    // --kl scores text windows instead of the tasks: their flags would be ignored without a word.
+    if (o->kl && !o->prompts_only) {
+      for (const char* flag : {"--task", "--len", "--samples", "--needles", "--depth"}) {
+        if (cmd->count(flag) > 0) {
+          Fail(std::string(flag) +
+               " sets the tasks, which --kl does not run (it scores --windows text windows of "
+               "--window-len tokens): run the tasks in an eval of their own");
+        }
+      }
+    }
+    Run(*o);
+  });
 }
 
 }  // namespace cachet::cli
