@@ -548,6 +548,10 @@ Server::Server(Runtime& runtime, ServerOptions options)
         } else if (res.status == 413) {
           e.message =
               "the request body is larger than " + std::to_string(m.opt.max_body_bytes) + " bytes";
+        } else if (res.status == 400 && req.method == "POST" && req.body.empty() &&
+                   !req.has_header("Content-Length") && !req.has_header("Transfer-Encoding")) {
+          // httplib refuses a POST with neither a length nor chunks before any handler runs.
+          e.message = "a POST needs a JSON body (sent with Content-Length or chunked)";
         } else {
           e.message = "HTTP error " + std::to_string(res.status);
           if (res.status >= 500) e.type = "server_error";

@@ -5,6 +5,7 @@
 import assert from "node:assert/strict";
 import { execFile } from "node:child_process";
 import { mkdtempSync, writeFileSync } from "node:fs";
+import { connect } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { promisify } from "node:util";
@@ -658,6 +659,25 @@ if (group === "errors") {
 
   check("400 for n above --max-waiting (its choices could never all queue)", async () => {
     await bad({ prompt: "x", n: 2 }, "n", { contains: "--max-waiting" });
+  });
+
+  check("400 naming the missing body for a POST with neither a length nor chunks", async () => {
+    // curl -X POST without -d sends no Content-Length; httplib refuses it before any handler.
+    const { hostname, port } = new URL(base);
+    const text = await new Promise((resolve, reject) => {
+      const s = connect(Number(port), hostname, () => {
+        s.write(
+          `POST /v1/completions HTTP/1.1\r\nHost: ${hostname}\r\n` +
+            `Authorization: Bearer ${apiKey}\r\nConnection: close\r\n\r\n`,
+        );
+      });
+      let got = "";
+      s.on("data", (d) => (got += d));
+      s.on("end", () => resolve(got));
+      s.on("error", reject);
+    });
+    assert.ok(text.startsWith("HTTP/1.1 400"), text);
+    assert.ok(text.includes("a POST needs a JSON body"), text);
   });
 
   check("404 JSON for an unknown endpoint; 413 for a body over the limit", async () => {
