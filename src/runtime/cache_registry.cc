@@ -1,5 +1,6 @@
 #include "runtime/cache_registry.h"
 
+#include <chrono>
 #include <cstdio>
 #include <ctime>
 #include <filesystem>
@@ -79,7 +80,27 @@ bool IsCacheId(std::string_view id) {
 
 CacheRegistry::CacheRegistry(std::string dir, std::unique_ptr<tiers::RedisTier> redis,
                              int64_t max_resident_bytes)
-    : dir_(std::move(dir)), redis_(std::move(redis)), max_resident_bytes_(max_resident_bytes) {}
+    : dir_(std::move(dir)), redis_(std::move(redis)), max_resident_bytes_(max_resident_bytes) {
+  RemoveOrphans();
+}
+
+// A cache's pages without its description are a writer's that crashed between the two (Store
+// writes the pages first), or one whose description was lost: no lookup can take them, and no
+// DELETE reaches them (it starts from the description, whose salt it checks). Ten minutes old,
+// they are no writer's in progress, in this process or another sharing the directory.
+void CacheRegistry::RemoveOrphans() {
+  if (dir_.empty()) return;
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const auto now = fs::file_time_type::clock::now();
+  for (const auto& e : fs::directory_iterator(dir_, ec)) {
+    const fs::path& p = e.path();
+    if (p.extension() != ".ckv" || !IsCacheId(p.stem().string())) continue;
+    if (fs::exists(fs::path(p).replace_extension(".json"), ec)) continue;
+    const auto written = fs::last_write_time(p, ec);
+    if (!ec && now - written > std::chrono::minutes(10)) fs::remove(p, ec);
+  }
+}
 
 std::string CacheRegistry::PathOf(const std::string& id, std::string_view ext) const {
   return dir_ + "/" + id + std::string(ext);

@@ -71,6 +71,7 @@ class CacheRegistry {
                                         std::string_view cache_salt);
   // The stored cache (NotFound when no store has it). kv_too: also its pages' bytes.
   Result<Stored> Fetch(const std::string& id, bool kv_too, std::string* from);
+  void RemoveOrphans();
   std::string PathOf(const std::string& id, std::string_view ext) const;
   Status Store(const std::string& id, const Stored& stored);
   void Keep(Entry e);  // resident from now on; older caches over the cap leave RAM
