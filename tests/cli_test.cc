@@ -380,6 +380,10 @@ TEST(Cli, ConvertSyntheticAndLogitsOf) {
   r = RunCachet("run -t 1 -m " + model + " --ubatch 0 -p x");
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.err.find("--ubatch: value 0 must be > 0"), std::string::npos) << r.err;
+  // Flags the layout ignores say so.
+  r = RunCachet("run -t 1 -m " + model + " -n 1 -p x --kv-cold q4_0");
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.err.find("--kv-cold q4_0 is ignored in the f32 layout"), std::string::npos) << r.err;
 
   // Written to a temporary file, then renamed: nothing else is left beside the output.
   for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
