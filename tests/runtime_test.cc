@@ -305,12 +305,27 @@ TEST(Runtime, SpecialTokensAddNoTextAndMayStop) {
   for (bool skip : {true, false}) {
     CompletionRequest q = Greedy(prompt, 3);
     q.skip_special_tokens = skip;
+    q.top_logprobs = 0;
+    std::vector<TokenLogprob> lps;
     Collector c;
-    ASSERT_TRUE(r.Submit(q, c.Callback()).ok());
+    EventCallback inner = c.Callback();
+    ASSERT_TRUE(r.Submit(q, [&](const TokenEvent& e) {
+                   lps.insert(lps.end(), e.logprobs.begin(), e.logprobs.end());
+                   inner(e);
+                 }).ok());
     c.Wait();
     ASSERT_FALSE(c.tokens.empty());
     ASSERT_EQ(c.tokens[0], tok.bos_id());
     texts[skip] = c.text;
+    // Each token's text_offset is where its text starts in the reply's (characters; the text
+    // here is ASCII): BOS's text is none of it when skipped.
+    ASSERT_EQ(lps.size(), c.tokens.size());
+    EXPECT_EQ(lps[0].text_offset, 0);
+    for (size_t i = 1; i < lps.size(); ++i) {
+      const std::string piece = tok.TokenBytes(c.tokens[i]);
+      EXPECT_EQ(c.text.compare(lps[i].text_offset, piece.size(), piece), 0)
+          << i << " at " << lps[i].text_offset << " in '" << c.text << "'";
+    }
   }
   EXPECT_EQ(texts[1].find(bos_text), std::string::npos) << texts[1];
   EXPECT_TRUE(texts[0].starts_with(bos_text)) << texts[0];

@@ -603,10 +603,11 @@ TEST(ServerResponse, ChatShape) {
 }
 
 std::vector<TokenLogprob> SomeLogprobs() {
-  TokenLogprob a{.token = 1, .logprob = -0.5f, .top = {{1, -0.5f}, {2, -1.5f}}};
+  TokenLogprob a{.token = 1, .logprob = -0.5f, .top = {{1, -0.5f}, {2, -1.5f}}, .text_offset = 0};
   TokenLogprob b{.token = 22,
                  .logprob = -std::numeric_limits<float>::infinity(),
-                 .top = {{3, -0.25f}, {22, -std::numeric_limits<float>::infinity()}}};
+                 .top = {{3, -0.25f}, {22, -std::numeric_limits<float>::infinity()}},
+                 .text_offset = 2};
   return {a, b};
 }
 
@@ -690,11 +691,10 @@ TEST(ServerResponse, CompletionStreamChunks) {
   ChunkContent c;
   c.text = "t1t22";
   c.logprobs = lps;
-  c.text_offset = 10;
   json j = json::parse(StreamChunk(meta, c, TokenName, false));
   EXPECT_EQ(j["object"], "text_completion");
   EXPECT_EQ(j["choices"][0]["text"], "t1t22");
-  EXPECT_EQ(j["choices"][0]["logprobs"]["text_offset"], json::parse("[10, 12]"));
+  EXPECT_EQ(j["choices"][0]["logprobs"]["text_offset"], json::parse("[0, 2]"));
   EXPECT_TRUE(j["choices"][0]["finish_reason"].is_null());
   ChunkContent last;
   last.finish_reason = "stop";

@@ -93,6 +93,9 @@ struct TokenLogprob {
   int32_t token = 0;
   float logprob = 0;
   std::vector<std::pair<int32_t, float>> top;  // the top_logprobs most likely, best first
+  // Characters (code points) of the reply's text before this token's: where its text starts
+  // (completions' logprobs.text_offset). A special token's text is none of the reply's.
+  int text_offset = 0;
 };
 
 struct Usage {

@@ -458,13 +458,18 @@ bool Runtime::Impl::Sample(Request& q) {
   }
   q.tokens.push_back(next);
   q.pending.tokens.push_back(next);
-  if (logprobs) q.pending.logprobs.push_back(Logprobs(q.raw_logits, next, q.r.top_logprobs));
+  if (logprobs) {
+    q.pending.logprobs.push_back(Logprobs(q.raw_logits, next, q.r.top_logprobs));
+    q.pending.logprobs.back().text_offset = q.decoded_chars;
+  }
   {
     std::lock_guard<std::mutex> lock(mu);
     ++metrics.generation_tokens;
   }
   const std::string piece = silent ? std::string() : q.decoder->Push(next);
   q.decoded += piece.size();
+  // The decoder writes whole characters only: count their first bytes.
+  for (char ch : piece) q.decoded_chars += (static_cast<unsigned char>(ch) & 0xC0) != 0x80;
   q.held += piece;
   // The earliest stop string ends the text before it.
   size_t cut = std::string::npos;

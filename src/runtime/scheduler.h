@@ -38,8 +38,9 @@ struct Runtime::Impl {
     bool ever_admitted = false;
     std::unique_ptr<Sampler> sampler;
     std::unique_ptr<StreamDecoder> decoder;
-    std::string held;    // decoded text not yet sent (a stop string may be starting)
-    size_t decoded = 0;  // bytes of text the decoder gave so far (sent or held)
+    std::string held;       // decoded text not yet sent (a stop string may be starting)
+    size_t decoded = 0;     // bytes of text the decoder gave so far (sent or held)
+    int decoded_chars = 0;  // and its characters
     std::vector<float> logits;
     std::vector<float> raw_logits;  // a copy for logprobs, reused
     TokenEvent pending;             // what the next event carries

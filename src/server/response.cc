@@ -46,11 +46,9 @@ json UsageJson(const Usage& u) {
 }
 
 // Completions: {"tokens", "token_logprobs", "top_logprobs", "text_offset"}.
-json CompletionLogprobs(std::span<const TokenLogprob> lps, size_t text_offset,
-                        const TokenText& token_text) {
+json CompletionLogprobs(std::span<const TokenLogprob> lps, const TokenText& token_text) {
   json tokens = json::array(), token_logprobs = json::array(), top = json::array(),
        offsets = json::array();
-  size_t offset = text_offset;
   for (const TokenLogprob& lp : lps) {
     const std::string text = token_text(lp.token);
     tokens.push_back(text);
@@ -62,8 +60,7 @@ json CompletionLogprobs(std::span<const TokenLogprob> lps, size_t text_offset,
       if (!alternatives.contains(t)) alternatives[t] = FiniteLogprob(value);
     }
     top.push_back(std::move(alternatives));
-    offsets.push_back(offset);
-    offset += text.size();
+    offsets.push_back(lp.text_offset);
   }
   return {{"tokens", std::move(tokens)},
           {"token_logprobs", std::move(token_logprobs)},
@@ -187,7 +184,7 @@ std::string CompletionResponse(const ResponseMeta& meta, std::span<const ChoiceO
     } else {
       choice["text"] = c.text;
       choice["logprobs"] =
-          meta.logprobs ? CompletionLogprobs(c.logprobs, 0, token_text) : json(nullptr);
+          meta.logprobs ? CompletionLogprobs(c.logprobs, token_text) : json(nullptr);
     }
     choice["finish_reason"] = Nullable(c.finish_reason);
     list.push_back(std::move(choice));
@@ -223,7 +220,7 @@ std::string StreamChunk(const ResponseMeta& meta, const ChunkContent& c,
   } else {
     choice["text"] = c.text;
     choice["logprobs"] = with_logprobs && !c.logprobs.empty()
-                             ? CompletionLogprobs(c.logprobs, c.text_offset, token_text)
+                             ? CompletionLogprobs(c.logprobs, token_text)
                              : json(nullptr);
   }
   choice["finish_reason"] =

@@ -68,8 +68,7 @@ std::string SseEvent(std::string_view json);
 
 // One stream chunk of choice `index` (`object` "text_completion" or "chat.completion.chunk").
 // Chat: role_only gives the opening chunk (delta {"role": "assistant", "content": ""}); a chunk
-// with a finish_reason has an empty delta when text is empty. text_offset: where text starts in
-// the choice's whole text (completions' logprobs.text_offset). with_usage_null: every chunk then
+// with a finish_reason has an empty delta when text is empty. with_usage_null: every chunk then
 // has "usage": null, as OpenAI writes them when stream_options.include_usage is set.
 struct ChunkContent {
   int index = 0;
@@ -77,7 +76,6 @@ struct ChunkContent {
   std::string_view text;
   std::span<const TokenLogprob> logprobs;
   std::string_view finish_reason;  // empty: null
-  size_t text_offset = 0;
 };
 std::string StreamChunk(const ResponseMeta& meta, const ChunkContent& c,
                         const TokenText& token_text, bool with_usage_null);

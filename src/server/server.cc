@@ -385,7 +385,6 @@ bool Server::Impl::Stream(Exchange& ex, const PreparedRequest& p, const Response
     }
     if (!flush()) return false;
   }
-  std::vector<size_t> offsets(p.n, 0);
   std::vector<Usage> usage(p.n);
   for (int left = p.n; left > 0;) {
     std::deque<Exchange::Item> batch;
@@ -414,8 +413,6 @@ bool Server::Impl::Stream(Exchange& ex, const PreparedRequest& p, const Response
       if (!e.text.empty() || !e.logprobs.empty()) {
         c.text = e.text;
         c.logprobs = e.logprobs;
-        c.text_offset = offsets[item.index];
-        offsets[item.index] += e.text.size();
         out += SseEvent(StreamChunk(meta, c, text_of, usage_null));
       }
       if (e.finished) {
@@ -424,7 +421,6 @@ bool Server::Impl::Stream(Exchange& ex, const PreparedRequest& p, const Response
         ChunkContent last;
         last.index = item.index;
         last.finish_reason = e.finish_reason;
-        last.text_offset = offsets[item.index];
         out += SseEvent(StreamChunk(meta, last, text_of, usage_null));
       }
     }

@@ -303,6 +303,9 @@ if (group === "api") {
     assert.equal(lp.top_logprobs.length, 6);
     assert.equal(lp.text_offset.length, 6);
     for (let i = 0; i < 6; ++i) {
+      // text_offset: where the token's text starts in the choice's text, in characters.
+      const chars = [...r.choices[0].text];
+      assert.equal(chars.slice(lp.text_offset[i]).join("").startsWith(lp.tokens[i]), true, i);
       assert.ok(lp.token_logprobs[i] <= 0);
       const alts = Object.values(lp.top_logprobs[i]);
       assert.ok(alts.length >= 1 && alts.length <= 2);
