@@ -178,6 +178,19 @@ TEST(FitServing, TheHistoryBetweenTheSystemPromptAndTheLastMessageIsPressed) {
   parsed.messages = LongChat(30, "What is the pass key?");
   EXPECT_EQ(server::Prepare(parsed, Model(**tok, "error"), 1).status().code(),
             StatusCode::kOutOfRange);
+  // A max_tokens no policy can make room for is refused by each of them, shift too (it dropped
+  // every turn and answered anyway).
+  parsed.messages = LongChat(2, "What is the pass key?");
+  parsed.max_tokens = model.n_ctx - 8;
+  for (const char* policy : {"error", "shift", "press:keydiff:0.5"}) {
+    auto r = server::Prepare(parsed, Model(**tok, policy), 1);
+    EXPECT_EQ(r.status().code(), StatusCode::kOutOfRange)
+        << policy << ": " << r.status().ToString();
+    const std::string& m = r.status().message();
+    EXPECT_TRUE(m.find("max_tokens") != std::string::npos ||
+                m.find("leave less than") != std::string::npos)
+        << policy << ": " << m;
+  }
 }
 
 TEST(FitServing, TheRuntimeServesWhatEvalFittingComputes) {

@@ -61,6 +61,16 @@ TEST(ServerRequest, CompletionDefaults) {
   EXPECT_TRUE(r->cache_salt.empty());
 }
 
+// seed -1 asks for a random seed (llama-server's convention), not the seed 2^64 - 1.
+TEST(ServerRequest, SeedMinusOneIsRandom) {
+  Result<ParsedRequest> r = Completion(R"({"prompt": "Hi", "seed": -1})");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_FALSE(r->seed.has_value());
+  r = Completion(R"({"prompt": "Hi", "seed": -2})");
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->seed, uint64_t(-2));
+}
+
 TEST(ServerRequest, CompletionEveryField) {
   Result<ParsedRequest> r = Completion(R"({
     "model": "kvtiny", "prompt": "Hi", "max_tokens": 7, "temperature": 0, "top_p": 0.9,
@@ -113,8 +123,8 @@ TEST(ServerRequest, PromptForms) {
   Result<ParsedRequest> huge = Completion(R"({"prompt": "x", "max_tokens": 99999999999999})");
   ASSERT_TRUE(huge.ok()) << huge.status().ToString();
   EXPECT_EQ(huge->max_tokens, std::numeric_limits<int32_t>::max());
-  // Any seed, negative ones and those past int64 too.
-  EXPECT_EQ(Completion(R"({"prompt": "x", "seed": -1})")->seed, ~uint64_t{0});
+  // Any seed, negative ones (but -1, SeedMinusOneIsRandom) and those past int64 too.
+  EXPECT_EQ(Completion(R"({"prompt": "x", "seed": -5})")->seed, uint64_t(-5));
   EXPECT_EQ(Completion(R"({"prompt": "x", "seed": 18446744073709551615})")->seed, ~uint64_t{0});
 }
 

@@ -245,15 +245,20 @@ Result<PreparedRequest> Prepare(const ParsedRequest& parsed, const ServedModel& 
   const int64_t n_prompt = static_cast<int64_t>(r.prompt.size());
   const int context = cache != nullptr ? cache->tokens : 0;
   if (!r.fit) CACHET_RETURN_IF_ERROR(CheckLength(prompt_field, context, n_prompt, model));
-  // --on-full error: a chat whose reply of max_tokens would not fit is refused, as OpenAI's API
-  // does (shift and press made room for it above).
-  if (chat && model.on_full.kind == press::OnFull::Kind::kError && parsed.max_tokens &&
+  // A chat whose reply of max_tokens would not fit is refused, as OpenAI's API does: under
+  // --on-full error, and under shift when even the last message alone leaves too little room
+  // (press refused it above, or pressed the history to make the room).
+  if (chat && !r.fit && parsed.max_tokens &&
       context + n_prompt + *parsed.max_tokens > model.n_ctx) {
+    const bool error_policy = model.on_full.kind == press::OnFull::Kind::kError;
     return OutOfRange("messages: the prompt is " + std::to_string(n_prompt) + " tokens" +
                       (context > 0 ? " after the cache's " + std::to_string(context) : "") +
+                      (error_policy ? "" : " with every turn it could drop dropped") +
                       " and max_tokens " + std::to_string(*parsed.max_tokens) +
                       " more; this model's context holds " + std::to_string(model.n_ctx) +
-                      " (lower max_tokens, or start the server with --on-full shift or press)");
+                      (error_policy ? " (lower max_tokens, or start the server with --on-full "
+                                      "shift or press)"
+                                    : " (lower max_tokens)"));
   }
 
   const int room = r.fit ? r.fit->reserve : model.n_ctx - context - static_cast<int>(n_prompt);

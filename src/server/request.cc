@@ -73,8 +73,11 @@ Status GetInt(const json& obj, const std::string& name, int64_t lo, int64_t hi,
   if (!v) return Bad(name, "must be an integer, " + Got(*j));
   if (*v > hi && clamp_high) v = hi;
   if (*v < lo || *v > hi) {
-    return Bad(name, "must be an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
-                         "], " + Got(*j));
+    return Bad(name,
+               "must be an integer " +
+                   (clamp_high ? ">= " + std::to_string(lo)  // larger ones mean "at most"
+                               : "in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]") +
+                   ", " + Got(*j));
   }
   *out = v;
   return OkStatus();
@@ -460,7 +463,7 @@ Result<ParsedRequest> ParseRequest(std::string_view text, Endpoint endpoint,
     if (seed->is_number_unsigned()) {
       r.seed = seed->get<uint64_t>();
     } else if (const std::optional<int64_t> s = AsInt(*seed)) {
-      r.seed = static_cast<uint64_t>(*s);
+      if (*s != -1) r.seed = static_cast<uint64_t>(*s);  // -1: random, as llama-server reads it
     } else {
       return Bad("seed", "must be an integer, " + Got(*seed));
     }
