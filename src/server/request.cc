@@ -207,8 +207,13 @@ Status ParseMessages(const json& body, ParsedRequest* r) {
     const std::string& name = role->get_ref<const std::string&>();
     Result<ChatRole> parsed =
         name == "developer" ? Result<ChatRole>(ChatRole::kSystem) : ParseChatRole(name);
-    if (!parsed.ok()) return Bad(at + ".role", parsed.status().message());
+    if (!parsed.ok()) return Bad(at + ".role", parsed.status().message() + " (and developer)");
     msg.role = parsed.value();
+    // Only an assistant's turn may come without content (OpenAI's rule: one that called tools).
+    if (const json* c = Field(m, "content");
+        (c == nullptr || c->is_null()) && msg.role != ChatRole::kAssistant) {
+      return Bad(at + ".content", "required for a " + name + " message");
+    }
     CACHET_RETURN_IF_ERROR(ParseContent(m, at + ".content", &msg.content));
     if (const json* tc = Field(m, "tool_calls");
         tc != nullptr && !(tc->is_array() && tc->empty())) {

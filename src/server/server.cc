@@ -3,6 +3,7 @@
 #include <arpa/inet.h>
 #include <httplib.h>
 #include <poll.h>
+#include <strings.h>
 #include <sys/socket.h>
 
 #include <atomic>
@@ -498,6 +499,32 @@ void Server::Impl::Routes() {
     runtime.ClearPrefixCache();
     res.set_content(R"({"status":"ok"})", kJson);
   });
+  // A known path asked with another method: 405 naming the ones it takes (not "no such
+  // endpoint"). Registered last, so the routes above take their own methods first.
+  const std::pair<const char*, const char*> allowed[] = {{"/v1/completions", "POST"},
+                                                         {"/v1/chat/completions", "POST"},
+                                                         {"/tokenize", "POST"},
+                                                         {"/detokenize", "POST"},
+                                                         {"/v1/cache/reset", "POST"},
+                                                         {"/v1/models", "GET"},
+                                                         {R"(/v1/models/(.+))", "GET"},
+                                                         {"/health", "GET"},
+                                                         {"/metrics", "GET"},
+                                                         {"/v1/caches", "GET, POST"},
+                                                         {R"(/v1/caches/([^/]+))", "GET, DELETE"}};
+  for (const auto& [path, methods] : allowed) {
+    auto refuse = [this, methods](const httplib::Request& req, httplib::Response& res) {
+      ApiError e;
+      e.http_status = 405;
+      e.message = req.method + " " + req.path + ": this endpoint takes " + methods;
+      res.set_header("Allow", methods);
+      SendError(res, e);
+    };
+    const std::string_view m(methods);
+    if (m.find("GET") == std::string_view::npos) http.Get(path, refuse);
+    if (m.find("POST") == std::string_view::npos) http.Post(path, refuse);
+    if (m.find("DELETE") == std::string_view::npos) http.Delete(path, refuse);
+  }
 }
 
 Server::Server(Runtime& runtime, ServerOptions options)
@@ -526,7 +553,11 @@ Server::Server(Runtime& runtime, ServerOptions options)
     if (m.opt.api_key.empty() || req.path == "/health" || req.path == "/metrics") {
       return httplib::Server::HandlerResponse::Unhandled;
     }
-    if (SameSecret(req.get_header_value("Authorization"), "Bearer " + m.opt.api_key)) {
+    // The scheme is case-insensitive (RFC 7235): "bearer KEY" too.
+    std::string auth = req.get_header_value("Authorization");
+    if (auth.size() >= 7 && strncasecmp(auth.c_str(), "Bearer ", 7) == 0)
+      auth.replace(0, 7, "Bearer ");
+    if (SameSecret(auth, "Bearer " + m.opt.api_key)) {
       return httplib::Server::HandlerResponse::Unhandled;
     }
     m.SendError(res, UnauthorizedError());

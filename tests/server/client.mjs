@@ -683,6 +683,34 @@ if (group === "errors") {
     assert.ok(text.includes("a POST needs a JSON body"), text);
   });
 
+  check("405 + Allow for a known path asked with another method", async () => {
+    const g = await get("/v1/completions");
+    assert.equal(g.status, 405, g.text);
+    assert.equal(g.headers.get("allow"), "POST");
+    assert.ok(JSON.parse(g.text).error.message.includes("takes POST"), g.text);
+    const p = await post("/v1/models", {});
+    assert.equal(p.status, 405, p.text);
+    assert.equal(p.headers.get("allow"), "GET");
+  });
+
+  check("a user message needs content; the auth scheme is case-insensitive", async () => {
+    await badChat({ messages: [{ role: "user" }] }, "messages[0].content");
+    await badChat({ messages: [{ role: "user", content: null }] }, "messages[0].content");
+    const r = await post(
+      "/v1/chat/completions",
+      {
+        messages: [
+          { role: "system", content: "Be brief." },
+          { role: "assistant" },
+          { role: "user", content: "Hi" },
+        ],
+        max_tokens: 1,
+      },
+      { Authorization: `bearer ${apiKey}` },
+    );
+    assert.equal(r.status, 200, r.text);
+  });
+
   check("404 JSON for an unknown endpoint; 413 for a body over the limit", async () => {
     const r = await post("/v1/nothing", {});
     assert.equal(r.status, 404);
