@@ -112,6 +112,22 @@ TEST(Cli, ChatOnFullShiftsOrPressesAndRunsToTheEnd) {
   EXPECT_NE(bad.err.find("the scorer must read the cache alone"), std::string::npos) << bad.err;
   bad = RunCachet(chat + "--on-full drop", "Hi\n");
   EXPECT_NE(bad.err.find("is not error, shift or press:NAME:RATIO"), std::string::npos) << bad.err;
+  // One message too long for the context on its own is not sent; the chat goes on.
+  std::string huge;
+  for (int i = 0; i < 300; ++i) huge += "word ";
+  for (const char* policy : {"shift", "press:keydiff:0.5"}) {
+    RunResult r = RunCachet(std::string("chat -t 1 -c 256 -n 8 --temp 0 --on-full ") + policy,
+                            "Hello there\n" + huge + "\nTom had a red ball.\n");
+    ASSERT_EQ(r.status, 0) << policy << ": " << r.err;
+    EXPECT_NE(r.err.find("even with every earlier turn gone: not sent"), std::string::npos)
+        << r.err;
+    int turns = 0;
+    for (size_t at = r.err.find(" tokens in context, "); at != std::string::npos;
+         at = r.err.find(" tokens in context, ", at + 1)) {
+      ++turns;
+    }
+    EXPECT_EQ(turns, 2) << policy;
+  }
 }
 
 // cache save / info / run --cache: a compressed context saved once answers later prompts; the
@@ -380,6 +396,8 @@ TEST(Cli, ConvertSyntheticAndLogitsOf) {
   r = RunCachet("run -t 1 -m " + model + " --ubatch 0 -p x");
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.err.find("--ubatch: value 0 must be > 0"), std::string::npos) << r.err;
+  r = RunCachet("run -t 1 -m " + model + " --ubatch lots -p x");
+  EXPECT_NE(r.err.find("--ubatch: value 'lots' is not a number"), std::string::npos) << r.err;
   // Flags the layout ignores say so.
   r = RunCachet("run -t 1 -m " + model + " -n 1 -p x --kv-cold q4_0");
   EXPECT_EQ(r.status, 0) << r.err;

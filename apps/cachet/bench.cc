@@ -502,6 +502,13 @@ void AddBench(CLI::App& app) {
     auto engine = LoadEngine(eo);
     if (!engine) throw CLI::RuntimeError(1);
     const ModelConfig& c = engine->config();
+    if (max_ctx + o->n_decode > c.max_position_embeddings) {
+      // Speed is measured all the same (positions past the trained ones cost the same).
+      std::fprintf(stderr,
+                   "cachet bench: --ctx %d + --n-decode %d passes the model's trained context "
+                   "of %d (max_position_embeddings): its outputs there are not meaningful\n",
+                   max_ctx, o->n_decode, c.max_position_embeddings);
+    }
     std::mt19937 rng(1234);
     std::uniform_int_distribution<int32_t> dist(3, c.vocab_size - 1);
     std::vector<int32_t> tokens(max_ctx);

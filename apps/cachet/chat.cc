@@ -237,8 +237,13 @@ void Chat::Turn(const std::string& user, bool verbose_prompt) {
   const int reply = std::min(gen_.max_tokens, engine_.n_ctx() / 4);
   if (!MakeRoom(static_cast<int>(ids.size()) + reply)) {
     if (on_full_.kind != OnFull::Kind::kError) {
-      Fail(OutOfRange("the turn (" + std::to_string(ids.size()) +
-                      " tokens) does not fit in the context even with every earlier turn gone"));
+      // That message alone is too long: it is not sent, and the chat goes on without it.
+      std::fprintf(stderr,
+                   "cachet chat: the message (%zu tokens with its template) does not fit in the "
+                   "context of %d even with every earlier turn gone: not sent\n",
+                   ids.size(), engine_.n_ctx());
+      messages_.pop_back();
+      return;
     }
   } else if (on_full_.kind != OnFull::Kind::kError) {
     text = NextText();  // what dropping turns left to add (the same text for append templates)

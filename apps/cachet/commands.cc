@@ -26,7 +26,8 @@ CLI::Validator AtLeast(double lo, const char* bound, const char* type) {
       [lo, bound](std::string& v) -> std::string {
         char* end = nullptr;
         const double x = std::strtod(v.c_str(), &end);
-        if (end != v.c_str() && *end == '\0' && std::isfinite(x) && x >= lo) return {};
+        if (end == v.c_str() || *end != '\0') return "value '" + v + "' is not a number";
+        if (std::isfinite(x) && x >= lo) return {};
         return "value " + v + " must be " + bound;
       },
       type);
