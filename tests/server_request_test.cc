@@ -228,8 +228,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{kC, R"({"prompt": [[1, -3]]})", 400, "prompt[0][1]", "outside the vocabulary"},
         BadCase{kC, R"({"prompt": [true]})", 400, "prompt[0]", "must be a string or an array"},
         // max_tokens.
-        BadCase{kC, R"({"prompt": "x", "max_tokens": 0})", 400, "max_tokens", "[1, "},
-        BadCase{kC, R"({"prompt": "x", "max_tokens": -5})", 400, "max_tokens", "[1, "},
+        BadCase{kC, R"({"prompt": "x", "max_tokens": 0})", 400, "max_tokens", ">= 1, got 0"},
+        BadCase{kC, R"({"prompt": "x", "max_tokens": -5})", 400, "max_tokens", ">= 1, got -5"},
         BadCase{kC, R"({"prompt": "x", "max_tokens": "10"})", 400, "max_tokens",
                 "must be an integer"},
         BadCase{kC, R"({"prompt": "x", "max_tokens": 1.5})", 400, "max_tokens",
