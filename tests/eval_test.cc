@@ -831,6 +831,9 @@ TEST(EvalCli, UnknownNamesAreErrors) {
   r = Cachet("--task ruler --len 256 --samples 1", dir);
   EXPECT_NE(r.code, 0);
   EXPECT_NE(r.err.find("--task: unknown task 'ruler'"), std::string::npos) << r.err;
+  r = Cachet("--codec q4_0:q5 --len 256 --samples 1", dir);
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find("--codec: unknown KV codec 'q5'"), std::string::npos) << r.err;
   // A report directory that cannot be made is said before the evaluation, not after it.
   const std::string file = dir.Write("taken", "x");
   r = Cachet("--kl --task niah --windows 1 --window-len 64", dir);

@@ -595,10 +595,11 @@ void AddInspect(CLI::App& app) {
                 std::string(tok.kind()).c_str(), tok.vocab_size());
     std::printf("context          %d, rope_theta %g\n", c.max_position_embeddings, c.rope_theta);
     std::printf("tied embeddings  %s\n", c.tie_word_embeddings ? "yes" : "no");
-    std::printf("KV bytes/token   f32 %lld, f16/bf16 %lld, int8 %lld (+scales)\n",
-                static_cast<long long>(c.KvBytesPerToken(4)),
-                static_cast<long long>(c.KvBytesPerToken(2)),
-                static_cast<long long>(c.KvBytesPerToken(1)));
+    std::printf(
+        "KV bytes/token   f32 %lld, f16/bf16 %lld, int8 %lld (+scales); pages add each row's "
+        "position: %d more\n",
+        static_cast<long long>(c.KvBytesPerToken(4)), static_cast<long long>(c.KvBytesPerToken(2)),
+        static_cast<long long>(c.KvBytesPerToken(1)), 4 * c.n_layers * c.n_kv_heads);
     std::printf("KV at context    f32 %.1f MiB for %d tokens\n",
                 c.KvBytesPerToken(4) * double(c.max_position_embeddings) / (1 << 20),
                 c.max_position_embeddings);

@@ -101,6 +101,12 @@ std::vector<Method> MethodGrid(const EvalOpts& o) {
       m.demote_fetch = o.demote_fetch;
       for (const std::string& codec : o.codecs) {
         std::tie(m.codec_k, m.codec_v) = codecs::SplitKv(codec);
+        const std::string known = ", " + codecs::CodecNames() + ",";
+        for (const std::string& name : {m.codec_k, m.codec_v}) {
+          if (known.find(", " + name + ",") == std::string::npos) {
+            Fail("--codec: unknown KV codec '" + name + "' (known: " + codecs::CodecNames() + ")");
+          }
+        }
         for (const std::string& at : o.compress_at) {
           m.compress_at = OrFail(ParseCompressAt(at), "--compress-at");
           Check(ValidateMethod(m));
