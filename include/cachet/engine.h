@@ -327,6 +327,9 @@ class Engine {
   friend class Session;
   friend class EngineAccess;
   Engine() = default;
+  // Whether sessions age their pages (kv_cold): as --kv-window, only in a codec layout, f32 K and
+  // V being the reference.
+  bool ages() const;
   static uint64_t SaltKey(std::string_view cache_salt);  // what sessions of that salt share under
 
   EngineOptions options_;

@@ -71,6 +71,15 @@ struct KvLayout {
   // Bytes of a page as most of a long sequence stores it.
   size_t page_bytes() const { return plain() ? raw_page_bytes() : codec_page_bytes(); }
   int heads_total() const { return n_layers * n_kv_heads; }
+  // The layout of this one's cold pool (demoted or aged tokens) in codecs c: every row coded, so
+  // no sinks and no window.
+  KvLayout Cold(codecs::CodecPair c) const {
+    KvLayout l = *this;
+    l.codec_k = c.k;
+    l.codec_v = c.v;
+    l.sinks = l.window = 0;
+    return l;
+  }
   std::string codec_name() const;  // "f32", or "<k>/<v>"
   // What a page of codec c needs to code table's (layer * n_kv_heads + KV head) role: its
   // calibrated plan, null for every other codec.

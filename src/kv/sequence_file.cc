@@ -77,13 +77,6 @@ Result<KvLayout> LayoutOf(const tiers::TierNamespace& ns) {
   return l;
 }
 
-KvLayout ColdLayoutOf(KvLayout l, codecs::CodecPair c) {
-  l.codec_k = c.k;
-  l.codec_v = c.v;
-  l.sinks = l.window = 0;
-  return l;
-}
-
 size_t DataBytes(const KvLayout& l, bool codec_page) {
   return codec_page ? l.codec_k_bytes() + l.codec_v_bytes() : l.raw_data_bytes();
 }
@@ -268,7 +261,7 @@ Result<Parsed> Parse(std::span<const uint8_t> bytes) {
   KvLayout cold_layout;
   if (!p.h.info.cold_codec.empty()) {
     CACHET_ASSIGN_OR_RETURN(const codecs::CodecPair c, codecs::ParseCodecPair(p.h.info.cold_codec));
-    cold_layout = ColdLayoutOf(hot, c);
+    cold_layout = hot.Cold(c);
   }
   p.tables_at = r.at();
   struct {

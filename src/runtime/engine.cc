@@ -71,8 +71,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
                                            ((e->n_ctx_ + o.page_tokens - 1) / o.page_tokens) *
                                            default_page_bytes;
   e->kv_pool_ = std::make_unique<PagePool>(layout, capacity);
-  // As --kv-window, --kv-cold acts on codec layouts only: f32 K and V is the reference layout.
-  if (!o.kv_cold.empty() && !layout.plain()) {
+  if (e->ages()) {
     if (o.kv_cold_after < 1) return InvalidArgument("--kv-cold-after must be >= 1");
     CACHET_RETURN_IF_ERROR(e->ColdPool(o.kv_cold, "--kv-cold").status());
   }
@@ -152,13 +151,15 @@ int64_t Engine::weight_bytes_per_token() const {
   return total;
 }
 
+bool Engine::ages() const { return !options_.kv_cold.empty() && !kv_pool_->layout().plain(); }
+
 uint64_t Engine::SaltKey(std::string_view cache_salt) {
   return cache_salt.empty() ? 0 : XXH3_64bits(cache_salt.data(), cache_salt.size());
 }
 
 std::unique_ptr<Session> Engine::NewSession(std::string_view cache_salt) {
   auto seq = std::make_unique<PagedSequence>(*kv_pool_);
-  if (!options_.kv_cold.empty() && !kv_pool_->layout().plain()) {  // made and checked by Create
+  if (ages()) {  // the cold pool made and checked by Create
     seq->set_cold_pool(ColdPool(options_.kv_cold).value(), 1.0);
     seq->set_age_out(options_.kv_cold_after);
   }
@@ -239,11 +240,7 @@ Result<PagePool*> Engine::ColdPool(std::string_view codec, std::string_view flag
   for (auto& [have, pool] : cold_pools_) {
     if (have == name) return pool.get();
   }
-  KvLayout layout = kv_pool_->layout();
-  layout.codec_k = pair.k;
-  layout.codec_v = pair.v;
-  layout.sinks = 0;
-  layout.window = 0;
+  KvLayout layout = kv_pool_->layout().Cold(pair);
   CACHET_RETURN_IF_ERROR(codecs::CheckDim(layout.codec_k, layout.head_dim));
   CACHET_RETURN_IF_ERROR(codecs::CheckDim(layout.codec_v, layout.head_dim));
   if ((codecs::IsCalibrated(layout.codec_k) || codecs::IsCalibrated(layout.codec_v)) &&

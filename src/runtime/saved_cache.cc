@@ -23,9 +23,7 @@ Status Prefixed(const std::string& path, const Status& s) {
 // tokens does not age at all.
 Status EngineAccess::CheckAging(Engine& e, const PagedSequence& seq, const std::string& what) {
   const EngineOptions& o = e.options_;
-  if (o.kv_cold.empty() || e.kv_pool_->layout().plain() || seq.cold_pool() == nullptr) {
-    return OkStatus();
-  }
+  if (!e.ages() || seq.cold_pool() == nullptr) return OkStatus();
   auto fail = [&](const std::string& why) { return FailedPrecondition(what + ": " + why); };
   const KvLayout& cold = seq.cold_pool()->layout();
   const std::string file_cold = codecs::PairName({cold.codec_k, cold.codec_v});

@@ -412,9 +412,8 @@ void Runtime::Impl::TruncateAtStop(Request& q, size_t text_end) {
   StreamDecoder replay(engine->tokenizer());
   size_t len = 0;
   int kept = 0;
-  const Tokenizer& tok = engine->tokenizer();
   for (size_t i = q.n_prompt; i < q.tokens.size(); ++i) {
-    if (q.r.skip_special_tokens && tok.IsSpecial(q.tokens[i])) continue;  // no text (Sample)
+    if (Silent(q, q.tokens[i])) continue;
     len += replay.Push(q.tokens[i]).size();
     if (len > text_end) break;
     if (!replay.holding()) kept = static_cast<int>(i) + 1 - q.n_prompt;  // its bytes all out
@@ -425,6 +424,10 @@ void Runtime::Impl::TruncateAtStop(Request& q, size_t text_end) {
     // are then published as they are.
     (void)s.Truncate(q.n_prompt + kept);
   }
+}
+
+bool Runtime::Impl::Silent(const Request& q, int32_t id) const {
+  return q.r.skip_special_tokens && engine->tokenizer().IsSpecial(id);
 }
 
 // Samples request q's next token from its logits; returns false when the request is done.
@@ -450,7 +453,7 @@ bool Runtime::Impl::Sample(Request& q) {
     Finish(q, "stop");
     return false;
   }
-  const bool silent = q.r.skip_special_tokens && tok.IsSpecial(next);
+  const bool silent = Silent(q, next);
   if (silent &&
       std::find(q.r.stop.begin(), q.r.stop.end(), tok.TokenBytes(next)) != q.r.stop.end()) {
     Finish(q, "stop");  // a chat template's end of turn, as a token: as EOS

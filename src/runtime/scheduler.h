@@ -144,6 +144,8 @@ struct Runtime::Impl {
   // so the prefix cache gets the conversation up to the stop, which a follow-up prompt repeats,
   // and not blocks holding the stop string's tokens, which it would not.
   void TruncateAtStop(Request& q, size_t text_end);
+  // Whether token id adds none of q's reply text (a special token, unless q asks for them).
+  bool Silent(const Request& q, int32_t id) const;
 
   // Samples request q's next token from its logits; returns false when the request is done.
   bool Sample(Request& q);

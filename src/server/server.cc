@@ -6,6 +6,7 @@
 #include <strings.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -433,16 +434,35 @@ bool Server::Impl::Stream(Exchange& ex, const PreparedRequest& p, const Response
 }
 
 void Server::Impl::Routes() {
-  http.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
+  // Every route registered with its methods recorded: a known path asked with another method is
+  // then a 405 naming the ones it takes (not "no such endpoint").
+  auto add = [this](std::string_view method, const std::string& path,
+                    httplib::Server::Handler handler) {
+    if (method == "GET") http.Get(path, std::move(handler));
+    if (method == "POST") http.Post(path, std::move(handler));
+    if (method == "DELETE") http.Delete(path, std::move(handler));
+  };
+  std::vector<std::pair<std::string, std::string>> methods_of;  // path, "GET, POST"
+  auto on = [&](const char* method, const char* path, httplib::Server::Handler handler) {
+    add(method, path, std::move(handler));
+    auto it = std::find_if(methods_of.begin(), methods_of.end(),
+                           [&](const auto& m) { return m.first == path; });
+    if (it == methods_of.end()) {
+      methods_of.emplace_back(path, method);
+    } else {
+      it->second += std::string(", ") + method;
+    }
+  };
+  on("POST", "/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
     Generate(req, res, Endpoint::kCompletions);
   });
-  http.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
+  on("POST", "/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
     Generate(req, res, Endpoint::kChat);
   });
-  http.Get("/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+  on("GET", "/v1/models", [this](const httplib::Request&, httplib::Response& res) {
     res.set_content(ModelsJson(model.name, started, model.n_ctx), kJson);
   });
-  http.Get(R"(/v1/models/(.+))", [this](const httplib::Request& req, httplib::Response& res) {
+  on("GET", R"(/v1/models/(.+))", [this](const httplib::Request& req, httplib::Response& res) {
     const std::string id = req.matches[1];
     if (id != model.name) {
       return SendError(res, NotFound("model: the model '" + id +
@@ -450,7 +470,7 @@ void Server::Impl::Routes() {
     }
     res.set_content(ModelJson(model.name, started, model.n_ctx), kJson);
   });
-  http.Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+  on("GET", "/health", [this](const httplib::Request&, httplib::Response& res) {
     if (stopping) {
       res.status = 503;
       res.set_content(R"({"status":"stopping"})", kJson);
@@ -458,11 +478,11 @@ void Server::Impl::Routes() {
     }
     res.set_content(R"({"status":"ok"})", kJson);
   });
-  http.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+  on("GET", "/metrics", [this](const httplib::Request&, httplib::Response& res) {
     res.set_content(MetricsText(runtime.Metrics(), runtime.kv_stats(), model.name),
                     std::string(kMetricsContentType));
   });
-  http.Post("/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
+  on("POST", "/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
     Result<TokenizeRequest> r = ParseTokenizeRequest(req.body);
     if (!r.ok()) return SendError(res, r.status());
     const Tokenizer& tok = *model.tokenizer;
@@ -472,47 +492,36 @@ void Server::Impl::Routes() {
     ids.insert(ids.end(), text.begin(), text.end());
     res.set_content(TokenizeJson(ids, r->with_pieces, token_text()), kJson);
   });
-  http.Post("/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
+  on("POST", "/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
     Result<std::vector<int32_t>> ids = ParseDetokenizeRequest(req.body, model.vocab_size);
     if (!ids.ok()) return SendError(res, ids.status());
     res.set_content(DetokenizeJson(model.tokenizer->Decode(ids.value())), kJson);
   });
-  http.Post("/v1/caches",
-            [this](const httplib::Request& req, httplib::Response& res) { CreateCache(req, res); });
+  on("POST", "/v1/caches",
+     [this](const httplib::Request& req, httplib::Response& res) { CreateCache(req, res); });
   // Tenants name their salt as a query parameter: another salt's caches are not there for them.
-  http.Get("/v1/caches", [this](const httplib::Request& req, httplib::Response& res) {
+  on("GET", "/v1/caches", [this](const httplib::Request& req, httplib::Response& res) {
     res.set_content(CacheListJson(runtime.ListCaches(req.get_param_value("cache_salt"))), kJson);
   });
-  http.Get(R"(/v1/caches/([^/]+))", [this](const httplib::Request& req, httplib::Response& res) {
+  on("GET", R"(/v1/caches/([^/]+))", [this](const httplib::Request& req, httplib::Response& res) {
     Result<KvCacheInfo> c = runtime.FindCache(req.matches[1], req.get_param_value("cache_salt"));
     if (!c.ok()) return SendError(res, c.status());
     res.set_content(CacheJson(*c), kJson);
   });
-  http.Delete(R"(/v1/caches/([^/]+))", [this](const httplib::Request& req, httplib::Response& res) {
-    const std::string id = req.matches[1];
-    if (Status s = runtime.DeleteCache(id, req.get_param_value("cache_salt")); !s.ok()) {
-      return SendError(res, s);
-    }
-    res.set_content(CacheDeletedJson(id), kJson);
-  });
-  http.Post("/v1/cache/reset", [this](const httplib::Request&, httplib::Response& res) {
+  on("DELETE", R"(/v1/caches/([^/]+))",
+     [this](const httplib::Request& req, httplib::Response& res) {
+       const std::string id = req.matches[1];
+       if (Status s = runtime.DeleteCache(id, req.get_param_value("cache_salt")); !s.ok()) {
+         return SendError(res, s);
+       }
+       res.set_content(CacheDeletedJson(id), kJson);
+     });
+  on("POST", "/v1/cache/reset", [this](const httplib::Request&, httplib::Response& res) {
     runtime.ClearPrefixCache();
     res.set_content(R"({"status":"ok"})", kJson);
   });
-  // A known path asked with another method: 405 naming the ones it takes (not "no such
-  // endpoint"). Registered last, so the routes above take their own methods first.
-  const std::pair<const char*, const char*> allowed[] = {{"/v1/completions", "POST"},
-                                                         {"/v1/chat/completions", "POST"},
-                                                         {"/tokenize", "POST"},
-                                                         {"/detokenize", "POST"},
-                                                         {"/v1/cache/reset", "POST"},
-                                                         {"/v1/models", "GET"},
-                                                         {R"(/v1/models/(.+))", "GET"},
-                                                         {"/health", "GET"},
-                                                         {"/metrics", "GET"},
-                                                         {"/v1/caches", "GET, POST"},
-                                                         {R"(/v1/caches/([^/]+))", "GET, DELETE"}};
-  for (const auto& [path, methods] : allowed) {
+  // Registered last, so the routes above take their own methods first.
+  for (const auto& [path, methods] : methods_of) {
     auto refuse = [this, methods](const httplib::Request& req, httplib::Response& res) {
       ApiError e;
       e.http_status = 405;
@@ -520,10 +529,9 @@ void Server::Impl::Routes() {
       res.set_header("Allow", methods);
       SendError(res, e);
     };
-    const std::string_view m(methods);
-    if (m.find("GET") == std::string_view::npos) http.Get(path, refuse);
-    if (m.find("POST") == std::string_view::npos) http.Post(path, refuse);
-    if (m.find("DELETE") == std::string_view::npos) http.Delete(path, refuse);
+    for (const char* method : {"GET", "POST", "DELETE"}) {
+      if (methods.find(method) == std::string::npos) add(method, path, refuse);
+    }
   }
 }
 

@@ -199,6 +199,16 @@ Status DiskTier::Scan() {
   return OkStatus();
 }
 
+template <class Fn>
+void DiskTier::ForChain(const RunKey& from, Fn fn) {
+  // Bounded by the index, so a cycle of forged parents cannot loop.
+  size_t steps = 0;
+  for (auto p = index_.find(from); p != index_.end() && steps++ < index_.size();
+       p = index_.find(p->second.parent)) {
+    fn(p->first, p->second);
+  }
+}
+
 void DiskTier::Index(const RunKey& key, uint64_t bytes, const RunKey& parent) {
   auto it = index_.find(key);
   if (it == index_.end()) {
@@ -213,12 +223,7 @@ void DiskTier::Index(const RunKey& key, uint64_t bytes, const RunKey& parent) {
   bytes_held_ += bytes;
   // A chain is evicted from its end, as a prefix cache's blocks are: the runs before this one
   // (it is useless without them) become more recent than it, the first run the most recent.
-  // Bounded by the index, so a cycle of forged parents cannot loop.
-  size_t steps = 0;
-  for (auto p = index_.find(parent); p != index_.end() && steps++ < index_.size();
-       p = index_.find(p->second.parent)) {
-    lru_.splice(lru_.end(), lru_, p->second.lru);
-  }
+  ForChain(parent, [&](const RunKey&, Entry& e) { lru_.splice(lru_.end(), lru_, e.lru); });
 }
 
 void DiskTier::Drop(const RunKey& key) {
@@ -232,10 +237,10 @@ void DiskTier::Drop(const RunKey& key) {
 bool DiskTier::EvictFor(uint64_t incoming, const RunKey* parent) {
   std::unordered_set<RunKey, RunKeyHash> keep;
   uint64_t kept_bytes = 0;
-  for (auto p = parent ? index_.find(*parent) : index_.end();
-       p != index_.end() && !keep.count(p->first); p = index_.find(p->second.parent)) {
-    keep.insert(p->first);
-    kept_bytes += p->second.bytes;
+  if (parent != nullptr) {
+    ForChain(*parent, [&](const RunKey& key, const Entry& e) {
+      if (keep.insert(key).second) kept_bytes += e.bytes;
+    });
   }
   if (kept_bytes + incoming > options_.capacity_bytes) return false;
   for (auto it = lru_.begin();

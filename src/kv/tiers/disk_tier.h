@@ -70,6 +70,9 @@ class DiskTier final : public Tier {
   // Adds or refreshes, as most recent; then the runs before it in its chain, more recent still.
   void Index(const RunKey& key, uint64_t bytes, const RunKey& parent);
   void Drop(const RunKey& key);
+  // fn(key, entry) for `from` and each run before it in its chain, while the index holds them.
+  template <class Fn>
+  void ForChain(const RunKey& from, Fn fn);
   // Oldest first, until incoming bytes fit under the cap; never the chain before `parent` (a run
   // is useless without it): false, nothing evicted, when that is what it would take.
   bool EvictFor(uint64_t incoming, const RunKey* parent = nullptr);
