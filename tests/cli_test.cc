@@ -164,6 +164,18 @@ TEST(Cli, CacheSaveInfoAndRunFromIt) {
   r = RunCachet("run --cache " + ckv + " --press snapkv -p x");
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.err.find("excludes"), std::string::npos) << r.err;
+  // A saved cache is read whole: a tier beside it would be created and never used.
+  r = RunCachet("run --cache " + ckv + " --disk-cache " + dir.path() + "/unused -p x");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("--disk-cache excludes --cache"), std::string::npos) << r.err;
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/unused"));
+  // An empty tier path or address is an error, not the tier switched off.
+  for (const char* flag : {"--disk-cache", "--redis"}) {
+    r = RunCachet(std::string("run -t 1 -n 1 -p x ") + flag + " \"\"");
+    EXPECT_NE(r.status, 0) << flag;
+    EXPECT_NE(r.err.find(std::string(flag) + ": an empty value names nothing"), std::string::npos)
+        << r.err;
+  }
   // --ids after a cache: the question's ids and the completion's, as JSON (it printed text).
   r = RunCachet(run + " --ids");
   ASSERT_EQ(r.status, 0) << r.err;

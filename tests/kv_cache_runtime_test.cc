@@ -299,9 +299,27 @@ TEST(RuntimeCaches, RestartedRuntimeFindsTheCacheOnDisk) {
   for (const std::string& p : {old_orphan, new_orphan}) std::ofstream(p) << bytes;
   std::filesystem::last_write_time(
       old_orphan, std::filesystem::file_time_type::clock::now() - std::chrono::minutes(11));
-  ASSERT_TRUE(Runtime::Create(Options(dir.path())).ok());
+  // A damaged description: its cache is no salt's, any DELETE of the id removes it, and the
+  // next start removes one ten minutes old.
+  const std::string damaged_id = "kvc-" + std::string(32, 'c');
+  const std::string old_damaged = "kvc-" + std::string(32, 'd');
+  for (const std::string& d : {damaged_id, old_damaged}) {
+    std::ofstream(dir.path() + "/" + d + ".ckv") << bytes;
+    std::ofstream(dir.path() + "/" + d + ".json") << "{not json";
+  }
+  std::filesystem::last_write_time(
+      dir.path() + "/" + old_damaged + ".ckv",
+      std::filesystem::file_time_type::clock::now() - std::chrono::minutes(11));
+  auto restarted = Runtime::Create(Options(dir.path()));
+  ASSERT_TRUE(restarted.ok());
   EXPECT_FALSE(std::filesystem::exists(old_orphan));
   EXPECT_TRUE(std::filesystem::exists(new_orphan));
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/" + old_damaged + ".json"));
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/" + old_damaged + ".ckv"));
+  EXPECT_EQ((*restarted)->FindCache(damaged_id, "t").status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE((*restarted)->DeleteCache(damaged_id, "anyone").ok());
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/" + damaged_id + ".json"));
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/" + damaged_id + ".ckv"));
 }
 
 // What a request on cache id generates (greedy).

@@ -177,6 +177,33 @@ TEST(SavedCache, AgedCacheAgesOnWhenLoaded) {
       << r.status().message();
 }
 
+// Pages old enough to go cold are saved cold, as the next step would have moved them: the file
+// holds them in the cold codec, and both sessions continue as one that never saved.
+TEST(SavedCache, SavingMovesThePagesDueToGoCold) {
+  testing::TempDir dir;
+  const Layout aged{"q8_0", "q8_0", 0, 0, 0, "q4_0", 48};
+  auto engine = MakeEngine(aged);
+  auto saver = engine->NewSession(), unsaved = engine->NewSession();
+  for (auto* s : {saver.get(), unsaved.get()}) ASSERT_TRUE(s->Eval(Slice(0, 200), nullptr).ok());
+  ASSERT_EQ(EngineAccess::kv(*saver).cold_length(0, 0), 0);  // a step ages, not a prompt's end
+  const std::string path = dir.path() + "/aged.ckv";
+  ASSERT_TRUE(saver->Save(path, "none").ok());
+  // 16-token pages whose last position is below 200 - 48: the first 9.
+  EXPECT_EQ(EngineAccess::kv(*saver).cold_length(0, 0), 144);
+  auto loaded = engine->LoadSession(path);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_EQ(EngineAccess::kv(**loaded).cold_length(0, 0), 144);
+  const auto want = Continue(*unsaved, Slice(600, 40));
+  for (Session* s : {saver.get(), loaded->get()}) {
+    const auto got = Continue(*s, Slice(600, 40));
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(std::memcmp(got[i].data(), want[i].data(), got[i].size() * sizeof(float)), 0)
+          << "step " << i;
+    }
+  }
+}
+
 // Generate continues from the saved logits when no new tokens are given.
 TEST(SavedCache, GenerateFromTheSavedLogits) {
   testing::TempDir dir;

@@ -32,6 +32,14 @@ CLI::Validator AtLeast(double lo, const char* bound, const char* type) {
       },
       type);
 }
+
+// A path or address flag given as "" would silently switch its feature off.
+const CLI::Validator& NonEmpty() {
+  static const CLI::Validator v(
+      [](std::string& v) -> std::string { return v.empty() ? "an empty value names nothing" : ""; },
+      "TEXT");
+  return v;
+}
 }  // namespace
 
 const CLI::Validator& Positive() {
@@ -93,7 +101,8 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o) {
                "Do not share or reuse KV pages of common prompt prefixes");
   app.add_option("--disk-cache", o.disk_cache_dir,
                  "Keep cached prompt prefixes in this directory too (created if missing): any "
-                 "later run with the same model and KV layout reuses them, after a restart too");
+                 "later run with the same model and KV layout reuses them, after a restart too")
+      ->check(NonEmpty());
   app.add_option("--disk-cache-mib", o.disk_cache_mib,
                  "Size cap of --disk-cache in MiB (0 = 4096); least recently used runs go first")
       ->check(NonNegative());
@@ -105,7 +114,8 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o) {
                  "by every process pointed at it: redis://host[:port][/db], or a Redis Cluster's "
                  "nodes comma-separated. Runs expire after 24 h; writes are queued in the "
                  "background and dropped rather than delaying a request; a failing server is "
-                 "skipped until it recovers");
+                 "skipped until it recovers")
+      ->check(NonEmpty());
 }
 
 void AddSamplingFlags(CLI::App& app, GenerateOptions& o) {
@@ -465,7 +475,9 @@ void AddRun(CLI::App& app) {
       ->check(CLI::ExistingFile)
       ->excludes("--logits-of")
       ->excludes("--np")
-      ->excludes("--press");
+      ->excludes("--press")
+      ->excludes("--disk-cache")
+      ->excludes("--redis");
   auto chunk_files = std::make_shared<std::vector<std::string>>();
   auto chunk_sep = std::make_shared<std::string>();
   auto blend = std::make_shared<BlendOptions>();

@@ -212,6 +212,7 @@ class Session {
   // cold, every page in its own codec) with the tokens and last logits to a file that
   // Engine::LoadSession continues from, in this or another process (written to a temporary file,
   // then renamed). compression: how it was made, for `cachet cache info` ("expected ratio 0.75").
+  // With --kv-cold, pages old enough move to the cold codec first, as the next step would.
   Status Save(const std::string& path, std::string_view compression = {}) const;
 
   // Presses (kv/press). ObserveForPress makes the following Evals gather the attention weights

@@ -113,13 +113,18 @@ bool PagedSequence::BlockPages(int block, std::vector<int32_t>* pages) const {
   return true;
 }
 
-Status PagedSequence::Reserve(int n) {
-  if (n <= 0) return OkStatus();
+void PagedSequence::AgeOut() {
   if (age_after_ > 0 && cold_pool_ != nullptr && observer_ == nullptr) {
-    // A full cold pool is not an error here: the pages stay hot (and the hot pool says when it
-    // is full). A move that succeeded stays when the reservation below fails: the same tokens.
+    // A full cold pool is not an error: the pages stay hot (and the hot pool says when it is
+    // full).
     (void)AgeOutPages(pool_, tables_, *cold_pool_, cold_tables_, n_tokens_, age_after_);
   }
+}
+
+Status PagedSequence::Reserve(int n) {
+  if (n <= 0) return OkStatus();
+  // A move that succeeded stays when the reservation below fails: the same tokens.
+  AgeOut();
   const KvLayout& lay = pool_.layout();
   const int64_t pt = lay.page_tokens;
   // Plan: count the pages each table needs (new pages of the right kind, private copies of shared

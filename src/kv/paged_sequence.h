@@ -42,7 +42,11 @@ class PagedSequence final : public KvSequence {
   // A new sequence sharing every page of this one (no copy, refcounts only).
   std::unique_ptr<PagedSequence> Fork() const;
 
+  // Reserve ages pages first (--kv-cold): those old enough move to the cold pool.
   Status Reserve(int n) override;
+  // Moves the pages old enough to the cold pool now, as the next Reserve would (no-op without
+  // one, or while an observer gathers attention).
+  void AgeOut();
   void Append(int layer, int kv_head, const float* k, const float* v, int32_t pos) override;
   void CommitTokens(int n) override { n_tokens_ += n; }
   void Attend(int layer, int kv_head, const kernels::AttnBatch& batch) const override;

@@ -40,10 +40,15 @@ std::string RedisName(const std::string& id, std::string_view part) {
   return "cache:{" + id + "}:" + std::string(part);
 }
 
-bool SaltMatches(const std::string& meta, uint64_t salt) {
+// A description that names no salt is damaged (descriptions are written whole, by rename): its
+// cache is no namespace's, so no lookup takes it and any DELETE of its id removes it.
+bool Damaged(const std::string& meta) {
   const json side = json::parse(meta, nullptr, /*allow_exceptions=*/false);
-  return side.is_object() && side.contains("salt") && side["salt"].is_string() &&
-         side["salt"].get<std::string>() == SaltHex(salt);
+  return !side.is_object() || !side.contains("salt") || !side["salt"].is_string();
+}
+
+bool SaltMatches(const std::string& meta, uint64_t salt) {
+  return !Damaged(meta) && json::parse(meta)["salt"].get<std::string>() == SaltHex(salt);
 }
 
 int64_t HeldRows(const Session& s) {
@@ -87,7 +92,8 @@ CacheRegistry::CacheRegistry(std::string dir, std::unique_ptr<tiers::RedisTier> 
 // A cache's pages without its description are a writer's that crashed between the two (Store
 // writes the pages first), or one whose description was lost: no lookup can take them, and no
 // DELETE reaches them (it starts from the description, whose salt it checks). Ten minutes old,
-// they are no writer's in progress, in this process or another sharing the directory.
+// they are no writer's in progress, in this process or another sharing the directory. A damaged
+// description goes with its pages.
 void CacheRegistry::RemoveOrphans() {
   if (dir_.empty()) return;
   namespace fs = std::filesystem;
@@ -96,9 +102,16 @@ void CacheRegistry::RemoveOrphans() {
   for (const auto& e : fs::directory_iterator(dir_, ec)) {
     const fs::path& p = e.path();
     if (p.extension() != ".ckv" || !IsCacheId(p.stem().string())) continue;
-    if (fs::exists(fs::path(p).replace_extension(".json"), ec)) continue;
+    const fs::path meta = fs::path(p).replace_extension(".json");
+    if (fs::exists(meta, ec)) {
+      const Result<std::string> text = ReadTextFile(meta.string());
+      if (!text.ok() || !Damaged(text.value())) continue;
+    }
     const auto written = fs::last_write_time(p, ec);
-    if (!ec && now - written > std::chrono::minutes(10)) fs::remove(p, ec);
+    if (!ec && now - written > std::chrono::minutes(10)) {
+      fs::remove(p, ec);
+      fs::remove(meta, ec);
+    }
   }
 }
 
@@ -299,7 +312,7 @@ Status CacheRegistry::Remove(const std::string& id, std::string_view cache_salt)
   if (!IsCacheId(id)) return found ? OkStatus() : Unknown(id);
   if (!dir_.empty()) {
     Result<std::string> meta = ReadTextFile(PathOf(id, ".json"));
-    if (meta.ok() && SaltMatches(*meta, salt)) {
+    if (meta.ok() && (SaltMatches(*meta, salt) || Damaged(*meta))) {
       std::remove(PathOf(id, ".json").c_str());
       std::remove(PathOf(id, ".ckv").c_str());
       found = true;
@@ -308,7 +321,7 @@ Status CacheRegistry::Remove(const std::string& id, std::string_view cache_salt)
   if (redis_) {
     CACHET_ASSIGN_OR_RETURN(std::optional<std::string> meta,
                             redis_->GetValue(RedisName(id, "meta")));
-    if (meta && SaltMatches(*meta, salt)) {
+    if (meta && (SaltMatches(*meta, salt) || Damaged(*meta))) {
       CACHET_RETURN_IF_ERROR(redis_->DeleteValue(RedisName(id, "meta")));
       CACHET_RETURN_IF_ERROR(redis_->DeleteValue(RedisName(id, "kv")));
       found = true;

@@ -42,6 +42,9 @@ Status EngineAccess::CheckAging(Engine& e, const PagedSequence& seq, const std::
 }
 
 std::string EngineAccess::SaveBytes(const Session& s, std::string_view compression) {
+  // The pages due to go cold are saved cold (the loading session's first step would move them):
+  // a smaller file, the same continuation.
+  s.seq_->AgeOut();
   SequenceImage image;
   image.tokens = s.tokens_;
   image.pending = s.pending_;
