@@ -249,8 +249,7 @@ std::unique_ptr<Engine> LoadEngine(const EngineOptions& o) {
     std::fprintf(stderr, "cachet: %s\n", engine.status().ToString().c_str());
     return nullptr;
   }
-  // The f32 layout is the reference: it keeps every row as computed, so it ages none.
-  if (!o.kv_cold.empty() && o.kv_codec_k == "f32" && o.kv_codec_v == "f32") {
+  if (!o.kv_cold.empty() && !(*engine)->ages()) {
     std::fprintf(stderr, "cachet: --kv-cold %s is ignored in the f32 layout (give --ctk/--ctv)\n",
                  o.kv_cold.c_str());
   }

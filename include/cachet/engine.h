@@ -323,14 +323,14 @@ class Engine {
   Result<PagePool*> ColdPool(std::string_view codec, std::string_view flag = "--demote");
   void ClearPrefixCache();  // drops every cached page no session uses (prefix and chunk caches)
   int n_ctx() const { return n_ctx_; }
+  // Whether sessions age their pages (kv_cold): as --kv-window, only in a codec layout, f32 K and
+  // V being the reference.
+  bool ages() const;
 
  private:
   friend class Session;
   friend class EngineAccess;
   Engine() = default;
-  // Whether sessions age their pages (kv_cold): as --kv-window, only in a codec layout, f32 K and
-  // V being the reference.
-  bool ages() const;
   static uint64_t SaltKey(std::string_view cache_salt);  // what sessions of that salt share under
 
   EngineOptions options_;
