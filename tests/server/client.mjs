@@ -4,7 +4,7 @@
 // Environment: CACHET (the binary, to compare with `cachet run`), THREADS, API_KEY (errors group).
 import assert from "node:assert/strict";
 import { execFile } from "node:child_process";
-import { mkdtempSync, writeFileSync } from "node:fs";
+import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
 import { connect } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -343,15 +343,20 @@ if (group === "api") {
     assert.equal(second.choices[0].text.trim(), "52817");
     assert.ok(second.usage.prompt_tokens_details?.cached_tokens >= 30, JSON.stringify(second.usage));
     const dir = mkdtempSync(join(tmpdir(), "chunks-"));
-    writeFileSync(join(dir, "a.txt"), docA);
-    writeFileSync(join(dir, "b.txt"), docB);
-    const { stdout: cli } = await promisify(execFile)(
-      process.env.CACHET,
-      ["run", "-q", "-t", process.env.THREADS ?? "2", "--temp", "0", "-n", "6",
-       "--chunk-file", join(dir, "a.txt"), "--chunk-file", join(dir, "b.txt"),
-       "--blend", "cacheblend:0.3", "-p", question],
-      { encoding: "utf8" },
-    );
+    let cli;
+    try {
+      writeFileSync(join(dir, "a.txt"), docA);
+      writeFileSync(join(dir, "b.txt"), docB);
+      ({ stdout: cli } = await promisify(execFile)(
+        process.env.CACHET,
+        ["run", "-q", "-t", process.env.THREADS ?? "2", "--temp", "0", "-n", "6",
+         "--chunk-file", join(dir, "a.txt"), "--chunk-file", join(dir, "b.txt"),
+         "--blend", "cacheblend:0.3", "-p", question],
+        { encoding: "utf8" },
+      ));
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
     assert.equal(first.choices[0].text, cli.replace(/\n$/, ""), "the server and `cachet run` disagree");
     const bad = await post("/v1/completions", { prompt: "x", chunks: ["y"] });
     assert.equal(bad.status, 400);
