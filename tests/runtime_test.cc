@@ -340,6 +340,55 @@ TEST(Runtime, SpecialTokensAddNoTextAndMayStop) {
   EXPECT_EQ(c.text, "");
 }
 
+// Logprobs go out with their tokens' text: a token whose text is held back (it may start a stop
+// string) sends its logprobs when the text goes, and the tokens of a stop string never do, so
+// every text_offset lies inside the text sent (they listed tokens the text did not hold).
+TEST(Runtime, LogprobsGoWithTheirText) {
+  auto rt = Runtime::Create(Options("f32"));
+  ASSERT_TRUE(rt.ok()) << rt.status().ToString();
+  Runtime& r = **rt;
+  const std::vector<int32_t> prompt = r.tokenizer().EncodePrompt("In the beginning");
+  Collector plain;
+  ASSERT_TRUE(r.Submit(Greedy(prompt, 16), plain.Callback()).ok());
+  plain.Wait();
+  ASSERT_GE(plain.text.size(), 12u) << plain.text;
+  // A stop string across a token boundary, starting past the first few characters.
+  const size_t at = plain.text.size() / 2;
+  CompletionRequest q = Greedy(prompt, 16);
+  q.stop = {plain.text.substr(at, 4)};
+  q.top_logprobs = 1;
+  std::vector<TokenLogprob> lps;
+  std::string sent;
+  bool released_early = false;
+  Collector c;
+  EventCallback inner = c.Callback();
+  ASSERT_TRUE(r.Submit(q, [&](const TokenEvent& e) {
+                 sent += e.text;
+                 for (const TokenLogprob& lp : e.logprobs) {
+                   released_early |= !e.finished && lp.text_offset >= static_cast<int>(sent.size());
+                   lps.push_back(lp);
+                 }
+                 inner(e);
+               }).ok());
+  c.Wait();
+  EXPECT_EQ(c.last.finish_reason, "stop");
+  const std::string text = plain.text.substr(0, plain.text.find(q.stop[0]));
+  ASSERT_EQ(c.text, text);
+  EXPECT_FALSE(released_early);
+  ASSERT_FALSE(lps.empty());
+  for (const TokenLogprob& lp : lps) {
+    EXPECT_LT(lp.text_offset, static_cast<int>(text.size())) << text;
+  }
+  // The tokens whose text starts before the stop string, each once, in order.
+  size_t expect = 0;
+  for (size_t i = 0, offset = 0; i < plain.tokens.size() && offset < text.size(); ++i) {
+    offset += r.tokenizer().TokenBytes(plain.tokens[i]).size();
+    ++expect;
+  }
+  ASSERT_EQ(lps.size(), expect);
+  for (size_t i = 0; i < lps.size(); ++i) EXPECT_EQ(lps[i].token, plain.tokens[i]) << i;
+}
+
 // A press as `cachet run --press SPEC --ratio R` sets it (the same parser).
 press::PressOptions Press(const char* spec, double ratio) {
   press::PressOptions p;

@@ -632,6 +632,15 @@ TEST(ServerResponse, CompletionLogprobs) {
   EXPECT_EQ(lp["top_logprobs"][0], json::parse(R"({"t1": -0.5, "t2": -1.5})"));
   EXPECT_EQ(lp["top_logprobs"][1], json::parse(R"({"t3": -0.25, "t22": -9999.0})"));
   EXPECT_EQ(lp["text_offset"], json::parse("[0, 2]"));
+  // A sampled token outside the top alternatives is listed beside them.
+  std::vector<TokenLogprob> sampled = SomeLogprobs();
+  sampled[0].token = 5;
+  sampled[0].logprob = -3.0f;
+  choices = {{"t5t22", sampled, "length"}};
+  const json k = json::parse(
+      CompletionResponse(Meta(Endpoint::kCompletions, true), choices, Usage{}, TokenName));
+  EXPECT_EQ(k["choices"][0]["logprobs"]["top_logprobs"][0],
+            json::parse(R"({"t1": -0.5, "t2": -1.5, "t5": -3.0})"));
 }
 
 TEST(ServerResponse, ChatLogprobs) {

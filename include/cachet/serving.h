@@ -26,7 +26,7 @@ struct RuntimeOptions {
   EngineOptions engine;
   int max_sequences = 8;         // -np: requests running (prefilling or decoding) at once
   int batch_tokens = 512;        // --batch-tokens: tokens per step (decode tokens + prompt chunks)
-  int max_waiting = 256;         // queued requests beyond which Submit fails (ResourceExhausted)
+  int max_waiting = 256;         // requests that may wait beyond max_sequences; Submit refuses more
   bool publish_prefixes = true;  // offer finished requests' pages to the prefix cache
   // Where kept caches (CreateCache) are also saved, <cache_dir>/<id>.ckv with <id>.json beside
   // it, and looked up when not resident, so that a restarted runtime with the same model and KV
@@ -163,7 +163,7 @@ class Runtime {
   // Queues a request; its events go to on_event. Errors (nothing queued): InvalidArgument for an
   // empty prompt, a bad token id, max_tokens < 1, a prompt that leaves no room in the context or
   // needs more KV pages than the whole pool has (it could never run); ResourceExhausted when
-  // max_waiting requests already wait (try again later).
+  // max_requests() are already running or waiting (try again later).
   Result<uint64_t> Submit(CompletionRequest request, EventCallback on_event);
   // Stops a request at the next step boundary and frees its pages; its final event has
   // finish_reason "cancelled". Unknown or finished ids are ignored.
@@ -187,7 +187,9 @@ class Runtime {
   const Tokenizer& tokenizer() const;
   const ModelConfig& config() const;
   int n_ctx() const;
-  int max_waiting() const;  // RuntimeOptions::max_waiting: the most choices one request may queue
+  // max_sequences + max_waiting: the most requests Submit holds at once, so the most choices one
+  // request may have.
+  int max_requests() const;
 
  private:
   struct Impl;

@@ -126,11 +126,13 @@ Result<uint64_t> Runtime::Impl::Queue(std::unique_ptr<Request> q) {
   uint64_t id;
   {
     std::lock_guard<std::mutex> lock(m.mu);
-    if (m.queued >= m.opt.max_waiting) {
-      return ResourceExhausted("too many requests waiting (" + std::to_string(m.queued) + ")");
+    if (m.live >= m.opt.max_sequences + m.opt.max_waiting) {
+      return ResourceExhausted("too many requests (" + std::to_string(m.live) +
+                               " running or waiting: -np + --max-waiting)");
     }
     id = q->id = m.next_id++;
     ++m.queued;
+    ++m.live;
     m.incoming.push_back(std::move(q));
   }
   m.cv.notify_all();
@@ -228,6 +230,6 @@ void Runtime::ClearPrefixCache() {
 const Tokenizer& Runtime::tokenizer() const { return impl_->engine->tokenizer(); }
 const ModelConfig& Runtime::config() const { return impl_->engine->config(); }
 int Runtime::n_ctx() const { return impl_->engine->n_ctx(); }
-int Runtime::max_waiting() const { return impl_->opt.max_waiting; }
+int Runtime::max_requests() const { return impl_->opt.max_sequences + impl_->opt.max_waiting; }
 
 }  // namespace cachet

@@ -101,16 +101,31 @@ Runtime::Impl::~Impl() {
 }
 
 // Final event, and the request's pages back to the pool (offered to the prefix cache first).
+// Text goes out with the logprobs of the tokens it starts (all of them when `all`).
+void Runtime::Impl::Send(Request& q, std::string_view text, bool all) {
+  q.pending.text += text;
+  for (char ch : text) q.sent_chars += (static_cast<unsigned char>(ch) & 0xC0) != 0x80;
+  size_t n = 0;
+  while (n < q.held_logprobs.size() && (all || q.held_logprobs[n].text_offset < q.sent_chars)) ++n;
+  if (n == 0) return;
+  auto& out = q.pending.logprobs;
+  out.insert(out.end(), std::make_move_iterator(q.held_logprobs.begin()),
+             std::make_move_iterator(q.held_logprobs.begin() + static_cast<std::ptrdiff_t>(n)));
+  q.held_logprobs.erase(q.held_logprobs.begin(), q.held_logprobs.begin() + n);
+}
+
 // Text held back for stop strings goes out unless a stop string ended the text.
 void Runtime::Impl::Finish(Request& q, std::string reason, Status error, bool flush) {
-  if (q.decoder && flush) q.pending.text += q.held + q.decoder->Flush();
+  if (q.decoder && flush) Send(q, q.held + q.decoder->Flush(), /*all=*/true);
   q.held.clear();
+  q.held_logprobs.clear();
   if (q.session) {
     if (Publishes(q)) q.session->Publish();
     q.session.reset();
   }
   {
     std::lock_guard<std::mutex> lock(mu);
+    --live;
     ++metrics.requests_finished;
     Observe(metrics.e2e, Seconds(Clock::now() - q.arrival));
   }
@@ -191,6 +206,7 @@ void Runtime::Impl::KeepAsCache(Request& q) {
   if (!info.ok()) return Finish(q, "error", info.status());
   {
     std::lock_guard<std::mutex> lock(mu);
+    --live;
     ++metrics.requests_finished;
     Observe(metrics.e2e, Seconds(Clock::now() - q.arrival));
   }
@@ -462,8 +478,8 @@ bool Runtime::Impl::Sample(Request& q) {
   q.tokens.push_back(next);
   q.pending.tokens.push_back(next);
   if (logprobs) {
-    q.pending.logprobs.push_back(Logprobs(q.raw_logits, next, q.r.top_logprobs));
-    q.pending.logprobs.back().text_offset = q.decoded_chars;
+    q.held_logprobs.push_back(Logprobs(q.raw_logits, next, q.r.top_logprobs));
+    q.held_logprobs.back().text_offset = q.decoded_chars;
   }
   {
     std::lock_guard<std::mutex> lock(mu);
@@ -480,13 +496,13 @@ bool Runtime::Impl::Sample(Request& q) {
     if (!s.empty()) cut = std::min(cut, q.held.find(s));
   }
   if (cut != std::string::npos) {
-    q.pending.text += q.held.substr(0, cut);
+    Send(q, q.held.substr(0, cut));
     TruncateAtStop(q, q.decoded - q.held.size() + cut);
     Finish(q, "stop", OkStatus(), /*flush=*/false);
     return false;
   }
   const size_t keep = HeldBack(q.held, q.r.stop);
-  q.pending.text += q.held.substr(0, q.held.size() - keep);
+  Send(q, q.held.substr(0, q.held.size() - keep), /*all=*/q.held.empty() && !q.decoder->holding());
   q.held.erase(0, q.held.size() - keep);
   const int generated = static_cast<int>(q.tokens.size()) - q.n_prompt;
   if (generated >= q.r.max_tokens || static_cast<int>(q.tokens.size()) >= engine->n_ctx()) {

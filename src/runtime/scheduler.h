@@ -41,6 +41,10 @@ struct Runtime::Impl {
     std::string held;       // decoded text not yet sent (a stop string may be starting)
     size_t decoded = 0;     // bytes of text the decoder gave so far (sent or held)
     int decoded_chars = 0;  // and its characters
+    int sent_chars = 0;     // characters of the text sent (or in pending)
+    // Logprobs of tokens whose text is not sent yet: they go out with it (Send), and those of a
+    // stop string's tokens never do.
+    std::vector<TokenLogprob> held_logprobs;
     std::vector<float> logits;
     std::vector<float> raw_logits;  // a copy for logprobs, reused
     TokenEvent pending;             // what the next event carries
@@ -69,7 +73,8 @@ struct Runtime::Impl {
   std::vector<std::function<void()>> commands;  // run on the scheduler thread
   bool stop = false;
   uint64_t next_id = 1;
-  int queued = 0;  // incoming + waiting, for max_waiting
+  int queued = 0;  // incoming + waiting
+  int live = 0;    // queued + running, for max_sequences + max_waiting
   RuntimeMetrics metrics;
   KvStats kv;
   std::vector<int64_t> tier_tokens;  // prompt tokens each tier served
@@ -145,6 +150,9 @@ struct Runtime::Impl {
   // and not blocks holding the stop string's tokens, which it would not.
   void TruncateAtStop(Request& q, size_t text_end);
   // Whether token id adds none of q's reply text (a special token, unless q asks for them).
+  // Appends text to the pending event with the logprobs of the tokens it starts (all held ones
+  // when `all`).
+  static void Send(Request& q, std::string_view text, bool all = false);
   bool Silent(const Request& q, int32_t id) const;
 
   // Samples request q's next token from its logits; returns false when the request is done.

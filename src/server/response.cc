@@ -53,12 +53,14 @@ json CompletionLogprobs(std::span<const TokenLogprob> lps, const TokenText& toke
     const std::string text = token_text(lp.token);
     tokens.push_back(text);
     token_logprobs.push_back(FiniteLogprob(lp.logprob));
+    // The most likely tokens and, as OpenAI's legacy API and vLLM give it, always the sampled one
+    // (up to logprobs + 1 entries).
     json alternatives = json::object();
-    if (lp.top.empty()) alternatives[text] = FiniteLogprob(lp.logprob);
     for (const auto& [id, value] : lp.top) {
       const std::string t = token_text(id);
       if (!alternatives.contains(t)) alternatives[t] = FiniteLogprob(value);
     }
+    if (!alternatives.contains(text)) alternatives[text] = FiniteLogprob(lp.logprob);
     top.push_back(std::move(alternatives));
     offsets.push_back(lp.text_offset);
   }

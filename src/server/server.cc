@@ -213,11 +213,12 @@ void Server::Impl::Generate(const httplib::Request& req, httplib::Response& res,
       Prepare(parsed.value(), model, NextSeed(), cache ? &*cache : nullptr);
   if (!prepared.ok()) return SendError(res, prepared.status());
   const PreparedRequest& p = prepared.value();
-  if (p.n > runtime.max_waiting()) {  // its choices queue as requests: they never would all fit
-    return SendError(res,
-                     InvalidArgument("n: " + std::to_string(p.n) +
-                                     " choices exceed the requests this server queues (" +
-                                     std::to_string(runtime.max_waiting()) + ", --max-waiting)"));
+  if (p.n > runtime.max_requests()) {  // its choices are requests: they never would all fit
+    return SendError(
+        res, InvalidArgument("n: " + std::to_string(p.n) +
+                             " choices exceed the requests this server takes at "
+                             "once (" +
+                             std::to_string(runtime.max_requests()) + ": -np + --max-waiting)"));
   }
 
   auto ex = std::make_shared<Exchange>();
@@ -433,14 +434,83 @@ bool Server::Impl::Stream(Exchange& ex, const PreparedRequest& p, const Response
   return flush();
 }
 
+// A POST's body, read here rather than by httplib 0.11, whose reader caps only bodies sent with a
+// Content-Length (a chunked one grew without limit) and, for a request with neither a length nor
+// chunks, waits for the connection to close (RFC 7230 3.3.3: such a body is empty). The error is
+// the client's answer; the connection is then closed, its unread bytes with it.
+constexpr size_t kDrainFactor = 4;
+
+std::optional<ApiError> ReadBody(const httplib::Request& req, const httplib::ContentReader& read,
+                                 size_t max_bytes, std::string* body) {
+  ApiError e;
+  auto too_large = [&] {
+    e.http_status = 413;
+    e.message = "the request body is larger than " + std::to_string(max_bytes) + " bytes";
+    return e;
+  };
+  const bool chunked = req.has_header("Transfer-Encoding");
+  if (!chunked && !req.has_header("Content-Length")) return std::nullopt;
+  if (!chunked) {
+    const std::string length = req.get_header_value("Content-Length");
+    if (length.empty() || length.size() > 19 ||
+        length.find_first_not_of("0123456789") != std::string::npos) {
+      e.message = "Content-Length '" + length + "' is not a byte count";
+      return e;
+    }
+    if (std::stoull(length) > kDrainFactor * max_bytes) return too_large();
+  }
+  // A body over the limit is read to its end (up to kDrainFactor times the limit) and dropped:
+  // a client still sending when the answer comes would see its connection fail, not the 413.
+  size_t total = 0;
+  const bool ok = read([&](const char* data, size_t n) {
+    total += n;
+    if (total <= max_bytes) body->append(data, n);
+    return total <= kDrainFactor * max_bytes;
+  });
+  if (total > max_bytes) {
+    body->clear();
+    return too_large();
+  }
+  if (!ok) {
+    e.message = "the request body could not be read (the connection ended before it did)";
+    return e;
+  }
+  return std::nullopt;
+}
+
 void Server::Impl::Routes() {
   // Every route registered with its methods recorded: a known path asked with another method is
-  // then a 405 naming the ones it takes (not "no such endpoint").
+  // then a 405 naming the ones it takes (not "no such endpoint"). POST handlers see the body
+  // ReadBody read; those that need one refuse an empty one.
   auto add = [this](std::string_view method, const std::string& path,
                     httplib::Server::Handler handler) {
     if (method == "GET") http.Get(path, std::move(handler));
-    if (method == "POST") http.Post(path, std::move(handler));
     if (method == "DELETE") http.Delete(path, std::move(handler));
+    if (method == "OPTIONS") http.Options(path, std::move(handler));
+    if (method != "POST" && method != "PUT" && method != "PATCH") return;
+    const bool needs_body = method == "POST" && path != "/v1/cache/reset";
+    httplib::Server::HandlerWithContentReader with_body =
+        [this, handler = std::move(handler), needs_body](const httplib::Request& req,
+                                                         httplib::Response& res,
+                                                         const httplib::ContentReader& read) {
+          std::string body;
+          std::optional<ApiError> e = ReadBody(req, read, opt.max_body_bytes, &body);
+          if (!e && needs_body && body.empty()) {
+            e = ApiError{};
+            e->message = "a POST needs a JSON body; this one came without";
+          }
+          if (e) {  // httplib closes the connection when the request asks it to
+            auto& headers = const_cast<httplib::Headers&>(req.headers);
+            headers.erase("Connection");
+            headers.emplace("Connection", "close");
+            return SendError(res, *e);
+          }
+          const_cast<std::string&>(req.body) = std::move(body);
+          handler(req, res);
+        };
+    if (method == "POST") http.Post(path, std::move(with_body));
+    if (method == "PUT") http.Put(path, std::move(with_body));
+    if (method == "PATCH") http.Patch(path, std::move(with_body));
   };
   std::vector<std::pair<std::string, std::string>> methods_of;  // path, "GET, POST"
   auto on = [&](const char* method, const char* path, httplib::Server::Handler handler) {
@@ -529,7 +599,7 @@ void Server::Impl::Routes() {
       res.set_header("Allow", methods);
       SendError(res, e);
     };
-    for (const char* method : {"GET", "POST", "DELETE"}) {
+    for (const char* method : {"GET", "POST", "DELETE", "PUT", "PATCH", "OPTIONS"}) {
       if (methods.find(method) == std::string::npos) add(method, path, refuse);
     }
   }
@@ -540,7 +610,8 @@ Server::Server(Runtime& runtime, ServerOptions options)
   Impl& m = *impl_;
   const int threads = std::max(1, m.opt.http_threads);
   m.http.new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
-  m.http.set_payload_max_length(m.opt.max_body_bytes);
+  // ReadBody enforces max_body_bytes; httplib's own cap only stops what it would not drain.
+  m.http.set_payload_max_length(kDrainFactor * m.opt.max_body_bytes);
   m.http.set_tcp_nodelay(true);  // stream chunks go out as they are written
   // SO_REUSEADDR only: httplib's default adds SO_REUSEPORT, with which a second server on the same
   // port would start and silently share the connections instead of failing.
@@ -583,10 +654,6 @@ Server::Server(Runtime& runtime, ServerOptions options)
         } else if (res.status == 413) {
           e.message =
               "the request body is larger than " + std::to_string(m.opt.max_body_bytes) + " bytes";
-        } else if (res.status == 400 && req.method == "POST" && req.body.empty() &&
-                   !req.has_header("Content-Length") && !req.has_header("Transfer-Encoding")) {
-          // httplib refuses a POST with neither a length nor chunks before any handler runs.
-          e.message = "a POST needs a JSON body (sent with Content-Length or chunked)";
         } else {
           e.message = "HTTP error " + std::to_string(res.status);
           if (res.status >= 500) e.type = "server_error";

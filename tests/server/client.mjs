@@ -665,18 +665,18 @@ if (group === "errors") {
     );
   });
 
-  check("400 for n above --max-waiting (its choices could never all queue)", async () => {
-    await bad({ prompt: "x", n: 2 }, "n", { contains: "--max-waiting" });
+  check("400 for n above -np + --max-waiting (its choices could never all be taken)", async () => {
+    await bad({ prompt: "x", n: 3 }, "n", { contains: "-np + --max-waiting" });
   });
 
-  check("400 naming the missing body for a POST with neither a length nor chunks", async () => {
-    // curl -X POST without -d sends no Content-Length; httplib refuses it before any handler.
+  // What the server answers a raw request (head lines, then body), on a connection of its own.
+  async function raw(head, body = "") {
     const { hostname, port } = new URL(base);
-    const text = await new Promise((resolve, reject) => {
+    return new Promise((resolve, reject) => {
       const s = connect(Number(port), hostname, () => {
         s.write(
-          `POST /v1/completions HTTP/1.1\r\nHost: ${hostname}\r\n` +
-            `Authorization: Bearer ${apiKey}\r\nConnection: close\r\n\r\n`,
+          `${head}\r\nHost: ${hostname}\r\nAuthorization: Bearer ${apiKey}\r\n` +
+            `Connection: close\r\n\r\n${body}`,
         );
       });
       let got = "";
@@ -684,8 +684,45 @@ if (group === "errors") {
       s.on("end", () => resolve(got));
       s.on("error", reject);
     });
+  }
+
+  check("a POST with neither a length nor chunks has an empty body, answered at once", async () => {
+    // curl -X POST without -d sends no Content-Length (RFC 7230: no body). httplib waited 5 s for
+    // the connection to close, then refused it; /v1/cache/reset takes no body at all.
+    const t0 = Date.now();
+    const text = await raw("POST /v1/completions HTTP/1.1");
     assert.ok(text.startsWith("HTTP/1.1 400"), text);
     assert.ok(text.includes("a POST needs a JSON body"), text);
+    const reset = await raw("POST /v1/cache/reset HTTP/1.1");
+    assert.ok(reset.startsWith("HTTP/1.1 200"), reset);
+    assert.ok(Date.now() - t0 < 2000, `${Date.now() - t0} ms`);
+  });
+
+  check("400 for a Content-Length that is not a byte count", async () => {
+    for (const length of ["-1", "99999999999999999999", "12abc"]) {
+      const text = await raw(`POST /v1/completions HTTP/1.1\r\nContent-Length: ${length}`, "{}");
+      assert.ok(text.startsWith("HTTP/1.1 400"), text);
+      assert.ok(text.includes(`Content-Length '${length}' is not a byte count`), text);
+    }
+  });
+
+  check("413 for a chunked body over 16 MiB (the limit held only with a Content-Length)", async () => {
+    const piece = new TextEncoder().encode(" ".repeat(1 << 20));
+    let sent = 0;
+    const body = new ReadableStream({
+      pull(controller) {
+        if (sent++ < 20) controller.enqueue(piece);
+        else controller.close();
+      },
+    });
+    const r = await fetch(base + "/v1/completions", {
+      method: "POST",
+      headers: { ...authHeaders, "Content-Type": "application/json" },
+      body,
+      duplex: "half",
+    }).catch((e) => e);
+    assert.ok(!(r instanceof Error), String(r?.cause ?? r));
+    assert.equal(r.status, 413, await r.text());
   });
 
   check("405 + Allow for a known path asked with another method", async () => {
@@ -696,6 +733,11 @@ if (group === "errors") {
     const p = await post("/v1/models", {});
     assert.equal(p.status, 405, p.text);
     assert.equal(p.headers.get("allow"), "GET");
+    for (const method of ["PUT", "PATCH", "OPTIONS"]) {  // were 404 "no such endpoint"
+      const r = await fetch(base + "/v1/chat/completions", { method, headers: authHeaders });
+      assert.equal(r.status, 405, `${method}: ${await r.text()}`);
+      assert.equal(r.headers.get("allow"), "POST");
+    }
   });
 
   check("a user message needs content; the auth scheme is case-insensitive", async () => {
