@@ -543,6 +543,37 @@ TEST(CalibratedEngine, AttentionOnPcaPagesEqualsAttentionOnDecodedRows) {
 
 using testing::MeanKl;
 
+// A calibration on a repetitive text never sees the model's rows move along most axes; rows that
+// do move along them still give finite logits (their scale over the axes' zero deviation was
+// infinite: every logit NaN, exit 0).
+TEST(CalibratedEngine, RepetitiveCalibrationTextGivesFiniteLogits) {
+  testing::TempDir dir;
+  const std::string cal = dir.path() + "/flat.kvcal";
+  {
+    EngineOptions o;
+    o.model_dir = testing::ModelDir();
+    o.threads = 2;
+    auto e = Engine::Create(o);
+    ASSERT_TRUE(e.ok());
+    std::string text;
+    for (int i = 0; i < 60; ++i) text += "The Lord said unto Moses. ";
+    CalibrateOptions co;
+    co.progress = false;
+    auto r = Calibrate(**e, (*e)->tokenizer().EncodePrompt(text), co, cal);
+    ASSERT_TRUE(r.ok()) << r.status().ToString();
+  }
+  for (const char* codec : {"pca4", "pca2"}) {
+    auto e = PcaEngine("f32", codec, 0, cal);
+    ASSERT_NE(e, nullptr);
+    std::vector<float> logits;
+    auto s = e->NewSession();
+    ASSERT_TRUE(
+        s->Eval(e->tokenizer().EncodePrompt("In the beginning God created the heaven"), &logits)
+            .ok());
+    for (float x : logits) ASSERT_TRUE(std::isfinite(x)) << codec;
+  }
+}
+
 TEST(CalibratedEngine, PcaKeysAreCloserToF32ThanQ4_0AtFewerBytes) {
   const auto prompt = testing::LoadGolden().back().ids;
   auto f32 = PcaEngine("f32", "f32");

@@ -324,6 +324,8 @@ TEST(EvalTasks, BadSpecsAreErrors) {
   EXPECT_FALSE(Gen().Generate({TaskKind::kNiah, 1024, -1, -1}, 1, 0).ok());
   EXPECT_FALSE(Gen().Generate({TaskKind::kPasskey, 1024, 1, 1.5}, 1, 0).ok());
   EXPECT_FALSE(Gen().Generate({TaskKind::kNiah, 40, 8, -1}, 1, 0).ok());  // 8 needles > 40 tokens
+  // A kv table with no room for a line: an error (it indexed an empty table and crashed).
+  for (int len : {16, 32}) EXPECT_FALSE(Gen().Generate({TaskKind::kKv, len, 1, -1}, 1, 0).ok());
 }
 
 TEST(EvalTasks, NeedlesZeroIsTheTrainingMix) {

@@ -300,7 +300,7 @@ void TaskGenerator::BuildKvContext(const TaskSpec& spec, std::mt19937_64& rng, i
     keys.push_back(std::move(k));
     values.push_back(std::move(v));
   };
-  for (int misses = 0; used < room && misses < 64;) {
+  for (int misses = 0; (used < room || keys.empty()) && misses < 64;) {  // one line at least
     std::string k = Hex8(rng);
     if (!seen.insert(k).second) continue;
     std::string v = Hex8(rng);

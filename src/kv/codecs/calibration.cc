@@ -225,8 +225,14 @@ void MakePlans(Calibration* c) {
           p.bits_per_value = bits;
           const int d = c->head_dim;
           if (kind == int(CalKind::kPca)) {
+            // Axes are scaled by at least 1% of the largest axis's deviation: along an axis a
+            // repetitive calibration text never moved (variance 0), a row's coordinate over a
+            // zero sigma sent its scale past f16 and every logit to NaN. (kvtiny's real
+            // calibrations: the smallest variance is 0.0066 of the largest, above the floor.)
+            const float floor =
+                std::max(1e-4f * *std::max_element(h.variance.begin(), h.variance.end()), 1e-20f);
             std::vector<float> sigma(d);
-            for (int i = 0; i < d; ++i) sigma[i] = std::sqrt(std::max(h.variance[i], 1e-20f));
+            for (int i = 0; i < d; ++i) sigma[i] = std::sqrt(std::max(h.variance[i], floor));
             // (after the row's f16 scale)
             LayOut(d, bits, sigma.data(), h.weight.data(), h.distortion.data(), h.levels.data(), 2,
                    /*prefer_uniform=*/false, &p);
