@@ -234,6 +234,32 @@ TEST(CodecEngine, RoundTripOnRealKeysAndValues) {
   }
 }
 
+// The default pool (kv_mem_mib 0) holds one full context in every layout, including those with
+// f32 rows on one side, whose codec pages outweigh the f16 raw pages it was sized by.
+TEST(CodecEngine, DefaultPoolHoldsAFullContext) {
+  for (auto [k, v, window] : {std::tuple{"f16", "f32", 0},
+                              {"q4_0", "f32", 0},
+                              {"f32", "q4_0", 0},
+                              {"f16", "f16", 0},
+                              {"kivi4", "f32", 0},
+                              {"f32", "q8_0", 16}}) {
+    EngineOptions o;
+    o.model_dir = testing::ModelDir();
+    o.threads = 2;
+    o.n_ctx = 256;
+    o.kv_codec_k = k;
+    o.kv_codec_v = v;
+    o.kv_window = window;
+    auto e = Engine::Create(o);
+    ASSERT_TRUE(e.ok()) << e.status().ToString();
+    auto s = (*e)->NewSession();
+    std::vector<int32_t> ids = Prompt();
+    ids.resize(255);
+    const Status st = s->Eval(ids, nullptr);
+    EXPECT_TRUE(st.ok()) << k << ":" << v << " " << st.ToString();
+  }
+}
+
 TEST(CodecEngine, BadCodecOptionsAreClearErrors) {
   EngineOptions o;
   o.model_dir = testing::ModelDir();

@@ -61,11 +61,15 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
   layout.sinks = o.kv_sinks;
   if (o.kv_window < 0) return InvalidArgument("--kv-window must be >= 0");
   layout.window = layout.plain() ? 0 : o.kv_window;
-  // The default holds one full context: raw pages, and for staged layouts (KIVI keys, a recent
-  // window) the codec pages they seal into as well, since one Eval reserves its whole span raw
-  // before sealing it. The pool only reserves address space: unused capacity costs no memory.
-  const size_t default_page_bytes =
-      layout.raw_page_bytes() + (layout.staged() ? layout.codec_page_bytes() : 0);
+  // The default holds one full context: the larger of a raw (f16) and a codec page (a codec page
+  // with f32 rows on one side outweighs a raw one), and for staged layouts (KIVI keys, a recent
+  // window) both, since one Eval reserves its whole span raw before sealing it into codec pages.
+  // The pool only reserves address space: unused capacity costs no memory.
+  const size_t raw_bytes = layout.raw_page_bytes();
+  const size_t default_page_bytes = layout.plain() ? raw_bytes
+                                    : layout.staged()
+                                        ? raw_bytes + layout.codec_page_bytes()
+                                        : std::max(raw_bytes, layout.codec_page_bytes());
   size_t capacity = o.kv_mem_mib > 0 ? static_cast<size_t>(o.kv_mem_mib) << 20
                                      : static_cast<size_t>(layout.heads_total()) *
                                            ((e->n_ctx_ + o.page_tokens - 1) / o.page_tokens) *
