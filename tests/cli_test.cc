@@ -130,6 +130,37 @@ TEST(Cli, ChatOnFullShiftsOrPressesAndRunsToTheEnd) {
   }
 }
 
+// Each turn is closed as the template renders it (chatml's "<|im_end|>\n" after the reply, which
+// the reply's stop string leaves out of the session), and --on-full error stops before a reply
+// that could not fit (it generated a cut reply, then failed a turn later).
+TEST(Cli, ChatClosesEachTurnAndStopsBeforeAReplyThatCannotFit) {
+  RunResult r = RunCachet(
+      "chat -t 1 -n 6 --temp 0 --chat-template chatml --system S --verbose-prompt", "Hi\nBye\n");
+  ASSERT_EQ(r.status, 0) << r.err;
+  size_t closed = 0;
+  for (size_t at = r.err.find("--- end of turn\n<|im_end|>\n"); at != std::string::npos;
+       at = r.err.find("--- end of turn\n<|im_end|>\n", at + 1)) {
+    ++closed;
+  }
+  EXPECT_EQ(closed, 2u) << r.err;
+  std::string script;
+  for (int i = 1; i <= 12; ++i)
+    script += "Tell me about the kings of Israel number " + std::to_string(i) + "\n";
+  r = RunCachet("chat -t 1 -n 16 --temp 0 -c 128", script);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("context full: "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("exceed -c 128"), std::string::npos) << r.err;
+  int most = 0;
+  for (size_t at = r.err.find(" tokens in context, "); at != std::string::npos;
+       at = r.err.find(" tokens in context, ", at + 1)) {
+    int ctx = 0;
+    ASSERT_EQ(std::sscanf(r.err.c_str() + r.err.rfind('[', at), "[%d tokens", &ctx), 1);
+    most = std::max(most, ctx);
+  }
+  EXPECT_GT(most, 0);
+  EXPECT_LT(most, 128) << "a reply was cut at the context's end";
+}
+
 // cache save / info / run --cache: a compressed context saved once answers later prompts; the
 // file's layout is adopted unless flags say otherwise, which is a clear error.
 TEST(Cli, CacheSaveInfoAndRunFromIt) {

@@ -49,6 +49,11 @@ class Chat {
   bool DropOldestTurn();
   bool PressHistory();
   std::string Generate(const std::vector<int32_t>& ids);
+  // Prefills what the template writes after a reply (chatml's "<|im_end|>\n"): the reply ends at
+  // the stop string, which the session does not hold, and the next turn follows the closed one.
+  // Returns the text prefilled.
+  std::string CloseTurn();
+  int CloseTokens() const;  // room CloseTurn needs
 
   Engine& engine_;
   const Tokenizer& tok_;
@@ -228,23 +233,54 @@ std::string Chat::Generate(const std::vector<int32_t>& ids) {
   return content;
 }
 
+int Chat::CloseTokens() const {
+  return static_cast<int>(tok_.Encode(EndOfTurn(tmpl_) + "\n", /*parse_special=*/true).size()) + 1;
+}
+
+std::string Chat::CloseTurn() {
+  auto asked = RenderChat(tmpl_, std::span(messages_.data(), messages_.size() - 1),
+                          /*add_generation_prompt=*/true);
+  auto closed = RenderChat(tmpl_, messages_, /*add_generation_prompt=*/false);
+  const std::string eot = EndOfTurn(tmpl_);
+  if (!asked.ok() || !closed.ok() || eot.empty() || !closed->starts_with(*asked)) return {};
+  // The rendering after the generation prompt: the reply (as the template writes it), then the
+  // turn's end from the end-of-turn text on.
+  const std::string rest = closed->substr(asked->size());
+  const size_t at = rest.rfind(eot);
+  if (at == std::string::npos) return {};
+  const std::string tail = rest.substr(at);
+  const std::vector<int32_t> ids = EncodeChatPrompt(tok_, tail, /*first=*/false);
+  if (ids.empty() || session_->n_tokens() + static_cast<int>(ids.size()) > engine_.n_ctx()) {
+    return {};
+  }
+  if (Status s = session_->Eval(ids, nullptr); !s.ok()) Fail(s);
+  in_cache_ += tail;
+  return tail;
+}
+
 void Chat::Turn(const std::string& user, bool verbose_prompt) {
   messages_.push_back({ChatRole::kUser, user});
   prefilled_this_turn_.clear();
   std::string text = NextText();
   std::vector<int32_t> ids = EncodeChatPrompt(tok_, text, /*first=*/in_cache_.empty());
-  // Room for the prompt and a reply of -n tokens (at most a quarter of the context).
-  const int reply = std::min(gen_.max_tokens, engine_.n_ctx() / 4);
+  // Room for the prompt, a reply of -n tokens (at most a quarter of the context) and the turn's
+  // end.
+  const int reply = std::min(gen_.max_tokens, engine_.n_ctx() / 4) + CloseTokens();
   if (!MakeRoom(static_cast<int>(ids.size()) + reply)) {
-    if (on_full_.kind != OnFull::Kind::kError) {
-      // That message alone is too long: it is not sent, and the chat goes on without it.
-      std::fprintf(stderr,
-                   "cachet chat: the message (%zu tokens with its template) does not fit in the "
-                   "context of %d even with every earlier turn gone: not sent\n",
-                   ids.size(), engine_.n_ctx());
-      messages_.pop_back();
-      return;
+    if (on_full_.kind == OnFull::Kind::kError) {
+      Fail(FailedPrecondition("context full: " + std::to_string(session_->n_tokens()) +
+                              " tokens in context + " + std::to_string(ids.size()) +
+                              " of this message + " + std::to_string(reply) +
+                              " for the reply exceed -c " + std::to_string(engine_.n_ctx()) +
+                              " (--on-full shift or press:NAME:RATIO make room instead)"));
     }
+    // That message alone is too long: it is not sent, and the chat goes on without it.
+    std::fprintf(stderr,
+                 "cachet chat: the message (%zu tokens with its template) does not fit in the "
+                 "context of %d even with every earlier turn gone: not sent\n",
+                 ids.size(), engine_.n_ctx());
+    messages_.pop_back();
+    return;
   } else if (on_full_.kind != OnFull::Kind::kError) {
     text = NextText();  // what dropping turns left to add (the same text for append templates)
     ids = EncodeChatPrompt(tok_, text, /*first=*/in_cache_.empty());
@@ -258,6 +294,10 @@ void Chat::Turn(const std::string& user, bool verbose_prompt) {
   std::string content = Generate(ids);
   in_cache_ += content;
   messages_.push_back({ChatRole::kAssistant, std::move(content)});
+  const std::string closed = CloseTurn();
+  if (verbose_prompt && !closed.empty()) {
+    std::fprintf(stderr, "--- end of turn\n%s\n---\n", closed.c_str());
+  }
 }
 
 }  // namespace
