@@ -110,6 +110,10 @@ TEST(Cli, ChatOnFullShiftsOrPressesAndRunsToTheEnd) {
   RunResult bad = RunCachet(chat + "--on-full press:snapkv:0.5", "Hi\n");
   EXPECT_NE(bad.status, 0);
   EXPECT_NE(bad.err.find("the scorer must read the cache alone"), std::string::npos) << bad.err;
+  bad = RunCachet(chat + "--on-full press:keydiff:0.5 --ctk f16 --kv-cold q4_0", "Hi\n");
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.err.find("--on-full press does not combine with --kv-cold"), std::string::npos)
+      << bad.err;
   bad = RunCachet(chat + "--on-full drop", "Hi\n");
   EXPECT_NE(bad.err.find("is not error, shift or press:NAME:RATIO"), std::string::npos) << bad.err;
   // One message too long for the context on its own is not sent; the chat goes on.

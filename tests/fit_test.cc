@@ -14,6 +14,7 @@
 #include "cachet/press.h"
 #include "cachet/serving.h"
 #include "cachet/tokenizer.h"
+#include "runtime/engine_access.h"
 #include "runtime_collector.h"
 #include "server/prepare.h"
 #include "server/request.h"
@@ -101,6 +102,43 @@ TEST(FitSession, APromptThreeTimesTheContextKeepsItsEndsAndAnswers) {
   EXPECT_EQ(fresh->n_tokens(), 0);
   EXPECT_EQ(short_one->EvalFitting(prompt, KeydiffFit(1, tail, 16), &logits).status().code(),
             StatusCode::kFailedPrecondition);
+}
+
+// With precision by age (--kv-cold) the prompt is pressed to fit before any page ages (a page
+// moved to the cold pool is outside the press's token set: CompactPositions refused it, a 500 in
+// serve), and pages age again in the decode steps after it.
+TEST(FitSession, AgingWaitsForTheFit) {
+  EngineOptions o;
+  o.model_dir = testing::ModelDir();
+  o.threads = 2;
+  o.n_ctx = 512;
+  o.prefix_cache = false;
+  o.kv_codec_k = o.kv_codec_v = "f16";
+  o.kv_cold = "q4_0";
+  o.kv_cold_after = 32;
+  auto engine = Engine::Create(o);
+  ASSERT_TRUE(engine.ok()) << engine.status().ToString();
+  const Tokenizer& tok = (*engine)->tokenizer();
+  const std::vector<int32_t> key = tok.EncodePrompt(kKey);
+  std::vector<int32_t> prompt = key;
+  const std::vector<int32_t> story = tok.Encode(Story(40));
+  prompt.insert(prompt.end(), story.begin(), story.end());
+  const int tail = static_cast<int>(prompt.size());
+  const std::vector<int32_t> question = tok.Encode(kQuestion);
+  prompt.insert(prompt.end(), question.begin(), question.end());
+  ASSERT_GT(prompt.size(), 2u * o.n_ctx);
+  auto s = (*engine)->NewSession();
+  std::vector<float> logits;
+  auto away = s->EvalFitting(prompt, KeydiffFit(int(key.size()), tail, 64), &logits);
+  ASSERT_TRUE(away.ok()) << away.status().ToString();
+  EXPECT_GT(*away, 0);
+  EXPECT_EQ(EngineAccess::kv(*s).cold_length(0, 0), 0);
+  EXPECT_EQ(EngineAccess::kv(*s).age_out(), 32);
+  GenerateOptions g;
+  g.max_tokens = 4;
+  g.sampling.temperature = 0;
+  ASSERT_TRUE(s->Generate({}, g).ok());
+  EXPECT_GT(EngineAccess::kv(*s).cold_length(0, 0), 0);
 }
 
 TEST(FitSession, OnFullPoliciesParseOnce) {

@@ -341,6 +341,11 @@ void AddChat(CLI::App& app) {
     if (!chat_template.ok()) Fail(chat_template.status());
     auto engine = LoadEngine(opts->engine);
     if (!engine) throw CLI::RuntimeError(1);
+    if (policy->kind == OnFull::Kind::kPress && engine->ages()) {
+      // The history's oldest pages sit in the cold pool by then, which a press (one token set
+      // over the hot tables) cannot take in.
+      Fail(InvalidArgument("--on-full press does not combine with --kv-cold: use --on-full shift"));
+    }
     ChatTemplate tmpl = std::move(chat_template).value();
     UseTokenizerSpecials(engine->tokenizer(), &tmpl);
     const std::string family(ChatFamilyName(tmpl.family));

@@ -6,6 +6,7 @@
 
 #include "cachet/engine.h"
 #include "cachet/press.h"
+#include "kv/paged_sequence.h"
 
 namespace cachet {
 namespace press {
@@ -69,6 +70,14 @@ Result<int> Session::EvalFitting(std::span<const int32_t> tokens, const FitOptio
   o.sinks = protect;
   o.window = 0;  // the tail, the part kept whole, comes after
   int pressed_away = 0;
+  // No page ages (--kv-cold) until the prompt is in: a press keeps one token set over the hot
+  // tables, which pages moved to the cold pool would leave (CompactPositions refused them).
+  struct AgingPaused {
+    PagedSequence& seq;
+    const int after = seq.age_out();
+    ~AgingPaused() { seq.set_age_out(after); }
+  } paused{*seq_};
+  seq_->set_age_out(0);
   auto fail = [&](Status s) {
     (void)Truncate(0);
     return s;
