@@ -3,9 +3,11 @@
 // session would have, bit for bit; a file of another model or layout, a damaged file and a pool
 // without room are clear errors that allocate nothing.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <xxhash.h>
 
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <random>
 
@@ -202,6 +204,32 @@ TEST(SavedCache, SavingMovesThePagesDueToGoCold) {
           << "step " << i;
     }
   }
+}
+
+// An output is written beside its path and renamed over it: through a symbolic link the file it
+// names is replaced (the link stays); a directory, a pipe or a device is refused, not replaced
+// (as root, `-o /dev/full` had turned the device into a regular file).
+TEST(SavedCache, OnlyRegularFilesAreReplaced) {
+  testing::TempDir dir;
+  auto engine = MakeEngine(Layout{});
+  auto s = engine->NewSession();
+  ASSERT_TRUE(s->Eval(Slice(0, 20), nullptr).ok());
+  const std::string file = dir.path() + "/real.ckv", link = dir.path() + "/link.ckv";
+  { std::ofstream(file) << "old"; }
+  std::filesystem::create_symlink(file, link);
+  ASSERT_TRUE(s->Save(link, "none").ok());
+  EXPECT_TRUE(std::filesystem::is_symlink(link));
+  EXPECT_TRUE(ReadSavedCacheInfo(file).ok());
+  const std::string fifo = dir.path() + "/fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  for (const std::string& bad : {fifo, dir.path()}) {
+    const Status st = s->Save(bad, "none");
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+  }
+  EXPECT_TRUE(std::filesystem::is_fifo(fifo));
+  std::filesystem::create_symlink(fifo, dir.path() + "/to_fifo");
+  EXPECT_FALSE(s->Save(dir.path() + "/to_fifo", "none").ok());
+  EXPECT_TRUE(std::filesystem::is_fifo(fifo));
 }
 
 // Generate continues from the saved logits when no new tokens are given.

@@ -6,6 +6,8 @@
 #include <cstring>
 #include <memory>
 
+#include "util/mmap_file.h"
+
 namespace cachet {
 
 const char* GgufTypeName(GgufType t) {
@@ -552,7 +554,8 @@ Status GgufWriter::Write(const std::string& path) const {
   head.resize((head.size() + kAlign - 1) / kAlign * kAlign, '\0');
   // Written beside the target, then renamed over it: an interrupted or failed write leaves any
   // file already there as it was (and a model being read, mapped, is never written into).
-  const std::string temp = path + ".tmp" + std::to_string(::getpid());
+  CACHET_ASSIGN_OR_RETURN(const std::string target, OutputTarget(path));
+  const std::string temp = target + ".tmp" + std::to_string(::getpid());
   std::unique_ptr<FILE, int (*)(FILE*)> f(std::fopen(temp.c_str(), "wb"), &std::fclose);
   if (!f) return NotFound(path + ": cannot create");
   bool ok = std::fwrite(head.data(), 1, head.size(), f.get()) == head.size();
@@ -565,7 +568,7 @@ Status GgufWriter::Write(const std::string& path) const {
   }
   ok = std::fflush(f.get()) == 0 && ok;
   ok = std::fclose(f.release()) == 0 && ok;
-  if (!ok || std::rename(temp.c_str(), path.c_str()) != 0) {
+  if (!ok || std::rename(temp.c_str(), target.c_str()) != 0) {
     std::remove(temp.c_str());
     return DataLoss(path + ": write failed");
   }

@@ -83,7 +83,7 @@ Result<std::unique_ptr<Session>> EngineAccess::LoadBytes(Engine& e, std::span<co
 
 Status Session::Save(const std::string& path, std::string_view compression) const {
   const Status s = WriteFileAtomically(path, EngineAccess::SaveBytes(*this, compression));
-  return s.ok() ? s : Internal("saving the cache to " + path + ": " + s.message());
+  return s.ok() ? s : Status(s.code(), "saving the cache to " + path + ": " + s.message());
 }
 
 Result<std::unique_ptr<Session>> Engine::LoadSession(const std::string& path,

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <utility>
@@ -64,7 +65,27 @@ void ReleaseMappedRange(const void* p, size_t n) {
   if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
 }
 
-Status WriteFileAtomically(const std::string& path, std::string_view bytes) {
+Result<std::string> OutputTarget(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  std::string target = path;
+  if (fs::is_symlink(path, ec)) {
+    const fs::path resolved = fs::weakly_canonical(path, ec);
+    if (ec) return InvalidArgument(path + ": cannot follow the link: " + ec.message());
+    target = resolved.string();
+  }
+  const fs::file_status st = fs::status(target, ec);
+  if (fs::is_directory(st)) return InvalidArgument(path + " is a directory: give a file path");
+  if (fs::exists(st) && !fs::is_regular_file(st)) {
+    return InvalidArgument(path +
+                           " is not a regular file (a device, pipe or socket): outputs are "
+                           "written beside their path and renamed over it; give a file path");
+  }
+  return target;
+}
+
+Status WriteFileAtomically(const std::string& given, std::string_view bytes) {
+  CACHET_ASSIGN_OR_RETURN(const std::string path, OutputTarget(given));
   const std::string temp = path + ".tmp" + std::to_string(::getpid());
   {
     std::ofstream out(temp, std::ios::binary | std::ios::trunc);

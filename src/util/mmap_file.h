@@ -41,5 +41,9 @@ Result<std::string> ReadTextFile(const std::string& path);
 // Writes bytes to a temporary file beside path, then renames it over path: a reader sees the old
 // file or the whole new one, never a part. Internal naming what failed.
 Status WriteFileAtomically(const std::string& path, std::string_view bytes);
+// The file an output written so (beside it, then renamed over it) replaces: path, or the file a
+// symbolic link names (the link stays). InvalidArgument when what is there is not a regular file:
+// a directory, or a device or pipe, which the rename would replace instead of writing to.
+Result<std::string> OutputTarget(const std::string& path);
 
 }  // namespace cachet
