@@ -165,6 +165,16 @@ TEST(Cli, ChatClosesEachTurnAndStopsBeforeAReplyThatCannotFit) {
   EXPECT_LT(most, 128) << "a reply was cut at the context's end";
 }
 
+// Output that never reaches stdout (a full device) fails the command (it exited 0).
+TEST(Cli, StdoutThatCannotBeWrittenIsAFailure) {
+  ASSERT_TRUE(std::filesystem::is_character_file("/dev/full"));  // never created by the redirect
+  for (const char* cmd : {"run -t 1 -p \"In the beginning\" -n 20 --temp 0 -q", "inspect"}) {
+    RunResult r = RunCachet(std::string(cmd) + " > /dev/full");
+    EXPECT_NE(r.status, 0) << cmd;
+    EXPECT_NE(r.err.find("writing to stdout failed"), std::string::npos) << r.err;
+  }
+}
+
 // cache save / info / run --cache: a compressed context saved once answers later prompts; the
 // file's layout is adopted unless flags say otherwise, which is a clear error.
 TEST(Cli, CacheSaveInfoAndRunFromIt) {

@@ -1,5 +1,8 @@
 // cachet: a KV-cache-centric LLM inference engine. `cachet --help` lists the subcommands.
+#include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <iostream>
 
 #include "commands.h"
 
@@ -23,5 +26,13 @@ int main(int argc, char** argv) {
   cachet::cli::AddServe(app);
   cachet::cli::AddCache(app);
   CLI11_PARSE(app, argc, argv);
+  // Output that never reached stdout (a full disk, a closed pipe) fails the command.
+  std::cout.flush();
+  errno = 0;
+  if (std::fflush(stdout) != 0 || std::ferror(stdout) || !std::cout) {
+    std::fprintf(stderr, "cachet: writing to stdout failed%s%s\n", errno ? ": " : "",
+                 errno ? std::strerror(errno) : "");
+    return 1;
+  }
   return 0;
 }
