@@ -236,6 +236,16 @@ TEST(Cli, CacheSaveInfoAndRunFromIt) {
                 dir.path() + "/t.ckv");
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_FALSE(std::filesystem::is_empty(dir.path() + "/tier"));
+  // cache info names the age at which pages go cold, and a .kvcal for what it is.
+  r = RunCachet("cache save -t 1 -f " + text + " --ctk q8_0 --ctv q8_0 --kv-cold q4_0 " +
+                "--kv-cold-after 64 -o " + dir.path() + "/aged.ckv");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.err.find("cold q4_0 after 64 tokens"), std::string::npos) << r.err;
+  const std::string kvcal =
+      dir.Write("x.kvcal", std::string("CKVCAL\n\0", 8) + std::string(64, 'x'));
+  r = RunCachet("cache info " + kvcal);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("this is a KV calibration (.kvcal"), std::string::npos) << r.err;
 }
 
 TEST(Cli, CalibrateThenRunWithAPcaCache) {

@@ -364,6 +364,18 @@ TEST(SavedCache, NoRoomIsResourceExhausted) {
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted) << r.status().ToString();
   EXPECT_EQ(e->kv_stats().pages_used, 0);
+  // A context longer than the engine's: said so (it was "KV pool exhausted").
+  EngineOptions o;
+  o.model_dir = testing::ModelDir();
+  o.n_ctx = 128;
+  auto short_ctx = Engine::Create(o);
+  ASSERT_TRUE(short_ctx.ok());
+  r = (*short_ctx)->LoadSession(dir.path() + "/big.ckv");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kOutOfRange) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("holds 400 tokens, more than the context of 128"),
+            std::string::npos)
+      << r.status().message();
 }
 
 }  // namespace

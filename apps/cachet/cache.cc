@@ -13,14 +13,19 @@ std::string Describe(const std::optional<press::PressOptions>& p) {
 }
 
 void PrintInfo(const std::string& path, const SavedCacheInfo& i) {
+  const std::string cold = i.cold_codec.empty() ? ""
+                           : i.cold_after > 0
+                               ? ", cold " + i.cold_codec + " after " +
+                                     std::to_string(i.cold_after) + " tokens (--kv-cold-after)"
+                               : ", demoted tokens " + i.cold_codec;
   std::fprintf(stderr,
                "%s: %d tokens, KV %s/%s in %d-token pages (sinks %d, window %d)%s; compression: "
                "%s; %lld token rows held over all layers and KV heads; %.2f MiB of pages; model "
                "hash %016llx%s\n",
                path.c_str(), i.n_tokens, i.codec_k.c_str(), i.codec_v.c_str(), i.page_tokens,
-               i.sinks, i.window, i.cold_codec.empty() ? "" : (", cold " + i.cold_codec).c_str(),
-               i.compression.c_str(), static_cast<long long>(i.held_rows),
-               double(i.page_bytes) / (1 << 20), static_cast<unsigned long long>(i.model_hash),
+               i.sinks, i.window, cold.c_str(), i.compression.c_str(),
+               static_cast<long long>(i.held_rows), double(i.page_bytes) / (1 << 20),
+               static_cast<unsigned long long>(i.model_hash),
                i.calibration.empty() ? "" : ("; KV calibration " + i.calibration).c_str());
 }
 

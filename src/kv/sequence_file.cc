@@ -94,6 +94,12 @@ Result<Header> ParseHeader(ByteReader& r, std::span<const uint8_t> bytes) {
   if (!r.ok() || std::memcmp(magic, kMagic, 4) != 0) {
     return DataLoss("saved cache: not a Cachet cache file (no CKVC magic)");
   }
+  // A .kvcal's magic, "CKVCAL\n\0", starts with a cache's: its "AL\n\0" read as a version.
+  if (bytes.size() >= 8 && std::memcmp(bytes.data() + 4, "AL\n\0", 4) == 0) {
+    return DataLoss(
+        "saved cache: this is a KV calibration (.kvcal, from cachet calibrate), not a saved "
+        "cache; give it as --kv-calibration");
+  }
   // The checksum first: a damaged version field is damage, an intact one another format.
   if (bytes.size() < 16) return DataLoss("saved cache: truncated");
   uint64_t sum;

@@ -56,6 +56,11 @@ std::string EngineAccess::SaveBytes(const Session& s, std::string_view compressi
 Result<std::unique_ptr<Session>> EngineAccess::LoadBytes(Engine& e, std::span<const uint8_t> bytes,
                                                          std::string_view cache_salt,
                                                          const std::string& what) {
+  // A context longer than this engine's is said as such, not as a pool without room for it.
+  if (auto info = ReadSequenceInfo(bytes); info.ok() && info->n_tokens > e.n_ctx()) {
+    return OutOfRange(what + ": the cache holds " + std::to_string(info->n_tokens) +
+                      " tokens, more than the context of " + std::to_string(e.n_ctx()) + " (-c)");
+  }
   std::unique_ptr<Session> s = e.NewSession(cache_salt);
   SequenceImage image;
   const Status st = LoadSequence(
