@@ -848,6 +848,15 @@ TEST(EvalCli, UnknownNamesAreErrors) {
   EXPECT_NE(r.err.find("--report " + file + ": cannot create the directory"), std::string::npos)
       << r.err;
   EXPECT_FALSE(std::filesystem::exists(rows));  // nothing ran (the rows came before the error)
+  // Past the trained context (kvtiny's 4096) only when -c asks for it (it ran silently).
+  r = Cachet("--kl --windows 1 --window-len 6000", dir);
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find("--window-len 6000 passes the model's trained context of 4096"),
+            std::string::npos)
+      << r.err;
+  r = Cachet("--task passkey --len 5000 --samples 1", dir);
+  EXPECT_NE(r.code, 0);
+  EXPECT_NE(r.err.find("--len 5000 passes"), std::string::npos) << r.err;
 }
 
 TEST(EvalCli, DumpedPromptsAreTheGeneratorsPrompts) {

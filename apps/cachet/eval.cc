@@ -184,6 +184,18 @@ void Run(const EvalOpts& o) {
     const bool probes = std::find(o.presses.begin(), o.presses.end(), "kvzip") != o.presses.end();
     eo.n_ctx = std::max(o.kl ? o.window_len : 0,
                         run_tasks ? max_len + max_len / 50 + answers + (probes ? 256 : 0) : 0);
+    // Past the trained positions the model's outputs mean nothing: measured only when asked.
+    const int trained = OrFail(ModelConfig::Load(eo.model_dir)).max_position_embeddings;
+    const int asked = std::max(o.kl ? o.window_len : 0, run_tasks ? max_len : 0);
+    if (asked > trained) {
+      std::fprintf(stderr,
+                   "cachet eval: %s %d passes the model's trained context of %d "
+                   "(max_position_embeddings), where its outputs mean nothing; give -c %d to "
+                   "evaluate there anyway\n",
+                   asked == max_len && run_tasks ? "--len" : "--window-len", asked, trained,
+                   eo.n_ctx);
+      throw CLI::RuntimeError(1);
+    }
   }
   // multidoc keeps the cached documents beside the prompt (and the prompt it blends).
   const bool multidoc = std::find(tasks.begin(), tasks.end(), TaskKind::kMultidoc) != tasks.end();
