@@ -379,6 +379,17 @@ TEST(Cli, BenchComparesCacheTypesRepByRep) {
   r = RunCachet("bench -t 1 --ctx 40 --reps 1 --n-decode 2 --no-roofline --vs q5_9");
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.err.find("q5_9"), std::string::npos) << r.err;
+  // --prefix-hit without 0: the uncached run is measured all the same (the ratios were 0 or NaN),
+  // and a hit of 1 still computes the last token.
+  r = RunCachet("bench -t 1 --ctx 64 --reps 1 --prefix-hit 0.5,1 --json");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["ttft_ratio"]["0"].get<double>(), 1.0);
+  for (const char* f : {"0.5", "1"}) {
+    const double ratio = j["ttft_ratio"][f].get<double>();
+    EXPECT_TRUE(ratio > 0 && ratio < 2) << f << ": " << ratio;
+  }
+  EXPECT_EQ(j["cached_tokens"]["1"].get<int>(), 48);  // 63 tokens, rounded down to pages
 }
 
 TEST(Cli, PressesRunAndBadSpecsAreErrors) {

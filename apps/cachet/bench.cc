@@ -60,10 +60,16 @@ nlohmann::json PrefixHitBench(Engine& engine, const std::vector<int32_t>& tokens
   out["threads"] = engine.threads();
   out["ctx"] = n;
   out["reps"] = reps;
-  ProgressBar progress("bench --prefix-hit", int64_t(fractions.size()) * reps);
+  // The ratios are to a run with nothing cached: measured first, whether asked for or not.
+  std::vector<double> fr = fractions;
+  if (std::find(fr.begin(), fr.end(), 0.0) == fr.end()) fr.push_back(0.0);
+  std::sort(fr.begin(), fr.end());
+  fr.erase(std::unique(fr.begin(), fr.end()), fr.end());
+  ProgressBar progress("bench --prefix-hit", int64_t(fr.size()) * reps);
   double ttft0 = 0;
-  for (double f : fractions) {
-    const int cached = static_cast<int>(f * n) / page * page;
+  for (double f : fr) {
+    // The last token is computed whatever is cached: it gives the logits.
+    const int cached = std::min(static_cast<int>(f * n), n - 1) / page * page;
     std::vector<double> ms;
     for (int rep = 0; rep < reps; ++rep) {
       engine.ClearPrefixCache();
@@ -83,7 +89,7 @@ nlohmann::json PrefixHitBench(Engine& engine, const std::vector<int32_t>& tokens
         std::fprintf(stderr, "cachet: %s\n", s.ToString().c_str());
         throw CLI::RuntimeError(1);
       }
-      if (f == fractions.front() && rep == 0) {
+      if (f == fr.front() && rep == 0) {
         out["kv_bytes_per_token"] = double(engine.kv_stats().bytes_used) / n;
       }
       progress.Add();
@@ -525,8 +531,10 @@ void AddBench(CLI::App& app) {
                     "ratio/r");
         for (const auto& [k, v] : out["ttft_ms"].items()) {
           const double ratio = out["ttft_ratio"][k].get<double>(), r = out["r"][k].get<double>();
-          std::printf("%8s  %10.1f  %16.3f  %8.3f  %10.3f\n", k.c_str(), v.get<double>(), ratio, r,
-                      ratio / r);
+          char per_r[16] = "-";  // all cached: no work left to divide by
+          if (r > 0) std::snprintf(per_r, sizeof per_r, "%.3f", ratio / r);
+          std::printf("%8s  %10.1f  %16.3f  %8.3f  %10s\n", k.c_str(), v.get<double>(), ratio, r,
+                      per_r);
         }
         std::printf("KV bytes/token measured by the pool %.1f, theoretical (f32) %lld\n",
                     out["kv_bytes_per_token"].get<double>(),
