@@ -258,6 +258,14 @@ TEST(CodecEngine, DefaultPoolHoldsAFullContext) {
     const Status st = s->Eval(ids, nullptr);
     EXPECT_TRUE(st.ok()) << k << ":" << v << " " << st.ToString();
   }
+  // A pool larger than the machine's memory is refused (its bookkeeping alone grew to GiBs).
+  EngineOptions o;
+  o.model_dir = testing::ModelDir();
+  o.kv_mem_mib = int64_t{1} << 40;
+  auto e = Engine::Create(o);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("more than this machine's memory"), std::string::npos)
+      << e.status().ToString();
 }
 
 TEST(CodecEngine, BadCodecOptionsAreClearErrors) {

@@ -1,5 +1,6 @@
 #include "cachet/engine.h"
 
+#include <unistd.h>
 #include <xxhash.h>
 
 #include <algorithm>
@@ -70,6 +71,16 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
                                     : layout.staged()
                                         ? raw_bytes + layout.codec_page_bytes()
                                         : std::max(raw_bytes, layout.codec_page_bytes());
+  // The pool maps address space only, but its page bookkeeping grows with the capacity (8 GiB of
+  // it for a mistyped 10^8 MiB): no more than the machine's memory.
+  const double ram_mib =
+      double(::sysconf(_SC_PHYS_PAGES)) * double(::sysconf(_SC_PAGESIZE)) / (1 << 20);
+  if (o.kv_mem_mib > 0 && ram_mib > 0 && double(o.kv_mem_mib) > ram_mib) {
+    char ram[32];
+    std::snprintf(ram, sizeof ram, "%.1f GiB", ram_mib / 1024);
+    return InvalidArgument("--kv-mem " + std::to_string(o.kv_mem_mib) +
+                           " MiB is more than this machine's memory (" + ram + ")");
+  }
   size_t capacity = o.kv_mem_mib > 0 ? static_cast<size_t>(o.kv_mem_mib) << 20
                                      : static_cast<size_t>(layout.heads_total()) *
                                            ((e->n_ctx_ + o.page_tokens - 1) / o.page_tokens) *
