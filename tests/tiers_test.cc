@@ -489,6 +489,7 @@ TEST(DiskTier, RunLargerThanTheCapIsRefusedOthersStored) {
   EXPECT_NE(s.message().find(big.key.Hex()), std::string::npos) << s.message();
   EXPECT_FALSE(Has(*tier, big.key));
   EXPECT_EQ(GetOne(*tier, small.key), small.bytes);
+  EXPECT_EQ(tier->stats().dropped, 1);  // said in --kv-stats (it was silent)
 }
 
 TEST(DiskTier, RestartSeesTheEntries) {
@@ -606,6 +607,7 @@ TEST(DiskTier, ChainsAreEvictedFromTheirEnd) {
   EXPECT_TRUE(Has(*tier, chain[0].key) && Has(*tier, chain[1].key));
   EXPECT_FALSE(Has(*tier, chain[2].key));
   EXPECT_EQ(tier->stats().evicted, 0);
+  EXPECT_EQ(tier->stats().dropped, 1);  // room only by evicting its own chain
   // The chain was read first to last: its end goes first when another run needs the room.
   const RunKey keys[] = {chain[0].key, chain[1].key};
   ASSERT_TRUE(tier->Get(keys)[1]);

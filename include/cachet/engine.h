@@ -70,7 +70,9 @@ struct KvStats {
     int64_t rejected = 0;       // runs found but not served (damaged, another model or layout)
     int64_t loaded_tokens = 0;  // prompt tokens served from the tier
     int64_t bytes_read = 0, bytes_written = 0, bytes_held = 0, entries = 0;
-    int64_t dropped = 0;  // runs not stored: Redis's write queue full, or its server failing
+    // Runs not stored: Redis's write queue full, or its server failing; on disk, a run larger
+    // than --disk-cache-mib, or one with room only by evicting its own chain.
+    int64_t dropped = 0;
   };
   std::vector<Tier> tiers;
 

@@ -385,6 +385,7 @@ Status DiskTier::Put(std::span<const std::pair<RunKey, std::string>> runs) {
       Drop(key);  // the file went away: write it again
     }
     if (bytes.size() > options_.capacity_bytes) {
+      ++stats_.dropped;
       if (first_error.ok()) {
         first_error =
             ResourceExhausted("disk cache " + options_.dir + ": run " + key.Hex() + " of " +
@@ -394,7 +395,10 @@ Status DiskTier::Put(std::span<const std::pair<RunKey, std::string>> runs) {
       continue;
     }
     // Not stored when only its own chain could make room: it would evict what it needs.
-    if (!EvictFor(bytes.size(), &parents[i])) continue;
+    if (!EvictFor(bytes.size(), &parents[i])) {
+      ++stats_.dropped;
+      continue;
+    }
     Status s = WriteRun(key, bytes);
     if (!s.ok()) {
       ++stats_.errors;

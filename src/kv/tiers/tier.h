@@ -27,7 +27,7 @@ struct TierStats {
   int64_t entries = 0;        // entries the tier knows it holds now
   int64_t bytes_held = 0;     // their bytes
   int64_t evicted = 0;        // entries removed to stay under the tier's cap
-  int64_t dropped = 0;        // runs Put accepted but never stored (a full write queue, a failure)
+  int64_t dropped = 0;  // runs Put accepted but never stored (a full queue, a failure, no room)
 };
 
 class Tier {
