@@ -413,6 +413,20 @@ TEST(Cli, PressesRunAndBadSpecsAreErrors) {
   r = RunCachet("run -t 1 -n 2 --press snapkv+sideways -p hi");
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.err.find("unknown press modifier 'sideways'"), std::string::npos) << r.err;
+  // Nonsense that ran silently: two modifiers of one kind, press flags without a press, an empty
+  // press, Quest's page count for another press.
+  for (const auto& [args, says] : std::vector<std::pair<std::string, std::string>>{
+           {"--press snapkv+ada+pyramid", "gives two per-head allocators ('ada' and 'pyramid')"},
+           {"--press snapkv+max+mean", "gives two cross-layer selections"},
+           {"--press pyramidkv+ada", "gives two per-head allocators"},
+           {"--ratio 0.5", "--ratio requires --press"},
+           {"--sinks 4", "--sinks requires --press"},
+           {"--press \"\"", "--press: an empty value names nothing"},
+           {"--press snapkv --quest-pages 2", "sets the pages --press quest reads"}}) {
+    r = RunCachet("run -t 1 -n 2 -p hi " + args);
+    EXPECT_NE(r.status, 0) << args;
+    EXPECT_NE(r.err.find(says), std::string::npos) << args << ": " << r.err;
+  }
   r = RunCachet("run -t 1 -n 2 --press snapkv --demote kivi2 -f " + prompt);
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.err.find("cold codec must be row-wise"), std::string::npos) << r.err;

@@ -165,13 +165,16 @@ void AddSamplingFlags(CLI::App& app, GenerateOptions& o) {
 void AddPressFlags(CLI::App& app, GenerateOptions& o) {
   auto spec = std::make_shared<std::string>();
   auto opts = std::make_shared<press::PressOptions>();
-  app.add_option("--press", *spec,
-                 "Evict KV entries after the prompt: a scorer (streaming, h2o, snapkv, tova, "
-                 "knorm, keydiff, expected, random; kvzip, lookahead: scored by probes evaluated "
-                 "after the prompt and dropped; pyramidkv = snapkv+pyramid) with optional "
-                 "modifiers +uniform|+pyramid|+ada (per-head budgets), +max|+mean (one token set "
-                 "for all layers), +merge, +protect, +chunked, +demote:CODEC; or quest (read "
-                 "only the best pages at each decode step, evict nothing). docs/PRESSES.md");
+  auto* press_opt =
+      app.add_option(
+             "--press", *spec,
+             "Evict KV entries after the prompt: a scorer (streaming, h2o, snapkv, tova, "
+             "knorm, keydiff, expected, random; kvzip, lookahead: scored by probes evaluated "
+             "after the prompt and dropped; pyramidkv = snapkv+pyramid) with optional "
+             "modifiers +uniform|+pyramid|+ada (per-head budgets), +max|+mean (one token set "
+             "for all layers), +merge, +protect, +chunked, +demote:CODEC; or quest (read "
+             "only the best pages at each decode step, evict nothing). docs/PRESSES.md")
+          ->check(NonEmpty());
   auto* ratio = app.add_option("--ratio", opts->ratio,
                                "Press: fraction of the KV removed (0.75 keeps a quarter)")
                     ->check(CLI::Range(0.0, 0.999999))
@@ -223,6 +226,13 @@ void AddPressFlags(CLI::App& app, GenerateOptions& o) {
                  "Press quest: pages each head reads per decode step (plus the current page), "
                  "instead of the fraction 1 - --ratio of its pages")
       ->check(Positive());
+  // The press's flags mean nothing without it: given alone, they were silently ignored.
+  for (const char* flag :
+       {"--ratio", "--budget", "--window", "--compress-during-prefill", "--demote",
+        "--demote-fetch", "--decode-every", "--merge", "--protect-boundaries", "--sinks",
+        "--share-layers", "--probe-text", "--quest-pages"}) {
+    app.get_option(flag)->needs(press_opt);
+  }
   app.parse_complete_callback([spec, opts, share, &o] {
     if (!spec->empty()) {
       press::PressOptions p = *opts;
@@ -238,6 +248,10 @@ void AddPressFlags(CLI::App& app, GenerateOptions& o) {
       p.protect_boundaries |= opts->protect_boundaries;
       p.merge |= opts->merge;
       if (p.demote.empty()) p.demote = opts->demote;
+      if (!p.quest && opts->quest_pages > 0) {
+        throw CLI::ValidationError("--quest-pages",
+                                   "sets the pages --press quest reads; the press is " + *spec);
+      }
       o.press = p;
     }
   });

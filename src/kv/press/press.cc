@@ -156,8 +156,30 @@ Status ParsePressSpec(std::string_view spec, PressOptions* o) {
                            "' (known: " + known + "pyramidkv, quest)");
   }
   o->scorer = static_cast<Scorer>(it - names.begin());
+  // One modifier of each kind: "snapkv+ada+pyramid" silently took the last.
+  std::string_view kind_given[3] = {name == "snapkv" && o->allocator == Allocator::kPyramid
+                                        ? std::string_view("pyramidkv")
+                                        : std::string_view(),
+                                    {},
+                                    {}};
+  auto once = [&](int kind, std::string_view m) -> Status {
+    static constexpr const char* kKinds[] = {"per-head allocators", "cross-layer selections",
+                                             "demotions"};
+    if (!kind_given[kind].empty()) {
+      return InvalidArgument("press '" + std::string(spec) + "' gives two " + kKinds[kind] + " ('" +
+                             std::string(kind_given[kind]) + "' and '" + std::string(m) +
+                             "'): give one");
+    }
+    kind_given[kind] = m;
+    return OkStatus();
+  };
   for (size_t i = 1; i < parts.size(); ++i) {
     const std::string_view m = parts[i];
+    const int kind = m == "uniform" || m == "pyramid" || m == "ada" ? 0
+                     : m == "max" || m == "mean"                    ? 1
+                     : m.substr(0, 7) == "demote:"                  ? 2
+                                                                    : -1;
+    if (kind >= 0) CACHET_RETURN_IF_ERROR(once(kind, m));
     if (m == "uniform") {
       o->allocator = Allocator::kUniform;
     } else if (m == "pyramid") {
