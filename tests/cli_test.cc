@@ -492,6 +492,20 @@ TEST(Cli, ConvertSyntheticAndLogitsOf) {
   EXPECT_NE(r.err.find("--ubatch: value 0 must be > 0"), std::string::npos) << r.err;
   r = RunCachet("run -t 1 -m " + model + " --ubatch lots -p x");
   EXPECT_NE(r.err.find("--ubatch: value 'lots' is not a number"), std::string::npos) << r.err;
+  // Seeds: -1 draws one (llama.cpp's), anything else outside 0 .. 2^64 - 1 is an error (CLI11
+  // saturated it); windows and counts below their meaning are errors.
+  for (const auto& [args, says] : std::vector<std::pair<std::string, std::string>>{
+           {"--seed 99999999999999999999", "is not a seed"},
+           {"--seed -2", "is not a seed"},
+           {"--repeat-last-n -5", "--repeat-last-n: value -5 must be >= -1"}}) {
+    r = RunCachet("run -t 1 -n 1 -p x -m " + model + " " + args);
+    EXPECT_NE(r.status, 0) << args;
+    EXPECT_NE(r.err.find(says), std::string::npos) << args << ": " << r.err;
+  }
+  r = RunCachet("run -t 1 -n 1 -p x -m " + model + " --tier-zstd");
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.err.find("--tier-zstd is ignored without --disk-cache or --redis"), std::string::npos)
+      << r.err;
   // Flags the layout ignores say so.
   r = RunCachet("run -t 1 -m " + model + " -n 1 -p x --kv-cold q4_0");
   EXPECT_EQ(r.status, 0) << r.err;

@@ -41,7 +41,7 @@ void AddCalibrate(CLI::App& app) {
       ->check(CLI::Range(16, 1 << 24));
   cmd->add_option("--window", o->cal.window, "Tokens per pass (each a fresh sequence, BOS first)")
       ->default_val(2048)
-      ->check(CLI::Range(2, 1 << 20));
+      ->check(CLI::Range(16, 1 << 20));
   cmd->add_option("--outliers", o->cal.outliers,
                   "Outlier channels (largest spread) recorded per layer, KV head and role")
       ->default_val(4)

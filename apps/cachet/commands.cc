@@ -1,6 +1,7 @@
 #include "commands.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -10,6 +11,7 @@
 #include <iostream>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <sstream>
 
 #include "cachet/chat_template.h"
@@ -155,8 +157,31 @@ void AddSamplingFlags(CLI::App& app, GenerateOptions& o) {
   app.add_option("--repeat-last-n", s.repeat_last_n,
                  "Window of the repetition penalty "
                  "(-1 = whole context)")
-      ->default_val(64);
-  app.add_option("-s,--seed", s.seed, "Random seed")->default_val(s.seed);
+      ->default_val(64)
+      ->check(AtLeast(-1, ">= -1 (-1: the whole context)", "INT"));
+  app.add_option_function<std::string>(
+         "-s,--seed",
+         [&s](const std::string& v) {
+           // -1: a random seed, as llama.cpp's; else 0 .. 2^64 - 1 (CLI11 saturated larger ones).
+           if (v == "-1") {
+             std::random_device rd;
+             s.seed = (uint64_t{rd()} << 32) ^ rd();
+             return;
+           }
+           char* end = nullptr;
+           errno = 0;
+           const unsigned long long x = std::strtoull(v.c_str(), &end, 10);
+           if (v.empty() || v[0] == '-' || *end != '\0' || errno == ERANGE) {
+             throw CLI::ValidationError("--seed",
+                                        "'" + v +
+                                            "' is not a seed: an integer from 0 to "
+                                            "18446744073709551615, or -1 for a random one");
+           }
+           s.seed = x;
+         },
+         "Random seed (-1: a random one)")
+      ->type_name("INT")
+      ->default_str(std::to_string(s.seed));
   app.add_flag(
       "--ignore-eos", [&o](int64_t) { o.stop_at_eos = false; },
       "Keep generating past the end-of-sequence token");
@@ -262,6 +287,9 @@ std::unique_ptr<Engine> LoadEngine(const EngineOptions& o) {
   if (!engine.ok()) {
     std::fprintf(stderr, "cachet: %s\n", engine.status().ToString().c_str());
     return nullptr;
+  }
+  if (o.tier_zstd && o.disk_cache_dir.empty() && o.redis_url.empty()) {
+    std::fprintf(stderr, "cachet: --tier-zstd is ignored without --disk-cache or --redis\n");
   }
   if (!o.kv_cold.empty() && !(*engine)->ages()) {
     std::fprintf(stderr, "cachet: --kv-cold %s is ignored in the f32 layout (give --ctk/--ctv)\n",

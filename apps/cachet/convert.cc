@@ -44,7 +44,8 @@ void AddConvert(CLI::App& app) {
          "written q8_0, or f16 if its rows do not split into 32s either)")
       ->default_val("f16");
   cmd->add_option("-t,--threads", o->threads, "Threads converting rows (0 = one per core)")
-      ->default_val(0);
+      ->default_val(0)
+      ->check(NonNegative());
   cmd->add_flag("!--no-progress", o->progress, "No progress bar on stderr");
   cmd->callback([o] {
     auto usage = [](const char* what) {

@@ -403,8 +403,9 @@ void AddEval(CLI::App& app) {
   cmd->add_option("--text", o->text_file, "KL: text file (default: the haystack's pydocs.txt)")
       ->check(CLI::ExistingFile);
   cmd->add_option(
-      "--text-offset", o->text_offset,
-      "KL: byte offset in the text (next paragraph start; default: a quarter into the file)");
+         "--text-offset", o->text_offset,
+         "KL: byte offset in the text (next paragraph start; default: a quarter into the file)")
+      ->check(NonNegative());
   cmd->add_option("--kl-ref", o->kl_ref, "KL: reference configuration, e.g. full/f32")
       ->capture_default_str();
   cmd->add_flag("--kl-decode", o->kl_decode,
