@@ -336,6 +336,9 @@ TEST(Cli, BadModelDirNamesIt) {
   RunResult r = RunCachet("run -m " + dir.path() + " -p hi");
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.err.find(dir.path() + "/config.json"), std::string::npos) << r.err;
+  r = RunCachet("runn -p hi");  // a mistyped command is named (it was "A subcommand is required")
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("unknown command 'runn' (commands: run, chat,"), std::string::npos) << r.err;
 }
 
 TEST(Cli, InspectAndKvStats) {

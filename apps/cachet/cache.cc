@@ -68,11 +68,12 @@ void AddCache(CLI::App& app) {
       ->excludes(p);
   save->add_option("-o,--output", *out, "The cache file to write (e.g. doc.ckv)")->required();
   save->callback([=] {
-    if (text->empty() && file->empty()) {
-      std::fprintf(stderr, "cachet cache save: give the context with -p TEXT or -f FILE\n");
+    const std::string context = text->empty() && file->empty() ? "" : ReadPrompt(*text, *file);
+    if (context.empty()) {
+      std::fprintf(stderr, "cachet cache save: %s: give the context with -p TEXT or -f FILE\n",
+                   file->empty() ? "the context is empty" : (*file + " is empty").c_str());
       throw CLI::RuntimeError(2);
     }
-    const std::string context = ReadPrompt(*text, *file);
     EngineOptions eo = opts->engine;
     // The context is computed here; with a disk or Redis tier given, its prefix is looked up
     // there (another process may have computed it) and published to it.

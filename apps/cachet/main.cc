@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <cstring>
 #include <iostream>
+#include <string>
 
 #include "commands.h"
 
@@ -25,6 +26,20 @@ int main(int argc, char** argv) {
   cachet::cli::AddCalibrate(app);
   cachet::cli::AddServe(app);
   cachet::cli::AddCache(app);
+  // A first word that is no command is named as such (CLI11 said "A subcommand is required").
+  if (argc > 1 && argv[1][0] != '-') {
+    std::string names;
+    bool known = false;
+    for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) {
+      known |= sub->get_name() == argv[1];
+      names += (names.empty() ? "" : ", ") + sub->get_name();
+    }
+    if (!known) {
+      std::fprintf(stderr, "cachet: unknown command '%s' (commands: %s; cachet --help)\n", argv[1],
+                   names.c_str());
+      return 109;  // CLI11's code for a subcommand that does not exist
+    }
+  }
   CLI11_PARSE(app, argc, argv);
   // Output that never reached stdout (a full disk, a closed pipe) fails the command.
   std::cout.flush();
