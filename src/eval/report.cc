@@ -307,51 +307,6 @@ std::string FirstLine(const std::string& path, const std::string& key) {
 
 }  // namespace
 
-const std::vector<std::string>& RowColumns() {
-  static const std::vector<std::string> kColumns = {"kind",
-                                                    "status",
-                                                    "reason",
-                                                    "model",
-                                                    "task",
-                                                    "length",
-                                                    "prompt_tokens",
-                                                    "needles",
-                                                    "depth",
-                                                    "method",
-                                                    "press",
-                                                    "ratio",
-                                                    "budget",
-                                                    "codec_k",
-                                                    "codec_v",
-                                                    "bits_per_value",
-                                                    "compress_at",
-                                                    "seed",
-                                                    "samples",
-                                                    "correct",
-                                                    "accuracy",
-                                                    "mean_kl",
-                                                    "p99_kl",
-                                                    "top1_agree",
-                                                    "ppl_ref",
-                                                    "ppl",
-                                                    "scored_tokens",
-                                                    "kv_bytes_prefill",
-                                                    "kv_bytes_peak",
-                                                    "kv_bits_held",
-                                                    "kv_pool_high_water_bytes",
-                                                    "peak_rss_bytes",
-                                                    "prefill_tok_s",
-                                                    "decode_tok_s",
-                                                    "ttft_ms",
-                                                    "docs",
-                                                    "blend",
-                                                    "answer_kl",
-                                                    "recomputed_fraction",
-                                                    "threads",
-                                                    "cell_wall_s"};
-  return kColumns;
-}
-
 nlohmann::ordered_json RowToJson(const ResultRow& r) {
   const Method& m = r.method;
   nlohmann::ordered_json j;
@@ -401,6 +356,17 @@ nlohmann::ordered_json RowToJson(const ResultRow& r) {
   j["threads"] = r.threads;
   j["cell_wall_s"] = r.wall_s;
   return j;
+}
+
+// The CSV's columns are the JSON rows' keys, in order: one list (the CSV lacked four of them).
+const std::vector<std::string>& RowColumns() {
+  static const std::vector<std::string> kColumns = [] {
+    std::vector<std::string> names;
+    const nlohmann::ordered_json row = RowToJson(ResultRow{});
+    for (const auto& [key, value] : row.items()) names.push_back(key);
+    return names;
+  }();
+  return kColumns;
 }
 
 Status WriteJsonl(const std::vector<ResultRow>& rows, const std::string& path) {
