@@ -42,12 +42,18 @@ FitOptions KeydiffFit(int protect, int tail, int reserve) {
   return FitOptions{on_full->press, protect, tail, reserve};
 }
 
-TEST(FitSession, APromptThreeTimesTheContextKeepsItsEndsAndAnswers) {
+// kvtiny in a context of n_ctx, 2 threads, no prefix cache.
+EngineOptions FitEngine(int n_ctx) {
   EngineOptions o;
   o.model_dir = testing::ModelDir();
   o.threads = 2;
-  o.n_ctx = 1024;
+  o.n_ctx = n_ctx;
   o.prefix_cache = false;
+  return o;
+}
+
+TEST(FitSession, APromptThreeTimesTheContextKeepsItsEndsAndAnswers) {
+  const EngineOptions o = FitEngine(1024);
   auto engine = Engine::Create(o);
   ASSERT_TRUE(engine.ok()) << engine.status().ToString();
   const Tokenizer& tok = (*engine)->tokenizer();
@@ -108,11 +114,7 @@ TEST(FitSession, APromptThreeTimesTheContextKeepsItsEndsAndAnswers) {
 // moved to the cold pool is outside the press's token set: CompactPositions refused it, a 500 in
 // serve), and pages age again in the decode steps after it.
 TEST(FitSession, AgingWaitsForTheFit) {
-  EngineOptions o;
-  o.model_dir = testing::ModelDir();
-  o.threads = 2;
-  o.n_ctx = 512;
-  o.prefix_cache = false;
+  EngineOptions o = FitEngine(512);
   o.kv_codec_k = o.kv_codec_v = "f16";
   o.kv_cold = "q4_0";
   o.kv_cold_after = 32;
