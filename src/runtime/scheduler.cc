@@ -477,18 +477,28 @@ bool Runtime::Impl::Sample(Request& q) {
   }
   q.tokens.push_back(next);
   q.pending.tokens.push_back(next);
-  if (logprobs) {
-    q.held_logprobs.push_back(Logprobs(q.raw_logits, next, q.r.top_logprobs));
-    q.held_logprobs.back().text_offset = q.decoded_chars;
-  }
   {
     std::lock_guard<std::mutex> lock(mu);
     ++metrics.generation_tokens;
   }
+  // Bytes earlier tokens left in the decoder that do not complete a character come out first as
+  // U+FFFD: those characters are theirs, and this token's text starts after them.
+  std::string earlier;
+  if (!silent && q.decoder->holding()) earlier = StreamDecoder(*q.decoder).Flush();
   const std::string piece = silent ? std::string() : q.decoder->Push(next);
-  q.decoded += piece.size();
   // The decoder writes whole characters only: count their first bytes.
-  for (char ch : piece) q.decoded_chars += (static_cast<unsigned char>(ch) & 0xC0) != 0x80;
+  auto chars = [](std::string_view text) {
+    int n = 0;
+    for (char ch : text) n += (static_cast<unsigned char>(ch) & 0xC0) != 0x80;
+    return n;
+  };
+  if (logprobs) {
+    q.held_logprobs.push_back(Logprobs(q.raw_logits, next, q.r.top_logprobs));
+    q.held_logprobs.back().text_offset =
+        q.decoded_chars + (piece.starts_with(earlier) ? chars(earlier) : 0);
+  }
+  q.decoded += piece.size();
+  q.decoded_chars += chars(piece);
   q.held += piece;
   // The earliest stop string ends the text before it.
   size_t cut = std::string::npos;
