@@ -513,6 +513,12 @@ TEST(Cli, ConvertSyntheticAndLogitsOf) {
   r = RunCachet("run -t 1 -m " + model + " -n 1 -p x --kv-cold q4_0");
   EXPECT_EQ(r.status, 0) << r.err;
   EXPECT_NE(r.err.find("--kv-cold q4_0 is ignored in the f32 layout"), std::string::npos) << r.err;
+  r = RunCachet("run -t 1 -m " + model + " -n 1 -p x --kv-window 16 --kv-sinks 4");
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.err.find("--kv-window 16 is ignored in the f32 layout"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("--kv-sinks 4 is ignored in the f32 layout"), std::string::npos) << r.err;
+  r = RunCachet("run -t 1 -m " + model + " -n 1 -p x --kv-window 16 --ctk f16 --ctv f16");
+  EXPECT_EQ(r.err.find("is ignored"), std::string::npos) << r.err;
 
   // Written to a temporary file, then renamed: nothing else is left beside the output.
   for (const auto& e : std::filesystem::directory_iterator(dir.path())) {

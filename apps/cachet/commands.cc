@@ -291,9 +291,9 @@ std::unique_ptr<Engine> LoadEngine(const EngineOptions& o) {
   if (o.tier_zstd && o.disk_cache_dir.empty() && o.redis_url.empty()) {
     std::fprintf(stderr, "cachet: --tier-zstd is ignored without --disk-cache or --redis\n");
   }
-  if (!o.kv_cold.empty() && !(*engine)->ages()) {
-    std::fprintf(stderr, "cachet: --kv-cold %s is ignored in the f32 layout (give --ctk/--ctv)\n",
-                 o.kv_cold.c_str());
+  for (const std::string& flag : (*engine)->IgnoredKvOptions()) {
+    std::fprintf(stderr, "cachet: %s is ignored in the f32 layout (give --ctk/--ctv)\n",
+                 flag.c_str());
   }
   return std::move(engine).value();
 }

@@ -328,6 +328,9 @@ class Engine {
   // Whether sessions age their pages (kv_cold): as --kv-window, only in a codec layout, f32 K and
   // V being the reference.
   bool ages() const;
+  // The options given that the f32 layout ignores (it keeps every row as computed), as their
+  // flags: "--kv-cold q4_0", "--kv-window 16", "--kv-sinks 4". Empty in a codec layout.
+  std::vector<std::string> IgnoredKvOptions() const;
 
  private:
   friend class Session;

@@ -168,6 +168,15 @@ int64_t Engine::weight_bytes_per_token() const {
 
 bool Engine::ages() const { return !options_.kv_cold.empty() && !kv_pool_->layout().plain(); }
 
+std::vector<std::string> Engine::IgnoredKvOptions() const {
+  std::vector<std::string> out;
+  if (!kv_pool_->layout().plain()) return out;
+  if (!options_.kv_cold.empty()) out.push_back("--kv-cold " + options_.kv_cold);
+  if (options_.kv_window > 0) out.push_back("--kv-window " + std::to_string(options_.kv_window));
+  if (options_.kv_sinks > 0) out.push_back("--kv-sinks " + std::to_string(options_.kv_sinks));
+  return out;
+}
+
 uint64_t Engine::SaltKey(std::string_view cache_salt) {
   return cache_salt.empty() ? 0 : XXH3_64bits(cache_salt.data(), cache_salt.size());
 }
