@@ -317,6 +317,7 @@ TEST(EvalTasks, MultidocCutsTheContextIntoShuffledDocuments) {
   EXPECT_EQ(most, 6u);
   EXPECT_GT(needle_docs.size(), 2u);  // the needle's document lands anywhere
   EXPECT_FALSE(Gen().Generate({TaskKind::kMultidoc, 1024, 1, -1, 0}, 1, 0).ok());
+  EXPECT_FALSE(Gen().Generate({TaskKind::kMultidoc, 256, 1, -1, 256}, 1, 0).ok());  // 1-token docs
 }
 
 TEST(EvalTasks, BadSpecsAreErrors) {

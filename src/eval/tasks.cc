@@ -505,6 +505,12 @@ Result<TaskSample> TaskGenerator::Generate(const TaskSpec& mixed_spec, uint64_t 
     if (spec.docs < 1 || spec.docs > 256) {
       return InvalidArgument("multidoc needs 1..256 documents, got " + std::to_string(spec.docs));
     }
+    if (spec.length / spec.docs < 32) {  // ran as one-token "documents" before
+      return InvalidArgument("multidoc: " + std::to_string(spec.docs) + " documents in " +
+                             std::to_string(spec.length) +
+                             " tokens are fewer than 32 tokens each: give fewer --docs or a "
+                             "longer --len");
+    }
     spec.needles = 1;
   }
   const int needles = spec.kind == TaskKind::kNiah || AsksSeveral(spec.kind) ? spec.needles : 1;
