@@ -290,6 +290,18 @@ TEST(Runtime, RequestOutgrowingThePoolEndsWithLength) {
   EXPECT_EQ(r.Metrics().prompt_tokens, fits - 8);
 }
 
+// Runs q to its end; c collects its events, the result is every event's logprobs in order.
+std::vector<TokenLogprob> Logprobs(Runtime& r, const CompletionRequest& q, Collector* c) {
+  std::vector<TokenLogprob> lps;
+  EventCallback inner = c->Callback();
+  EXPECT_TRUE(r.Submit(q, [&](const TokenEvent& e) {
+                 lps.insert(lps.end(), e.logprobs.begin(), e.logprobs.end());
+                 inner(e);
+               }).ok());
+  c->Wait();
+  return lps;
+}
+
 // Special tokens are tokens of the reply but none of its text unless asked (vLLM's
 // skip_special_tokens); one that is a stop string ends the reply as EOS does. After an EOS in the
 // prompt kvtiny's greedy next token is BOS.
@@ -306,14 +318,8 @@ TEST(Runtime, SpecialTokensAddNoTextAndMayStop) {
     CompletionRequest q = Greedy(prompt, 3);
     q.skip_special_tokens = skip;
     q.top_logprobs = 0;
-    std::vector<TokenLogprob> lps;
     Collector c;
-    EventCallback inner = c.Callback();
-    ASSERT_TRUE(r.Submit(q, [&](const TokenEvent& e) {
-                   lps.insert(lps.end(), e.logprobs.begin(), e.logprobs.end());
-                   inner(e);
-                 }).ok());
-    c.Wait();
+    const std::vector<TokenLogprob> lps = Logprobs(r, q, &c);
     ASSERT_FALSE(c.tokens.empty());
     ASSERT_EQ(c.tokens[0], tok.bos_id());
     texts[skip] = c.text;
@@ -430,14 +436,8 @@ TEST(Runtime, TextOffsetsCountReplacedBytes) {
     q.sampling.seed = seed;
     q.stop_at_eos = false;
     q.top_logprobs = 0;
-    std::vector<TokenLogprob> lps;
     Collector c;
-    EventCallback inner = c.Callback();
-    ASSERT_TRUE(r.Submit(q, [&](const TokenEvent& e) {
-                   lps.insert(lps.end(), e.logprobs.begin(), e.logprobs.end());
-                   inner(e);
-                 }).ok());
-    c.Wait();
+    const std::vector<TokenLogprob> lps = Logprobs(r, q, &c);
     // Byte offset of each character of the text.
     std::vector<size_t> at;
     for (size_t i = 0; i < c.text.size(); ++i) {
