@@ -741,6 +741,14 @@ TEST(EvalReport, SinglePointPlotsRenderAndTablesAreWritten) {
   EXPECT_NE(md.find("unavailable: press 'snapkv'"), std::string::npos);
   EXPECT_NE(md.find("| full/f32 | 512 | 2 |"), std::string::npos);  // the KL table
   EXPECT_NE(html.find("<table>"), std::string::npos);
+  // Each plot's canvas grows with its key (a dozen series squeezed the plot to a fifth), and the
+  // memory plot, the process's RSS beside small caches, is drawn on a log axis.
+  const std::string gp = ReadFile(dir.path() + "/r/plots.gp");
+  EXPECT_EQ(Count(gp, "set terminal svg size 760,"), 4);
+  const size_t mem = gp.find("set output 'memory_vs_context.svg'");
+  ASSERT_NE(mem, std::string::npos);
+  EXPECT_NE(gp.find("set logscale y", mem), std::string::npos);
+  EXPECT_LT(gp.find("set logscale y", mem), gp.find("unset output", mem));
   if (std::system("command -v gnuplot >/dev/null 2>&1") == 0) {
     for (const char* f : {"accuracy_vs_ratio.svg", "kl_vs_bits.svg", "memory_vs_context.svg",
                           "speed_vs_context.svg"}) {

@@ -139,10 +139,13 @@ std::string GnuplotString(std::string_view s) {
 std::string PlotScript(const std::vector<Plot>& plots) {
   std::ostringstream gp;
   gp << "# Made by cachet eval --report; run `gnuplot plots.gp` in this directory.\n"
-     << "set terminal svg size 760,460 noenhanced font 'sans,12' background rgb 'white'\n"
      << "set grid\nset key below\n";
   int block = 0;
   for (const Plot& p : plots) {
+    // The key goes below the plot, an entry a line (the titles are long): the canvas grows with
+    // it, so that a dozen configurations leave the plot its height (they squeezed it to a fifth).
+    gp << "set terminal svg size 760," << 380 + 18 * static_cast<int>(p.series.size())
+       << " noenhanced font 'sans,12' background rgb 'white'\n";
     std::vector<std::string> names;
     for (const Series& s : p.series) {
       const std::string name = "$d" + std::to_string(block++);
@@ -155,8 +158,11 @@ std::string PlotScript(const std::vector<Plot>& plots) {
        << "\nset xlabel " << GnuplotString(p.xlabel) << "\nset ylabel " << GnuplotString(p.ylabel)
        << "\nset xrange " << p.xrange << "\nset yrange " << p.yrange << "\n"
        << (p.log_y ? "set logscale y\n" : "unset logscale y\n") << "plot ";
+    // gnuplot's colours repeat after 8: the next eight are dashed, with other points.
+    static constexpr int kPoints[] = {7, 5, 9, 11, 13};
     for (size_t i = 0; i < p.series.size(); ++i) {
-      gp << (i ? ", \\\n     " : "") << names[i] << " using 1:2 with linespoints lw 2 pt 7 ps 1"
+      gp << (i ? ", \\\n     " : "") << names[i] << " using 1:2 with linespoints lw 2 lt "
+         << i % 8 + 1 << " dt " << i / 8 % 5 + 1 << " pt " << kPoints[i / 8 % 5] << " ps 1"
          << " title " << GnuplotString(p.series[i].title);
     }
     gp << "\nunset output\n";
@@ -275,11 +281,20 @@ std::vector<Plot> MakePlots(const std::vector<ResultRow>& rows) {
         min_tps = std::min(min_tps, *r->decode_tok_s);
       }
     }
+    double min_mib = 1e300;
     for (const Series& s : mem.series) {
-      for (const auto& [x, sw] : s.sums) max_mib = std::max(max_mib, sw.first / sw.second);
+      for (const auto& [x, sw] : s.sums) {
+        max_mib = std::max(max_mib, sw.first / sw.second);
+        if (sw.first > 0) min_mib = std::min(min_mib, sw.first / sw.second);
+      }
     }
     for (Plot* p : {&mem, &speed}) p->xrange = Range(0, max_len * 1.1);
     mem.yrange = Range(0, max_mib * 1.15);
+    if (min_mib < max_mib / 20) {  // the process's RSS beside compressed caches: log, as speed
+      mem.log_y = true;
+      mem.ylabel = "MiB (log scale)";
+      mem.yrange = Range(min_mib / 2, max_mib * 2);
+    }
     // Prefill is often 10x decode: a log axis keeps both readable.
     speed.log_y = true;
     speed.yrange = Range(min_tps > 0 && min_tps < 1e300 ? min_tps / 2 : 1, max_tps * 2);
