@@ -89,6 +89,13 @@ size_t HeldBack(std::string_view text, const std::vector<std::string>& stops) {
   return held;
 }
 
+// Characters of decoded text (the decoder writes whole characters only): their first bytes.
+int Utf8Chars(std::string_view text) {
+  int n = 0;
+  for (char ch : text) n += (static_cast<unsigned char>(ch) & 0xC0) != 0x80;
+  return n;
+}
+
 }  // namespace
 
 Runtime::Impl::~Impl() {
@@ -100,11 +107,10 @@ Runtime::Impl::~Impl() {
   if (thread.joinable()) thread.join();
 }
 
-// Final event, and the request's pages back to the pool (offered to the prefix cache first).
 // Text goes out with the logprobs of the tokens it starts (all of them when `all`).
 void Runtime::Impl::Send(Request& q, std::string_view text, bool all) {
   q.pending.text += text;
-  for (char ch : text) q.sent_chars += (static_cast<unsigned char>(ch) & 0xC0) != 0x80;
+  q.sent_chars += Utf8Chars(text);
   size_t n = 0;
   while (n < q.held_logprobs.size() && (all || q.held_logprobs[n].text_offset < q.sent_chars)) ++n;
   if (n == 0) return;
@@ -114,6 +120,15 @@ void Runtime::Impl::Send(Request& q, std::string_view text, bool all) {
   q.held_logprobs.erase(q.held_logprobs.begin(), q.held_logprobs.begin() + n);
 }
 
+// A request leaves the runtime: it no longer counts against -np + --max-waiting.
+void Runtime::Impl::Retire(const Request& q) {
+  std::lock_guard<std::mutex> lock(mu);
+  --live;
+  ++metrics.requests_finished;
+  Observe(metrics.e2e, Seconds(Clock::now() - q.arrival));
+}
+
+// Final event, and the request's pages back to the pool (offered to the prefix cache first).
 // Text held back for stop strings goes out unless a stop string ended the text.
 void Runtime::Impl::Finish(Request& q, std::string reason, Status error, bool flush) {
   if (q.decoder && flush) Send(q, q.held + q.decoder->Flush(), /*all=*/true);
@@ -123,12 +138,7 @@ void Runtime::Impl::Finish(Request& q, std::string reason, Status error, bool fl
     if (Publishes(q)) q.session->Publish();
     q.session.reset();
   }
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    --live;
-    ++metrics.requests_finished;
-    Observe(metrics.e2e, Seconds(Clock::now() - q.arrival));
-  }
+  Retire(q);
   Publish();         // the snapshot the final event's reader sees
   if (q.on_cache) {  // CreateCache's: no text, only why there is no cache
     q.on_cache(error.ok() ? FailedPrecondition("the cache was cancelled before it was made")
@@ -204,12 +214,7 @@ void Runtime::Impl::KeepAsCache(Request& q) {
       caches->Add(std::move(q.session), q.r.cache_salt,
                   q.r.press ? press::DescribePress(*q.r.press) : "none", std::move(q.note));
   if (!info.ok()) return Finish(q, "error", info.status());
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    --live;
-    ++metrics.requests_finished;
-    Observe(metrics.e2e, Seconds(Clock::now() - q.arrival));
-  }
+  Retire(q);
   Publish();  // the cache counted before its creator hears of it
   q.on_cache(info);
 }
@@ -486,19 +491,13 @@ bool Runtime::Impl::Sample(Request& q) {
   std::string earlier;
   if (!silent && q.decoder->holding()) earlier = StreamDecoder(*q.decoder).Flush();
   const std::string piece = silent ? std::string() : q.decoder->Push(next);
-  // The decoder writes whole characters only: count their first bytes.
-  auto chars = [](std::string_view text) {
-    int n = 0;
-    for (char ch : text) n += (static_cast<unsigned char>(ch) & 0xC0) != 0x80;
-    return n;
-  };
   if (logprobs) {
     q.held_logprobs.push_back(Logprobs(q.raw_logits, next, q.r.top_logprobs));
     q.held_logprobs.back().text_offset =
-        q.decoded_chars + (piece.starts_with(earlier) ? chars(earlier) : 0);
+        q.decoded_chars + (piece.starts_with(earlier) ? Utf8Chars(earlier) : 0);
   }
   q.decoded += piece.size();
-  q.decoded_chars += chars(piece);
+  q.decoded_chars += Utf8Chars(piece);
   q.held += piece;
   // The earliest stop string ends the text before it.
   size_t cut = std::string::npos;

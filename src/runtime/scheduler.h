@@ -149,10 +149,12 @@ struct Runtime::Impl {
   // so the prefix cache gets the conversation up to the stop, which a follow-up prompt repeats,
   // and not blocks holding the stop string's tokens, which it would not.
   void TruncateAtStop(Request& q, size_t text_end);
-  // Whether token id adds none of q's reply text (a special token, unless q asks for them).
+  // Counts q finished (metrics, its place among the live requests).
+  void Retire(const Request& q);
   // Appends text to the pending event with the logprobs of the tokens it starts (all held ones
   // when `all`).
   static void Send(Request& q, std::string_view text, bool all = false);
+  // Whether token id adds none of q's reply text (a special token, unless q asks for them).
   bool Silent(const Request& q, int32_t id) const;
 
   // Samples request q's next token from its logits; returns false when the request is done.
