@@ -73,17 +73,19 @@ struct TempCacheDir {
   throw CLI::RuntimeError(1);
 }
 
+// A failed status ends the command, its message after the flag that led to it.
+void Check(const Status& s, const char* flag = nullptr) {
+  if (!s.ok()) Fail(flag ? std::string(flag) + ": " + s.message() : s.message());
+}
+
 template <class T>
 T OrFail(Result<T> r, const char* flag = nullptr) {
-  if (!r.ok()) Fail(flag ? std::string(flag) + ": " + r.status().message() : r.status().message());
+  Check(r.status(), flag);
   return std::move(r).value();
 }
 
-void Check(const Status& s) {
-  if (!s.ok()) Fail(s.message());
-}
-
 std::vector<Method> MethodGrid(const EvalOpts& o) {
+  for (const std::string& codec : o.codecs) Check(codecs::CheckCodecNames(codec), "--codec");
   std::vector<Method> out;
   for (const std::string& press : o.presses) {
     std::vector<Method> sized;  // this press at each ratio or budget
@@ -101,12 +103,6 @@ std::vector<Method> MethodGrid(const EvalOpts& o) {
       m.demote_fetch = o.demote_fetch;
       for (const std::string& codec : o.codecs) {
         std::tie(m.codec_k, m.codec_v) = codecs::SplitKv(codec);
-        const std::string known = ", " + codecs::CodecNames() + ",";
-        for (const std::string& name : {m.codec_k, m.codec_v}) {
-          if (known.find(", " + name + ",") == std::string::npos) {
-            Fail("--codec: unknown KV codec '" + name + "' (known: " + codecs::CodecNames() + ")");
-          }
-        }
         for (const std::string& at : o.compress_at) {
           m.compress_at = OrFail(ParseCompressAt(at), "--compress-at");
           Check(ValidateMethod(m));
@@ -176,6 +172,7 @@ void Run(const EvalOpts& o) {
   if (eo.model_dir.empty()) eo.model_dir = DefaultModelDir();
   eo.prefix_cache = false;  // every prefill is measured in full, never served from another's pages
   const int max_len = *std::max_element(o.lengths.begin(), o.lengths.end());
+  const ModelConfig config = OrFail(ModelConfig::Load(eo.model_dir));
   if (eo.n_ctx == 0) {
     // multiturn keeps every question (about 20 tokens) and answer in the context.
     const bool turns = std::find(o.tasks.begin(), o.tasks.end(), "multiturn") != o.tasks.end();
@@ -185,7 +182,7 @@ void Run(const EvalOpts& o) {
     eo.n_ctx = std::max(o.kl ? o.window_len : 0,
                         run_tasks ? max_len + max_len / 50 + answers + (probes ? 256 : 0) : 0);
     // Past the trained positions the model's outputs mean nothing: measured only when asked.
-    const int trained = OrFail(ModelConfig::Load(eo.model_dir)).max_position_embeddings;
+    const int trained = config.max_position_embeddings;
     const int asked = std::max(o.kl ? o.window_len : 0, run_tasks ? max_len : 0);
     if (asked > trained) {
       std::fprintf(stderr,
@@ -202,7 +199,7 @@ void Run(const EvalOpts& o) {
   std::vector<BlendOptions> blends;
   for (const std::string& b : o.blends) blends.push_back(OrFail(ParseBlend(b), "--blend"));
   if (eo.kv_mem_mib == 0) {
-    eo.kv_mem_mib = KvPoolMibFor(OrFail(ModelConfig::Load(eo.model_dir)), eo.page_tokens, eo.n_ctx,
+    eo.kv_mem_mib = KvPoolMibFor(config, eo.page_tokens, eo.n_ctx,
                                  /*sequences=*/multidoc ? 3 : 2);
   }
   auto engine = LoadEngine(eo);

@@ -5,6 +5,7 @@
 #include <ctime>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 
 #include "runtime/engine_access.h"
@@ -40,15 +41,21 @@ std::string RedisName(const std::string& id, std::string_view part) {
   return "cache:{" + id + "}:" + std::string(part);
 }
 
-// A description that names no salt is damaged (descriptions are written whole, by rename): its
-// cache is no namespace's, so no lookup takes it and any DELETE of its id removes it.
-bool Damaged(const std::string& meta) {
+// The salt a cache's description names; none when it is damaged (descriptions are written
+// whole, by rename): such a cache is no namespace's, so no lookup takes it and any DELETE of its
+// id removes it.
+std::optional<std::string> SaltOf(const std::string& meta) {
   const json side = json::parse(meta, nullptr, /*allow_exceptions=*/false);
-  return !side.is_object() || !side.contains("salt") || !side["salt"].is_string();
+  if (!side.is_object() || !side.contains("salt") || !side["salt"].is_string()) return {};
+  return side["salt"].get<std::string>();
 }
 
-bool SaltMatches(const std::string& meta, uint64_t salt) {
-  return !Damaged(meta) && json::parse(meta)["salt"].get<std::string>() == SaltHex(salt);
+bool SaltMatches(const std::string& meta, uint64_t salt) { return SaltOf(meta) == SaltHex(salt); }
+
+// DELETE removes a cache of its salt, or a damaged one.
+bool Deletable(const std::string& meta, uint64_t salt) {
+  const std::optional<std::string> s = SaltOf(meta);
+  return !s || *s == SaltHex(salt);
 }
 
 int64_t HeldRows(const Session& s) {
@@ -105,7 +112,7 @@ void CacheRegistry::RemoveOrphans() {
     const fs::path meta = fs::path(p).replace_extension(".json");
     if (fs::exists(meta, ec)) {
       const Result<std::string> text = ReadTextFile(meta.string());
-      if (!text.ok() || !Damaged(text.value())) continue;
+      if (!text.ok() || SaltOf(text.value())) continue;  // intact
     }
     const auto written = fs::last_write_time(p, ec);
     if (!ec && now - written > std::chrono::minutes(10)) {
@@ -312,7 +319,7 @@ Status CacheRegistry::Remove(const std::string& id, std::string_view cache_salt)
   if (!IsCacheId(id)) return found ? OkStatus() : Unknown(id);
   if (!dir_.empty()) {
     Result<std::string> meta = ReadTextFile(PathOf(id, ".json"));
-    if (meta.ok() && (SaltMatches(*meta, salt) || Damaged(*meta))) {
+    if (meta.ok() && Deletable(*meta, salt)) {
       std::remove(PathOf(id, ".json").c_str());
       std::remove(PathOf(id, ".ckv").c_str());
       found = true;
@@ -321,7 +328,7 @@ Status CacheRegistry::Remove(const std::string& id, std::string_view cache_salt)
   if (redis_) {
     CACHET_ASSIGN_OR_RETURN(std::optional<std::string> meta,
                             redis_->GetValue(RedisName(id, "meta")));
-    if (meta && (SaltMatches(*meta, salt) || Damaged(*meta))) {
+    if (meta && Deletable(*meta, salt)) {
       CACHET_RETURN_IF_ERROR(redis_->DeleteValue(RedisName(id, "meta")));
       CACHET_RETURN_IF_ERROR(redis_->DeleteValue(RedisName(id, "kv")));
       found = true;

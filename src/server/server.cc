@@ -440,14 +440,17 @@ bool Server::Impl::Stream(Exchange& ex, const PreparedRequest& p, const Response
 // the client's answer; the connection is then closed, its unread bytes with it.
 constexpr size_t kDrainFactor = 4;
 
+ApiError TooLarge(size_t max_bytes) {
+  ApiError e;
+  e.http_status = 413;
+  e.message = "the request body is larger than " + std::to_string(max_bytes) + " bytes";
+  return e;
+}
+
 std::optional<ApiError> ReadBody(const httplib::Request& req, const httplib::ContentReader& read,
                                  size_t max_bytes, std::string* body) {
   ApiError e;
-  auto too_large = [&] {
-    e.http_status = 413;
-    e.message = "the request body is larger than " + std::to_string(max_bytes) + " bytes";
-    return e;
-  };
+  auto too_large = [&] { return TooLarge(max_bytes); };
   const bool chunked = req.has_header("Transfer-Encoding");
   if (!chunked && !req.has_header("Content-Length")) return std::nullopt;
   if (!chunked) {
@@ -652,8 +655,7 @@ Server::Server(Runtime& runtime, ServerOptions options)
           e.message = "no such endpoint: " + req.method + " " + req.path;
           e.code = "unknown_url";
         } else if (res.status == 413) {
-          e.message =
-              "the request body is larger than " + std::to_string(m.opt.max_body_bytes) + " bytes";
+          e = TooLarge(m.opt.max_body_bytes);
         } else {
           e.message = "HTTP error " + std::to_string(res.status);
           if (res.status >= 500) e.type = "server_error";

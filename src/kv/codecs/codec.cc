@@ -432,6 +432,8 @@ Result<CodecPair> ParseCodecPair(std::string_view name) {
   return c;
 }
 
+Status CheckCodecNames(std::string_view kv) { return ParseCodecPair(kv).status(); }
+
 std::string PairName(CodecPair c) {
   return c.k == c.v ? CodecName(c.k) : std::string(CodecName(c.k)) + ":" + CodecName(c.v);
 }
