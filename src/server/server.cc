@@ -450,7 +450,6 @@ ApiError TooLarge(size_t max_bytes) {
 std::optional<ApiError> ReadBody(const httplib::Request& req, const httplib::ContentReader& read,
                                  size_t max_bytes, std::string* body) {
   ApiError e;
-  auto too_large = [&] { return TooLarge(max_bytes); };
   const bool chunked = req.has_header("Transfer-Encoding");
   if (!chunked && !req.has_header("Content-Length")) return std::nullopt;
   if (!chunked) {
@@ -460,7 +459,7 @@ std::optional<ApiError> ReadBody(const httplib::Request& req, const httplib::Con
       e.message = "Content-Length '" + length + "' is not a byte count";
       return e;
     }
-    if (std::stoull(length) > kDrainFactor * max_bytes) return too_large();
+    if (std::stoull(length) > kDrainFactor * max_bytes) return TooLarge(max_bytes);
   }
   // A body over the limit is read to its end (up to kDrainFactor times the limit) and dropped:
   // a client still sending when the answer comes would see its connection fail, not the 413.
@@ -472,7 +471,7 @@ std::optional<ApiError> ReadBody(const httplib::Request& req, const httplib::Con
   });
   if (total > max_bytes) {
     body->clear();
-    return too_large();
+    return TooLarge(max_bytes);
   }
   if (!ok) {
     e.message = "the request body could not be read (the connection ended before it did)";
