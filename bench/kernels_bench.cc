@@ -143,7 +143,9 @@ void BenchMatMul(ThreadPool& pool, std::mt19937& rng) {
 // (DequantMatMul). Decode cycles through DramCopies of a TinyLlama FFN matrix.
 void BenchQuantMatMul(ThreadPool& pool, std::mt19937& rng) {
   const int64_t rows = 5632, cols = 2048;
-  for (DType dtype : {DType::kQ4_0, DType::kQ4_K, DType::kQ8_0}) {
+  const char* only = std::getenv("QUANT_TYPE");  // one type's rows, by name (q6_k)
+  for (DType dtype : {DType::kQ4_0, DType::kQ4_K, DType::kQ8_0, DType::kQ6_K}) {
+    if (only != nullptr && std::string(only) != cachet::DTypeName(dtype)) continue;
     const int64_t rb = cachet::DTypeRowBytes(dtype, cols);
     std::vector<uint8_t> one(rows * rb);
     const std::vector<float> src = RandomVec(cols, rng);

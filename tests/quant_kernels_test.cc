@@ -237,7 +237,7 @@ TEST(QuantKernels, Int8MatMulMatchesReference) {
   if (!cpu::HasInt8Kernels()) GTEST_SKIP() << "this CPU has no AVX-512 VNNI: no int8 kernels";
   std::mt19937 rng(7);
   ThreadPool pool1(1), pool3(3);
-  for (DType t : {DType::kQ4_0, DType::kQ8_0, DType::kQ4_K}) {
+  for (DType t : {DType::kQ4_0, DType::kQ8_0, DType::kQ4_K, DType::kQ6_K}) {
     const int64_t be = DTypeBlockElems(t);
     for (int64_t rows : {1, 3, 70}) {
       for (int64_t cols : {be, 3 * be, 4 * be}) {
@@ -284,7 +284,7 @@ TEST(QuantKernels, Int8MatMulMatchesReference) {
 TEST(QuantKernels, Int8PathIsCloseToF32AndDispatched) {
   std::mt19937 rng(8);
   ThreadPool pool(2);
-  for (DType t : {DType::kQ4_0, DType::kQ8_0, DType::kQ4_K}) {
+  for (DType t : {DType::kQ4_0, DType::kQ8_0, DType::kQ4_K, DType::kQ6_K}) {
     QuantMatrix q = MakeMatrix(t, 33, 512, rng);
     const std::vector<float> x = RandomVec(5 * 512, rng);
     std::vector<float> f32(5 * 33), i8(5 * 33), got(5 * 33);
@@ -307,7 +307,8 @@ TEST(QuantKernels, DispatchingEntryPoints) {
   const std::vector<float> x = RandomVec(4 * 512, rng);
   std::vector<float> a(4 * 9), b(4 * 9), row(512);
   MatMul(x.data(), 4, q.m, nullptr, a.data(), 9, pool);
-  ref::MatMul(x.data(), 4, q.m, nullptr, b.data(), 9, pool);
+  (cpu::HasInt8Kernels() ? ref::Int8MatMul : ref::MatMul)(x.data(), 4, q.m, nullptr, b.data(), 9,
+                                                          pool);
   EXPECT_LT(NormErr(a.data(), b.data(), a.size()), 1e-5);
   DequantRow(q.m, 8, row.data());
   EXPECT_LT(NormErr(row.data(), q.deq.data() + 8 * 512, 512), 1e-6);

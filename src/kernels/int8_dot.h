@@ -6,6 +6,9 @@
 //   sum_b dw_b * dx_b * sum_j(u_j * q_j)  -  sum_b o_b * sx_b,      sx_b = dx_b * sum_j(q_j).
 //   q4_0: u = the nibble, o = 8 dw;  q8_0: u = code + 128, o = 128 dw;
 //   q4_K: u = the nibble of sub-block b, dw = d * scale_b, o = dmin * min_b.
+//   q6_K: u = the 6-bit code, o = 32 dw; its scales are per 16 values, so a block has two halves
+//         with dw_h = d * scale_h, and the offsets go into the integer sums of each half:
+//         dx_b * sum_h dw_h * sum_{j in h} (u_j - 32) q_j.
 // Shared by the scalar reference (kernels/ref/quant.cc) and the SIMD kernels (kernels/cpu/).
 #pragma once
 
@@ -30,7 +33,7 @@ struct Q8Acts {
 
 // The weight types with an int8 path.
 inline bool HasInt8Path(DType t) {
-  return t == DType::kQ4_0 || t == DType::kQ8_0 || t == DType::kQ4_K;
+  return t == DType::kQ4_0 || t == DType::kQ8_0 || t == DType::kQ4_K || t == DType::kQ6_K;
 }
 
 namespace int8_detail {
@@ -54,7 +57,8 @@ inline void ScaleMinK4(int j, const uint8_t* q, int* d, int* m) {
 
 }  // namespace int8_detail
 
-// dw[b] and o[b] of every 32-value block of a weight row of nb blocks.
+// dw[b] and o[b] of every 32-value block of a weight row of nb blocks; for q6_K the dw of the
+// block's two halves (o = 32 dw each).
 template <DType kType>
 inline void BlockScales(const uint8_t* row, int64_t nb, float* dw, float* o) {
   using int8_detail::LoadF16;
@@ -64,6 +68,14 @@ inline void BlockScales(const uint8_t* row, int64_t nb, float* dw, float* o) {
     for (int64_t b = 0; b < nb; ++b) {
       dw[b] = LoadF16(row + b * kBytes);
       o[b] = kOffset * dw[b];
+    }
+  } else if constexpr (kType == DType::kQ6_K) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + (b / 8) * 210;
+      const float d = LoadF16(blk + 208);
+      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192) + 2 * (b % 8);
+      dw[b] = d * static_cast<float>(sc[0]);
+      o[b] = d * static_cast<float>(sc[1]);
     }
   } else {
     static_assert(kType == DType::kQ4_K);
@@ -88,6 +100,14 @@ inline int BlockCode(const uint8_t* row, int64_t b, int j) {
     return j < 16 ? q[j] & 0xF : q[j - 16] >> 4;
   } else if constexpr (kType == DType::kQ8_0) {
     return static_cast<int8_t>(row[b * 34 + 2 + j]) + 128;
+  } else if constexpr (kType == DType::kQ6_K) {
+    // Per 128 values: ql's 64 bytes hold the low nibbles of 32-value blocks 0 and 1 and (high
+    // nibbles) 2 and 3, qh's 32 bytes the top two bits of all four, two bits per block.
+    const uint8_t* blk = row + (b / 8) * 210;
+    const int half = static_cast<int>(b % 8) / 4, k = static_cast<int>(b % 4);
+    const uint8_t ql = blk[64 * half + 32 * (k % 2) + j];
+    const uint8_t qh = blk[128 + 32 * half + j];
+    return (k < 2 ? ql & 0xF : ql >> 4) | (((qh >> (2 * k)) & 3) << 4);
   } else {
     static_assert(kType == DType::kQ4_K);
     const int64_t sb = b / 8, sub = b % 8;

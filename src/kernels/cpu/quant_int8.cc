@@ -52,8 +52,18 @@ constexpr int64_t kMaxDecodeTokens = kInt8MaxDecodeTokens;
 constexpr int64_t kDecodeRowChunk = 16;  // rows decode takes through every token at once
 
 template <DType kType>
-constexpr int64_t BlockBytes() {  // bytes of a 32-value block (q4_K: its share of 144)
+constexpr int64_t BlockBytes() {  // bytes of a 32-value block (q4_0, q8_0, q4_K's share of 144)
+  static_assert(kType != DType::kQ6_K);  // 210 / 8: see BlockStart
   return kType == DType::kQ4_0 ? 18 : kType == DType::kQ8_0 ? 34 : 144 / 8;
+}
+// Where the bytes of block b begin, about: what decode's prefetches go by.
+template <DType kType>
+constexpr int64_t BlockStart(int64_t b) {
+  if constexpr (kType == DType::kQ6_K) {
+    return b * 210 / 8;
+  } else {
+    return b * BlockBytes<kType>();
+  }
 }
 template <DType kType>
 constexpr int kOffset() {  // o = kOffset * dw for q4_0 and q8_0
@@ -78,7 +88,18 @@ CACHET_INT8_TARGET inline __m256i Q4KQuants(const uint8_t* row, int64_t b) {
 template <DType kType>
 CACHET_INT8_TARGET inline __m256i Codes(const uint8_t* row, int64_t b) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  if constexpr (kType == DType::kQ4_0) {
+  if constexpr (kType == DType::kQ6_K) {
+    const uint8_t* blk = row + (b / 8) * 210;
+    const int half = static_cast<int>(b % 8) / 4, k = static_cast<int>(b % 4);
+    const __m256i ql =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * half + 32 * (k % 2)));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * half));
+    const __m256i lo = _mm256_and_si256(k < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
+    const __m256i hi =
+        _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)), 4),
+                         _mm256_set1_epi8(0x30));
+    return _mm256_or_si256(lo, hi);
+  } else if constexpr (kType == DType::kQ4_0) {
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 18 + 2));
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4);
   } else if constexpr (kType == DType::kQ8_0) {
@@ -97,7 +118,22 @@ CACHET_INT8_TARGET inline __m256i Codes(const uint8_t* row, int64_t b) {
 // (0 and 5) before it runs out of DRAM bandwidth.
 template <DType kType>
 CACHET_INT8_TARGET inline __m512i CodePair(const uint8_t* row, int64_t b) {
-  if constexpr (kType == DType::kQ4_K) {
+  if constexpr (kType == DType::kQ6_K) {
+    // Blocks 0 and 1 (or 2 and 3) of 128 values: the low (high) nibbles of ql's 64 bytes, and
+    // bits 0-1 and 2-3 (4-5 and 6-7) of qh's 32 bytes, one shift count per 256-bit half.
+    const uint8_t* blk = row + (b / 8) * 210;
+    const int half = static_cast<int>(b % 8) / 4, j = static_cast<int>(b % 4) / 2;
+    const __m512i ql = _mm512_loadu_si512(blk + 64 * half);
+    const __m512i lo =
+        _mm512_and_si512(j == 0 ? ql : _mm512_srli_epi16(ql, 4), _mm512_set1_epi8(0x0F));
+    const __m512i qh = _mm512_broadcast_i64x4(
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * half)));
+    const __m512i count = _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(4 * j)),
+                                             _mm256_set1_epi16(static_cast<int16_t>(4 * j + 2)), 1);
+    const __m512i hi = _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi16(qh, count), 4),
+                                        _mm512_set1_epi8(0x30));
+    return _mm512_or_si512(lo, hi);
+  } else if constexpr (kType == DType::kQ4_K) {
     // One 32-byte load holds both sub-blocks. The odd one's high nibbles stay in place: its codes
     // count 16 times (exact in the integer sum), and DecodeRows scales it by 1/16 (exact too).
     const __m512i v = _mm512_broadcast_i64x4(Q4KQuants(row, b));
@@ -136,9 +172,23 @@ CACHET_INT8_TARGET inline void Q4KScales(const uint8_t* blk, __m256* dw, __m256*
 // BlockScales (kernels/int8_dot.h) with the hardware f16 loads inlined and q4_K's scales unpacked
 // eight at a time: the same values, at a cost that a prefill of a few tokens (a batched decode step
 // of 7-16) notices.
+// The sixteen scales d * sc_j of a q6_K super-block, one per 16 values.
+CACHET_INT8_TARGET inline __m512 Q6KScales(const uint8_t* blk) {
+  const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)),
+                       _mm512_set1_ps(HardF16::Load(blk + 208)));
+}
+
 template <DType kType>
 CACHET_INT8_TARGET void RowScales(const uint8_t* row, int64_t nb, float* dw, float* o) {
-  if constexpr (kType == DType::kQ4_K) {
+  if constexpr (kType == DType::kQ6_K) {  // the halves of each block: first in dw, second in o
+    const __m512i evens = _mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0);
+    for (int64_t sb = 0; sb < nb / 8; ++sb) {
+      const __m512 split = _mm512_permutexvar_ps(evens, Q6KScales(row + sb * 210));
+      _mm256_storeu_ps(dw + sb * 8, _mm512_castps512_ps256(split));
+      _mm256_storeu_ps(o + sb * 8, _mm512_extractf32x8_ps(split, 1));
+    }
+  } else if constexpr (kType == DType::kQ4_K) {
     for (int64_t sb = 0; sb < nb / 8; ++sb) {
       __m256 d8, o8;
       Q4KScales(row + sb * 144, &d8, &o8);
@@ -213,7 +263,7 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
   auto pair = [&](const uint8_t* row, int64_t p, const auto& scale,
                   __m512* acc) CACHET_INT8_TARGET {
     const int64_t b = 2 * p;
-    _mm_prefetch(reinterpret_cast<const char*>(row + b * BlockBytes<kType>() + kPrefetchBytes),
+    _mm_prefetch(reinterpret_cast<const char*>(row + BlockStart<kType>(b) + kPrefetchBytes),
                  _MM_HINT_T0);
     const __m512i codes = CodePair<kType>(row, b);
 #pragma GCC unroll 8
@@ -265,6 +315,27 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
       for (int t = 0; t < kT; ++t) {
         v[t] = HorizontalSum(_mm512_add_ps(acc0[t], acc1[t])) - HorizontalSum(corr[t]);
       }
+    } else if constexpr (kType == DType::kQ6_K) {
+      // Per super-block: its sixteen scales once; pair p's lanes take scales 4p .. 4p + 3, four
+      // lanes (16 values) each, times the activations' dx.
+      const __m512i lanes = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+      for (int64_t sb = 0; sb < nb / 8; ++sb) {
+        const __m512 sc = Q6KScales(row + sb * 210);
+#pragma GCC unroll 4
+        for (int64_t i = 0; i < 4; ++i) {
+          const int64_t p = 4 * sb + i;
+          const __m512 w =
+              _mm512_permutexvar_ps(_mm512_add_epi32(lanes, _mm512_set1_epi32(4 * i)), sc);
+          pair(
+              row, p,
+              [&](int t) CACHET_INT8_TARGET {
+                return _mm512_mul_ps(w, _mm512_load_ps(a[t].dx2 + p * 16));
+              },
+              i % 2 == 0 ? acc0 : acc1);
+        }
+      }
+#pragma GCC unroll 8
+      for (int t = 0; t < kT; ++t) v[t] = HorizontalSum(_mm512_add_ps(acc0[t], acc1[t]));
     } else {
       auto pair_at = [&](int64_t p, __m512* acc) CACHET_INT8_TARGET {
         const __m512 w = ScalePair<kType>(row, 2 * p);
@@ -324,7 +395,14 @@ CACHET_INT8_TARGET DecodeActs PrepareDecodeActs(const float* x, int64_t cols, fl
     const int half = static_cast<int>(b % 2);
     std::fill(dx2 + pair + 8 * half, dx2 + pair + 8 * half + 8, d[b]);
     std::fill(off2 + pair + 8 * half, off2 + pair + 8 * half + 8, 0);
-    if constexpr (kType != DType::kQ4_K) off2[pair + 8 * half] = -kOffset<kType>() * sum;
+    if constexpr (kType == DType::kQ6_K) {  // per 16 values: their four lanes share a scale
+      int32_t first = 0;
+      for (int j = 0; j < 16; ++j) first += q[b * 32 + j];
+      off2[pair + 8 * half] = -32 * first;
+      off2[pair + 8 * half + 4] = -32 * (sum - first);
+    } else if constexpr (kType != DType::kQ4_K) {
+      off2[pair + 8 * half] = -kOffset<kType>() * sum;
+    }
   }
   return DecodeActs{q, dx2, off2, d, s};
 }
@@ -409,10 +487,34 @@ CACHET_INT8_TARGET void PrefillTile(const uint8_t* const* rows, const float* con
     for (auto& row : sum) {
       for (__m512i& v : row) v = _mm512_setzero_si512();
     }
+    // q6_K: each half of the block has its own scale; 32 times the activations' codes of the half
+    // (its offset) are summed apart, once for every row, and each half is scaled on its own.
+    __m512i off[kG];
+    auto fold_half = [&](int h) CACHET_INT8_TARGET {
+      for (int g = 0; g < kG; ++g) {
+        const __m512 dx = _mm512_load_ps(a.dx + ((g0 + g) * nb + b) * 16);
+        for (int r = 0; r < kRows; ++r) {
+          const __m512 dw = _mm512_set1_ps(scales[r][h * nb + b]);
+          acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][g], off[g])),
+                                      _mm512_mul_ps(dw, dx), acc[r][g]);
+          sum[r][g] = _mm512_setzero_si512();
+        }
+        off[g] = _mm512_setzero_si512();
+      }
+    };
+    if constexpr (kType == DType::kQ6_K) {
+      for (__m512i& v : off) v = _mm512_setzero_si512();
+    }
     for (int k = 0; k < 8; ++k) {
+      if constexpr (kType == DType::kQ6_K) {
+        if (k == 4) fold_half(0);
+      }
       __m512i x[kG];
       for (int g = 0; g < kG; ++g) {
         x[g] = _mm512_load_si512(a.q + (((g0 + g) * nb + b) * 8 + k) * 64);
+        if constexpr (kType == DType::kQ6_K) {
+          off[g] = _mm512_dpbusd_epi32(off[g], _mm512_set1_epi8(32), x[g]);
+        }
       }
       for (int r = 0; r < kRows; ++r) {
         int32_t quad;
@@ -420,6 +522,10 @@ CACHET_INT8_TARGET void PrefillTile(const uint8_t* const* rows, const float* con
         const __m512i w = _mm512_set1_epi32(quad);
         for (int g = 0; g < kG; ++g) sum[r][g] = _mm512_dpbusd_epi32(sum[r][g], w, x[g]);
       }
+    }
+    if constexpr (kType == DType::kQ6_K) {
+      fold_half(1);
+      continue;
     }
     for (int g = 0; g < kG; ++g) {
       const __m512 dx = _mm512_load_ps(a.dx + ((g0 + g) * nb + b) * 16);
@@ -596,6 +702,8 @@ void Int8MatMul(const float* x, int64_t n, const Matrix& w, const float* bias, f
       return Dispatch<DType::kQ8_0>(x, n, w, bias, y, y_stride, pool);
     case DType::kQ4_K:
       return Dispatch<DType::kQ4_K>(x, n, w, bias, y, y_stride, pool);
+    case DType::kQ6_K:
+      return Dispatch<DType::kQ6_K>(x, n, w, bias, y, y_stride, pool);
     default:
       return ref::MatMul(x, n, w, bias, y, y_stride, pool);
   }

@@ -29,8 +29,8 @@ namespace cachet::kernels::ref {
 namespace {
 
 // Block readers shared with the int8 path (kernels/int8_dot.h).
-using int8_detail::ScaleMinK4;
 using int8_detail::LoadF16;
+using int8_detail::ScaleMinK4;
 void StoreF16(uint8_t* p, float f) {
   const uint16_t h = F32ToF16(f);
   std::memcpy(p, &h, 2);
@@ -308,6 +308,17 @@ template <DType kType>
 float Int8DotT(const uint8_t* row, const int8_t* q, const float* d, const float* s, int64_t nb) {
   double acc = 0.0;
   for (int64_t b = 0; b < nb; ++b) {
+    const int8_t* qb = q + b * kQ8Block;
+    if constexpr (kType == DType::kQ6_K) {  // two halves, each offset inside its integer sum
+      float dw[8], dw_hi[8];
+      BlockScales<kType>(row + (b / 8) * 210, 8, dw, dw_hi);
+      int32_t dot[2] = {0, 0};
+      for (int j = 0; j < kQ8Block; ++j) dot[j / 16] += (BlockCode<kType>(row, b, j) - 32) * qb[j];
+      acc +=
+          (static_cast<double>(dw[b % 8]) * dot[0] + static_cast<double>(dw_hi[b % 8]) * dot[1]) *
+          d[b];
+      continue;
+    }
     float dw, o;
     // Scales of one block: q4_K's are per super-block, so ask for the whole one and pick.
     if constexpr (kType == DType::kQ4_K) {
@@ -319,7 +330,7 @@ float Int8DotT(const uint8_t* row, const int8_t* q, const float* d, const float*
       BlockScales<kType>(row + b * DTypeBlockBytes(kType), 1, &dw, &o);
     }
     int32_t dot = 0;
-    for (int j = 0; j < kQ8Block; ++j) dot += BlockCode<kType>(row, b, j) * q[b * kQ8Block + j];
+    for (int j = 0; j < kQ8Block; ++j) dot += BlockCode<kType>(row, b, j) * qb[j];
     acc += static_cast<double>(dw) * d[b] * dot - static_cast<double>(o) * s[b];
   }
   return static_cast<float>(acc);
@@ -337,6 +348,8 @@ float Int8Dot(const Matrix& w, int64_t r, const int8_t* q, const float* d, const
       return Int8DotT<DType::kQ8_0>(row, q, d, s, nb);
     case DType::kQ4_K:
       return Int8DotT<DType::kQ4_K>(row, q, d, s, nb);
+    case DType::kQ6_K:
+      return Int8DotT<DType::kQ6_K>(row, q, d, s, nb);
     default:
       return NAN;  // no int8 path (HasInt8Path)
   }
