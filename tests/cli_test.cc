@@ -348,6 +348,11 @@ TEST(Cli, InspectAndKvStats) {
   EXPECT_NE(r.out.find("f32 8192"), std::string::npos) << r.out;
   // What a page holds besides: bench's measured 8256 = 8192 + 64.
   EXPECT_NE(r.out.find("position: 64 more"), std::string::npos) << r.out;
+  // kvtiny's safetensors: 57 bf16 matrices (the tied embedding, 8 layers x 7).
+  EXPECT_NE(r.out.find("weights          bf16 x 57 (30.0 MiB)"), std::string::npos) << r.out;
+  r = RunCachet("inspect --tensors");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("  blk.0.attn_v       bf16"), std::string::npos) << r.out;
   r = RunCachet("run -t 1 -n 4 --temp 0 --kv-stats -p \"In the beginning\"");
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_NE(r.err.find("[kv] codec f32"), std::string::npos) << r.err;

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Peer agreement (issue 13's test): a synthetic GGUF of a real shape, f16 weights, loads in both
-# Cachet and llama.cpp, and wherever both engines' top-2 logit margin exceeds 0.5 they give the
-# same argmax. Both evaluate the same pseudo-random token ids as one sequence (f16 KV on both
-# sides): Cachet with `cachet run --logits-of`, llama.cpp with `llama_peer logits`.
+# Peer agreement (issue 13's test): a synthetic GGUF of a real shape loads in both Cachet and
+# llama.cpp, and wherever both engines' top-2 logit margin exceeds 0.5 they give the same argmax:
+# with f16 weights, and with the Q4_K_M file llama.cpp's own quantizer makes of it (q4_K and q6_K
+# blocks read by Cachet's int8 kernels). Both evaluate the same pseudo-random token ids as one
+# sequence (f16 KV on both sides): Cachet with `cachet run --logits-of`, llama.cpp with
+# `llama_peer logits`. And `cachet convert --type q4_k_m` picks llama.cpp's type for every matrix
+# (its q6_K layers and its q5_0 / q8_0 fallbacks for rows off the 256-value super-blocks), on a
+# small qwen2-like shape whose 320 columns need the fallbacks.
 #
 # usage: tests/peer_agreement.sh CACHET_BINARY WORK_DIR
 # environment: SHAPE (mha-85m), N_IDS (2048), MIN_CONFIDENT (10: fewer positions over the margin
@@ -39,36 +43,68 @@ node -e '
   }
   console.log(JSON.stringify(ids));' "$n_ids" "$vocab" >"$work/ids.json"
 
-"$cachet" run -m "$model" -t "$threads" --ctk f16 --ctv f16 --logits-of "$work/ids.json" \
-  >"$work/cachet_logits.json"
-"$peer" logits "$model" "$threads" "$work/ids.json" f16 >"$work/llama_logits.json"
-
-node -e '
-  const fs = require("fs");
-  const [cf, lf, minConfident] = process.argv.slice(1);
-  const c = JSON.parse(fs.readFileSync(cf)), l = JSON.parse(fs.readFileSync(lf));
-  if (c.n !== l.n) { console.error(`peer_agreement: ${c.n} vs ${l.n} positions`); process.exit(1); }
-  let confident = 0, disagree = 0, same = 0, maxDiff = 0;
-  const bad = [];
-  for (let i = 0; i < c.n; ++i) {
-    same += c.argmax[i] === l.argmax[i];
-    maxDiff = Math.max(maxDiff, Math.abs(c.margin[i] - l.margin[i]));
-    if (c.margin[i] > 0.5 && l.margin[i] > 0.5) {
-      ++confident;
-      if (c.argmax[i] !== l.argmax[i]) {
-        ++disagree;
-        bad.push(`position ${i}: Cachet ${c.argmax[i]} (margin ${c.margin[i].toFixed(3)}), ` +
-                 `llama.cpp ${l.argmax[i]} (margin ${l.margin[i].toFixed(3)})`);
+# Argmax agreement of the two engines on one GGUF (its label names it in the output).
+agree() {
+  local label="$1" file="$2"
+  "$cachet" run -m "$file" -t "$threads" --ctk f16 --ctv f16 --logits-of "$work/ids.json" \
+    >"$work/cachet_logits.json"
+  "$peer" logits "$file" "$threads" "$work/ids.json" f16 >"$work/llama_logits.json"
+  node -e '
+    const fs = require("fs");
+    const [cf, lf, minConfident, label] = process.argv.slice(1);
+    const c = JSON.parse(fs.readFileSync(cf)), l = JSON.parse(fs.readFileSync(lf));
+    if (c.n !== l.n) {
+      console.error(`peer_agreement (${label}): ${c.n} vs ${l.n} positions`);
+      process.exit(1);
+    }
+    let confident = 0, disagree = 0, same = 0, maxDiff = 0;
+    const bad = [];
+    for (let i = 0; i < c.n; ++i) {
+      same += c.argmax[i] === l.argmax[i];
+      maxDiff = Math.max(maxDiff, Math.abs(c.margin[i] - l.margin[i]));
+      if (c.margin[i] > 0.5 && l.margin[i] > 0.5) {
+        ++confident;
+        if (c.argmax[i] !== l.argmax[i]) {
+          ++disagree;
+          bad.push(`position ${i}: Cachet ${c.argmax[i]} (margin ${c.margin[i].toFixed(3)}), ` +
+                   `llama.cpp ${l.argmax[i]} (margin ${l.margin[i].toFixed(3)})`);
+        }
       }
     }
-  }
-  console.log(`peer_agreement: ${c.n} positions; argmax equal at ${same}; top-2 margin > 0.5 on ` +
-              `both sides at ${confident}, of which ${disagree} disagree; largest difference ` +
-              `of the two engines\x27 margins ${maxDiff.toFixed(4)}`);
-  for (const b of bad.slice(0, 20)) console.log("  " + b);
-  if (disagree > 0) process.exit(1);
-  if (confident < Number(minConfident)) {
-    console.log(`peer_agreement: only ${confident} positions over the margin (need ` +
-                `${minConfident}); raise N_IDS`);
-    process.exit(1);
-  }' "$work/cachet_logits.json" "$work/llama_logits.json" "$min_confident"
+    console.log(`peer_agreement (${label}): ${c.n} positions; argmax equal at ${same}; top-2 ` +
+                `margin > 0.5 on both sides at ${confident}, of which ${disagree} disagree; ` +
+                `largest difference of the two engines\x27 margins ${maxDiff.toFixed(4)}`);
+    for (const b of bad.slice(0, 20)) console.log("  " + b);
+    if (disagree > 0) process.exit(1);
+    if (confident < Number(minConfident)) {
+      console.log(`peer_agreement: only ${confident} positions over the margin (need ` +
+                  `${minConfident}); raise N_IDS`);
+      process.exit(1);
+    }' "$work/cachet_logits.json" "$work/llama_logits.json" "$min_confident" "$label"
+}
+
+agree "$shape, f16 weights" "$model"
+q4km="$work/$shape-q4_k_m-llama.gguf"
+if [ ! -f "$q4km" ] || [ "$model" -nt "$q4km" ]; then
+  "$peer" quantize "$model" "$threads" "$q4km.tmp" q4_k_m
+  mv "$q4km.tmp" "$q4km"
+fi
+agree "$shape, llama.cpp's Q4_K_M" "$q4km"
+
+# Matrix types: cachet convert --type q4_k_m against llama.cpp's quantizer, matrix by matrix.
+cat >"$work/mini.json" <<'JSON'
+{"model_type": "qwen2", "num_hidden_layers": 8, "hidden_size": 320, "num_attention_heads": 5,
+ "num_key_value_heads": 1, "intermediate_size": 768, "vocab_size": 1000,
+ "max_position_embeddings": 2048, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+ "tie_word_embeddings": true}
+JSON
+"$cachet" convert --synthetic "$work/mini.json" "$work/mini-f16.gguf" --type f16 --no-progress
+"$cachet" convert --synthetic "$work/mini.json" "$work/mini-cachet.gguf" --type q4_k_m --no-progress
+"$peer" quantize "$work/mini-f16.gguf" "$threads" "$work/mini-llama.gguf" q4_k_m
+types() { "$cachet" inspect -m "$1" --tensors | grep -E '^(weights|  )'; }
+if ! diff <(types "$work/mini-llama.gguf") <(types "$work/mini-cachet.gguf"); then
+  echo "peer_agreement: cachet convert --type q4_k_m (right) differs from llama.cpp's Q4_K_M (left)"
+  exit 1
+fi
+echo "peer_agreement: q4_k_m matrix types equal llama.cpp's ($(types "$work/mini-cachet.gguf" |
+  head -1 | sed 's/^weights *//'))"

@@ -1,6 +1,6 @@
-// Quantized weight kernels (q8_0, q4_0, q4_K, q6_K): the reference quantizers against the values
-// they encode, ref::MatMul against double-precision math over the reference dequantization, and
-// every cpu:: MatMul / DequantRow (each compiled SIMD target this CPU has) against ref::.
+// Quantized weight kernels (q8_0, q5_0, q4_0, q4_K, q6_K): the reference quantizers against the
+// values they encode, ref::MatMul against double-precision math over the reference dequantization,
+// and every cpu:: MatMul / DequantRow (each compiled SIMD target this CPU has) against ref::.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -17,7 +17,8 @@
 namespace cachet::kernels {
 namespace {
 
-constexpr DType kQuantTypes[] = {DType::kQ8_0, DType::kQ4_0, DType::kQ4_K, DType::kQ6_K};
+constexpr DType kQuantTypes[] = {DType::kQ8_0, DType::kQ5_0, DType::kQ4_0, DType::kQ4_K,
+                                 DType::kQ6_K};
 
 double NormErr(const float* a, const float* b, size_t n) {
   double diff = 0.0, ref = 0.0;
@@ -63,6 +64,7 @@ using testing::ScopedTarget;
 TEST(QuantKernels, RowBytesAndBlockSizes) {
   EXPECT_EQ(DTypeRowBytes(DType::kQ8_0, 64), 68);
   EXPECT_EQ(DTypeRowBytes(DType::kQ4_0, 32), 18);
+  EXPECT_EQ(DTypeRowBytes(DType::kQ5_0, 896), 616);
   EXPECT_EQ(DTypeRowBytes(DType::kQ4_K, 512), 288);
   EXPECT_EQ(DTypeRowBytes(DType::kQ6_K, 256), 210);
   EXPECT_EQ(DTypeRowBytes(DType::kQ4_K, 384), -1);
@@ -72,8 +74,11 @@ TEST(QuantKernels, RowBytesAndBlockSizes) {
 // The reference quantizers reproduce their input to within the format's resolution.
 TEST(QuantKernels, ReferenceRoundTripError) {
   std::mt19937 rng(1);
-  const std::pair<DType, double> kBounds[] = {
-      {DType::kQ8_0, 0.01}, {DType::kQ4_0, 0.15}, {DType::kQ4_K, 0.12}, {DType::kQ6_K, 0.05}};
+  const std::pair<DType, double> kBounds[] = {{DType::kQ8_0, 0.01},
+                                              {DType::kQ5_0, 0.08},
+                                              {DType::kQ4_0, 0.15},
+                                              {DType::kQ4_K, 0.12},
+                                              {DType::kQ6_K, 0.05}};
   for (auto [t, bound] : kBounds) {
     QuantMatrix q = MakeMatrix(t, 8, 512, rng);
     const double err = NormErr(q.deq.data(), q.source.data(), q.deq.size());
@@ -101,6 +106,18 @@ TEST(QuantKernels, ReferenceDequantKnownBlocks) {
   for (int j = 0; j < 16; ++j) {
     EXPECT_EQ(y[j], 2.0f * (j - 8));
     EXPECT_EQ(y[j + 16], 2.0f * (7 - j));
+  }
+  // q5_0: d = 0.25, qs[j] = lo j, hi 15 - j, the fifth bit on for codes 3 and 20 only
+  std::vector<uint8_t> c5(22);
+  const uint16_t quarter = F32ToF16(0.25f);
+  std::memcpy(c5.data(), &quarter, 2);
+  const uint32_t qh = (1u << 3) | (1u << 20);
+  std::memcpy(c5.data() + 2, &qh, 4);
+  for (int j = 0; j < 16; ++j) c5[6 + j] = static_cast<uint8_t>(j | ((15 - j) << 4));
+  ref::DequantRow(Matrix{c5.data(), DType::kQ5_0, 1, 32}, 0, y);
+  for (int j = 0; j < 16; ++j) {
+    EXPECT_EQ(y[j], 0.25f * (j + (j == 3 ? 16 : 0) - 16)) << j;
+    EXPECT_EQ(y[j + 16], 0.25f * (15 - j + (j + 16 == 20 ? 16 : 0) - 16)) << j + 16;
   }
   // q6_K: d = 1, every scale 2, every q = 63 (ql 0xFF, qh 0xFF) -> 2 * 31
   std::vector<uint8_t> k6(210, 0xFF);
@@ -237,7 +254,7 @@ TEST(QuantKernels, Int8MatMulMatchesReference) {
   if (!cpu::HasInt8Kernels()) GTEST_SKIP() << "this CPU has no AVX-512 VNNI: no int8 kernels";
   std::mt19937 rng(7);
   ThreadPool pool1(1), pool3(3);
-  for (DType t : {DType::kQ4_0, DType::kQ8_0, DType::kQ4_K, DType::kQ6_K}) {
+  for (DType t : {DType::kQ4_0, DType::kQ5_0, DType::kQ8_0, DType::kQ4_K, DType::kQ6_K}) {
     const int64_t be = DTypeBlockElems(t);
     for (int64_t rows : {1, 3, 70}) {
       for (int64_t cols : {be, 3 * be, 4 * be}) {
@@ -284,7 +301,7 @@ TEST(QuantKernels, Int8MatMulMatchesReference) {
 TEST(QuantKernels, Int8PathIsCloseToF32AndDispatched) {
   std::mt19937 rng(8);
   ThreadPool pool(2);
-  for (DType t : {DType::kQ4_0, DType::kQ8_0, DType::kQ4_K, DType::kQ6_K}) {
+  for (DType t : {DType::kQ4_0, DType::kQ5_0, DType::kQ8_0, DType::kQ4_K, DType::kQ6_K}) {
     QuantMatrix q = MakeMatrix(t, 33, 512, rng);
     const std::vector<float> x = RandomVec(5 * 512, rng);
     std::vector<float> f32(5 * 33), i8(5 * 33), got(5 * 33);

@@ -47,10 +47,11 @@ class Synthetic : public ::testing::Test {
   static std::string Shape(const std::string& name, const char* json) {
     return dir_->Write(name + ".json", json);
   }
-  static std::string Write(const char* json, DType type, uint64_t seed, int threads = 2) {
-    const std::string out = dir_->path() + "/m-" + DTypeName(type) + "-" + std::to_string(seed) +
-                            "-" + std::to_string(threads) + ".gguf";
-    const Status s = WriteSyntheticGguf(Shape("shape", json), out, type, seed, threads);
+  static std::string Write(const char* json, WeightFormat format, uint64_t seed, int threads = 2) {
+    const std::string out = dir_->path() + "/m-" + DTypeName(format.type) +
+                            (format.q4_k_m ? "_m-" : "-") + std::to_string(seed) + "-" +
+                            std::to_string(threads) + ".gguf";
+    const Status s = WriteSyntheticGguf(Shape("shape", json), out, format, seed, threads);
     EXPECT_TRUE(s.ok()) << s.ToString();
     return out;
   }
@@ -139,9 +140,9 @@ TEST_F(Synthetic, EveryTypeLoadsAndGivesFiniteLogits) {
   }
 }
 
-// Matrices whose rows do not split into q4_K's 256-value super-blocks are written q8_0 (they split
-// into 32s), the others q4_K; the file loads and computes.
-TEST_F(Synthetic, RowsOffTheSuperBlockFallBackToQ8_0) {
+// Matrices whose rows do not split into q4_K's 256-value super-blocks are written q5_0 (they split
+// into 32s), as llama.cpp's quantizer writes them; the others q4_K; the file loads and computes.
+TEST_F(Synthetic, RowsOffTheSuperBlockFallBackToQ5_0) {
   constexpr char kShape[] = R"({
     "model_type": "llama", "num_hidden_layers": 1, "hidden_size": 320,
     "num_attention_heads": 5, "num_key_value_heads": 1, "intermediate_size": 512,
@@ -151,8 +152,8 @@ TEST_F(Synthetic, RowsOffTheSuperBlockFallBackToQ8_0) {
   const std::string path = Write(kShape, DType::kQ4_K, 2);
   auto f = GgufFile::Open(path);
   ASSERT_TRUE(f.ok()) << f.status().ToString();
-  EXPECT_EQ(f->FindTensor("blk.0.attn_q.weight")->dtype, DType::kQ8_0);    // 320 columns
-  EXPECT_EQ(f->FindTensor("blk.0.ffn_up.weight")->dtype, DType::kQ8_0);    // 320 columns
+  EXPECT_EQ(f->FindTensor("blk.0.attn_q.weight")->dtype, DType::kQ5_0);    // 320 columns
+  EXPECT_EQ(f->FindTensor("blk.0.ffn_up.weight")->dtype, DType::kQ5_0);    // 320 columns
   EXPECT_EQ(f->FindTensor("blk.0.ffn_down.weight")->dtype, DType::kQ4_K);  // 512 columns
   auto engine = MakeEngine(path);
   ASSERT_NE(engine, nullptr);
@@ -160,6 +161,58 @@ TEST_F(Synthetic, RowsOffTheSuperBlockFallBackToQ8_0) {
   std::vector<float> logits;
   ASSERT_TRUE(engine->NewSession()->Eval(ids, &logits, /*all_logits=*/true).ok());
   for (float x : logits) ASSERT_TRUE(std::isfinite(x));
+}
+
+// --type q4_k_m: llama.cpp's Q4_K_M mix. q6_K for the LM head (the embedding when tied), and for
+// attn_v and ffn_down where llama.cpp's use_more_bits(i, n) holds (i < n/8, i >= 7n/8, or
+// (i - n/8) % 3 == 2: layers 0, 3, 6, 7 of 8); q4_K elsewhere; falling back as llama.cpp does
+// (tests/peer_agreement.sh compares every matrix with llama.cpp's own quantizer).
+TEST_F(Synthetic, Q4KMixGivesLlamaCppsTypes) {
+  constexpr char kEight[] = R"({
+    "model_type": "llama", "num_hidden_layers": 8, "hidden_size": 256,
+    "num_attention_heads": 4, "num_key_value_heads": 1, "intermediate_size": 512,
+    "vocab_size": 600, "max_position_embeddings": 512, "rope_theta": 10000.0,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": false
+  })";
+  const std::string path = Write(kEight, WeightFormat::Q4KM(), 3);
+  auto engine = MakeEngine(path);
+  ASSERT_NE(engine, nullptr);
+  std::map<std::string, DType> types;
+  for (const auto& m : engine->weight_matrices()) types[m.name] = m.type;
+  ASSERT_EQ(types.size(), 2u + 8 * 7);
+  EXPECT_EQ(types["token_embd"], DType::kQ4_K);
+  EXPECT_EQ(types["output"], DType::kQ6_K);
+  for (int l = 0; l < 8; ++l) {
+    const std::string p = "blk." + std::to_string(l) + ".";
+    const DType more = l == 0 || l == 3 || l == 6 || l == 7 ? DType::kQ6_K : DType::kQ4_K;
+    EXPECT_EQ(types[p + "attn_v"], more) << l;
+    EXPECT_EQ(types[p + "ffn_down"], more) << l;
+    for (const char* m : {"attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"}) {
+      EXPECT_EQ(types[p + m], DType::kQ4_K) << p << m;
+    }
+  }
+  std::vector<float> logits;
+  ASSERT_TRUE(engine->NewSession()->Eval(std::vector<int32_t>{3, 4, 5}, &logits, true).ok());
+  for (float x : logits) ASSERT_TRUE(std::isfinite(x));
+
+  // Tied: the embedding is the LM head, in q6_K; 320 columns: q6_K falls back to q8_0, q4_K to
+  // q5_0.
+  constexpr char kTied[] = R"({
+    "model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 320,
+    "num_attention_heads": 5, "num_key_value_heads": 1, "intermediate_size": 512,
+    "vocab_size": 600, "max_position_embeddings": 512, "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": true
+  })";
+  auto f = GgufFile::Open(Write(kTied, WeightFormat::Q4KM(), 4));
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  EXPECT_EQ(f->FindTensor("output.weight"), nullptr);
+  EXPECT_EQ(f->FindTensor("token_embd.weight")->dtype, DType::kQ8_0);  // q6_K, 320 columns
+  // Of two layers only the second gets more bits (1 >= 7 * 2 / 8).
+  EXPECT_EQ(f->FindTensor("blk.0.attn_v.weight")->dtype, DType::kQ5_0);    // q4_K, 320 columns
+  EXPECT_EQ(f->FindTensor("blk.1.attn_v.weight")->dtype, DType::kQ8_0);    // q6_K, 320 columns
+  EXPECT_EQ(f->FindTensor("blk.0.ffn_down.weight")->dtype, DType::kQ4_K);  // 512 columns
+  EXPECT_EQ(f->FindTensor("blk.1.ffn_down.weight")->dtype, DType::kQ6_K);
+  EXPECT_EQ(f->FindTensor("blk.1.ffn_up.weight")->dtype, DType::kQ5_0);  // q4_K, 320 columns
 }
 
 TEST_F(Synthetic, BytesDependOnTheSeedOnly) {

@@ -623,11 +623,15 @@ void AddRun(CLI::App& app) {
 
 void AddInspect(CLI::App& app) {
   auto* cmd = app.add_subcommand("inspect",
-                                 "Print a model's architecture, parameter count and KV "
-                                 "cache bytes per token");
+                                 "Print a model's architecture, parameter count, weight types "
+                                 "and KV cache bytes per token");
   auto dir = std::make_shared<std::string>();
-  cmd->add_option("-m,--model", *dir, "HF model directory (default: the embedded kvtiny)")
+  auto tensors = std::make_shared<bool>(false);
+  cmd->add_option("-m,--model", *dir,
+                  "HF model directory or .gguf file (default: the embedded kvtiny)")
       ->check(CLI::ExistingPath);
+  cmd->add_flag("--tensors", *tensors,
+                "Also list every weight matrix: GGUF name, type, rows x columns, MiB");
   cmd->callback([=] {
     EngineOptions o;
     o.model_dir = *dir;
@@ -656,6 +660,31 @@ void AddInspect(CLI::App& app) {
     std::printf("KV at context    f32 %.1f MiB for %d tokens\n",
                 c.KvBytesPerToken(4) * double(c.max_position_embeddings) / (1 << 20),
                 c.max_position_embeddings);
+    // Weight types as llama.cpp's loader prints them: matrices per type and their MiB.
+    const auto matrices = engine->weight_matrices();
+    std::vector<std::pair<DType, std::pair<int, int64_t>>> by_type;
+    for (const auto& m : matrices) {
+      auto it = std::find_if(by_type.begin(), by_type.end(),
+                             [&](const auto& e) { return e.first == m.type; });
+      if (it == by_type.end()) it = by_type.insert(by_type.end(), {m.type, {0, 0}});
+      ++it->second.first;
+      it->second.second += m.bytes;
+    }
+    std::string types;
+    for (const auto& [t, n] : by_type) {
+      char buf[96];
+      std::snprintf(buf, sizeof buf, "%s%s x %d (%.1f MiB)", types.empty() ? "" : ", ",
+                    DTypeName(t), n.first, n.second / double(1 << 20));
+      types += buf;
+    }
+    std::printf("weights          %s\n", types.c_str());
+    if (*tensors) {
+      for (const auto& m : matrices) {
+        std::printf("  %-18s %-5s %6lld x %-6lld %9.2f MiB\n", m.name.c_str(), DTypeName(m.type),
+                    static_cast<long long>(m.rows), static_cast<long long>(m.cols),
+                    m.bytes / double(1 << 20));
+      }
+    }
   });
 }
 

@@ -362,6 +362,25 @@ void Kl(const Peer& peer, int threads, const char* path, const std::vector<std::
   std::printf("}}\n");
 }
 
+// MODEL (f16) written to OUT as llama.cpp's llama-quantize writes FILE_TYPE, mixes included.
+void Quantize(const char* in, int threads, const char* out, const std::string& type) {
+  static const std::pair<const char*, llama_ftype> kTypes[] = {
+      {"q4_k_m", LLAMA_FTYPE_MOSTLY_Q4_K_M},
+      {"q4_0", LLAMA_FTYPE_MOSTLY_Q4_0},
+      {"q8_0", LLAMA_FTYPE_MOSTLY_Q8_0}};
+  llama_model_quantize_params p = llama_model_quantize_default_params();
+  p.nthread = threads;
+  bool found = false;
+  for (const auto& [name, ftype] : kTypes) {
+    if (type == name) {
+      p.ftype = ftype;
+      found = true;
+    }
+  }
+  if (!found) Die("quantize: unknown file type '" + type + "' (q4_k_m, q4_0, q8_0)");
+  if (llama_model_quantize(in, out, &p) != 0) Die(std::string("quantize: ") + in + " failed");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -370,7 +389,9 @@ int main(int argc, char** argv) {
                  "usage: llama_peer speed MODEL THREADS CTX[,CTX..] REPS N_DECODE KV_TYPE\n"
                  "       llama_peer greedy MODEL THREADS N_PREDICT KV_TYPE PROMPT_TEXT\n"
                  "       llama_peer kl MODEL THREADS WINDOWS.jsonl KV_TYPE[,KV_TYPE..]\n"
-                 "       llama_peer logits MODEL THREADS IDS.json KV_TYPE\n");
+                 "       llama_peer logits MODEL THREADS IDS.json KV_TYPE\n"
+                 "       llama_peer quantize MODEL THREADS OUT.gguf FILE_TYPE (q4_k_m, q4_0, "
+                 "q8_0)\n");
     return 2;
   }
   llama_log_set(Quiet, nullptr);
@@ -388,6 +409,11 @@ int main(int argc, char** argv) {
   llama_backend_init();
   const std::string mode = argv[1];
   const int threads = std::atoi(argv[3]);
+  if (mode == "quantize" && argc == 6) {  // llama.cpp's quantizer, as llama-quantize runs it
+    Quantize(argv[2], threads, argv[4], argv[5]);
+    llama_backend_free();
+    return 0;
+  }
   {
     Peer peer(argv[2]);
     if (mode == "speed" && argc == 8) {

@@ -11,6 +11,7 @@
 #include <string_view>
 #include <vector>
 
+#include "cachet/dtype.h"
 #include "cachet/model_config.h"
 #include "cachet/press.h"
 #include "cachet/reuse.h"
@@ -319,6 +320,14 @@ class Engine {
   // Bytes of weight matrices one decode step reads (every layer's projections and the LM head,
   // in their stored types): with KvStats::bytes_per_token, a decode step's memory traffic.
   int64_t weight_bytes_per_token() const;
+  // Every weight matrix as loaded, named as llama.cpp names them in a GGUF (token_embd, output
+  // unless tied, blk.N.attn_q .. blk.N.ffn_down), in that order.
+  struct MatrixInfo {
+    std::string name;
+    DType type;
+    int64_t rows, cols, bytes;
+  };
+  std::vector<MatrixInfo> weight_matrices() const;
   KvStats kv_stats() const;
   // The pool demoted (or, with kv_cold, aged) tokens go to in this codec (row-wise codecs only),
   // created on first use with the hot pool's capacity; flag names the option in errors.

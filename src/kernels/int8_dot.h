@@ -4,7 +4,8 @@
 // same way, one 32-value block b at a time: unsigned codes u (0..255) with a scale dw_b and an
 // offset o_b such that weight = dw_b * u - o_b. A row times activations x is then
 //   sum_b dw_b * dx_b * sum_j(u_j * q_j)  -  sum_b o_b * sx_b,      sx_b = dx_b * sum_j(q_j).
-//   q4_0: u = the nibble, o = 8 dw;  q8_0: u = code + 128, o = 128 dw;
+//   q4_0: u = the nibble, o = 8 dw;  q5_0: u = nibble | fifth bit << 4, o = 16 dw;
+//   q8_0: u = code + 128, o = 128 dw;
 //   q4_K: u = the nibble of sub-block b, dw = d * scale_b, o = dmin * min_b.
 //   q6_K: u = the 6-bit code, o = 32 dw; its scales are per 16 values, so a block has two halves
 //         with dw_h = d * scale_h, and the offsets go into the integer sums of each half:
@@ -33,7 +34,8 @@ struct Q8Acts {
 
 // The weight types with an int8 path.
 inline bool HasInt8Path(DType t) {
-  return t == DType::kQ4_0 || t == DType::kQ8_0 || t == DType::kQ4_K || t == DType::kQ6_K;
+  return t == DType::kQ4_0 || t == DType::kQ5_0 || t == DType::kQ8_0 || t == DType::kQ4_K ||
+         t == DType::kQ6_K;
 }
 
 namespace int8_detail {
@@ -62,9 +64,9 @@ inline void ScaleMinK4(int j, const uint8_t* q, int* d, int* m) {
 template <DType kType>
 inline void BlockScales(const uint8_t* row, int64_t nb, float* dw, float* o) {
   using int8_detail::LoadF16;
-  if constexpr (kType == DType::kQ4_0 || kType == DType::kQ8_0) {
-    constexpr int64_t kBytes = kType == DType::kQ4_0 ? 18 : 34;
-    constexpr float kOffset = kType == DType::kQ4_0 ? 8.0f : 128.0f;
+  if constexpr (kType == DType::kQ4_0 || kType == DType::kQ5_0 || kType == DType::kQ8_0) {
+    constexpr int64_t kBytes = kType == DType::kQ4_0 ? 18 : kType == DType::kQ5_0 ? 22 : 34;
+    constexpr float kOffset = kType == DType::kQ4_0 ? 8.0f : kType == DType::kQ5_0 ? 16.0f : 128.0f;
     for (int64_t b = 0; b < nb; ++b) {
       dw[b] = LoadF16(row + b * kBytes);
       o[b] = kOffset * dw[b];
@@ -98,6 +100,11 @@ inline int BlockCode(const uint8_t* row, int64_t b, int j) {
   if constexpr (kType == DType::kQ4_0) {
     const uint8_t* q = row + b * 18 + 2;
     return j < 16 ? q[j] & 0xF : q[j - 16] >> 4;
+  } else if constexpr (kType == DType::kQ5_0) {
+    const uint8_t* q = row + b * 22 + 6;
+    uint32_t qh;
+    std::memcpy(&qh, row + b * 22 + 2, 4);
+    return (j < 16 ? q[j] & 0xF : q[j - 16] >> 4) | (((qh >> j) & 1) << 4);
   } else if constexpr (kType == DType::kQ8_0) {
     return static_cast<int8_t>(row[b * 34 + 2 + j]) + 128;
   } else if constexpr (kType == DType::kQ6_K) {

@@ -68,6 +68,8 @@ uint32_t GgmlTypeOf(DType t) {
       return kGgmlQ4_K;
     case DType::kQ6_K:
       return kGgmlQ6_K;
+    case DType::kQ5_0:
+      return kGgmlQ5_0;
   }
   return kGgmlF32;
 }
@@ -117,6 +119,9 @@ bool ToDType(uint32_t ggml, DType* out) {
       return true;
     case kGgmlQ6_K:
       *out = DType::kQ6_K;
+      return true;
+    case kGgmlQ5_0:
+      *out = DType::kQ5_0;
       return true;
     default:
       return false;
@@ -348,8 +353,8 @@ Result<GgufFile> GgufFile::Parse(const uint8_t* data, size_t size, const std::st
     if (!ToDType(t.ggml_type, &t.dtype)) {
       return Unimplemented(what + ": tensor type " + std::to_string(t.ggml_type) + " (" +
                            GgmlTypeName(t.ggml_type) +
-                           ") is not supported (supported: f32, f16, bf16, q8_0, q4_0, q4_K, "
-                           "q6_K)");
+                           ") is not supported (supported: f32, f16, bf16, q8_0, q5_0, q4_0, "
+                           "q4_K, q6_K)");
     }
     const int64_t row_bytes = DTypeRowBytes(t.dtype, t.ne[0]);
     if (row_bytes < 0) {

@@ -39,6 +39,7 @@ enum GgmlType : uint32_t {
   kGgmlF32 = 0,
   kGgmlF16 = 1,
   kGgmlQ4_0 = 2,
+  kGgmlQ5_0 = 6,
   kGgmlQ8_0 = 8,
   kGgmlQ4_K = 12,
   kGgmlQ6_K = 14,

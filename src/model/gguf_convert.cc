@@ -30,8 +30,8 @@ constexpr char kQwen2Regex[] =
 constexpr char kLlama3Regex[] =
     R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
 
-uint32_t FileType(DType t) {
-  switch (t) {
+uint32_t FileType(WeightFormat f) {
+  switch (f.type) {
     case DType::kF32:
       return 0;
     case DType::kF16:
@@ -41,9 +41,11 @@ uint32_t FileType(DType t) {
     case DType::kQ8_0:
       return 7;
     case DType::kQ4_K:
-      return 15;  // MOSTLY_Q4_K_M's id; every matrix is q4_K here
+      return f.q4_k_m ? 15 : 14;  // MOSTLY_Q4_K_M; MOSTLY_Q4_K_S, the nearest to all q4_K
     case DType::kQ6_K:
       return 18;
+    case DType::kQ5_0:
+      return 8;
     case DType::kBF16:
       return 32;
   }
@@ -171,6 +173,7 @@ std::vector<ModelTensor> ModelTensors(const ModelConfig& c) {
   t.push_back({"model.norm.weight", {d}, false, true});
   if (!c.tie_word_embeddings) t.push_back({"lm_head.weight", {c.vocab_size, d}});
   for (int l = 0; l < c.n_layers; ++l) {
+    const size_t first = t.size();
     const std::string p = "model.layers." + std::to_string(l) + ".";
     t.push_back({p + "input_layernorm.weight", {d}, false, true});
     t.push_back({p + "post_attention_layernorm.weight", {d}, false, true});
@@ -190,16 +193,47 @@ std::vector<ModelTensor> ModelTensors(const ModelConfig& c) {
       t.push_back({p + "self_attn.q_norm.weight", {hd}, false, true});
       t.push_back({p + "self_attn.k_norm.weight", {hd}, false, true});
     }
+    for (size_t i = first; i < t.size(); ++i) t[i].layer = l;
   }
   return t;
 }
 
-void SetModelMetadata(const ModelConfig& c, const std::string& name, DType type, GgufWriter& w) {
+DType MatrixType(const WeightFormat& format, const ModelTensor& t, int n_layers, bool tied) {
+  const int64_t cols = t.shape.back();
+  DType want = format.type;
+  if (format.q4_k_m) {
+    // llama.cpp's use_more_bits: the first and last eighth of the layers, and every third between.
+    const int i = t.layer, n = n_layers;
+    const bool more_bits = i >= 0 && (i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2);
+    auto ends_with = [&](const char* suffix) {
+      const std::string s(suffix);
+      return t.hf_name.size() >= s.size() &&
+             t.hf_name.compare(t.hf_name.size() - s.size(), s.size(), s) == 0;
+    };
+    const bool lm_head =
+        t.hf_name == "lm_head.weight" || (tied && t.hf_name == "model.embed_tokens.weight");
+    if (lm_head) {
+      want = DTypeRowBytes(DType::kQ6_K, cols) >= 0 ? DType::kQ6_K : DType::kQ8_0;
+    } else if (more_bits &&
+               (ends_with("self_attn.v_proj.weight") || ends_with("mlp.down_proj.weight"))) {
+      want = DType::kQ6_K;
+    }
+  }
+  if (DTypeRowBytes(want, cols) >= 0) return want;
+  // llama.cpp's fallbacks for rows off the 256-value super-blocks (qwen2.5-0.5b's 896 columns).
+  const DType fallback = want == DType::kQ4_K   ? DType::kQ5_0
+                         : want == DType::kQ6_K ? DType::kQ8_0
+                                                : DType::kF16;
+  return DTypeRowBytes(fallback, cols) >= 0 ? fallback : DType::kF16;
+}
+
+void SetModelMetadata(const ModelConfig& c, const std::string& name, WeightFormat format,
+                      GgufWriter& w) {
   // llama.cpp runs Mistral checkpoints as "llama".
   const std::string arch = c.arch == Arch::kMistral ? "llama" : ArchName(c.arch);
   w.SetString("general.architecture", arch);
   w.SetString("general.name", name);
-  w.SetU32("general.file_type", FileType(type));
+  w.SetU32("general.file_type", FileType(format));
   w.SetU32("general.quantization_version", 2);
   const std::string a = arch + ".";
   w.SetU32(a + "block_count", c.n_layers);
@@ -261,10 +295,12 @@ struct TensorAdder::State {
   }
 };
 
-TensorAdder::TensorAdder(GgufWriter& w, const ModelConfig& c, DType type, int threads,
+TensorAdder::TensorAdder(GgufWriter& w, const ModelConfig& c, WeightFormat format, int threads,
                          bool progress)
     : w_(w),
-      type_(type),
+      format_(format),
+      n_layers_(c.n_layers),
+      tied_(c.tie_word_embeddings),
       head_dim_(c.head_dim),
       permute_(GgufPermutesQK(c.arch)),
       state_(std::make_shared<State>(threads, progress)) {}
@@ -287,12 +323,7 @@ void TensorAdder::Add(const ModelTensor& t, RowSource rows) {
     return;
   }
   const int64_t n_rows = t.shape[0], cols = t.shape[1];
-  // Rows that do not split into the type's blocks (q4_K's 256 values: qwen2.5-0.5b's 896 columns)
-  // fall back to q8_0 where they split into 32s, as llama.cpp's quantizer falls back to a legacy
-  // block type (q5_0 for q4_K): f16 read twice q8_0's bytes per decode step. f16 past that.
-  const DType out = DTypeRowBytes(type_, cols) >= 0          ? type_
-                    : DTypeRowBytes(DType::kQ8_0, cols) >= 0 ? DType::kQ8_0
-                                                             : DType::kF16;
+  const DType out = MatrixType(format_, t, n_layers_, tied_);
   const int64_t row_bytes = DTypeRowBytes(out, cols);
   ++state_->tensors;
   state_->total_values += n_rows * cols;
@@ -316,8 +347,8 @@ void TensorAdder::AddVector(const std::string& gguf_name, int64_t n, RowSource r
 
 }  // namespace gguf_convert_internal
 
-Status ConvertHfToGguf(const std::string& dir, const std::string& out_path, DType type, int threads,
-                       bool progress) {
+Status ConvertHfToGguf(const std::string& dir, const std::string& out_path, WeightFormat format,
+                       int threads, bool progress) {
   using namespace gguf_convert_internal;
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
@@ -335,7 +366,7 @@ Status ConvertHfToGguf(const std::string& dir, const std::string& out_path, DTyp
     return Unimplemented(dir + ": rope scaling cannot be converted");
   }
   GgufWriter w;
-  SetModelMetadata(c, std::filesystem::path(dir).filename().string(), type, w);
+  SetModelMetadata(c, std::filesystem::path(dir).filename().string(), format, w);
 
   const std::filesystem::path d(dir);
   if (std::filesystem::exists(d / "tokenizer.json", ec)) {
@@ -348,7 +379,7 @@ Status ConvertHfToGguf(const std::string& dir, const std::string& out_path, DTyp
   w.SetBool("tokenizer.ggml.add_bos_token", tok->add_bos());
   w.SetBool("tokenizer.ggml.add_eos_token", false);
 
-  TensorAdder adder(w, c, type, threads, progress);
+  TensorAdder adder(w, c, format, threads, progress);
   for (const ModelTensor& mt : ModelTensors(c)) {
     auto it = store.tensors().find(mt.hf_name);
     if (it == store.tensors().end()) {

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "cachet/convert.h"
 #include "cachet/model_config.h"
 #include "cachet/status.h"
 #include "model/gguf.h"
@@ -22,6 +23,7 @@ struct ModelTensor {
   std::vector<int64_t> shape;  // [rows, cols] for matrices, [n] for norms and biases
   bool rope_rows = false;      // Q/K weights and biases, permuted for GGUF `llama` models
   bool norm = false;           // an RMSNorm weight
+  int layer = -1;              // the decoder layer it belongs to, if any
 };
 
 // Every tensor of a model of this config, in the order convert writes them: the embedding, the
@@ -30,7 +32,8 @@ std::vector<ModelTensor> ModelTensors(const ModelConfig& c);
 
 // general.* and the {arch}.* hyper-parameters (mistral is written as llama, as llama.cpp runs
 // it), including linear RoPE scaling; `name` becomes general.name.
-void SetModelMetadata(const ModelConfig& c, const std::string& name, DType type, GgufWriter& w);
+void SetModelMetadata(const ModelConfig& c, const std::string& name, WeightFormat format,
+                      GgufWriter& w);
 
 // Writes HF-order row `row` of a tensor (shape.back() floats) to out. Called from several threads
 // at once, so it must only read shared state.
@@ -39,12 +42,12 @@ using RowSource = std::function<void(int64_t row, float* out)>;
 // Adds tensors to a GgufWriter. Their bytes are made when the writer writes the file: rows in
 // parallel on `threads` threads (0: one per core), each row produced by its RowSource and
 // encoded with kernels::ref::QuantizeRow, so the bytes do not depend on the thread count.
-// Matrices are stored as `type` (f16 when a row is not a whole number of blocks), vectors as f32;
-// rope_rows tensors are permuted as GgufRopeRow says when the architecture needs it. With
-// `progress`, a progress bar on stderr counts the values written.
+// Matrices are stored as MatrixType says, vectors as f32; rope_rows tensors are permuted as
+// GgufRopeRow says when the architecture needs it. With `progress`, a progress bar on stderr counts
+// the values written.
 class TensorAdder {
  public:
-  TensorAdder(GgufWriter& w, const ModelConfig& c, DType type, int threads, bool progress);
+  TensorAdder(GgufWriter& w, const ModelConfig& c, WeightFormat format, int threads, bool progress);
   void Add(const ModelTensor& t, RowSource rows);
   // A tensor of another name and shape (rope_freqs), as Add stores vectors.
   void AddVector(const std::string& gguf_name, int64_t n, RowSource rows);
@@ -52,10 +55,15 @@ class TensorAdder {
  private:
   struct State;
   GgufWriter& w_;
-  DType type_;
+  WeightFormat format_;
+  int n_layers_;
+  bool tied_;
   int head_dim_;
   bool permute_;
   std::shared_ptr<State> state_;
 };
+
+// The type matrix t is stored as in `format` (WeightFormat), fallbacks included.
+DType MatrixType(const WeightFormat& format, const ModelTensor& t, int n_layers, bool tied);
 
 }  // namespace cachet::gguf_convert_internal

@@ -181,16 +181,16 @@ Result<ModelConfig> LoadShape(const std::string& shape) {
   return c;
 }
 
-Status WriteSyntheticGguf(const std::string& shape, const std::string& out_path, DType type,
-                          uint64_t seed, int threads, bool progress) {
+Status WriteSyntheticGguf(const std::string& shape, const std::string& out_path,
+                          WeightFormat format, uint64_t seed, int threads, bool progress) {
   CACHET_ASSIGN_OR_RETURN(ModelConfig c, LoadShape(shape));
   const std::string name =
       IsShapePath(shape) ? std::filesystem::path(shape).stem().string() : shape;
   GgufWriter w;
   gguf_convert_internal::SetModelMetadata(
-      c, name + " (synthetic, seed " + std::to_string(seed) + ")", type, w);
+      c, name + " (synthetic, seed " + std::to_string(seed) + ")", format, w);
   AddSyntheticVocab(c.vocab_size, w);
-  TensorAdder adder(w, c, type, threads, progress);
+  TensorAdder adder(w, c, format, threads, progress);
   for (const ModelTensor& t : gguf_convert_internal::ModelTensors(c)) {
     const int64_t cols = t.shape.back();
     if (t.norm) {

@@ -153,17 +153,35 @@ int64_t KvPoolMibFor(const ModelConfig& c, int page_tokens, int n_tokens, int se
 int Engine::threads() const { return pool_->size(); }
 
 int64_t Engine::weight_bytes_per_token() const {
-  const ModelWeights& w = model_->weights();
-  auto bytes = [](const kernels::Matrix& m) {
-    return m.rows * int64_t(DTypeRowBytes(m.dtype, m.cols));
-  };
-  int64_t total = bytes(w.lm_head);
-  for (const LayerWeights& L : w.layers) {
-    for (const auto* m : {&L.wq, &L.wk, &L.wv, &L.wo, &L.w_gate, &L.w_up, &L.w_down}) {
-      total += bytes(*m);
-    }
+  // All but the embedding, of which a step reads one row (unless it is the LM head too).
+  int64_t total = 0;
+  for (const MatrixInfo& m : weight_matrices()) {
+    if (m.name != "token_embd" || config().tie_word_embeddings) total += m.bytes;
   }
   return total;
+}
+
+std::vector<Engine::MatrixInfo> Engine::weight_matrices() const {
+  const ModelWeights& w = model_->weights();
+  std::vector<MatrixInfo> out;
+  auto add = [&](std::string name, const kernels::Matrix& m) {
+    out.push_back(
+        {std::move(name), m.dtype, m.rows, m.cols, m.rows * DTypeRowBytes(m.dtype, m.cols)});
+  };
+  add("token_embd", w.embed);
+  if (w.lm_head.data != w.embed.data) add("output", w.lm_head);
+  for (size_t l = 0; l < w.layers.size(); ++l) {
+    const LayerWeights& L = w.layers[l];
+    const std::string p = "blk." + std::to_string(l) + ".";
+    add(p + "attn_q", L.wq);
+    add(p + "attn_k", L.wk);
+    add(p + "attn_v", L.wv);
+    add(p + "attn_output", L.wo);
+    add(p + "ffn_gate", L.w_gate);
+    add(p + "ffn_up", L.w_up);
+    add(p + "ffn_down", L.w_down);
+  }
+  return out;
 }
 
 bool Engine::ages() const { return !options_.kv_cold.empty() && !kv_pool_->layout().plain(); }

@@ -16,6 +16,7 @@ inline int64_t DTypeBlockElems(DType t) {
   switch (t) {
     case DType::kQ8_0:
     case DType::kQ4_0:
+    case DType::kQ5_0:
       return 32;
     case DType::kQ4_K:
     case DType::kQ6_K:
@@ -30,6 +31,8 @@ inline int64_t DTypeBlockBytes(DType t) {
       return 34;  // f16 scale + 32 x int8
     case DType::kQ4_0:
       return 18;  // f16 scale + 16 bytes of nibbles
+    case DType::kQ5_0:
+      return 22;  // f16 scale + 32 fifth bits + 16 bytes of nibbles
     case DType::kQ4_K:
       return 144;  // f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
     case DType::kQ6_K:

@@ -1,8 +1,8 @@
-// Highway MatMul and DequantRow for the GGUF block-quantized weight types (q8_0, q4_0, q4_K, q6_K;
-// layouts in kernels/ref/quant.cc). Weights stay quantized in memory: blocks are widened to f32
-// vectors on the fly (integers promoted to i32 lanes, converted, scaled), all arithmetic is f32.
-// QuantMatMul prefers the int8 kernels (kernels/cpu/quant_int8.cc) where the CPU has them; this
-// f32 path serves q6_K and CPUs without AVX-512 VNNI.
+// Highway MatMul and DequantRow for the GGUF block-quantized weight types (q8_0, q5_0, q4_0, q4_K,
+// q6_K; layouts in kernels/ref/quant.cc). Weights stay quantized in memory: blocks are widened to
+// f32 vectors on the fly (integers promoted to i32 lanes, converted, scaled), all arithmetic is
+// f32. QuantMatMul prefers the int8 kernels (kernels/cpu/quant_int8.cc) where the CPU has them;
+// this f32 path serves CPUs without AVX-512 VNNI.
 //
 // n == 1 (decode): each row's dequantized vectors are dotted with x as they are produced.
 // n > 1 (prefill): each task dequantizes a block of rows into per-thread f32 scratch once and runs
@@ -90,6 +90,23 @@ HWY_INLINE void ForEachVec(const uint8_t* row, int64_t cols, const Fn& fn) {
         fn(c0 + 16 + k,
            hn::Mul(hn::ConvertTo(df, hn::Sub(hn::ShiftRight<4>(LoadU8(b + 2 + k)), eight)), d));
       }
+    } else if constexpr (kType == DType::kQ5_0) {
+      const VF d = hn::Set(df, LoadF16(b));
+      uint32_t qh;
+      std::memcpy(&qh, b + 2, 4);
+      const auto bits = hn::Set(di, static_cast<int32_t>(qh));
+      const auto mask = hn::Set(di, 0xF), one = hn::Set(di, 1), sixteen = hn::Set(di, 16);
+      // Code j: its nibble, and bit j of qh as the fifth bit.
+      auto code = [&](int64_t j, hn::Vec<DI32> nibble) {
+        const auto fifth =
+            hn::And(hn::operator>>(bits, hn::Iota(di, static_cast<int32_t>(j))), one);
+        return hn::Mul(hn::ConvertTo(df, hn::Sub(hn::Or(nibble, hn::ShiftLeft<4>(fifth)), sixteen)),
+                       d);
+      };
+      for (int64_t k = 0; k < 16; k += N) fn(c0 + k, code(k, hn::And(LoadU8(b + 6 + k), mask)));
+      for (int64_t k = 0; k < 16; k += N) {
+        fn(c0 + 16 + k, code(16 + k, hn::ShiftRight<4>(LoadU8(b + 6 + k))));
+      }
     } else if constexpr (kType == DType::kQ4_K) {
       const float d = LoadF16(b), dmin = LoadF16(b + 2);
       const uint8_t* sc = b + 4;
@@ -117,7 +134,8 @@ HWY_INLINE void ForEachVec(const uint8_t* row, int64_t cols, const Fn& fn) {
              hn::MulSub(hn::ConvertTo(df, hn::ShiftRight<4>(LoadU8(q + k))), d2, mn2));
         }
       }
-    } else {  // kQ6_K
+    } else {
+      static_assert(kType == DType::kQ6_K);
       const uint8_t* ql = b;
       const uint8_t* qh = b + 128;
       const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
@@ -253,6 +271,8 @@ void QuantMatMulImpl(const float* x, int64_t n, const Matrix& w, const float* bi
       return MatMulT<DType::kQ8_0>(x, n, w, bias, y, y_stride, pool);
     case DType::kQ4_0:
       return MatMulT<DType::kQ4_0>(x, n, w, bias, y, y_stride, pool);
+    case DType::kQ5_0:
+      return MatMulT<DType::kQ5_0>(x, n, w, bias, y, y_stride, pool);
     case DType::kQ4_K:
       return MatMulT<DType::kQ4_K>(x, n, w, bias, y, y_stride, pool);
     case DType::kQ6_K:
@@ -269,6 +289,8 @@ void QuantDequantRowImpl(const Matrix& w, int64_t r, float* out) {
       return DequantRowT<DType::kQ8_0>(w, r, out);
     case DType::kQ4_0:
       return DequantRowT<DType::kQ4_0>(w, r, out);
+    case DType::kQ5_0:
+      return DequantRowT<DType::kQ5_0>(w, r, out);
     case DType::kQ4_K:
       return DequantRowT<DType::kQ4_K>(w, r, out);
     case DType::kQ6_K:

@@ -10,7 +10,7 @@
 //
 // Decode (one token) is memory bound: a task streams a contiguous block of rows one row at a time,
 // two blocks per 512-bit vector; scales are read as f16 straight from the blocks and the offsets
-// of q4_0 / q8_0 (o = k dw) go into the integer sum as -k * sum(codes of x).
+// of q4_0 / q5_0 / q8_0 (o = k dw) go into the integer sum as -k * sum(codes of x).
 //
 // Prefill is compute bound, and scaling every block of every (row, token) pair would cost three
 // float ops per 32 products. So its lanes are tokens instead: activations are laid out 16 tokens
@@ -52,9 +52,12 @@ constexpr int64_t kMaxDecodeTokens = kInt8MaxDecodeTokens;
 constexpr int64_t kDecodeRowChunk = 16;  // rows decode takes through every token at once
 
 template <DType kType>
-constexpr int64_t BlockBytes() {  // bytes of a 32-value block (q4_0, q8_0, q4_K's share of 144)
+constexpr int64_t BlockBytes() {         // bytes of a 32-value block (q4_K: its share of 144)
   static_assert(kType != DType::kQ6_K);  // 210 / 8: see BlockStart
-  return kType == DType::kQ4_0 ? 18 : kType == DType::kQ8_0 ? 34 : 144 / 8;
+  return kType == DType::kQ4_0   ? 18
+         : kType == DType::kQ5_0 ? 22
+         : kType == DType::kQ8_0 ? 34
+                                 : 144 / 8;
 }
 // Where the bytes of block b begin, about: what decode's prefetches go by.
 template <DType kType>
@@ -66,8 +69,8 @@ constexpr int64_t BlockStart(int64_t b) {
   }
 }
 template <DType kType>
-constexpr int kOffset() {  // o = kOffset * dw for q4_0 and q8_0
-  return kType == DType::kQ4_0 ? 8 : 128;
+constexpr int kOffset() {  // o = kOffset * dw for q4_0, q5_0 and q8_0
+  return kType == DType::kQ4_0 ? 8 : kType == DType::kQ5_0 ? 16 : 128;
 }
 
 struct HardF16 {
@@ -99,9 +102,18 @@ CACHET_INT8_TARGET inline __m256i Codes(const uint8_t* row, int64_t b) {
         _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)), 4),
                          _mm256_set1_epi8(0x30));
     return _mm256_or_si256(lo, hi);
-  } else if constexpr (kType == DType::kQ4_0) {
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 18 + 2));
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4);
+  } else if constexpr (kType == DType::kQ4_0 || kType == DType::kQ5_0) {
+    const uint8_t* blk = row + b * BlockBytes<kType>();
+    const __m128i v =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (kType == DType::kQ5_0 ? 6 : 2)));
+    const __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4);
+    if constexpr (kType == DType::kQ4_0) {
+      return nibbles;
+    } else {  // bit j of qh is code j's fifth bit
+      uint32_t qh;
+      std::memcpy(&qh, blk + 2, 4);
+      return _mm256_mask_add_epi8(nibbles, qh, nibbles, _mm256_set1_epi8(16));
+    }
   } else if constexpr (kType == DType::kQ8_0) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 34 + 2));
     return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));
@@ -139,12 +151,23 @@ CACHET_INT8_TARGET inline __m512i CodePair(const uint8_t* row, int64_t b) {
     const __m512i v = _mm512_broadcast_i64x4(Q4KQuants(row, b));
     return _mm512_and_si512(v, _mm512_inserti64x4(_mm512_set1_epi8(0x0F),
                                                   _mm256_set1_epi8(static_cast<char>(0xF0)), 1));
-  } else if constexpr (kType == DType::kQ4_0) {
+  } else if constexpr (kType == DType::kQ4_0 || kType == DType::kQ5_0) {
+    constexpr int64_t kBytes = BlockBytes<kType>(), kCodes = kType == DType::kQ5_0 ? 6 : 2;
+    const uint8_t* blk = row + b * kBytes;
     const __m512i v = _mm512_mask_broadcast_i32x4(
-        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 18 + 2))),
-        0xFF00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + b * 18 + 20)));
-    return _mm512_and_si512(_mm512_srlv_epi64(v, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0)),
-                            _mm512_set1_epi8(0x0F));
+        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kCodes))),
+        0xFF00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kBytes + kCodes)));
+    const __m512i nibbles = _mm512_and_si512(
+        _mm512_srlv_epi64(v, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0)), _mm512_set1_epi8(0x0F));
+    if constexpr (kType == DType::kQ4_0) {
+      return nibbles;
+    } else {  // the two blocks' qh: bit j of each is its code j's fifth bit
+      uint32_t qh0, qh1;
+      std::memcpy(&qh0, blk + 2, 4);
+      std::memcpy(&qh1, blk + kBytes + 2, 4);
+      return _mm512_mask_add_epi8(nibbles, qh0 | (uint64_t{qh1} << 32), nibbles,
+                                  _mm512_set1_epi8(16));
+    }
   } else {
     return _mm512_inserti64x4(_mm512_castsi256_si512(Codes<kType>(row, b)),
                               Codes<kType>(row, b + 1), 1);
@@ -203,15 +226,15 @@ CACHET_INT8_TARGET void RowScales(const uint8_t* row, int64_t nb, float* dw, flo
   }
 }
 
-// The f16 scales of blocks b and b + 1 (q4_0, q8_0) in the lanes of their products,
+// The f16 scales of blocks b and b + 1 (q4_0, q5_0, q8_0) in the lanes of their products,
 // [dw_b x 8, dw_b+1 x 8]: each 128-bit lane of one 32-byte window holds one of them (q4_0 blocks
 // are 18 bytes apart; q8_0's 34 take two 16-byte loads), and one in-lane byte shuffle spreads it.
 template <DType kType>
 CACHET_INT8_TARGET inline __m512 ScalePair(const uint8_t* row, int64_t b) {
   const uint8_t* p = row + b * BlockBytes<kType>();
   __m256i w;  // the scale of block b at byte 0, that of b + 1 at byte 16 + kHigh
-  constexpr int kHigh = kType == DType::kQ4_0 ? 2 : 0;
-  if constexpr (kType == DType::kQ4_0) {
+  constexpr int kHigh = kType == DType::kQ8_0 ? 0 : BlockBytes<kType>() - 16;
+  if constexpr (kType != DType::kQ8_0) {
     w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   } else {
     w = _mm256_inserti128_si256(
@@ -239,8 +262,8 @@ CACHET_INT8_TARGET inline float HorizontalSum(__m512 v) {
 // Decode.
 
 // What decode needs of the activation row beyond its codes, per pair of blocks, in the i32 lanes
-// of the pair's products ([b x 8, b+1 x 8]): the scales dx, and for q4_0 / q8_0 the integer sum's
-// start, -k * sum(codes) of each block in the first lane of that block.
+// of the pair's products ([b x 8, b+1 x 8]): the scales dx, and for q4_0 / q5_0 / q8_0 the integer
+// sum's start, -k * sum(codes) of each block in the first lane of that block.
 struct DecodeActs {
   const int8_t* q;
   const float* dx2;     // 16 floats per block pair
@@ -698,6 +721,8 @@ void Int8MatMul(const float* x, int64_t n, const Matrix& w, const float* bias, f
   switch (w.dtype) {
     case DType::kQ4_0:
       return Dispatch<DType::kQ4_0>(x, n, w, bias, y, y_stride, pool);
+    case DType::kQ5_0:
+      return Dispatch<DType::kQ5_0>(x, n, w, bias, y, y_stride, pool);
     case DType::kQ8_0:
       return Dispatch<DType::kQ8_0>(x, n, w, bias, y, y_stride, pool);
     case DType::kQ4_K:

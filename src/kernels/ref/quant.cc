@@ -6,6 +6,10 @@
 //   8),
 //                                                                           x[j+16] = d *
 //                                                                           (hi(qs[j]) - 8)
+//   block_q5_0 (32 values, 22 bytes):  f16 d; u32 qh; u8 qs[16]            x[j] = d * (lo(qs[j]) |
+//                                                                           bit j of qh << 4) -
+//                                                                           16), x[j+16]: hi, bit
+//                                                                           j+16
 //   block_q4_K (256 values, 144 bytes): f16 d; f16 dmin; u8 scales[12]; u8 qs[128]
 //       8 sub-blocks of 32 with 6-bit scale sc and 6-bit min m (packed as get_scale_min_k4 reads
 //       them); per 64 values, 32 bytes of qs: low nibbles are sub-block 2i, high nibbles 2i+1;
@@ -49,6 +53,19 @@ void DequantQ4_0(const uint8_t* b, float* y) {
   for (int j = 0; j < 16; ++j) {
     y[j] = d * static_cast<float>((q[j] & 0xF) - 8);
     y[j + 16] = d * static_cast<float>((q[j] >> 4) - 8);
+  }
+}
+
+void DequantQ5_0(const uint8_t* b, float* y) {
+  const float d = LoadF16(b);
+  uint32_t qh;
+  std::memcpy(&qh, b + 2, 4);
+  const uint8_t* q = b + 6;
+  for (int j = 0; j < 16; ++j) {
+    const int lo = (q[j] & 0xF) | (((qh >> j) & 1) << 4);
+    const int hi = (q[j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
+    y[j] = d * static_cast<float>(lo - 16);
+    y[j + 16] = d * static_cast<float>(hi - 16);
   }
 }
 
@@ -115,6 +132,30 @@ void QuantizeQ4_0(const float* x, uint8_t* b) {
     const int x1 = std::min(15, static_cast<int>(x[j + 16] * id + 8.5f));
     q[j] = static_cast<uint8_t>(std::max(0, x0) | (std::max(0, x1) << 4));
   }
+}
+
+// As llama.cpp's quantize_row_q5_0_ref: the value of largest magnitude maps to code 0.
+void QuantizeQ5_0(const float* x, uint8_t* b) {
+  float amax = 0.0f, max = 0.0f;
+  for (int j = 0; j < 32; ++j) {
+    if (std::fabs(x[j]) > amax) {
+      amax = std::fabs(x[j]);
+      max = x[j];
+    }
+  }
+  const float d = max / -16.0f;
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  StoreF16(b, d);
+  uint32_t qh = 0;
+  uint8_t* q = b + 6;
+  for (int j = 0; j < 16; ++j) {
+    const int x0 = std::clamp(static_cast<int>(x[j] * id + 16.5f), 0, 31);
+    const int x1 = std::clamp(static_cast<int>(x[j + 16] * id + 16.5f), 0, 31);
+    q[j] = static_cast<uint8_t>((x0 & 0xF) | ((x1 & 0xF) << 4));
+    qh |= static_cast<uint32_t>(x0 >> 4) << j;
+    qh |= static_cast<uint32_t>(x1 >> 4) << (j + 16);
+  }
+  std::memcpy(b + 2, &qh, 4);
 }
 
 void QuantizeQ4_K(const float* x, uint8_t* b) {
@@ -235,6 +276,9 @@ void QuantDequantRow(const Matrix& w, int64_t r, float* out) {
       case DType::kQ4_0:
         DequantQ4_0(b, y);
         break;
+      case DType::kQ5_0:
+        DequantQ5_0(b, y);
+        break;
       case DType::kQ4_K:
         DequantQ4_K(b, y);
         break;
@@ -268,6 +312,9 @@ void QuantizeRow(DType t, const float* x, int64_t n, void* out) {
         break;
       case DType::kQ4_0:
         QuantizeQ4_0(x + i * be, o + i * bb);
+        break;
+      case DType::kQ5_0:
+        QuantizeQ5_0(x + i * be, o + i * bb);
         break;
       case DType::kQ4_K:
         QuantizeQ4_K(x + i * be, o + i * bb);
@@ -350,6 +397,8 @@ float Int8Dot(const Matrix& w, int64_t r, const int8_t* q, const float* d, const
       return Int8DotT<DType::kQ4_K>(row, q, d, s, nb);
     case DType::kQ6_K:
       return Int8DotT<DType::kQ6_K>(row, q, d, s, nb);
+    case DType::kQ5_0:
+      return Int8DotT<DType::kQ5_0>(row, q, d, s, nb);
     default:
       return NAN;  // no int8 path (HasInt8Path)
   }
