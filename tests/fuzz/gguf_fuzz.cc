@@ -39,6 +39,7 @@ void WriteSeeds(const std::string& dir) {
   w.AddTensor("blk.0.attn_q.weight", DType::kQ4_0, {32, 32}, zeros);
   w.AddTensor("blk.0.ffn_down.weight", DType::kQ4_K, {32, 256}, zeros);
   w.AddTensor("blk.0.ffn_up.weight", DType::kQ6_K, {2, 256}, zeros);
+  w.AddTensor("blk.0.ffn_gate.weight", DType::kQ5_0, {2, 64}, zeros);
   w.AddTensor("blk.0.attn_q.bias", DType::kBF16, {32}, zeros);
   (void)w.Write(dir + "/seed-qwen2.gguf");
 
