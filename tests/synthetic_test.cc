@@ -65,6 +65,12 @@ class Synthetic : public ::testing::Test {
     EXPECT_TRUE(e.ok()) << e.status().ToString();
     return e.ok() ? std::move(e).value() : nullptr;
   }
+  // A few tokens evaluate to finite logits.
+  static void ExpectFiniteLogits(Engine& engine) {
+    std::vector<float> logits;
+    ASSERT_TRUE(engine.NewSession()->Eval(std::vector<int32_t>{3, 4, 5, 6}, &logits, true).ok());
+    for (float x : logits) ASSERT_TRUE(std::isfinite(x));
+  }
   static inline TempDir* dir_ = nullptr;
 };
 
@@ -157,10 +163,7 @@ TEST_F(Synthetic, RowsOffTheSuperBlockFallBackToQ5_0) {
   EXPECT_EQ(f->FindTensor("blk.0.ffn_down.weight")->dtype, DType::kQ4_K);  // 512 columns
   auto engine = MakeEngine(path);
   ASSERT_NE(engine, nullptr);
-  const std::vector<int32_t> ids = {3, 4, 5, 6};
-  std::vector<float> logits;
-  ASSERT_TRUE(engine->NewSession()->Eval(ids, &logits, /*all_logits=*/true).ok());
-  for (float x : logits) ASSERT_TRUE(std::isfinite(x));
+  ExpectFiniteLogits(*engine);
 }
 
 // --type q4_k_m: llama.cpp's Q4_K_M mix. q6_K for the LM head (the embedding when tied), and for
@@ -191,9 +194,7 @@ TEST_F(Synthetic, Q4KMixGivesLlamaCppsTypes) {
       EXPECT_EQ(types[p + m], DType::kQ4_K) << p << m;
     }
   }
-  std::vector<float> logits;
-  ASSERT_TRUE(engine->NewSession()->Eval(std::vector<int32_t>{3, 4, 5}, &logits, true).ok());
-  for (float x : logits) ASSERT_TRUE(std::isfinite(x));
+  ExpectFiniteLogits(*engine);
 
   // Tied: the embedding is the LM head, in q6_K; 320 columns: q6_K falls back to q8_0, q4_K to
   // q5_0.

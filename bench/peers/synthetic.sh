@@ -13,7 +13,8 @@
 # median of the per-round ratios.
 #
 # environment (defaults):
-#   WEIGHTS ("f16 q8_0 q4_0 q4_k"), THREADS ("1 2"), POINTS ("512 2048"), REPS (3),
+#   WEIGHTS ("f16 q8_0 q4_0 q4_k"; any `cachet convert --type`, q4_k_m included), THREADS ("1 2"),
+#   POINTS ("512 2048"), REPS (3),
 #   N_DECODE (32 decode steps after each prefill),
 #   KV_WEIGHTS (weights of the KV table: f16 on mha-85m, q4_0 on the others), KVS ("f16 q8_0 q4_0"),
 #   CACHET_KVS ("kivi4 rot3@32 q4_0:rot3@32": K[:V] codecs, @N = --kv-window N), LONG ("8192";

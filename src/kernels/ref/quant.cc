@@ -115,7 +115,9 @@ void QuantizeQ8_0(const float* x, uint8_t* b) {
   for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>(std::round(x[j] * id));
 }
 
-void QuantizeQ4_0(const float* x, uint8_t* b) {
+// The value of largest magnitude of a 32-value block, with its sign: q4_0 and q5_0 map it to code
+// 0.
+float SignedMax32(const float* x) {
   float amax = 0.0f, max = 0.0f;
   for (int j = 0; j < 32; ++j) {
     if (std::fabs(x[j]) > amax) {
@@ -123,7 +125,11 @@ void QuantizeQ4_0(const float* x, uint8_t* b) {
       max = x[j];
     }
   }
-  const float d = max / -8.0f;
+  return max;
+}
+
+void QuantizeQ4_0(const float* x, uint8_t* b) {
+  const float d = SignedMax32(x) / -8.0f;
   const float id = d != 0.0f ? 1.0f / d : 0.0f;
   StoreF16(b, d);
   uint8_t* q = b + 2;
@@ -134,16 +140,9 @@ void QuantizeQ4_0(const float* x, uint8_t* b) {
   }
 }
 
-// As llama.cpp's quantize_row_q5_0_ref: the value of largest magnitude maps to code 0.
+// As llama.cpp's quantize_row_q5_0_ref.
 void QuantizeQ5_0(const float* x, uint8_t* b) {
-  float amax = 0.0f, max = 0.0f;
-  for (int j = 0; j < 32; ++j) {
-    if (std::fabs(x[j]) > amax) {
-      amax = std::fabs(x[j]);
-      max = x[j];
-    }
-  }
-  const float d = max / -16.0f;
+  const float d = SignedMax32(x) / -16.0f;
   const float id = d != 0.0f ? 1.0f / d : 0.0f;
   StoreF16(b, d);
   uint32_t qh = 0;
