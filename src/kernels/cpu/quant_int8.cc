@@ -175,26 +175,25 @@ CACHET_INT8_TARGET inline __m512i CodePair(const uint8_t* row, int64_t b) {
 }
 
 // The eight sub-block scales d * sc_j and minimums dmin * m_j of a q4_K super-block, unpacked
-// from their 6-bit fields four at a time as llama.cpp's kernels do.
+// from their 6-bit fields (ScaleMinK4) four at a time in the dwords of one register: scales 0-3
+// are the low 6 bits of dword 0, scales 4-7 the low nibbles of dword 2 with the top 2 bits of
+// dword 0 above them, minimums likewise from dwords 1 and 2 (high nibbles). The 16 bytes read
+// from the block's byte 4 on end inside it (its 12 bytes of fields, then codes).
 CACHET_INT8_TARGET inline void Q4KScales(const uint8_t* blk, __m256* dw, __m256* o) {
-  uint32_t u[4];
-  std::memcpy(u, blk + 4, 12);
-  constexpr uint32_t kLow6 = 0x3f3f3f3f, kLow4 = 0x0f0f0f0f, kLow2 = 0x03030303;
-  u[3] = ((u[2] >> 4) & kLow4) | (((u[1] >> 6) & kLow2) << 4);
-  const uint32_t mins_lo = u[1] & kLow6;
-  u[1] = (u[2] & kLow4) | (((u[0] >> 6) & kLow2) << 4);
-  u[2] = mins_lo;
-  u[0] &= kLow6;
-  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 4));
+  const __m128i low = _mm_and_si128(
+      _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0)), _mm_setr_epi32(0, 0, 0, 4)),
+      _mm_setr_epi32(0x3f3f3f3f, 0x0f0f0f0f, 0x3f3f3f3f, 0x0f0f0f0f));
+  const __m128i top =
+      _mm_and_si128(_mm_srli_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0)), 2),
+                    _mm_setr_epi32(0, 0x30303030, 0, 0x30303030));
+  const __m128i bytes = _mm_or_si128(low, top);  // scales 0-7, then minimums 0-7
   *dw = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes)),
                       _mm256_set1_ps(HardF16::Load(blk)));
   *o = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(bytes, 8))),
                      _mm256_set1_ps(HardF16::Load(blk + 2)));
 }
 
-// BlockScales (kernels/int8_dot.h) with the hardware f16 loads inlined and q4_K's scales unpacked
-// eight at a time: the same values, at a cost that a prefill of a few tokens (a batched decode step
-// of 7-16) notices.
 // The sixteen scales d * sc_j of a q6_K super-block, one per 16 values.
 CACHET_INT8_TARGET inline __m512 Q6KScales(const uint8_t* blk) {
   const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
