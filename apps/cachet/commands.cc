@@ -662,19 +662,24 @@ void AddInspect(CLI::App& app) {
                 c.max_position_embeddings);
     // Weight types as llama.cpp's loader prints them: matrices per type and their MiB.
     const auto matrices = engine->weight_matrices();
-    std::vector<std::pair<DType, std::pair<int, int64_t>>> by_type;
+    struct TypeTotal {
+      DType type;
+      int matrices = 0;
+      int64_t bytes = 0;
+    };
+    std::vector<TypeTotal> by_type;  // in the order the types first appear
     for (const auto& m : matrices) {
       auto it = std::find_if(by_type.begin(), by_type.end(),
-                             [&](const auto& e) { return e.first == m.type; });
-      if (it == by_type.end()) it = by_type.insert(by_type.end(), {m.type, {0, 0}});
-      ++it->second.first;
-      it->second.second += m.bytes;
+                             [&](const TypeTotal& e) { return e.type == m.type; });
+      if (it == by_type.end()) it = by_type.insert(by_type.end(), TypeTotal{m.type});
+      ++it->matrices;
+      it->bytes += m.bytes;
     }
     std::string types;
-    for (const auto& [t, n] : by_type) {
+    for (const TypeTotal& t : by_type) {
       char buf[96];
       std::snprintf(buf, sizeof buf, "%s%s x %d (%.1f MiB)", types.empty() ? "" : ", ",
-                    DTypeName(t), n.first, n.second / double(1 << 20));
+                    DTypeName(t.type), t.matrices, t.bytes / double(1 << 20));
       types += buf;
     }
     std::printf("weights          %s\n", types.c_str());

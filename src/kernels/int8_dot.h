@@ -38,6 +38,9 @@ inline bool HasInt8Path(DType t) {
          t == DType::kQ6_K;
 }
 
+// The offset o = Int8Offset(t) * dw of the legacy block types (q4_0, q5_0, q8_0).
+constexpr int Int8Offset(DType t) { return t == DType::kQ4_0 ? 8 : t == DType::kQ5_0 ? 16 : 128; }
+
 namespace int8_detail {
 
 inline float LoadF16(const uint8_t* p) {
@@ -65,15 +68,13 @@ template <DType kType>
 inline void BlockScales(const uint8_t* row, int64_t nb, float* dw, float* o) {
   using int8_detail::LoadF16;
   if constexpr (kType == DType::kQ4_0 || kType == DType::kQ5_0 || kType == DType::kQ8_0) {
-    constexpr int64_t kBytes = kType == DType::kQ4_0 ? 18 : kType == DType::kQ5_0 ? 22 : 34;
-    constexpr float kOffset = kType == DType::kQ4_0 ? 8.0f : kType == DType::kQ5_0 ? 16.0f : 128.0f;
     for (int64_t b = 0; b < nb; ++b) {
-      dw[b] = LoadF16(row + b * kBytes);
-      o[b] = kOffset * dw[b];
+      dw[b] = LoadF16(row + b * DTypeBlockBytes(kType));
+      o[b] = static_cast<float>(Int8Offset(kType)) * dw[b];
     }
   } else if constexpr (kType == DType::kQ6_K) {
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = row + (b / 8) * 210;
+      const uint8_t* blk = row + (b / 8) * DTypeBlockBytes(kType);
       const float d = LoadF16(blk + 208);
       const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192) + 2 * (b % 8);
       dw[b] = d * static_cast<float>(sc[0]);
@@ -82,7 +83,7 @@ inline void BlockScales(const uint8_t* row, int64_t nb, float* dw, float* o) {
   } else {
     static_assert(kType == DType::kQ4_K);
     for (int64_t sb = 0; sb < nb / 8; ++sb) {
-      const uint8_t* blk = row + sb * 144;
+      const uint8_t* blk = row + sb * DTypeBlockBytes(kType);
       const float d = LoadF16(blk), dmin = LoadF16(blk + 2);
       for (int j = 0; j < 8; ++j) {
         int sc, m;
@@ -98,19 +99,20 @@ inline void BlockScales(const uint8_t* row, int64_t nb, float* dw, float* o) {
 template <DType kType>
 inline int BlockCode(const uint8_t* row, int64_t b, int j) {
   if constexpr (kType == DType::kQ4_0) {
-    const uint8_t* q = row + b * 18 + 2;
+    const uint8_t* q = row + b * DTypeBlockBytes(kType) + 2;
     return j < 16 ? q[j] & 0xF : q[j - 16] >> 4;
   } else if constexpr (kType == DType::kQ5_0) {
-    const uint8_t* q = row + b * 22 + 6;
+    const uint8_t* blk = row + b * DTypeBlockBytes(kType);
+    const uint8_t* q = blk + 6;
     uint32_t qh;
-    std::memcpy(&qh, row + b * 22 + 2, 4);
+    std::memcpy(&qh, blk + 2, 4);
     return (j < 16 ? q[j] & 0xF : q[j - 16] >> 4) | (((qh >> j) & 1) << 4);
   } else if constexpr (kType == DType::kQ8_0) {
-    return static_cast<int8_t>(row[b * 34 + 2 + j]) + 128;
+    return static_cast<int8_t>(row[b * DTypeBlockBytes(kType) + 2 + j]) + 128;
   } else if constexpr (kType == DType::kQ6_K) {
     // Per 128 values: ql's 64 bytes hold the low nibbles of 32-value blocks 0 and 1 and (high
     // nibbles) 2 and 3, qh's 32 bytes the top two bits of all four, two bits per block.
-    const uint8_t* blk = row + (b / 8) * 210;
+    const uint8_t* blk = row + (b / 8) * DTypeBlockBytes(kType);
     const int half = static_cast<int>(b % 8) / 4, k = static_cast<int>(b % 4);
     const uint8_t ql = blk[64 * half + 32 * (k % 2) + j];
     const uint8_t qh = blk[128 + 32 * half + j];
@@ -118,7 +120,7 @@ inline int BlockCode(const uint8_t* row, int64_t b, int j) {
   } else {
     static_assert(kType == DType::kQ4_K);
     const int64_t sb = b / 8, sub = b % 8;
-    const uint8_t q = row[sb * 144 + 16 + (sub / 2) * 32 + j];
+    const uint8_t q = row[sb * DTypeBlockBytes(kType) + 16 + (sub / 2) * 32 + j];
     return sub % 2 == 0 ? q & 0xF : q >> 4;
   }
 }

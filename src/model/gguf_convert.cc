@@ -205,17 +205,12 @@ DType MatrixType(const WeightFormat& format, const ModelTensor& t, int n_layers,
     // llama.cpp's use_more_bits: the first and last eighth of the layers, and every third between.
     const int i = t.layer, n = n_layers;
     const bool more_bits = i >= 0 && (i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2);
-    auto ends_with = [&](const char* suffix) {
-      const std::string s(suffix);
-      return t.hf_name.size() >= s.size() &&
-             t.hf_name.compare(t.hf_name.size() - s.size(), s.size(), s) == 0;
-    };
     const bool lm_head =
         t.hf_name == "lm_head.weight" || (tied && t.hf_name == "model.embed_tokens.weight");
     if (lm_head) {
       want = DTypeRowBytes(DType::kQ6_K, cols) >= 0 ? DType::kQ6_K : DType::kQ8_0;
-    } else if (more_bits &&
-               (ends_with("self_attn.v_proj.weight") || ends_with("mlp.down_proj.weight"))) {
+    } else if (more_bits && (t.hf_name.ends_with("self_attn.v_proj.weight") ||
+                             t.hf_name.ends_with("mlp.down_proj.weight"))) {
       want = DType::kQ6_K;
     }
   }

@@ -10,9 +10,9 @@ namespace cachet {
 
 inline bool DTypeIsQuantized(DType t) { return t >= DType::kQ8_0; }
 // Bytes of one element: f32/f16/bf16 only.
-inline size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
+constexpr size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
 // Elements per block (1 for the plain float types) and bytes per block.
-inline int64_t DTypeBlockElems(DType t) {
+constexpr int64_t DTypeBlockElems(DType t) {
   switch (t) {
     case DType::kQ8_0:
     case DType::kQ4_0:
@@ -25,7 +25,7 @@ inline int64_t DTypeBlockElems(DType t) {
       return 1;
   }
 }
-inline int64_t DTypeBlockBytes(DType t) {
+constexpr int64_t DTypeBlockBytes(DType t) {
   switch (t) {
     case DType::kQ8_0:
       return 34;  // f16 scale + 32 x int8

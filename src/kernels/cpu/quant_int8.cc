@@ -51,26 +51,24 @@ constexpr int64_t kPrefetchBytes = 4096;
 constexpr int64_t kMaxDecodeTokens = kInt8MaxDecodeTokens;
 constexpr int64_t kDecodeRowChunk = 16;  // rows decode takes through every token at once
 
+// 32-value blocks per GGUF block (8 in a q4_K / q6_K super-block).
 template <DType kType>
-constexpr int64_t BlockBytes() {         // bytes of a 32-value block (q4_K: its share of 144)
-  static_assert(kType != DType::kQ6_K);  // 210 / 8: see BlockStart
-  return kType == DType::kQ4_0   ? 18
-         : kType == DType::kQ5_0 ? 22
-         : kType == DType::kQ8_0 ? 34
-                                 : 144 / 8;
+constexpr int64_t kSubBlocks = DTypeBlockElems(kType) / kQ8Block;
+// Bytes of a 32-value block (q4_K: its share of 144; q6_K's 210 / 8 is no whole number).
+template <DType kType>
+constexpr int64_t BlockBytes() {
+  static_assert(DTypeBlockBytes(kType) % kSubBlocks<kType> == 0);
+  return DTypeBlockBytes(kType) / kSubBlocks<kType>;
 }
-// Where the bytes of block b begin, about: what decode's prefetches go by.
+// Where the bytes of 32-value block b begin (inside a q6_K super-block only about: what decode's
+// prefetches go by).
 template <DType kType>
 constexpr int64_t BlockStart(int64_t b) {
-  if constexpr (kType == DType::kQ6_K) {
-    return b * 210 / 8;
-  } else {
+  if constexpr (DTypeBlockBytes(kType) % kSubBlocks<kType> == 0) {
     return b * BlockBytes<kType>();
+  } else {
+    return b * DTypeBlockBytes(kType) / kSubBlocks<kType>;
   }
-}
-template <DType kType>
-constexpr int kOffset() {  // o = kOffset * dw for q4_0, q5_0 and q8_0
-  return kType == DType::kQ4_0 ? 8 : kType == DType::kQ5_0 ? 16 : 128;
 }
 
 struct HardF16 {
@@ -83,8 +81,8 @@ struct HardF16 {
 
 // The 32 bytes of q4_K quants holding sub-blocks b and b ^ 1 (low nibbles: the even one).
 CACHET_INT8_TARGET inline __m256i Q4KQuants(const uint8_t* row, int64_t b) {
-  return _mm256_loadu_si256(
-      reinterpret_cast<const __m256i*>(row + (b / 8) * 144 + 16 + ((b % 8) / 2) * 32));
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+      row + (b / 8) * DTypeBlockBytes(DType::kQ4_K) + 16 + ((b % 8) / 2) * 32));
 }
 
 // The 32 unsigned codes of block b of a weight row.
@@ -92,7 +90,7 @@ template <DType kType>
 CACHET_INT8_TARGET inline __m256i Codes(const uint8_t* row, int64_t b) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
   if constexpr (kType == DType::kQ6_K) {
-    const uint8_t* blk = row + (b / 8) * 210;
+    const uint8_t* blk = row + (b / 8) * DTypeBlockBytes(kType);
     const int half = static_cast<int>(b % 8) / 4, k = static_cast<int>(b % 4);
     const __m256i ql =
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * half + 32 * (k % 2)));
@@ -115,7 +113,8 @@ CACHET_INT8_TARGET inline __m256i Codes(const uint8_t* row, int64_t b) {
       return _mm256_mask_add_epi8(nibbles, qh, nibbles, _mm256_set1_epi8(16));
     }
   } else if constexpr (kType == DType::kQ8_0) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * 34 + 2));
+    const __m256i v =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * BlockBytes<kType>() + 2));
     return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));
   } else {
     static_assert(kType == DType::kQ4_K);
@@ -133,7 +132,7 @@ CACHET_INT8_TARGET inline __m512i CodePair(const uint8_t* row, int64_t b) {
   if constexpr (kType == DType::kQ6_K) {
     // Blocks 0 and 1 (or 2 and 3) of 128 values: the low (high) nibbles of ql's 64 bytes, and
     // bits 0-1 and 2-3 (4-5 and 6-7) of qh's 32 bytes, one shift count per 256-bit half.
-    const uint8_t* blk = row + (b / 8) * 210;
+    const uint8_t* blk = row + (b / 8) * DTypeBlockBytes(kType);
     const int half = static_cast<int>(b % 8) / 4, j = static_cast<int>(b % 4) / 2;
     const __m512i ql = _mm512_loadu_si512(blk + 64 * half);
     const __m512i lo =
@@ -206,21 +205,22 @@ CACHET_INT8_TARGET void RowScales(const uint8_t* row, int64_t nb, float* dw, flo
   if constexpr (kType == DType::kQ6_K) {  // the halves of each block: first in dw, second in o
     const __m512i evens = _mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0);
     for (int64_t sb = 0; sb < nb / 8; ++sb) {
-      const __m512 split = _mm512_permutexvar_ps(evens, Q6KScales(row + sb * 210));
+      const __m512 split =
+          _mm512_permutexvar_ps(evens, Q6KScales(row + sb * DTypeBlockBytes(kType)));
       _mm256_storeu_ps(dw + sb * 8, _mm512_castps512_ps256(split));
       _mm256_storeu_ps(o + sb * 8, _mm512_extractf32x8_ps(split, 1));
     }
   } else if constexpr (kType == DType::kQ4_K) {
     for (int64_t sb = 0; sb < nb / 8; ++sb) {
       __m256 d8, o8;
-      Q4KScales(row + sb * 144, &d8, &o8);
+      Q4KScales(row + sb * DTypeBlockBytes(kType), &d8, &o8);
       _mm256_storeu_ps(dw + sb * 8, d8);
       _mm256_storeu_ps(o + sb * 8, o8);
     }
   } else {
     for (int64_t b = 0; b < nb; ++b) {
       dw[b] = HardF16::Load(row + b * BlockBytes<kType>());
-      o[b] = static_cast<float>(kOffset<kType>()) * dw[b];
+      o[b] = static_cast<float>(Int8Offset(kType)) * dw[b];
     }
   }
 }
@@ -313,7 +313,7 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
       for (int t = 0; t < kT; ++t) corr[t] = _mm256_setzero_ps();
       for (int64_t sb = 0; sb < nb / 8; ++sb) {
         __m256 dw8, o8;
-        Q4KScales(row + sb * 144, &dw8, &o8);
+        Q4KScales(row + sb * DTypeBlockBytes(kType), &dw8, &o8);
         // The odd sub-blocks' codes come 16 times too large (CodePair).
         const __m256 sixteenth = _mm256_setr_ps(1, 0.0625f, 1, 0.0625f, 1, 0.0625f, 1, 0.0625f);
         __m512 dw[kT];
@@ -342,7 +342,7 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
       // lanes (16 values) each, times the activations' dx.
       const __m512i lanes = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
       for (int64_t sb = 0; sb < nb / 8; ++sb) {
-        const __m512 sc = Q6KScales(row + sb * 210);
+        const __m512 sc = Q6KScales(row + sb * DTypeBlockBytes(kType));
 #pragma GCC unroll 4
         for (int64_t i = 0; i < 4; ++i) {
           const int64_t p = 4 * sb + i;
@@ -423,7 +423,7 @@ CACHET_INT8_TARGET DecodeActs PrepareDecodeActs(const float* x, int64_t cols, fl
       off2[pair + 8 * half] = -32 * first;
       off2[pair + 8 * half + 4] = -32 * (sum - first);
     } else if constexpr (kType != DType::kQ4_K) {
-      off2[pair + 8 * half] = -kOffset<kType>() * sum;
+      off2[pair + 8 * half] = -Int8Offset(kType) * sum;
     }
   }
   return DecodeActs{q, dx2, off2, d, s};

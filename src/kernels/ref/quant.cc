@@ -357,7 +357,7 @@ float Int8DotT(const uint8_t* row, const int8_t* q, const float* d, const float*
     const int8_t* qb = q + b * kQ8Block;
     if constexpr (kType == DType::kQ6_K) {  // two halves, each offset inside its integer sum
       float dw[8], dw_hi[8];
-      BlockScales<kType>(row + (b / 8) * 210, 8, dw, dw_hi);
+      BlockScales<kType>(row + (b / 8) * DTypeBlockBytes(kType), 8, dw, dw_hi);
       int32_t dot[2] = {0, 0};
       for (int j = 0; j < kQ8Block; ++j) dot[j / 16] += (BlockCode<kType>(row, b, j) - 32) * qb[j];
       acc +=
@@ -369,7 +369,7 @@ float Int8DotT(const uint8_t* row, const int8_t* q, const float* d, const float*
     // Scales of one block: q4_K's are per super-block, so ask for the whole one and pick.
     if constexpr (kType == DType::kQ4_K) {
       float dws[8], os[8];
-      BlockScales<kType>(row + (b / 8) * 144, 8, dws, os);
+      BlockScales<kType>(row + (b / 8) * DTypeBlockBytes(kType), 8, dws, os);
       dw = dws[b % 8];
       o = os[b % 8];
     } else {
