@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Peer agreement (issue 13's test): a synthetic GGUF of a real shape loads in both Cachet and
 # llama.cpp, and wherever both engines' top-2 logit margin exceeds 0.5 they give the same argmax:
-# with f16 weights, and with the Q4_K_M file llama.cpp's own quantizer makes of it (q4_K and q6_K
-# blocks read by Cachet's int8 kernels). Both evaluate the same pseudo-random token ids as one
-# sequence (f16 KV on both sides): Cachet with `cachet run --logits-of`, llama.cpp with
-# `llama_peer logits`. And `cachet convert --type q4_k_m` picks llama.cpp's type for every matrix
-# (its q6_K layers and its q5_0 / q8_0 fallbacks for rows off the 256-value super-blocks), on a
-# small qwen2-like shape whose 320 columns need the fallbacks.
+# with f16 weights, and with the Q4_K_M and Q5_K_M files llama.cpp's own quantizer makes of it
+# (q4_K, q5_K and q6_K blocks read by Cachet's int8 kernels). Both evaluate the same pseudo-random
+# token ids as one sequence (f16 KV on both sides): Cachet with `cachet run --logits-of`, llama.cpp
+# with `llama_peer logits`. And `cachet convert --type q4_k_m` / `q5_k_m` picks llama.cpp's type for
+# every matrix (its q6_K layers, and for q4_k_m its q5_0 / q8_0 fallbacks for rows off the 256-value
+# super-blocks, on a small qwen2-like shape whose 320 columns need them).
 #
 # usage: tests/peer_agreement.sh CACHET_BINARY WORK_DIR
 # environment: SHAPE (mha-85m), N_IDS (2048), MIN_CONFIDENT (10: fewer positions over the margin
@@ -84,27 +84,45 @@ agree() {
 }
 
 agree "$shape, f16 weights" "$model"
-q4km="$work/$shape-q4_k_m-llama.gguf"
-if [ ! -f "$q4km" ] || [ "$model" -nt "$q4km" ]; then
-  "$peer" quantize "$model" "$threads" "$q4km.tmp" q4_k_m
-  mv "$q4km.tmp" "$q4km"
-fi
-agree "$shape, llama.cpp's Q4_K_M" "$q4km"
+# llama.cpp's own Q4_K_M and Q5_K_M of the model (q4_K / q5_K, q6_K blocks).
+for mix in q4_k_m q5_k_m; do
+  quantized="$work/$shape-$mix-llama.gguf"
+  if [ ! -f "$quantized" ] || [ "$model" -nt "$quantized" ]; then
+    "$peer" quantize "$model" "$threads" "$quantized.tmp" "$mix"
+    mv "$quantized.tmp" "$quantized"
+  fi
+  agree "$shape, llama.cpp's ${mix^^}" "$quantized"
+done
 
-# Matrix types: cachet convert --type q4_k_m against llama.cpp's quantizer, matrix by matrix.
+# Matrix types: cachet convert --type MIX against llama.cpp's quantizer, matrix by matrix, on a
+# shape (a config.json) written to $work/NAME.json.
+same_types() {
+  local name="$1" mix="$2"
+  "$cachet" convert --synthetic "$work/$name.json" "$work/$name-f16.gguf" --type f16 --no-progress
+  "$cachet" convert --synthetic "$work/$name.json" "$work/$name-cachet.gguf" --type "$mix" \
+    --no-progress
+  "$peer" quantize "$work/$name-f16.gguf" "$threads" "$work/$name-llama.gguf" "$mix"
+  types() { "$cachet" inspect -m "$1" --tensors | grep -E '^(weights|  )'; }
+  if ! diff <(types "$work/$name-llama.gguf") <(types "$work/$name-cachet.gguf"); then
+    echo "peer_agreement: cachet convert --type $mix (right) differs from llama.cpp's (left), $name"
+    exit 1
+  fi
+  echo "peer_agreement: $mix matrix types equal llama.cpp's on $name ($(types \
+    "$work/$name-cachet.gguf" | head -1 | sed 's/^weights *//'))"
+}
+# q4_k_m on 320 columns: llama.cpp's fallbacks q4_K -> q5_0 and q6_K -> q8_0.
 cat >"$work/mini.json" <<'JSON'
 {"model_type": "qwen2", "num_hidden_layers": 8, "hidden_size": 320, "num_attention_heads": 5,
  "num_key_value_heads": 1, "intermediate_size": 768, "vocab_size": 1000,
  "max_position_embeddings": 2048, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
  "tie_word_embeddings": true}
 JSON
-"$cachet" convert --synthetic "$work/mini.json" "$work/mini-f16.gguf" --type f16 --no-progress
-"$cachet" convert --synthetic "$work/mini.json" "$work/mini-cachet.gguf" --type q4_k_m --no-progress
-"$peer" quantize "$work/mini-f16.gguf" "$threads" "$work/mini-llama.gguf" q4_k_m
-types() { "$cachet" inspect -m "$1" --tensors | grep -E '^(weights|  )'; }
-if ! diff <(types "$work/mini-llama.gguf") <(types "$work/mini-cachet.gguf"); then
-  echo "peer_agreement: cachet convert --type q4_k_m (right) differs from llama.cpp's Q4_K_M (left)"
-  exit 1
-fi
-echo "peer_agreement: q4_k_m matrix types equal llama.cpp's ($(types "$work/mini-cachet.gguf" |
-  head -1 | sed 's/^weights *//'))"
+same_types mini q4_k_m
+# q5_k_m on whole super-blocks (llama.cpp's q5_K fallback is q5_1, which Cachet does not write).
+cat >"$work/mini256.json" <<'JSON'
+{"model_type": "llama", "num_hidden_layers": 8, "hidden_size": 256, "num_attention_heads": 4,
+ "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 1000,
+ "max_position_embeddings": 2048, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+ "tie_word_embeddings": true}
+JSON
+same_types mini256 q5_k_m

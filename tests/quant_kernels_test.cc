@@ -1,6 +1,7 @@
-// Quantized weight kernels (q8_0, q5_0, q4_0, q4_K, q6_K): the reference quantizers against the
-// values they encode, ref::MatMul against double-precision math over the reference dequantization,
-// and every cpu:: MatMul / DequantRow (each compiled SIMD target this CPU has) against ref::.
+// Quantized weight kernels (q8_0, q5_0, q4_0, q4_K, q5_K, q6_K): the reference quantizers against
+// the values they encode, ref::MatMul against double-precision math over the reference
+// dequantization, and every cpu:: MatMul / DequantRow (each compiled SIMD target this CPU has)
+// against ref::.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -17,8 +18,8 @@
 namespace cachet::kernels {
 namespace {
 
-constexpr DType kQuantTypes[] = {DType::kQ8_0, DType::kQ5_0, DType::kQ4_0, DType::kQ4_K,
-                                 DType::kQ6_K};
+constexpr DType kQuantTypes[] = {DType::kQ8_0, DType::kQ5_0, DType::kQ4_0,
+                                 DType::kQ4_K, DType::kQ5_K, DType::kQ6_K};
 
 double NormErr(const float* a, const float* b, size_t n) {
   double diff = 0.0, ref = 0.0;
@@ -67,6 +68,7 @@ TEST(QuantKernels, RowBytesAndBlockSizes) {
   EXPECT_EQ(DTypeRowBytes(DType::kQ5_0, 896), 616);
   EXPECT_EQ(DTypeRowBytes(DType::kQ4_K, 512), 288);
   EXPECT_EQ(DTypeRowBytes(DType::kQ6_K, 256), 210);
+  EXPECT_EQ(DTypeRowBytes(DType::kQ5_K, 512), 352);
   EXPECT_EQ(DTypeRowBytes(DType::kQ4_K, 384), -1);
   EXPECT_EQ(DTypeRowBytes(DType::kF16, 3), 6);
 }
@@ -74,11 +76,9 @@ TEST(QuantKernels, RowBytesAndBlockSizes) {
 // The reference quantizers reproduce their input to within the format's resolution.
 TEST(QuantKernels, ReferenceRoundTripError) {
   std::mt19937 rng(1);
-  const std::pair<DType, double> kBounds[] = {{DType::kQ8_0, 0.01},
-                                              {DType::kQ5_0, 0.08},
-                                              {DType::kQ4_0, 0.15},
-                                              {DType::kQ4_K, 0.12},
-                                              {DType::kQ6_K, 0.05}};
+  const std::pair<DType, double> kBounds[] = {{DType::kQ8_0, 0.01}, {DType::kQ5_0, 0.08},
+                                              {DType::kQ4_0, 0.15}, {DType::kQ4_K, 0.12},
+                                              {DType::kQ5_K, 0.06}, {DType::kQ6_K, 0.05}};
   for (auto [t, bound] : kBounds) {
     QuantMatrix q = MakeMatrix(t, 8, 512, rng);
     const double err = NormErr(q.deq.data(), q.source.data(), q.deq.size());
@@ -148,6 +148,19 @@ TEST(QuantKernels, ReferenceDequantKnownBlocks) {
   for (int j = 0; j < 256; ++j) {
     const int s = j / 32;
     EXPECT_EQ(y[j], static_cast<float>(s + 1 + (s >= 4 ? 40 : 0)) - (2.0f * s + (s >= 4 ? 33 : 0)))
+        << j;
+  }
+  // q5_K: q4_K's header, then qh: value l of sub-block s has its fifth bit when l == s (bit s of
+  // qh[s]), so its code is 17; every other code is 1.
+  std::vector<uint8_t> k5(176, 0x11);
+  std::memcpy(k5.data(), k4.data(), 16);
+  std::memset(k5.data() + 16, 0, 32);
+  for (int s = 0; s < 8; ++s) k5[16 + s] |= static_cast<uint8_t>(1 << s);
+  ref::DequantRow(Matrix{k5.data(), DType::kQ5_K, 1, 256}, 0, y);
+  for (int j = 0; j < 256; ++j) {
+    const int s = j / 32, code = j % 32 == s ? 17 : 1;
+    EXPECT_EQ(y[j], static_cast<float>(code * (s + 1 + (s >= 4 ? 40 : 0))) -
+                        (2.0f * s + (s >= 4 ? 33 : 0)))
         << j;
   }
 }
@@ -254,7 +267,7 @@ TEST(QuantKernels, Int8MatMulMatchesReference) {
   if (!cpu::HasInt8Kernels()) GTEST_SKIP() << "this CPU has no AVX-512 VNNI: no int8 kernels";
   std::mt19937 rng(7);
   ThreadPool pool1(1), pool3(3);
-  for (DType t : {DType::kQ4_0, DType::kQ5_0, DType::kQ8_0, DType::kQ4_K, DType::kQ6_K}) {
+  for (DType t : kQuantTypes) {
     const int64_t be = DTypeBlockElems(t);
     for (int64_t rows : {1, 3, 70}) {
       for (int64_t cols : {be, 3 * be, 4 * be}) {
@@ -301,7 +314,7 @@ TEST(QuantKernels, Int8MatMulMatchesReference) {
 TEST(QuantKernels, Int8PathIsCloseToF32AndDispatched) {
   std::mt19937 rng(8);
   ThreadPool pool(2);
-  for (DType t : {DType::kQ4_0, DType::kQ5_0, DType::kQ8_0, DType::kQ4_K, DType::kQ6_K}) {
+  for (DType t : kQuantTypes) {
     QuantMatrix q = MakeMatrix(t, 33, 512, rng);
     const std::vector<float> x = RandomVec(5 * 512, rng);
     std::vector<float> f32(5 * 33), i8(5 * 33), got(5 * 33);

@@ -49,7 +49,7 @@ class Synthetic : public ::testing::Test {
   }
   static std::string Write(const char* json, WeightFormat format, uint64_t seed, int threads = 2) {
     const std::string out = dir_->path() + "/m-" + DTypeName(format.type) +
-                            (format.q4_k_m ? "_m-" : "-") + std::to_string(seed) + "-" +
+                            (format.mix_m ? "_m-" : "-") + std::to_string(seed) + "-" +
                             std::to_string(threads) + ".gguf";
     const Status s = WriteSyntheticGguf(Shape("shape", json), out, format, seed, threads);
     EXPECT_TRUE(s.ok()) << s.ToString();
@@ -166,54 +166,60 @@ TEST_F(Synthetic, RowsOffTheSuperBlockFallBackToQ5_0) {
   ExpectFiniteLogits(*engine);
 }
 
-// --type q4_k_m: llama.cpp's Q4_K_M mix. q6_K for the LM head (the embedding when tied), and for
-// attn_v and ffn_down where llama.cpp's use_more_bits(i, n) holds (i < n/8, i >= 7n/8, or
-// (i - n/8) % 3 == 2: layers 0, 3, 6, 7 of 8); q4_K elsewhere; falling back as llama.cpp does
-// (tests/peer_agreement.sh compares every matrix with llama.cpp's own quantizer).
-TEST_F(Synthetic, Q4KMixGivesLlamaCppsTypes) {
+// --type q4_k_m / q5_k_m: llama.cpp's Q4_K_M / Q5_K_M mix. q6_K for the LM head (the embedding
+// when tied), and for attn_v and ffn_down where llama.cpp's use_more_bits(i, n) holds (i < n/8,
+// i >= 7n/8, or (i - n/8) % 3 == 2: layers 0, 3, 6, 7 of 8); q4_K / q5_K elsewhere; falling back
+// as llama.cpp does (tests/peer_agreement.sh compares every matrix with llama.cpp's quantizer).
+TEST_F(Synthetic, KMixGivesLlamaCppsTypes) {
   constexpr char kEight[] = R"({
     "model_type": "llama", "num_hidden_layers": 8, "hidden_size": 256,
     "num_attention_heads": 4, "num_key_value_heads": 1, "intermediate_size": 512,
     "vocab_size": 600, "max_position_embeddings": 512, "rope_theta": 10000.0,
     "rms_norm_eps": 1e-5, "tie_word_embeddings": false
   })";
-  const std::string path = Write(kEight, WeightFormat::Q4KM(), 3);
-  auto engine = MakeEngine(path);
-  ASSERT_NE(engine, nullptr);
-  std::map<std::string, DType> types;
-  for (const auto& m : engine->weight_matrices()) types[m.name] = m.type;
-  ASSERT_EQ(types.size(), 2u + 8 * 7);
-  EXPECT_EQ(types["token_embd"], DType::kQ4_K);
-  EXPECT_EQ(types["output"], DType::kQ6_K);
-  for (int l = 0; l < 8; ++l) {
-    const std::string p = "blk." + std::to_string(l) + ".";
-    const DType more = l == 0 || l == 3 || l == 6 || l == 7 ? DType::kQ6_K : DType::kQ4_K;
-    EXPECT_EQ(types[p + "attn_v"], more) << l;
-    EXPECT_EQ(types[p + "ffn_down"], more) << l;
-    for (const char* m : {"attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"}) {
-      EXPECT_EQ(types[p + m], DType::kQ4_K) << p << m;
+  for (DType base : {DType::kQ4_K, DType::kQ5_K}) {
+    SCOPED_TRACE(DTypeName(base));
+    const std::string path = Write(kEight, WeightFormat::MixM(base), 3);
+    auto engine = MakeEngine(path);
+    ASSERT_NE(engine, nullptr);
+    std::map<std::string, DType> types;
+    for (const auto& m : engine->weight_matrices()) types[m.name] = m.type;
+    ASSERT_EQ(types.size(), 2u + 8 * 7);
+    EXPECT_EQ(types["token_embd"], base);
+    EXPECT_EQ(types["output"], DType::kQ6_K);
+    for (int l = 0; l < 8; ++l) {
+      const std::string p = "blk." + std::to_string(l) + ".";
+      const DType more = l == 0 || l == 3 || l == 6 || l == 7 ? DType::kQ6_K : base;
+      EXPECT_EQ(types[p + "attn_v"], more) << l;
+      EXPECT_EQ(types[p + "ffn_down"], more) << l;
+      for (const char* m : {"attn_q", "attn_k", "attn_output", "ffn_gate", "ffn_up"}) {
+        EXPECT_EQ(types[p + m], base) << p << m;
+      }
     }
+    ExpectFiniteLogits(*engine);
   }
-  ExpectFiniteLogits(*engine);
 
-  // Tied: the embedding is the LM head, in q6_K; 320 columns: q6_K falls back to q8_0, q4_K to
-  // q5_0.
+  // Tied: the embedding is the LM head, in q6_K; 320 columns: q6_K falls back to q8_0, q4_K and
+  // q5_K to q5_0.
   constexpr char kTied[] = R"({
     "model_type": "qwen2", "num_hidden_layers": 2, "hidden_size": 320,
     "num_attention_heads": 5, "num_key_value_heads": 1, "intermediate_size": 512,
     "vocab_size": 600, "max_position_embeddings": 512, "rope_theta": 1000000.0,
     "rms_norm_eps": 1e-6, "tie_word_embeddings": true
   })";
-  auto f = GgufFile::Open(Write(kTied, WeightFormat::Q4KM(), 4));
-  ASSERT_TRUE(f.ok()) << f.status().ToString();
-  EXPECT_EQ(f->FindTensor("output.weight"), nullptr);
-  EXPECT_EQ(f->FindTensor("token_embd.weight")->dtype, DType::kQ8_0);  // q6_K, 320 columns
-  // Of two layers only the second gets more bits (1 >= 7 * 2 / 8).
-  EXPECT_EQ(f->FindTensor("blk.0.attn_v.weight")->dtype, DType::kQ5_0);    // q4_K, 320 columns
-  EXPECT_EQ(f->FindTensor("blk.1.attn_v.weight")->dtype, DType::kQ8_0);    // q6_K, 320 columns
-  EXPECT_EQ(f->FindTensor("blk.0.ffn_down.weight")->dtype, DType::kQ4_K);  // 512 columns
-  EXPECT_EQ(f->FindTensor("blk.1.ffn_down.weight")->dtype, DType::kQ6_K);
-  EXPECT_EQ(f->FindTensor("blk.1.ffn_up.weight")->dtype, DType::kQ5_0);  // q4_K, 320 columns
+  for (DType base : {DType::kQ4_K, DType::kQ5_K}) {
+    SCOPED_TRACE(DTypeName(base));
+    auto f = GgufFile::Open(Write(kTied, WeightFormat::MixM(base), 4));
+    ASSERT_TRUE(f.ok()) << f.status().ToString();
+    EXPECT_EQ(f->FindTensor("output.weight"), nullptr);
+    EXPECT_EQ(f->FindTensor("token_embd.weight")->dtype, DType::kQ8_0);  // q6_K, 320 columns
+    // Of two layers only the second gets more bits (1 >= 7 * 2 / 8).
+    EXPECT_EQ(f->FindTensor("blk.0.attn_v.weight")->dtype, DType::kQ5_0);  // 320 columns
+    EXPECT_EQ(f->FindTensor("blk.1.attn_v.weight")->dtype, DType::kQ8_0);  // q6_K, 320 columns
+    EXPECT_EQ(f->FindTensor("blk.0.ffn_down.weight")->dtype, base);        // 512 columns
+    EXPECT_EQ(f->FindTensor("blk.1.ffn_down.weight")->dtype, DType::kQ6_K);
+    EXPECT_EQ(f->FindTensor("blk.1.ffn_up.weight")->dtype, DType::kQ5_0);  // 320 columns
+  }
 }
 
 TEST_F(Synthetic, BytesDependOnTheSeedOnly) {

@@ -12,18 +12,19 @@
 namespace cachet {
 
 // What the matrices of a written GGUF are stored as: `type` for every one (f32, f16, bf16, q8_0,
-// q5_0, q4_0, q4_K or q6_K), or with `q4_k_m` llama.cpp's Q4_K_M mix: q4_K, but q6_K for the LM
-// head (the embedding when it is tied) and for attn_v and ffn_down in the layers llama.cpp's
-// quantizer gives more bits (the first and last eighth of the layers and every third between).
-// A matrix whose rows do not split into its type's blocks falls back as llama.cpp's does: q4_K to
-// q5_0, q6_K to q8_0 (and an LM head of q4_k_m to q8_0), then f16. Norms and biases stay f32.
+// q5_0, q4_0, q4_K, q5_K or q6_K), or with `mix_m` llama.cpp's Q4_K_M / Q5_K_M mix: `type` (q4_K
+// or q5_K), but q6_K for the LM head (the embedding when it is tied) and for attn_v and ffn_down
+// in the layers llama.cpp's quantizer gives more bits (the first and last eighth of the layers and
+// every third between). A matrix whose rows do not split into its type's blocks falls back as
+// llama.cpp's does: q4_K to q5_0, q6_K to q8_0 (and a mix's LM head to q8_0), then f16; q5_K to
+// q5_0 (llama.cpp picks q5_1, which Cachet does not compute on). Norms and biases stay f32.
 struct WeightFormat {
   DType type = DType::kF16;
-  bool q4_k_m = false;                              // type is then q4_K
+  bool mix_m = false;                               // type is then q4_K or q5_K
   WeightFormat(DType t = DType::kF16) : type(t) {}  // NOLINT: a plain type is a format
-  static WeightFormat Q4KM() {
-    WeightFormat f(DType::kQ4_K);
-    f.q4_k_m = true;
+  static WeightFormat MixM(DType t) {
+    WeightFormat f(t);
+    f.mix_m = true;
     return f;
   }
 };

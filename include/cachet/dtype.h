@@ -5,10 +5,10 @@
 
 namespace cachet {
 
-// kQ8_0 .. kQ6_K are GGUF (GGML) block-quantized weight types: a row of a matrix is a sequence of
+// kQ8_0 .. kQ5_K are GGUF (GGML) block-quantized weight types: a row of a matrix is a sequence of
 // blocks of DTypeBlockElems(t) elements, DTypeBlockBytes(t) bytes each (layouts in
 // kernels/ref/quant.cc). They have no per-element size: use DTypeRowBytes, never DTypeSize.
-enum class DType : uint8_t { kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_K, kQ6_K, kQ5_0 };
+enum class DType : uint8_t { kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_K, kQ6_K, kQ5_0, kQ5_K };
 
 inline const char* DTypeName(DType t) {
   switch (t) {
@@ -28,6 +28,8 @@ inline const char* DTypeName(DType t) {
       return "q6_k";
     case DType::kQ5_0:
       return "q5_0";
+    case DType::kQ5_K:
+      return "q5_k";
   }
   return "?";
 }

@@ -6,7 +6,8 @@
 //   sum_b dw_b * dx_b * sum_j(u_j * q_j)  -  sum_b o_b * sx_b,      sx_b = dx_b * sum_j(q_j).
 //   q4_0: u = the nibble, o = 8 dw;  q5_0: u = nibble | fifth bit << 4, o = 16 dw;
 //   q8_0: u = code + 128, o = 128 dw;
-//   q4_K: u = the nibble of sub-block b, dw = d * scale_b, o = dmin * min_b.
+//   q4_K: u = the nibble of sub-block b, dw = d * scale_b, o = dmin * min_b;
+//   q5_K: as q4_K, u = nibble | fifth bit << 4.
 //   q6_K: u = the 6-bit code, o = 32 dw; its scales are per 16 values, so a block has two halves
 //         with dw_h = d * scale_h, and the offsets go into the integer sums of each half:
 //         dx_b * sum_h dw_h * sum_{j in h} (u_j - 32) q_j.
@@ -35,7 +36,7 @@ struct Q8Acts {
 // The weight types with an int8 path.
 inline bool HasInt8Path(DType t) {
   return t == DType::kQ4_0 || t == DType::kQ5_0 || t == DType::kQ8_0 || t == DType::kQ4_K ||
-         t == DType::kQ6_K;
+         t == DType::kQ5_K || t == DType::kQ6_K;
 }
 
 // The offset o = Int8Offset(t) * dw of the legacy block types (q4_0, q5_0, q8_0).
@@ -49,7 +50,8 @@ inline float LoadF16(const uint8_t* p) {
   return F16ToF32(h);
 }
 
-// Scale and min of sub-block j (0..7) of a q4_K super-block, as llama.cpp's get_scale_min_k4.
+// Scale and min of sub-block j (0..7) of a q4_K / q5_K super-block, as llama.cpp's
+// get_scale_min_k4.
 inline void ScaleMinK4(int j, const uint8_t* q, int* d, int* m) {
   if (j < 4) {
     *d = q[j] & 63;
@@ -81,7 +83,7 @@ inline void BlockScales(const uint8_t* row, int64_t nb, float* dw, float* o) {
       o[b] = d * static_cast<float>(sc[1]);
     }
   } else {
-    static_assert(kType == DType::kQ4_K);
+    static_assert(kType == DType::kQ4_K || kType == DType::kQ5_K);
     for (int64_t sb = 0; sb < nb / 8; ++sb) {
       const uint8_t* blk = row + sb * DTypeBlockBytes(kType);
       const float d = LoadF16(blk), dmin = LoadF16(blk + 2);
@@ -118,10 +120,14 @@ inline int BlockCode(const uint8_t* row, int64_t b, int j) {
     const uint8_t qh = blk[128 + 32 * half + j];
     return (k < 2 ? ql & 0xF : ql >> 4) | (((qh >> (2 * k)) & 3) << 4);
   } else {
-    static_assert(kType == DType::kQ4_K);
+    static_assert(kType == DType::kQ4_K || kType == DType::kQ5_K);
     const int64_t sb = b / 8, sub = b % 8;
-    const uint8_t q = row[sb * DTypeBlockBytes(kType) + 16 + (sub / 2) * 32 + j];
-    return sub % 2 == 0 ? q & 0xF : q >> 4;
+    const uint8_t* blk = row + sb * DTypeBlockBytes(kType);
+    constexpr int kQs = kType == DType::kQ4_K ? 16 : 48;
+    const uint8_t q = blk[kQs + (sub / 2) * 32 + j];
+    const int nibble = sub % 2 == 0 ? q & 0xF : q >> 4;
+    if constexpr (kType == DType::kQ4_K) return nibble;
+    return nibble | (((blk[16 + j] >> sub) & 1) << 4);
   }
 }
 

@@ -70,6 +70,8 @@ uint32_t GgmlTypeOf(DType t) {
       return kGgmlQ6_K;
     case DType::kQ5_0:
       return kGgmlQ5_0;
+    case DType::kQ5_K:
+      return kGgmlQ5_K;
   }
   return kGgmlF32;
 }
@@ -122,6 +124,9 @@ bool ToDType(uint32_t ggml, DType* out) {
       return true;
     case kGgmlQ5_0:
       *out = DType::kQ5_0;
+      return true;
+    case kGgmlQ5_K:
+      *out = DType::kQ5_K;
       return true;
     default:
       return false;
@@ -354,7 +359,7 @@ Result<GgufFile> GgufFile::Parse(const uint8_t* data, size_t size, const std::st
       return Unimplemented(what + ": tensor type " + std::to_string(t.ggml_type) + " (" +
                            GgmlTypeName(t.ggml_type) +
                            ") is not supported (supported: f32, f16, bf16, q8_0, q5_0, q4_0, "
-                           "q4_K, q6_K)");
+                           "q4_K, q5_K, q6_K)");
     }
     const int64_t row_bytes = DTypeRowBytes(t.dtype, t.ne[0]);
     if (row_bytes < 0) {

@@ -42,6 +42,7 @@ enum GgmlType : uint32_t {
   kGgmlQ5_0 = 6,
   kGgmlQ8_0 = 8,
   kGgmlQ4_K = 12,
+  kGgmlQ5_K = 13,
   kGgmlQ6_K = 14,
   kGgmlBF16 = 30,
 };

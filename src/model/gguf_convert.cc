@@ -41,7 +41,9 @@ uint32_t FileType(WeightFormat f) {
     case DType::kQ8_0:
       return 7;
     case DType::kQ4_K:
-      return f.q4_k_m ? 15 : 14;  // MOSTLY_Q4_K_M; MOSTLY_Q4_K_S, the nearest to all q4_K
+      return f.mix_m ? 15 : 14;  // MOSTLY_Q4_K_M; MOSTLY_Q4_K_S, the nearest to all q4_K
+    case DType::kQ5_K:
+      return f.mix_m ? 17 : 16;  // MOSTLY_Q5_K_M; MOSTLY_Q5_K_S
     case DType::kQ6_K:
       return 18;
     case DType::kQ5_0:
@@ -201,7 +203,7 @@ std::vector<ModelTensor> ModelTensors(const ModelConfig& c) {
 DType MatrixType(const WeightFormat& format, const ModelTensor& t, int n_layers, bool tied) {
   const int64_t cols = t.shape.back();
   DType want = format.type;
-  if (format.q4_k_m) {
+  if (format.mix_m) {
     // llama.cpp's use_more_bits: the first and last eighth of the layers, and every third between.
     const int i = t.layer, n = n_layers;
     const bool more_bits = i >= 0 && (i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2);
@@ -216,9 +218,10 @@ DType MatrixType(const WeightFormat& format, const ModelTensor& t, int n_layers,
   }
   if (DTypeRowBytes(want, cols) >= 0) return want;
   // llama.cpp's fallbacks for rows off the 256-value super-blocks (qwen2.5-0.5b's 896 columns).
-  const DType fallback = want == DType::kQ4_K   ? DType::kQ5_0
-                         : want == DType::kQ6_K ? DType::kQ8_0
-                                                : DType::kF16;
+  // q5_K's is q5_1 there, which Cachet does not compute on: q5_0 has its bits.
+  const DType fallback = want == DType::kQ4_K || want == DType::kQ5_K ? DType::kQ5_0
+                         : want == DType::kQ6_K                       ? DType::kQ8_0
+                                                                      : DType::kF16;
   return DTypeRowBytes(fallback, cols) >= 0 ? fallback : DType::kF16;
 }
 

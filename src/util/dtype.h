@@ -19,6 +19,7 @@ constexpr int64_t DTypeBlockElems(DType t) {
     case DType::kQ5_0:
       return 32;
     case DType::kQ4_K:
+    case DType::kQ5_K:
     case DType::kQ6_K:
       return 256;
     default:
@@ -35,6 +36,8 @@ constexpr int64_t DTypeBlockBytes(DType t) {
       return 22;  // f16 scale + 32 fifth bits + 16 bytes of nibbles
     case DType::kQ4_K:
       return 144;  // f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
+    case DType::kQ5_K:
+      return 176;  // q4_K's, with 32 bytes of fifth bits before the nibbles
     case DType::kQ6_K:
       return 210;  // 128 bytes low nibbles, 64 bytes high 2 bits, 16 int8 scales, f16 d
     default:

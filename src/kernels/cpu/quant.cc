@@ -1,8 +1,8 @@
 // Highway MatMul and DequantRow for the GGUF block-quantized weight types (q8_0, q5_0, q4_0, q4_K,
-// q6_K; layouts in kernels/ref/quant.cc). Weights stay quantized in memory: blocks are widened to
-// f32 vectors on the fly (integers promoted to i32 lanes, converted, scaled), all arithmetic is
-// f32. QuantMatMul prefers the int8 kernels (kernels/cpu/quant_int8.cc) where the CPU has them;
-// this f32 path serves CPUs without AVX-512 VNNI.
+// q5_K, q6_K; layouts in kernels/ref/quant.cc). Weights stay quantized in memory: blocks are
+// widened to f32 vectors on the fly (integers promoted to i32 lanes, converted, scaled), all
+// arithmetic is f32. QuantMatMul prefers the int8 kernels (kernels/cpu/quant_int8.cc) where the CPU
+// has them; this f32 path serves CPUs without AVX-512 VNNI.
 //
 // n == 1 (decode): each row's dequantized vectors are dotted with x as they are produced.
 // n > 1 (prefill): each task dequantizes a block of rows into per-thread f32 scratch once and runs
@@ -107,11 +107,16 @@ HWY_INLINE void ForEachVec(const uint8_t* row, int64_t cols, const Fn& fn) {
       for (int64_t k = 0; k < 16; k += N) {
         fn(c0 + 16 + k, code(16 + k, hn::ShiftRight<4>(LoadU8(b + 6 + k))));
       }
-    } else if constexpr (kType == DType::kQ4_K) {
+    } else if constexpr (kType == DType::kQ4_K || kType == DType::kQ5_K) {
+      constexpr bool kFifth = kType == DType::kQ5_K;  // q5_K: bit is of qh[l], code l's fifth bit
       const float d = LoadF16(b), dmin = LoadF16(b + 2);
       const uint8_t* sc = b + 4;
-      const uint8_t* q = b + 16;
-      const auto mask = hn::Set(di, 0xF);
+      const uint8_t* qh = b + 16;
+      const uint8_t* q = b + (kFifth ? 48 : 16);
+      const auto mask = hn::Set(di, 0xF), one = hn::Set(di, 1);
+      auto fifth = [&](int64_t k, int bit) {
+        return hn::ShiftLeft<4>(hn::And(hn::ShiftRightSame(LoadU8(qh + k), bit), one));
+      };
       for (int j = 0; j < 256; j += 64, q += 32) {
         const int is = j / 32;
         uint8_t s1, m1, s2, m2;
@@ -127,11 +132,14 @@ HWY_INLINE void ForEachVec(const uint8_t* row, int64_t cols, const Fn& fn) {
         const VF d1 = hn::Set(df, d * s1), mn1 = hn::Set(df, dmin * m1);
         const VF d2 = hn::Set(df, d * s2), mn2 = hn::Set(df, dmin * m2);
         for (int64_t k = 0; k < 32; k += N) {
-          fn(c0 + j + k, hn::MulSub(hn::ConvertTo(df, hn::And(LoadU8(q + k), mask)), d1, mn1));
+          auto code = hn::And(LoadU8(q + k), mask);
+          if constexpr (kFifth) code = hn::Or(code, fifth(k, is));
+          fn(c0 + j + k, hn::MulSub(hn::ConvertTo(df, code), d1, mn1));
         }
         for (int64_t k = 0; k < 32; k += N) {
-          fn(c0 + j + 32 + k,
-             hn::MulSub(hn::ConvertTo(df, hn::ShiftRight<4>(LoadU8(q + k))), d2, mn2));
+          auto code = hn::ShiftRight<4>(LoadU8(q + k));
+          if constexpr (kFifth) code = hn::Or(code, fifth(k, is + 1));
+          fn(c0 + j + 32 + k, hn::MulSub(hn::ConvertTo(df, code), d2, mn2));
         }
       }
     } else {
@@ -275,6 +283,8 @@ void QuantMatMulImpl(const float* x, int64_t n, const Matrix& w, const float* bi
       return MatMulT<DType::kQ5_0>(x, n, w, bias, y, y_stride, pool);
     case DType::kQ4_K:
       return MatMulT<DType::kQ4_K>(x, n, w, bias, y, y_stride, pool);
+    case DType::kQ5_K:
+      return MatMulT<DType::kQ5_K>(x, n, w, bias, y, y_stride, pool);
     case DType::kQ6_K:
       return MatMulT<DType::kQ6_K>(x, n, w, bias, y, y_stride, pool);
     default:
@@ -293,6 +303,8 @@ void QuantDequantRowImpl(const Matrix& w, int64_t r, float* out) {
       return DequantRowT<DType::kQ5_0>(w, r, out);
     case DType::kQ4_K:
       return DequantRowT<DType::kQ4_K>(w, r, out);
+    case DType::kQ5_K:
+      return DequantRowT<DType::kQ5_K>(w, r, out);
     case DType::kQ6_K:
       return DequantRowT<DType::kQ6_K>(w, r, out);
     default:

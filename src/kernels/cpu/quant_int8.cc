@@ -51,7 +51,7 @@ constexpr int64_t kPrefetchBytes = 4096;
 constexpr int64_t kMaxDecodeTokens = kInt8MaxDecodeTokens;
 constexpr int64_t kDecodeRowChunk = 16;  // rows decode takes through every token at once
 
-// 32-value blocks per GGUF block (8 in a q4_K / q6_K super-block).
+// 32-value blocks per GGUF block (8 in a q4_K / q5_K / q6_K super-block).
 template <DType kType>
 constexpr int64_t kSubBlocks = DTypeBlockElems(kType) / kQ8Block;
 // Bytes of a 32-value block (q4_K: its share of 144; q6_K's 210 / 8 is no whole number).
@@ -79,10 +79,22 @@ struct HardF16 {
   }
 };
 
-// The 32 bytes of q4_K quants holding sub-blocks b and b ^ 1 (low nibbles: the even one).
-CACHET_INT8_TARGET inline __m256i Q4KQuants(const uint8_t* row, int64_t b) {
+// q4_K and q5_K: the types with a super-block header of 6-bit scales and minimums.
+template <DType kType>
+constexpr bool kScaleMinK = kType == DType::kQ4_K || kType == DType::kQ5_K;
+
+// The 32 bytes of q4_K / q5_K quants holding sub-blocks b and b ^ 1 (low nibbles: the even one).
+template <DType kType>
+CACHET_INT8_TARGET inline __m256i KQuants(const uint8_t* row, int64_t b) {
+  constexpr int64_t kQs = kType == DType::kQ4_K ? 16 : 48;
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-      row + (b / 8) * DTypeBlockBytes(DType::kQ4_K) + 16 + ((b % 8) / 2) * 32));
+      row + (b / 8) * DTypeBlockBytes(kType) + kQs + ((b % 8) / 2) * 32));
+}
+
+// A q5_K super-block's 32 bytes of fifth bits (bit i of byte l: value l of sub-block i).
+CACHET_INT8_TARGET inline __m256i Q5KHighBits(const uint8_t* row, int64_t b) {
+  return _mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(row + (b / 8) * DTypeBlockBytes(DType::kQ5_K) + 16));
 }
 
 // The 32 unsigned codes of block b of a weight row.
@@ -117,9 +129,16 @@ CACHET_INT8_TARGET inline __m256i Codes(const uint8_t* row, int64_t b) {
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + b * BlockBytes<kType>() + 2));
     return _mm256_xor_si256(v, _mm256_set1_epi8(static_cast<char>(0x80)));
   } else {
-    static_assert(kType == DType::kQ4_K);
-    const __m256i v = Q4KQuants(row, b);
-    return _mm256_and_si256(b % 2 == 0 ? v : _mm256_srli_epi16(v, 4), low4);
+    static_assert(kScaleMinK<kType>);
+    const __m256i v = KQuants<kType>(row, b);
+    const __m256i nibbles = _mm256_and_si256(b % 2 == 0 ? v : _mm256_srli_epi16(v, 4), low4);
+    if constexpr (kType == DType::kQ4_K) {
+      return nibbles;
+    } else {
+      const __mmask32 fifth = _mm256_test_epi8_mask(
+          Q5KHighBits(row, b), _mm256_set1_epi8(static_cast<char>(1 << (b % 8))));
+      return _mm256_mask_add_epi8(nibbles, fifth, nibbles, _mm256_set1_epi8(16));
+    }
   }
 }
 
@@ -147,9 +166,21 @@ CACHET_INT8_TARGET inline __m512i CodePair(const uint8_t* row, int64_t b) {
   } else if constexpr (kType == DType::kQ4_K) {
     // One 32-byte load holds both sub-blocks. The odd one's high nibbles stay in place: its codes
     // count 16 times (exact in the integer sum), and DecodeRows scales it by 1/16 (exact too).
-    const __m512i v = _mm512_broadcast_i64x4(Q4KQuants(row, b));
+    const __m512i v = _mm512_broadcast_i64x4(KQuants<kType>(row, b));
     return _mm512_and_si512(v, _mm512_inserti64x4(_mm512_set1_epi8(0x0F),
                                                   _mm256_set1_epi8(static_cast<char>(0xF0)), 1));
+  } else if constexpr (kType == DType::kQ5_K) {
+    // The odd sub-block's nibbles shifted down (its fifth bit would not fit above them), and each
+    // sub-block's fifth bits added by one masked byte add.
+    const __m512i v = _mm512_broadcast_i64x4(KQuants<kType>(row, b));
+    const __m512i nibbles = _mm512_and_si512(
+        _mm512_srlv_epi64(v, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)), _mm512_set1_epi8(0x0F));
+    const int sub = static_cast<int>(b % 8);
+    const __m512i bits = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << sub)),
+                                            _mm256_set1_epi8(static_cast<char>(1 << (sub + 1))), 1);
+    const __mmask64 fifth =
+        _mm512_test_epi8_mask(_mm512_broadcast_i64x4(Q5KHighBits(row, b)), bits);
+    return _mm512_mask_add_epi8(nibbles, fifth, nibbles, _mm512_set1_epi8(16));
   } else if constexpr (kType == DType::kQ4_0 || kType == DType::kQ5_0) {
     constexpr int64_t kBytes = BlockBytes<kType>(), kCodes = kType == DType::kQ5_0 ? 6 : 2;
     const uint8_t* blk = row + b * kBytes;
@@ -210,7 +241,7 @@ CACHET_INT8_TARGET void RowScales(const uint8_t* row, int64_t nb, float* dw, flo
       _mm256_storeu_ps(dw + sb * 8, _mm512_castps512_ps256(split));
       _mm256_storeu_ps(o + sb * 8, _mm512_extractf32x8_ps(split, 1));
     }
-  } else if constexpr (kType == DType::kQ4_K) {
+  } else if constexpr (kScaleMinK<kType>) {
     for (int64_t sb = 0; sb < nb / 8; ++sb) {
       __m256 d8, o8;
       Q4KScales(row + sb * DTypeBlockBytes(kType), &d8, &o8);
@@ -291,7 +322,7 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
 #pragma GCC unroll 8
     for (int t = 0; t < kT; ++t) {
       const __m512i start =
-          kType == DType::kQ4_K ? _mm512_setzero_si512() : _mm512_load_si512(a[t].off2 + p * 16);
+          kScaleMinK<kType> ? _mm512_setzero_si512() : _mm512_load_si512(a[t].off2 + p * 16);
       const __m512i z = _mm512_dpbusd_epi32(start, codes, _mm512_loadu_si512(a[t].q + b * 32));
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(z), scale(t), acc[t]);
     }
@@ -303,7 +334,7 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
     float v[kT];
 #pragma GCC unroll 8
     for (int t = 0; t < kT; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
-    if constexpr (kType == DType::kQ4_K) {
+    if constexpr (kScaleMinK<kType>) {
       // Per super-block: its scales once, times the activations' (dw dx of its eight sub-blocks
       // in one product), four pairs, and the minimums' share sum_j o_j sx_j.
       const __m512i lo = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
@@ -314,8 +345,10 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
       for (int64_t sb = 0; sb < nb / 8; ++sb) {
         __m256 dw8, o8;
         Q4KScales(row + sb * DTypeBlockBytes(kType), &dw8, &o8);
-        // The odd sub-blocks' codes come 16 times too large (CodePair).
-        const __m256 sixteenth = _mm256_setr_ps(1, 0.0625f, 1, 0.0625f, 1, 0.0625f, 1, 0.0625f);
+        // q4_K's odd sub-blocks' codes come 16 times too large (CodePair).
+        const __m256 sixteenth =
+            kType == DType::kQ4_K ? _mm256_setr_ps(1, 0.0625f, 1, 0.0625f, 1, 0.0625f, 1, 0.0625f)
+                                  : _mm256_set1_ps(1.0f);
         __m512 dw[kT];
 #pragma GCC unroll 8
         for (int t = 0; t < kT; ++t) {
@@ -422,7 +455,7 @@ CACHET_INT8_TARGET DecodeActs PrepareDecodeActs(const float* x, int64_t cols, fl
       for (int j = 0; j < 16; ++j) first += q[b * 32 + j];
       off2[pair + 8 * half] = -32 * first;
       off2[pair + 8 * half + 4] = -32 * (sum - first);
-    } else if constexpr (kType != DType::kQ4_K) {
+    } else if constexpr (!kScaleMinK<kType>) {
       off2[pair + 8 * half] = -Int8Offset(kType) * sum;
     }
   }
@@ -726,6 +759,8 @@ void Int8MatMul(const float* x, int64_t n, const Matrix& w, const float* bias, f
       return Dispatch<DType::kQ8_0>(x, n, w, bias, y, y_stride, pool);
     case DType::kQ4_K:
       return Dispatch<DType::kQ4_K>(x, n, w, bias, y, y_stride, pool);
+    case DType::kQ5_K:
+      return Dispatch<DType::kQ5_K>(x, n, w, bias, y, y_stride, pool);
     case DType::kQ6_K:
       return Dispatch<DType::kQ6_K>(x, n, w, bias, y, y_stride, pool);
     default:

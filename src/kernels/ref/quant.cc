@@ -1,19 +1,17 @@
 // Reference dequantization and quantization of the GGUF (GGML) block formats Cachet computes on
 // directly, written from llama.cpp's ggml-quants layouts (little-endian, packed, no padding):
 //
-//   block_q8_0 (32 values, 34 bytes):  f16 d; int8 qs[32]                   x = d * q
-//   block_q4_0 (32 values, 18 bytes):  f16 d; u8 qs[16]                     x[j] = d * (lo(qs[j]) -
-//   8),
-//                                                                           x[j+16] = d *
-//                                                                           (hi(qs[j]) - 8)
-//   block_q5_0 (32 values, 22 bytes):  f16 d; u32 qh; u8 qs[16]            x[j] = d * (lo(qs[j]) |
-//                                                                           bit j of qh << 4) -
-//                                                                           16), x[j+16]: hi, bit
-//                                                                           j+16
+//   block_q8_0 (32 values, 34 bytes):  f16 d; int8 qs[32]            x = d * q
+//   block_q4_0 (32 values, 18 bytes):  f16 d; u8 qs[16]              x[j] = d * (lo(qs[j]) - 8),
+//                                                                    x[j+16] = d * (hi(qs[j]) - 8)
+//   block_q5_0 (32 values, 22 bytes):  f16 d; u32 qh; u8 qs[16]      as q4_0 with bit j of qh as
+//                                                                    code j's fifth bit, minus 16
 //   block_q4_K (256 values, 144 bytes): f16 d; f16 dmin; u8 scales[12]; u8 qs[128]
 //       8 sub-blocks of 32 with 6-bit scale sc and 6-bit min m (packed as get_scale_min_k4 reads
 //       them); per 64 values, 32 bytes of qs: low nibbles are sub-block 2i, high nibbles 2i+1;
 //       x = d * sc * q - dmin * m.
+//   block_q5_K (256 values, 176 bytes): f16 d; f16 dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]
+//       q4_K's, with bit i of qh[l] the fifth bit of value l of sub-block i.
 //   block_q6_K (256 values, 210 bytes): u8 ql[128]; u8 qh[64]; int8 scales[16]; f16 d
 //       16 sub-blocks of 16; 6-bit q = low 4 bits from ql, high 2 bits from qh; x = d * sc * (q -
 //       32).
@@ -82,6 +80,25 @@ void DequantQ4_K(const uint8_t* b, float* y) {
     const float d2 = d * sc, m2 = dmin * m;
     for (int l = 0; l < 32; ++l) y[j + l] = d1 * static_cast<float>(q[l] & 0xF) - m1;
     for (int l = 0; l < 32; ++l) y[j + 32 + l] = d2 * static_cast<float>(q[l] >> 4) - m2;
+  }
+}
+
+void DequantQ5_K(const uint8_t* b, float* y) {
+  const float d = LoadF16(b);
+  const float dmin = LoadF16(b + 2);
+  const uint8_t* scales = b + 4;
+  const uint8_t* qh = b + 16;
+  const uint8_t* q = b + 48;
+  for (int j = 0, is = 0; j < 256; j += 64, is += 2, q += 32) {
+    int sc, m;
+    ScaleMinK4(is, scales, &sc, &m);
+    const float d1 = d * sc, m1 = dmin * m;
+    ScaleMinK4(is + 1, scales, &sc, &m);
+    const float d2 = d * sc, m2 = dmin * m;
+    for (int l = 0; l < 32; ++l) {
+      y[j + l] = d1 * static_cast<float>((q[l] & 0xF) | (((qh[l] >> is) & 1) << 4)) - m1;
+      y[j + 32 + l] = d2 * static_cast<float>((q[l] >> 4) | (((qh[l] >> (is + 1)) & 1) << 4)) - m2;
+    }
   }
 }
 
@@ -157,7 +174,9 @@ void QuantizeQ5_0(const float* x, uint8_t* b) {
   std::memcpy(b + 2, &qh, 4);
 }
 
-void QuantizeQ4_K(const float* x, uint8_t* b) {
+// q4_K's and q5_K's header (f16 d, dmin and the 6-bit scales and minimums of 8 sub-blocks, at b)
+// and codes 0..levels of the 256 values in L, quantized against the header as stored.
+void QuantizeScaleMinK(const float* x, int levels, uint8_t* b, uint8_t* L) {
   float scale[8], minv[8];
   float max_scale = 0.0f, max_min = 0.0f;
   for (int s = 0; s < 8; ++s) {
@@ -166,7 +185,7 @@ void QuantizeQ4_K(const float* x, uint8_t* b) {
       lo = std::min(lo, x[s * 32 + l]);
       hi = std::max(hi, x[s * 32 + l]);
     }
-    scale[s] = (hi - lo) / 15.0f;
+    scale[s] = (hi - lo) / static_cast<float>(levels);
     minv[s] = -lo;  // >= 0
     max_scale = std::max(max_scale, scale[s]);
     max_min = std::max(max_min, minv[s]);
@@ -191,21 +210,39 @@ void QuantizeQ4_K(const float* x, uint8_t* b) {
       scales[j] |= static_cast<uint8_t>((lm[j] >> 4) << 6);
     }
   }
-  // Quantize against the scales as stored (f16 d, dmin; 6-bit sc, m).
   const float df = LoadF16(b), dminf = LoadF16(b + 2);
-  uint8_t L[256];
   for (int s = 0; s < 8; ++s) {
     int sc, m;
     ScaleMinK4(s, scales, &sc, &m);
     const float dl = df * sc, ml = dminf * m;
     for (int l = 0; l < 32; ++l) {
       const int q = dl != 0.0f ? NearestInt((x[s * 32 + l] + ml) / dl) : 0;
-      L[s * 32 + l] = static_cast<uint8_t>(std::clamp(q, 0, 15));
+      L[s * 32 + l] = static_cast<uint8_t>(std::clamp(q, 0, levels));
     }
   }
+}
+
+void QuantizeQ4_K(const float* x, uint8_t* b) {
+  uint8_t L[256];
+  QuantizeScaleMinK(x, 15, b, L);
   uint8_t* q = b + 16;
   for (int j = 0; j < 256; j += 64, q += 32) {
     for (int l = 0; l < 32; ++l) q[l] = static_cast<uint8_t>(L[j + l] | (L[j + l + 32] << 4));
+  }
+}
+
+void QuantizeQ5_K(const float* x, uint8_t* b) {
+  uint8_t L[256];
+  QuantizeScaleMinK(x, 31, b, L);
+  uint8_t* qh = b + 16;
+  uint8_t* q = b + 48;
+  std::memset(qh, 0, 32);
+  for (int j = 0, is = 0; j < 256; j += 64, is += 2, q += 32) {
+    for (int l = 0; l < 32; ++l) {
+      const uint8_t lo = L[j + l], hi = L[j + l + 32];
+      q[l] = static_cast<uint8_t>((lo & 0xF) | ((hi & 0xF) << 4));
+      qh[l] |= static_cast<uint8_t>(((lo >> 4) << is) | ((hi >> 4) << (is + 1)));
+    }
   }
 }
 
@@ -281,6 +318,9 @@ void QuantDequantRow(const Matrix& w, int64_t r, float* out) {
       case DType::kQ4_K:
         DequantQ4_K(b, y);
         break;
+      case DType::kQ5_K:
+        DequantQ5_K(b, y);
+        break;
       case DType::kQ6_K:
         DequantQ6_K(b, y);
         break;
@@ -317,6 +357,9 @@ void QuantizeRow(DType t, const float* x, int64_t n, void* out) {
         break;
       case DType::kQ4_K:
         QuantizeQ4_K(x + i * be, o + i * bb);
+        break;
+      case DType::kQ5_K:
+        QuantizeQ5_K(x + i * be, o + i * bb);
         break;
       case DType::kQ6_K:
         QuantizeQ6_K(x + i * be, o + i * bb);
@@ -366,8 +409,9 @@ float Int8DotT(const uint8_t* row, const int8_t* q, const float* d, const float*
       continue;
     }
     float dw, o;
-    // Scales of one block: q4_K's are per super-block, so ask for the whole one and pick.
-    if constexpr (kType == DType::kQ4_K) {
+    // Scales of one block: q4_K's and q5_K's are per super-block, so ask for the whole one and
+    // pick.
+    if constexpr (kType == DType::kQ4_K || kType == DType::kQ5_K) {
       float dws[8], os[8];
       BlockScales<kType>(row + (b / 8) * DTypeBlockBytes(kType), 8, dws, os);
       dw = dws[b % 8];
@@ -398,6 +442,8 @@ float Int8Dot(const Matrix& w, int64_t r, const int8_t* q, const float* d, const
       return Int8DotT<DType::kQ6_K>(row, q, d, s, nb);
     case DType::kQ5_0:
       return Int8DotT<DType::kQ5_0>(row, q, d, s, nb);
+    case DType::kQ5_K:
+      return Int8DotT<DType::kQ5_K>(row, q, d, s, nb);
     default:
       return NAN;  // no int8 path (HasInt8Path)
   }
