@@ -333,8 +333,8 @@ TEST(GgufReader, CorruptFilesGiveClearErrors) {
   Patch<uint64_t>(b, q_info + 4 + 8 * 2 + 4, 33);
   expect_error(b, "not a multiple of the alignment");
   b = good;
-  Patch<uint32_t>(b, q_info + 4 + 8 * 2, 13);
-  expect_error(b, "tensor 'q': tensor type 13 (q5_K) is not supported");
+  Patch<uint32_t>(b, q_info + 4 + 8 * 2, 11);
+  expect_error(b, "tensor 'q': tensor type 11 (q3_K) is not supported");
   b = good;
   Patch<uint32_t>(b, q_info + 4 + 8 * 2, 999);
   expect_error(b, "tensor type 999 (unknown)");

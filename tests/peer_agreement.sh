@@ -5,8 +5,9 @@
 # (q4_K, q5_K and q6_K blocks read by Cachet's int8 kernels). Both evaluate the same pseudo-random
 # token ids as one sequence (f16 KV on both sides): Cachet with `cachet run --logits-of`, llama.cpp
 # with `llama_peer logits`. And `cachet convert --type q4_k_m` / `q5_k_m` picks llama.cpp's type for
-# every matrix (its q6_K layers, and for q4_k_m its q5_0 / q8_0 fallbacks for rows off the 256-value
-# super-blocks, on a small qwen2-like shape whose 320 columns need them).
+# every matrix (its q6_K layers, and its q5_0 / q5_1 / q8_0 fallbacks for rows off the 256-value
+# super-blocks, on a small qwen2-like shape whose 320 columns need them); both engines read
+# llama.cpp's Q5_K_M of that shape (mostly q5_1) to within 0.05 of each other's top-2 margins.
 #
 # usage: tests/peer_agreement.sh CACHET_BINARY WORK_DIR
 # environment: SHAPE (mha-85m), N_IDS (2048), MIN_CONFIDENT (10: fewer positions over the margin
@@ -33,15 +34,19 @@ fi
 vocab=$("$cachet" inspect -m "$model" | awk '$1 == "vocab" { print $2 }')
 [ -n "$vocab" ] || { echo "peer_agreement: no vocab size from cachet inspect -m $model" >&2; exit 1; }
 
-# Ids in [3, vocab): no control token; a fixed LCG so that every run sees the same sequence.
-node -e '
-  const [n, vocab] = process.argv.slice(1).map(Number);
-  let x = 12345n, ids = [];
-  for (let i = 0; i < n; ++i) {
-    x = (x * 6364136223846793005n + 1442695040888963407n) & ((1n << 64n) - 1n);
-    ids.push(3 + Number((x >> 33n) % BigInt(vocab - 3)));
-  }
-  console.log(JSON.stringify(ids));' "$n_ids" "$vocab" >"$work/ids.json"
+# ids_of OUT N VOCAB: N ids in [3, VOCAB), no control token; a fixed LCG so that every run sees
+# the same sequence.
+ids_of() {
+  node -e '
+    const [n, vocab] = process.argv.slice(1).map(Number);
+    let x = 12345n, ids = [];
+    for (let i = 0; i < n; ++i) {
+      x = (x * 6364136223846793005n + 1442695040888963407n) & ((1n << 64n) - 1n);
+      ids.push(3 + Number((x >> 33n) % BigInt(vocab - 3)));
+    }
+    console.log(JSON.stringify(ids));' "$2" "$3" >"$1"
+}
+ids_of "$work/ids.json" "$n_ids" "$vocab"
 
 # Argmax agreement of the two engines on one GGUF (its label names it in the output).
 agree() {
@@ -118,7 +123,29 @@ cat >"$work/mini.json" <<'JSON'
  "tie_word_embeddings": true}
 JSON
 same_types mini q4_k_m
-# q5_k_m on whole super-blocks (llama.cpp's q5_K fallback is q5_1, which Cachet does not write).
+# q5_k_m: there q5_K falls back to q5_1; and on whole super-blocks.
+same_types mini q5_k_m
+# llama.cpp's Q5_K_M of the qwen2-like shape (44 of its 57 matrices q5_1) read by both engines.
+# Its random weights leave no top-2 margin over 0.5, so the check is closeness: the same argmax
+# at 95% of the positions and margins within 0.05 of each other.
+ids_of "$work/mini-ids.json" 512 1000
+"$cachet" run -m "$work/mini-llama.gguf" -t "$threads" --ctk f16 --ctv f16 \
+  --logits-of "$work/mini-ids.json" >"$work/cachet_logits.json"
+"$peer" logits "$work/mini-llama.gguf" "$threads" "$work/mini-ids.json" f16 \
+  >"$work/llama_logits.json"
+node -e '
+  const fs = require("fs");
+  const [cf, lf] = process.argv.slice(1);
+  const c = JSON.parse(fs.readFileSync(cf)), l = JSON.parse(fs.readFileSync(lf));
+  let same = 0, maxDiff = 0;
+  for (let i = 0; i < c.n; ++i) {
+    same += c.argmax[i] === l.argmax[i];
+    maxDiff = Math.max(maxDiff, Math.abs(c.margin[i] - l.margin[i]));
+  }
+  console.log(`peer_agreement (mini, llama.cpp\x27s Q5_K_M with q5_1): argmax equal at ${same} ` +
+              `of ${c.n}; largest difference of the margins ${maxDiff.toFixed(4)}`);
+  if (c.n !== l.n || same < 0.95 * c.n || maxDiff > 0.05) process.exit(1);' \
+  "$work/cachet_logits.json" "$work/llama_logits.json"
 cat >"$work/mini256.json" <<'JSON'
 {"model_type": "llama", "num_hidden_layers": 8, "hidden_size": 256, "num_attention_heads": 4,
  "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 1000,

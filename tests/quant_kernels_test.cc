@@ -1,7 +1,7 @@
-// Quantized weight kernels (q8_0, q5_0, q4_0, q4_K, q5_K, q6_K): the reference quantizers against
-// the values they encode, ref::MatMul against double-precision math over the reference
-// dequantization, and every cpu:: MatMul / DequantRow (each compiled SIMD target this CPU has)
-// against ref::.
+// Quantized weight kernels (q8_0, q5_0, q5_1, q4_0, q4_1, q4_K, q5_K, q6_K): the reference
+// quantizers against the values they encode, ref::MatMul against double-precision math over the
+// reference dequantization, and every cpu:: MatMul / DequantRow (each compiled SIMD target this CPU
+// has) against ref::.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -18,8 +18,8 @@
 namespace cachet::kernels {
 namespace {
 
-constexpr DType kQuantTypes[] = {DType::kQ8_0, DType::kQ5_0, DType::kQ4_0,
-                                 DType::kQ4_K, DType::kQ5_K, DType::kQ6_K};
+constexpr DType kQuantTypes[] = {DType::kQ8_0, DType::kQ5_0, DType::kQ5_1, DType::kQ4_0,
+                                 DType::kQ4_1, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K};
 
 double NormErr(const float* a, const float* b, size_t n) {
   double diff = 0.0, ref = 0.0;
@@ -69,6 +69,8 @@ TEST(QuantKernels, RowBytesAndBlockSizes) {
   EXPECT_EQ(DTypeRowBytes(DType::kQ4_K, 512), 288);
   EXPECT_EQ(DTypeRowBytes(DType::kQ6_K, 256), 210);
   EXPECT_EQ(DTypeRowBytes(DType::kQ5_K, 512), 352);
+  EXPECT_EQ(DTypeRowBytes(DType::kQ4_1, 64), 40);
+  EXPECT_EQ(DTypeRowBytes(DType::kQ5_1, 896), 672);
   EXPECT_EQ(DTypeRowBytes(DType::kQ4_K, 384), -1);
   EXPECT_EQ(DTypeRowBytes(DType::kF16, 3), 6);
 }
@@ -76,9 +78,9 @@ TEST(QuantKernels, RowBytesAndBlockSizes) {
 // The reference quantizers reproduce their input to within the format's resolution.
 TEST(QuantKernels, ReferenceRoundTripError) {
   std::mt19937 rng(1);
-  const std::pair<DType, double> kBounds[] = {{DType::kQ8_0, 0.01}, {DType::kQ5_0, 0.08},
-                                              {DType::kQ4_0, 0.15}, {DType::kQ4_K, 0.12},
-                                              {DType::kQ5_K, 0.06}, {DType::kQ6_K, 0.05}};
+  const std::pair<DType, double> kBounds[] = {
+      {DType::kQ8_0, 0.01}, {DType::kQ5_0, 0.08}, {DType::kQ4_0, 0.15}, {DType::kQ4_K, 0.12},
+      {DType::kQ5_K, 0.06}, {DType::kQ6_K, 0.05}, {DType::kQ4_1, 0.12}, {DType::kQ5_1, 0.06}};
   for (auto [t, bound] : kBounds) {
     QuantMatrix q = MakeMatrix(t, 8, 512, rng);
     const double err = NormErr(q.deq.data(), q.source.data(), q.deq.size());
@@ -118,6 +120,28 @@ TEST(QuantKernels, ReferenceDequantKnownBlocks) {
   for (int j = 0; j < 16; ++j) {
     EXPECT_EQ(y[j], 0.25f * (j + (j == 3 ? 16 : 0) - 16)) << j;
     EXPECT_EQ(y[j + 16], 0.25f * (15 - j + (j + 16 == 20 ? 16 : 0) - 16)) << j + 16;
+  }
+  // q4_1: d = 2, m = -3, qs[j] = lo j, hi 15 - j: x = 2 q - 3; q5_1 the same with the fifth bit
+  // on for codes 3 and 20 only.
+  std::vector<uint8_t> c41(20), c51(24);
+  const uint16_t minus3 = F32ToF16(-3.0f);
+  for (std::vector<uint8_t>* c : {&c41, &c51}) {
+    std::memcpy(c->data(), &two, 2);
+    std::memcpy(c->data() + 2, &minus3, 2);
+  }
+  std::memcpy(c51.data() + 4, &qh, 4);
+  for (int j = 0; j < 16; ++j) {
+    c41[4 + j] = c51[8 + j] = static_cast<uint8_t>(j | ((15 - j) << 4));
+  }
+  ref::DequantRow(Matrix{c41.data(), DType::kQ4_1, 1, 32}, 0, y);
+  for (int j = 0; j < 16; ++j) {
+    EXPECT_EQ(y[j], 2.0f * j - 3.0f) << j;
+    EXPECT_EQ(y[j + 16], 2.0f * (15 - j) - 3.0f) << j + 16;
+  }
+  ref::DequantRow(Matrix{c51.data(), DType::kQ5_1, 1, 32}, 0, y);
+  for (int j = 0; j < 16; ++j) {
+    EXPECT_EQ(y[j], 2.0f * (j + (j == 3 ? 16 : 0)) - 3.0f) << j;
+    EXPECT_EQ(y[j + 16], 2.0f * (15 - j + (j + 16 == 20 ? 16 : 0)) - 3.0f) << j + 16;
   }
   // q6_K: d = 1, every scale 2, every q = 63 (ql 0xFF, qh 0xFF) -> 2 * 31
   std::vector<uint8_t> k6(210, 0xFF);

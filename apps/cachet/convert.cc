@@ -39,12 +39,12 @@ void AddConvert(CLI::App& app) {
       ->default_val(1);
   cmd->add_option(
          "--type", o->type,
-         "Matrix type: f32, f16, bf16, q8_0, q5_0, q4_0, q4_k, q5_k, q6_k, or q4_k_m / "
+         "Matrix type: f32, f16, bf16, q8_0, q5_0, q5_1, q4_0, q4_1, q4_k, q5_k, q6_k, or "
+         "q4_k_m / "
          "q5_k_m: llama.cpp's Q4_K_M / Q5_K_M mix (q4_k / q5_k, with q6_k for the LM head and "
          "for attn_v and ffn_down in about a third of the layers). Norms stay f32. A matrix "
          "whose rows do not split into the type's blocks (256 values for q4_k / q5_k / q6_k) "
-         "falls back as llama.cpp's does: q4_k to q5_0, q6_k to q8_0, then f16; q5_k to q5_0 "
-         "(llama.cpp: q5_1)")
+         "falls back as llama.cpp's does: q4_k to q5_0, q5_k to q5_1, q6_k to q8_0, then f16")
       ->default_val("f16");
   cmd->add_option("-t,--threads", o->threads, "Threads converting rows (0 = one per core)")
       ->default_val(0)
@@ -70,6 +70,8 @@ void AddConvert(CLI::App& app) {
         {"bf16", DType::kBF16},
         {"q8_0", DType::kQ8_0},
         {"q5_0", DType::kQ5_0},
+        {"q5_1", DType::kQ5_1},
+        {"q4_1", DType::kQ4_1},
         {"q4_0", DType::kQ4_0},
         {"q4_k", DType::kQ4_K},
         {"q5_k", DType::kQ5_K},

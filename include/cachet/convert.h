@@ -12,12 +12,12 @@
 namespace cachet {
 
 // What the matrices of a written GGUF are stored as: `type` for every one (f32, f16, bf16, q8_0,
-// q5_0, q4_0, q4_K, q5_K or q6_K), or with `mix_m` llama.cpp's Q4_K_M / Q5_K_M mix: `type` (q4_K
-// or q5_K), but q6_K for the LM head (the embedding when it is tied) and for attn_v and ffn_down
-// in the layers llama.cpp's quantizer gives more bits (the first and last eighth of the layers and
-// every third between). A matrix whose rows do not split into its type's blocks falls back as
-// llama.cpp's does: q4_K to q5_0, q6_K to q8_0 (and a mix's LM head to q8_0), then f16; q5_K to
-// q5_0 (llama.cpp picks q5_1, which Cachet does not compute on). Norms and biases stay f32.
+// q5_0, q5_1, q4_0, q4_1, q4_K, q5_K or q6_K), or with `mix_m` llama.cpp's Q4_K_M / Q5_K_M mix:
+// `type` (q4_K or q5_K), but q6_K for the LM head (the embedding when it is tied) and for attn_v
+// and ffn_down in the layers llama.cpp's quantizer gives more bits (the first and last eighth of
+// the layers and every third between). A matrix whose rows do not split into its type's blocks
+// falls back as llama.cpp's does: q4_K to q5_0, q5_K to q5_1, q6_K to q8_0 (and a mix's LM head to
+// q8_0), then f16. Norms and biases stay f32.
 struct WeightFormat {
   DType type = DType::kF16;
   bool mix_m = false;                               // type is then q4_K or q5_K

@@ -5,10 +5,22 @@
 
 namespace cachet {
 
-// kQ8_0 .. kQ5_K are GGUF (GGML) block-quantized weight types: a row of a matrix is a sequence of
+// kQ8_0 .. kQ5_1 are GGUF (GGML) block-quantized weight types: a row of a matrix is a sequence of
 // blocks of DTypeBlockElems(t) elements, DTypeBlockBytes(t) bytes each (layouts in
 // kernels/ref/quant.cc). They have no per-element size: use DTypeRowBytes, never DTypeSize.
-enum class DType : uint8_t { kF32, kF16, kBF16, kQ8_0, kQ4_0, kQ4_K, kQ6_K, kQ5_0, kQ5_K };
+enum class DType : uint8_t {
+  kF32,
+  kF16,
+  kBF16,
+  kQ8_0,
+  kQ4_0,
+  kQ4_K,
+  kQ6_K,
+  kQ5_0,
+  kQ5_K,
+  kQ4_1,
+  kQ5_1
+};
 
 inline const char* DTypeName(DType t) {
   switch (t) {
@@ -30,6 +42,10 @@ inline const char* DTypeName(DType t) {
       return "q5_0";
     case DType::kQ5_K:
       return "q5_k";
+    case DType::kQ4_1:
+      return "q4_1";
+    case DType::kQ5_1:
+      return "q5_1";
   }
   return "?";
 }

@@ -5,6 +5,7 @@
 // offset o_b such that weight = dw_b * u - o_b. A row times activations x is then
 //   sum_b dw_b * dx_b * sum_j(u_j * q_j)  -  sum_b o_b * sx_b,      sx_b = dx_b * sum_j(q_j).
 //   q4_0: u = the nibble, o = 8 dw;  q5_0: u = nibble | fifth bit << 4, o = 16 dw;
+//   q4_1 / q5_1: u as q4_0 / q5_0, dw = d, o = -m (the block's f16 minimum);
 //   q8_0: u = code + 128, o = 128 dw;
 //   q4_K: u = the nibble of sub-block b, dw = d * scale_b, o = dmin * min_b;
 //   q5_K: as q4_K, u = nibble | fifth bit << 4.
@@ -36,11 +37,20 @@ struct Q8Acts {
 // The weight types with an int8 path.
 inline bool HasInt8Path(DType t) {
   return t == DType::kQ4_0 || t == DType::kQ5_0 || t == DType::kQ8_0 || t == DType::kQ4_K ||
-         t == DType::kQ5_K || t == DType::kQ6_K;
+         t == DType::kQ5_K || t == DType::kQ6_K || t == DType::kQ4_1 || t == DType::kQ5_1;
 }
 
 // The offset o = Int8Offset(t) * dw of the legacy block types (q4_0, q5_0, q8_0).
 constexpr int Int8Offset(DType t) { return t == DType::kQ4_0 ? 8 : t == DType::kQ5_0 ? 16 : 128; }
+
+// The legacy types with an f16 minimum after the scale (o = -m): q4_1, q5_1.
+constexpr bool HasBlockMin(DType t) { return t == DType::kQ4_1 || t == DType::kQ5_1; }
+// Where a 32-value block of the legacy types keeps its fifth bits (q5_0, q5_1) and its nibbles.
+constexpr int64_t FifthBitsAt(DType t) { return t == DType::kQ5_0 ? 2 : 4; }
+constexpr int64_t NibblesAt(DType t) {
+  return t == DType::kQ5_0 ? 6 : t == DType::kQ5_1 ? 8 : t == DType::kQ4_1 ? 4 : 2;
+}
+constexpr bool HasFifthBit(DType t) { return t == DType::kQ5_0 || t == DType::kQ5_1; }
 
 namespace int8_detail {
 
@@ -74,6 +84,11 @@ inline void BlockScales(const uint8_t* row, int64_t nb, float* dw, float* o) {
       dw[b] = LoadF16(row + b * DTypeBlockBytes(kType));
       o[b] = static_cast<float>(Int8Offset(kType)) * dw[b];
     }
+  } else if constexpr (HasBlockMin(kType)) {
+    for (int64_t b = 0; b < nb; ++b) {
+      dw[b] = LoadF16(row + b * DTypeBlockBytes(kType));
+      o[b] = -LoadF16(row + b * DTypeBlockBytes(kType) + 2);
+    }
   } else if constexpr (kType == DType::kQ6_K) {
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* blk = row + (b / 8) * DTypeBlockBytes(kType);
@@ -100,15 +115,14 @@ inline void BlockScales(const uint8_t* row, int64_t nb, float* dw, float* o) {
 // Unsigned code j (0..31) of block b of a weight row.
 template <DType kType>
 inline int BlockCode(const uint8_t* row, int64_t b, int j) {
-  if constexpr (kType == DType::kQ4_0) {
-    const uint8_t* q = row + b * DTypeBlockBytes(kType) + 2;
-    return j < 16 ? q[j] & 0xF : q[j - 16] >> 4;
-  } else if constexpr (kType == DType::kQ5_0) {
+  if constexpr (kType == DType::kQ4_0 || kType == DType::kQ5_0 || HasBlockMin(kType)) {
     const uint8_t* blk = row + b * DTypeBlockBytes(kType);
-    const uint8_t* q = blk + 6;
+    const uint8_t* q = blk + NibblesAt(kType);
+    const int nibble = j < 16 ? q[j] & 0xF : q[j - 16] >> 4;
+    if constexpr (!HasFifthBit(kType)) return nibble;
     uint32_t qh;
-    std::memcpy(&qh, blk + 2, 4);
-    return (j < 16 ? q[j] & 0xF : q[j - 16] >> 4) | (((qh >> j) & 1) << 4);
+    std::memcpy(&qh, blk + FifthBitsAt(kType), 4);
+    return nibble | (((qh >> j) & 1) << 4);
   } else if constexpr (kType == DType::kQ8_0) {
     return static_cast<int8_t>(row[b * DTypeBlockBytes(kType) + 2 + j]) + 128;
   } else if constexpr (kType == DType::kQ6_K) {

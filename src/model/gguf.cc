@@ -72,6 +72,10 @@ uint32_t GgmlTypeOf(DType t) {
       return kGgmlQ5_0;
     case DType::kQ5_K:
       return kGgmlQ5_K;
+    case DType::kQ4_1:
+      return kGgmlQ4_1;
+    case DType::kQ5_1:
+      return kGgmlQ5_1;
   }
   return kGgmlF32;
 }
@@ -127,6 +131,12 @@ bool ToDType(uint32_t ggml, DType* out) {
       return true;
     case kGgmlQ5_K:
       *out = DType::kQ5_K;
+      return true;
+    case kGgmlQ4_1:
+      *out = DType::kQ4_1;
+      return true;
+    case kGgmlQ5_1:
+      *out = DType::kQ5_1;
       return true;
     default:
       return false;
@@ -358,8 +368,8 @@ Result<GgufFile> GgufFile::Parse(const uint8_t* data, size_t size, const std::st
     if (!ToDType(t.ggml_type, &t.dtype)) {
       return Unimplemented(what + ": tensor type " + std::to_string(t.ggml_type) + " (" +
                            GgmlTypeName(t.ggml_type) +
-                           ") is not supported (supported: f32, f16, bf16, q8_0, q5_0, q4_0, "
-                           "q4_K, q5_K, q6_K)");
+                           ") is not supported (supported: f32, f16, bf16, q8_0, q5_0, q5_1, "
+                           "q4_0, q4_1, q4_K, q5_K, q6_K)");
     }
     const int64_t row_bytes = DTypeRowBytes(t.dtype, t.ne[0]);
     if (row_bytes < 0) {

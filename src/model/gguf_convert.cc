@@ -44,6 +44,10 @@ uint32_t FileType(WeightFormat f) {
       return f.mix_m ? 15 : 14;  // MOSTLY_Q4_K_M; MOSTLY_Q4_K_S, the nearest to all q4_K
     case DType::kQ5_K:
       return f.mix_m ? 17 : 16;  // MOSTLY_Q5_K_M; MOSTLY_Q5_K_S
+    case DType::kQ4_1:
+      return 3;
+    case DType::kQ5_1:
+      return 9;
     case DType::kQ6_K:
       return 18;
     case DType::kQ5_0:
@@ -218,10 +222,10 @@ DType MatrixType(const WeightFormat& format, const ModelTensor& t, int n_layers,
   }
   if (DTypeRowBytes(want, cols) >= 0) return want;
   // llama.cpp's fallbacks for rows off the 256-value super-blocks (qwen2.5-0.5b's 896 columns).
-  // q5_K's is q5_1 there, which Cachet does not compute on: q5_0 has its bits.
-  const DType fallback = want == DType::kQ4_K || want == DType::kQ5_K ? DType::kQ5_0
-                         : want == DType::kQ6_K                       ? DType::kQ8_0
-                                                                      : DType::kF16;
+  const DType fallback = want == DType::kQ4_K   ? DType::kQ5_0
+                         : want == DType::kQ5_K ? DType::kQ5_1
+                         : want == DType::kQ6_K ? DType::kQ8_0
+                                                : DType::kF16;
   return DTypeRowBytes(fallback, cols) >= 0 ? fallback : DType::kF16;
 }
 

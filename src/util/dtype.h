@@ -17,6 +17,8 @@ constexpr int64_t DTypeBlockElems(DType t) {
     case DType::kQ8_0:
     case DType::kQ4_0:
     case DType::kQ5_0:
+    case DType::kQ4_1:
+    case DType::kQ5_1:
       return 32;
     case DType::kQ4_K:
     case DType::kQ5_K:
@@ -34,6 +36,10 @@ constexpr int64_t DTypeBlockBytes(DType t) {
       return 18;  // f16 scale + 16 bytes of nibbles
     case DType::kQ5_0:
       return 22;  // f16 scale + 32 fifth bits + 16 bytes of nibbles
+    case DType::kQ4_1:
+      return 20;  // f16 scale, f16 minimum + 16 bytes of nibbles
+    case DType::kQ5_1:
+      return 24;  // f16 scale, f16 minimum + 32 fifth bits + 16 bytes of nibbles
     case DType::kQ4_K:
       return 144;  // f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
     case DType::kQ5_K:

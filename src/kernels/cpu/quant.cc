@@ -1,8 +1,8 @@
-// Highway MatMul and DequantRow for the GGUF block-quantized weight types (q8_0, q5_0, q4_0, q4_K,
-// q5_K, q6_K; layouts in kernels/ref/quant.cc). Weights stay quantized in memory: blocks are
-// widened to f32 vectors on the fly (integers promoted to i32 lanes, converted, scaled), all
-// arithmetic is f32. QuantMatMul prefers the int8 kernels (kernels/cpu/quant_int8.cc) where the CPU
-// has them; this f32 path serves CPUs without AVX-512 VNNI.
+// Highway MatMul and DequantRow for the GGUF block-quantized weight types (q8_0, q5_0, q5_1, q4_0,
+// q4_1, q4_K, q5_K, q6_K; layouts in kernels/ref/quant.cc). Weights stay quantized in memory:
+// blocks are widened to f32 vectors on the fly (integers promoted to i32 lanes, converted, scaled),
+// all arithmetic is f32. QuantMatMul prefers the int8 kernels (kernels/cpu/quant_int8.cc) where the
+// CPU has them; this f32 path serves CPUs without AVX-512 VNNI.
 //
 // n == 1 (decode): each row's dequantized vectors are dotted with x as they are produced.
 // n > 1 (prefill): each task dequantizes a block of rows into per-thread f32 scratch once and runs
@@ -90,22 +90,28 @@ HWY_INLINE void ForEachVec(const uint8_t* row, int64_t cols, const Fn& fn) {
         fn(c0 + 16 + k,
            hn::Mul(hn::ConvertTo(df, hn::Sub(hn::ShiftRight<4>(LoadU8(b + 2 + k)), eight)), d));
       }
-    } else if constexpr (kType == DType::kQ5_0) {
+    } else if constexpr (kType == DType::kQ5_0 || HasBlockMin(kType)) {
+      // q5_0: d * (code - 16); q4_1, q5_1: d * code + m.
       const VF d = hn::Set(df, LoadF16(b));
-      uint32_t qh;
-      std::memcpy(&qh, b + 2, 4);
+      const VF m = hn::Set(df, HasBlockMin(kType) ? LoadF16(b + 2) : 0.0f);
+      uint32_t qh = 0;
+      if constexpr (HasFifthBit(kType)) std::memcpy(&qh, b + FifthBitsAt(kType), 4);
       const auto bits = hn::Set(di, static_cast<int32_t>(qh));
       const auto mask = hn::Set(di, 0xF), one = hn::Set(di, 1), sixteen = hn::Set(di, 16);
       // Code j: its nibble, and bit j of qh as the fifth bit.
       auto code = [&](int64_t j, hn::Vec<DI32> nibble) {
-        const auto fifth =
-            hn::And(hn::operator>>(bits, hn::Iota(di, static_cast<int32_t>(j))), one);
-        return hn::Mul(hn::ConvertTo(df, hn::Sub(hn::Or(nibble, hn::ShiftLeft<4>(fifth)), sixteen)),
-                       d);
+        if constexpr (HasFifthBit(kType)) {
+          const auto fifth =
+              hn::And(hn::operator>>(bits, hn::Iota(di, static_cast<int32_t>(j))), one);
+          nibble = hn::Or(nibble, hn::ShiftLeft<4>(fifth));
+        }
+        if constexpr (HasBlockMin(kType)) return hn::MulAdd(hn::ConvertTo(df, nibble), d, m);
+        return hn::Mul(hn::ConvertTo(df, hn::Sub(nibble, sixteen)), d);
       };
-      for (int64_t k = 0; k < 16; k += N) fn(c0 + k, code(k, hn::And(LoadU8(b + 6 + k), mask)));
+      const uint8_t* qs = b + NibblesAt(kType);
+      for (int64_t k = 0; k < 16; k += N) fn(c0 + k, code(k, hn::And(LoadU8(qs + k), mask)));
       for (int64_t k = 0; k < 16; k += N) {
-        fn(c0 + 16 + k, code(16 + k, hn::ShiftRight<4>(LoadU8(b + 6 + k))));
+        fn(c0 + 16 + k, code(16 + k, hn::ShiftRight<4>(LoadU8(qs + k))));
       }
     } else if constexpr (kType == DType::kQ4_K || kType == DType::kQ5_K) {
       constexpr bool kFifth = kType == DType::kQ5_K;  // q5_K: bit is of qh[l], code l's fifth bit
@@ -285,6 +291,10 @@ void QuantMatMulImpl(const float* x, int64_t n, const Matrix& w, const float* bi
       return MatMulT<DType::kQ4_K>(x, n, w, bias, y, y_stride, pool);
     case DType::kQ5_K:
       return MatMulT<DType::kQ5_K>(x, n, w, bias, y, y_stride, pool);
+    case DType::kQ4_1:
+      return MatMulT<DType::kQ4_1>(x, n, w, bias, y, y_stride, pool);
+    case DType::kQ5_1:
+      return MatMulT<DType::kQ5_1>(x, n, w, bias, y, y_stride, pool);
     case DType::kQ6_K:
       return MatMulT<DType::kQ6_K>(x, n, w, bias, y, y_stride, pool);
     default:
@@ -305,6 +315,10 @@ void QuantDequantRowImpl(const Matrix& w, int64_t r, float* out) {
       return DequantRowT<DType::kQ4_K>(w, r, out);
     case DType::kQ5_K:
       return DequantRowT<DType::kQ5_K>(w, r, out);
+    case DType::kQ4_1:
+      return DequantRowT<DType::kQ4_1>(w, r, out);
+    case DType::kQ5_1:
+      return DequantRowT<DType::kQ5_1>(w, r, out);
     case DType::kQ6_K:
       return DequantRowT<DType::kQ6_K>(w, r, out);
     default:

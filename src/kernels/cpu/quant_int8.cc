@@ -79,6 +79,11 @@ struct HardF16 {
   }
 };
 
+// q4_0, q5_0, q4_1, q5_1: 32-value blocks of nibbles (and fifth bits).
+template <DType kType>
+constexpr bool kLegacyNibbles = kType == DType::kQ4_0 || kType == DType::kQ5_0 ||
+                                HasBlockMin(kType);
+
 // q4_K and q5_K: the types with a super-block header of 6-bit scales and minimums.
 template <DType kType>
 constexpr bool kScaleMinK = kType == DType::kQ4_K || kType == DType::kQ5_K;
@@ -112,16 +117,15 @@ CACHET_INT8_TARGET inline __m256i Codes(const uint8_t* row, int64_t b) {
         _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)), 4),
                          _mm256_set1_epi8(0x30));
     return _mm256_or_si256(lo, hi);
-  } else if constexpr (kType == DType::kQ4_0 || kType == DType::kQ5_0) {
+  } else if constexpr (kLegacyNibbles<kType>) {
     const uint8_t* blk = row + b * BlockBytes<kType>();
-    const __m128i v =
-        _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (kType == DType::kQ5_0 ? 6 : 2)));
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + NibblesAt(kType)));
     const __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4);
-    if constexpr (kType == DType::kQ4_0) {
+    if constexpr (!HasFifthBit(kType)) {
       return nibbles;
     } else {  // bit j of qh is code j's fifth bit
       uint32_t qh;
-      std::memcpy(&qh, blk + 2, 4);
+      std::memcpy(&qh, blk + FifthBitsAt(kType), 4);
       return _mm256_mask_add_epi8(nibbles, qh, nibbles, _mm256_set1_epi8(16));
     }
   } else if constexpr (kType == DType::kQ8_0) {
@@ -181,20 +185,20 @@ CACHET_INT8_TARGET inline __m512i CodePair(const uint8_t* row, int64_t b) {
     const __mmask64 fifth =
         _mm512_test_epi8_mask(_mm512_broadcast_i64x4(Q5KHighBits(row, b)), bits);
     return _mm512_mask_add_epi8(nibbles, fifth, nibbles, _mm512_set1_epi8(16));
-  } else if constexpr (kType == DType::kQ4_0 || kType == DType::kQ5_0) {
-    constexpr int64_t kBytes = BlockBytes<kType>(), kCodes = kType == DType::kQ5_0 ? 6 : 2;
+  } else if constexpr (kLegacyNibbles<kType>) {
+    constexpr int64_t kBytes = BlockBytes<kType>(), kCodes = NibblesAt(kType);
     const uint8_t* blk = row + b * kBytes;
     const __m512i v = _mm512_mask_broadcast_i32x4(
         _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kCodes))),
         0xFF00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kBytes + kCodes)));
     const __m512i nibbles = _mm512_and_si512(
         _mm512_srlv_epi64(v, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0)), _mm512_set1_epi8(0x0F));
-    if constexpr (kType == DType::kQ4_0) {
+    if constexpr (!HasFifthBit(kType)) {
       return nibbles;
     } else {  // the two blocks' qh: bit j of each is its code j's fifth bit
       uint32_t qh0, qh1;
-      std::memcpy(&qh0, blk + 2, 4);
-      std::memcpy(&qh1, blk + kBytes + 2, 4);
+      std::memcpy(&qh0, blk + FifthBitsAt(kType), 4);
+      std::memcpy(&qh1, blk + kBytes + FifthBitsAt(kType), 4);
       return _mm512_mask_add_epi8(nibbles, qh0 | (uint64_t{qh1} << 32), nibbles,
                                   _mm512_set1_epi8(16));
     }
@@ -251,17 +255,19 @@ CACHET_INT8_TARGET void RowScales(const uint8_t* row, int64_t nb, float* dw, flo
   } else {
     for (int64_t b = 0; b < nb; ++b) {
       dw[b] = HardF16::Load(row + b * BlockBytes<kType>());
-      o[b] = static_cast<float>(Int8Offset(kType)) * dw[b];
+      o[b] = HasBlockMin(kType) ? -HardF16::Load(row + b * BlockBytes<kType>() + 2)
+                                : static_cast<float>(Int8Offset(kType)) * dw[b];
     }
   }
 }
 
-// The f16 scales of blocks b and b + 1 (q4_0, q5_0, q8_0) in the lanes of their products,
-// [dw_b x 8, dw_b+1 x 8]: each 128-bit lane of one 32-byte window holds one of them (q4_0 blocks
-// are 18 bytes apart; q8_0's 34 take two 16-byte loads), and one in-lane byte shuffle spreads it.
-template <DType kType>
+// The f16 scales of blocks b and b + 1 (q4_0, q5_0, q8_0, q4_1, q5_1) in the lanes of their
+// products, [dw_b x 8, dw_b+1 x 8]: each 128-bit lane of one 32-byte window holds one of them (q4_0
+// blocks are 18 bytes apart; q8_0's 34 take two 16-byte loads), and one in-lane byte shuffle
+// spreads it. kField 2: the f16 minimums of q4_1 / q5_1 instead.
+template <DType kType, int kField = 0>
 CACHET_INT8_TARGET inline __m512 ScalePair(const uint8_t* row, int64_t b) {
-  const uint8_t* p = row + b * BlockBytes<kType>();
+  const uint8_t* p = row + b * BlockBytes<kType>() + kField;
   __m256i w;  // the scale of block b at byte 0, that of b + 1 at byte 16 + kHigh
   constexpr int kHigh = kType == DType::kQ8_0 ? 0 : BlockBytes<kType>() - 16;
   if constexpr (kType != DType::kQ8_0) {
@@ -298,6 +304,7 @@ struct DecodeActs {
   const int8_t* q;
   const float* dx2;     // 16 floats per block pair
   const int32_t* off2;  // 16 ints per block pair
+  const float* s2;      // q4_1 / q5_1, 16 per block pair: [sx_b, 0 x 7, sx_b+1, 0 x 7]
   const float* d;       // per block, for q4_K's scales
   const float* s;       // per block, for q4_K's offsets
 };
@@ -392,6 +399,10 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
 #pragma GCC unroll 8
       for (int t = 0; t < kT; ++t) v[t] = HorizontalSum(_mm512_add_ps(acc0[t], acc1[t]));
     } else {
+      // q4_1 / q5_1: the minimums' share sum_b m_b sx_b, one lane per block.
+      __m512 corr[kT];
+#pragma GCC unroll 8
+      for (int t = 0; t < kT; ++t) corr[t] = _mm512_setzero_ps();
       auto pair_at = [&](int64_t p, __m512* acc) CACHET_INT8_TARGET {
         const __m512 w = ScalePair<kType>(row, 2 * p);
         pair(
@@ -399,6 +410,13 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
             [&](int t)
                 CACHET_INT8_TARGET { return _mm512_mul_ps(w, _mm512_load_ps(a[t].dx2 + p * 16)); },
             acc);
+        if constexpr (HasBlockMin(kType)) {
+          const __m512 m = ScalePair<kType, 2>(row, 2 * p);
+#pragma GCC unroll 8
+          for (int t = 0; t < kT; ++t) {
+            corr[t] = _mm512_fmadd_ps(m, _mm512_load_ps(a[t].s2 + p * 16), corr[t]);
+          }
+        }
       };
       int64_t p = 0;
       for (; p + 2 <= pairs; p += 2) {
@@ -407,7 +425,10 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
       }
       if (p < pairs) pair_at(p, acc0);
 #pragma GCC unroll 8
-      for (int t = 0; t < kT; ++t) v[t] = HorizontalSum(_mm512_add_ps(acc0[t], acc1[t]));
+      for (int t = 0; t < kT; ++t) {
+        v[t] = HorizontalSum(_mm512_add_ps(acc0[t], acc1[t]));
+        if constexpr (HasBlockMin(kType)) v[t] += HorizontalSum(corr[t]);
+      }
       if (nb % 2 != 0) {  // the last, unpaired block
         const int64_t b = nb - 1;
         const __m256i codes = Codes<kType>(row, b);
@@ -418,6 +439,9 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
           const __m256i start = _mm256_castsi128_si256(_mm_cvtsi32_si128(a[t].off2[(b / 2) * 16]));
           const __m256i z = _mm256_dpbusd_epi32(start, codes, x);
           v[t] += HorizontalSum(_mm256_cvtepi32_ps(z)) * (dw * a[t].dx2[(b / 2) * 16]);
+          if constexpr (HasBlockMin(kType)) {
+            v[t] += HardF16::Load(row + b * BlockBytes<kType>() + 2) * a[t].s2[(b / 2) * 16];
+          }
         }
       }
     }
@@ -426,10 +450,10 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
   }
 }
 
-// Floats of scratch one token's decode activations take (codes, dx2, off2, d, s).
+// Floats of scratch one token's decode activations take (codes, dx2, off2, s2, d, s).
 int64_t DecodeActsFloats(int64_t cols) {
   const int64_t nb = cols / kQ8Block, pairs = CeilDiv(nb, 2);
-  return RoundUp(cols, 64) / 4 + 32 * pairs + 2 * RoundUp(nb, 16);
+  return RoundUp(cols, 64) / 4 + 48 * pairs + 2 * RoundUp(nb, 16);
 }
 
 // Lays out one token's activations for DecodeRows in buf (DecodeActsFloats(cols), 64-byte aligned).
@@ -440,7 +464,8 @@ CACHET_INT8_TARGET DecodeActs PrepareDecodeActs(const float* x, int64_t cols, fl
   int8_t* q = reinterpret_cast<int8_t*>(buf);
   float* dx2 = buf + code_floats;
   int32_t* off2 = reinterpret_cast<int32_t*>(dx2 + 16 * pairs);
-  float* d = reinterpret_cast<float*>(off2 + 16 * pairs);
+  float* s2 = reinterpret_cast<float*>(off2 + 16 * pairs);
+  float* d = s2 + 16 * pairs;
   float* s = d + RoundUp(nb, 16);
   QuantizeQ8(x, cols, q, d, s);
   for (int64_t b = 0; b < nb; ++b) {
@@ -450,16 +475,19 @@ CACHET_INT8_TARGET DecodeActs PrepareDecodeActs(const float* x, int64_t cols, fl
     const int half = static_cast<int>(b % 2);
     std::fill(dx2 + pair + 8 * half, dx2 + pair + 8 * half + 8, d[b]);
     std::fill(off2 + pair + 8 * half, off2 + pair + 8 * half + 8, 0);
+    std::fill(s2 + pair + 8 * half, s2 + pair + 8 * half + 8, 0.0f);
     if constexpr (kType == DType::kQ6_K) {  // per 16 values: their four lanes share a scale
       int32_t first = 0;
       for (int j = 0; j < 16; ++j) first += q[b * 32 + j];
       off2[pair + 8 * half] = -32 * first;
       off2[pair + 8 * half + 4] = -32 * (sum - first);
+    } else if constexpr (HasBlockMin(kType)) {
+      s2[pair + 8 * half] = s[b];
     } else if constexpr (!kScaleMinK<kType>) {
       off2[pair + 8 * half] = -Int8Offset(kType) * sum;
     }
   }
-  return DecodeActs{q, dx2, off2, d, s};
+  return DecodeActs{q, dx2, off2, s2, d, s};
 }
 
 // Tokens that share one unpacking of a weight row (DecodeRows). 8 measured no better: q4_K 10%
@@ -761,6 +789,10 @@ void Int8MatMul(const float* x, int64_t n, const Matrix& w, const float* bias, f
       return Dispatch<DType::kQ4_K>(x, n, w, bias, y, y_stride, pool);
     case DType::kQ5_K:
       return Dispatch<DType::kQ5_K>(x, n, w, bias, y, y_stride, pool);
+    case DType::kQ4_1:
+      return Dispatch<DType::kQ4_1>(x, n, w, bias, y, y_stride, pool);
+    case DType::kQ5_1:
+      return Dispatch<DType::kQ5_1>(x, n, w, bias, y, y_stride, pool);
     case DType::kQ6_K:
       return Dispatch<DType::kQ6_K>(x, n, w, bias, y, y_stride, pool);
     default:

@@ -6,6 +6,8 @@
 //                                                                    x[j+16] = d * (hi(qs[j]) - 8)
 //   block_q5_0 (32 values, 22 bytes):  f16 d; u32 qh; u8 qs[16]      as q4_0 with bit j of qh as
 //                                                                    code j's fifth bit, minus 16
+//   block_q4_1 (32 values, 20 bytes):  f16 d; f16 m; u8 qs[16]       x = d * q + m (q: nibbles)
+//   block_q5_1 (32 values, 24 bytes):  f16 d; f16 m; u32 qh; u8 qs[16]   x = d * q + m (5 bits)
 //   block_q4_K (256 values, 144 bytes): f16 d; f16 dmin; u8 scales[12]; u8 qs[128]
 //       8 sub-blocks of 32 with 6-bit scale sc and 6-bit min m (packed as get_scale_min_k4 reads
 //       them); per 64 values, 32 bytes of qs: low nibbles are sub-block 2i, high nibbles 2i+1;
@@ -65,6 +67,13 @@ void DequantQ5_0(const uint8_t* b, float* y) {
     y[j] = d * static_cast<float>(lo - 16);
     y[j + 16] = d * static_cast<float>(hi - 16);
   }
+}
+
+// q4_1 and q5_1: x = d * code + m, code the nibble (and the fifth bit of q5_1).
+template <DType kType>
+void DequantMin(const uint8_t* b, float* y) {
+  const float d = LoadF16(b), m = LoadF16(b + 2);
+  for (int j = 0; j < 32; ++j) y[j] = d * static_cast<float>(BlockCode<kType>(b, 0, j)) + m;
 }
 
 void DequantQ4_K(const uint8_t* b, float* y) {
@@ -143,6 +152,30 @@ float SignedMax32(const float* x) {
     }
   }
   return max;
+}
+
+// As llama.cpp's quantize_row_q4_1_ref / q5_1: codes 0..levels from the block's minimum up.
+void QuantizeMin(const float* x, int levels, uint8_t* b) {
+  float lo = x[0], hi = x[0];
+  for (int j = 1; j < 32; ++j) {
+    lo = std::min(lo, x[j]);
+    hi = std::max(hi, x[j]);
+  }
+  const float d = (hi - lo) / static_cast<float>(levels);
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  StoreF16(b, d);
+  StoreF16(b + 2, lo);
+  const bool fifth = levels == 31;
+  uint8_t* q = b + (fifth ? 8 : 4);
+  uint32_t qh = 0;
+  for (int j = 0; j < 16; ++j) {
+    const int x0 = std::min(levels, static_cast<int>((x[j] - lo) * id + 0.5f));
+    const int x1 = std::min(levels, static_cast<int>((x[j + 16] - lo) * id + 0.5f));
+    q[j] = static_cast<uint8_t>((x0 & 0xF) | ((x1 & 0xF) << 4));
+    qh |= static_cast<uint32_t>(x0 >> 4) << j;
+    qh |= static_cast<uint32_t>(x1 >> 4) << (j + 16);
+  }
+  if (fifth) std::memcpy(b + 4, &qh, 4);
 }
 
 void QuantizeQ4_0(const float* x, uint8_t* b) {
@@ -321,6 +354,12 @@ void QuantDequantRow(const Matrix& w, int64_t r, float* out) {
       case DType::kQ5_K:
         DequantQ5_K(b, y);
         break;
+      case DType::kQ4_1:
+        DequantMin<DType::kQ4_1>(b, y);
+        break;
+      case DType::kQ5_1:
+        DequantMin<DType::kQ5_1>(b, y);
+        break;
       case DType::kQ6_K:
         DequantQ6_K(b, y);
         break;
@@ -360,6 +399,12 @@ void QuantizeRow(DType t, const float* x, int64_t n, void* out) {
         break;
       case DType::kQ5_K:
         QuantizeQ5_K(x + i * be, o + i * bb);
+        break;
+      case DType::kQ4_1:
+        QuantizeMin(x + i * be, 15, o + i * bb);
+        break;
+      case DType::kQ5_1:
+        QuantizeMin(x + i * be, 31, o + i * bb);
         break;
       case DType::kQ6_K:
         QuantizeQ6_K(x + i * be, o + i * bb);
@@ -444,6 +489,10 @@ float Int8Dot(const Matrix& w, int64_t r, const int8_t* q, const float* d, const
       return Int8DotT<DType::kQ5_0>(row, q, d, s, nb);
     case DType::kQ5_K:
       return Int8DotT<DType::kQ5_K>(row, q, d, s, nb);
+    case DType::kQ4_1:
+      return Int8DotT<DType::kQ4_1>(row, q, d, s, nb);
+    case DType::kQ5_1:
+      return Int8DotT<DType::kQ5_1>(row, q, d, s, nb);
     default:
       return NAN;  // no int8 path (HasInt8Path)
   }
