@@ -76,37 +76,16 @@ void DequantMin(const uint8_t* b, float* y) {
   for (int j = 0; j < 32; ++j) y[j] = d * static_cast<float>(BlockCode<kType>(b, 0, j)) + m;
 }
 
-void DequantQ4_K(const uint8_t* b, float* y) {
-  const float d = LoadF16(b);
-  const float dmin = LoadF16(b + 2);
-  const uint8_t* scales = b + 4;
-  const uint8_t* q = b + 16;
-  for (int j = 0, is = 0; j < 256; j += 64, is += 2, q += 32) {
+// q4_K and q5_K: x = d * sc * code - dmin * m per 32-value sub-block.
+template <DType kType>
+void DequantScaleMinK(const uint8_t* b, float* y) {
+  const float d = LoadF16(b), dmin = LoadF16(b + 2);
+  for (int s = 0; s < 8; ++s) {
     int sc, m;
-    ScaleMinK4(is, scales, &sc, &m);
-    const float d1 = d * sc, m1 = dmin * m;
-    ScaleMinK4(is + 1, scales, &sc, &m);
-    const float d2 = d * sc, m2 = dmin * m;
-    for (int l = 0; l < 32; ++l) y[j + l] = d1 * static_cast<float>(q[l] & 0xF) - m1;
-    for (int l = 0; l < 32; ++l) y[j + 32 + l] = d2 * static_cast<float>(q[l] >> 4) - m2;
-  }
-}
-
-void DequantQ5_K(const uint8_t* b, float* y) {
-  const float d = LoadF16(b);
-  const float dmin = LoadF16(b + 2);
-  const uint8_t* scales = b + 4;
-  const uint8_t* qh = b + 16;
-  const uint8_t* q = b + 48;
-  for (int j = 0, is = 0; j < 256; j += 64, is += 2, q += 32) {
-    int sc, m;
-    ScaleMinK4(is, scales, &sc, &m);
-    const float d1 = d * sc, m1 = dmin * m;
-    ScaleMinK4(is + 1, scales, &sc, &m);
-    const float d2 = d * sc, m2 = dmin * m;
+    ScaleMinK4(s, b + 4, &sc, &m);
+    const float ds = d * sc, ms = dmin * m;
     for (int l = 0; l < 32; ++l) {
-      y[j + l] = d1 * static_cast<float>((q[l] & 0xF) | (((qh[l] >> is) & 1) << 4)) - m1;
-      y[j + 32 + l] = d2 * static_cast<float>((q[l] >> 4) | (((qh[l] >> (is + 1)) & 1) << 4)) - m2;
+      y[s * 32 + l] = ds * static_cast<float>(BlockCode<kType>(b, s, l)) - ms;
     }
   }
 }
@@ -349,10 +328,10 @@ void QuantDequantRow(const Matrix& w, int64_t r, float* out) {
         DequantQ5_0(b, y);
         break;
       case DType::kQ4_K:
-        DequantQ4_K(b, y);
+        DequantScaleMinK<DType::kQ4_K>(b, y);
         break;
       case DType::kQ5_K:
-        DequantQ5_K(b, y);
+        DequantScaleMinK<DType::kQ5_K>(b, y);
         break;
       case DType::kQ4_1:
         DequantMin<DType::kQ4_1>(b, y);
