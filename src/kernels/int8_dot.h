@@ -45,12 +45,30 @@ constexpr int Int8Offset(DType t) { return t == DType::kQ4_0 ? 8 : t == DType::k
 
 // The legacy types with an f16 minimum after the scale (o = -m): q4_1, q5_1.
 constexpr bool HasBlockMin(DType t) { return t == DType::kQ4_1 || t == DType::kQ5_1; }
-// Where a 32-value block of the legacy types keeps its fifth bits (q5_0, q5_1) and its nibbles.
-constexpr int64_t FifthBitsAt(DType t) { return t == DType::kQ5_0 ? 2 : 4; }
-constexpr int64_t NibblesAt(DType t) {
-  return t == DType::kQ5_0 ? 6 : t == DType::kQ5_1 ? 8 : t == DType::kQ4_1 ? 4 : 2;
+// Where a block (q4_K, q5_K: a super-block) keeps its fifth bits (q5_0, q5_1, q5_K) and its
+// nibbles (q4_0, q5_0, q4_1, q5_1, q4_K, q5_K).
+constexpr int64_t FifthBitsAt(DType t) {
+  return t == DType::kQ5_0 ? 2 : t == DType::kQ5_1 ? 4 : 16;
 }
-constexpr bool HasFifthBit(DType t) { return t == DType::kQ5_0 || t == DType::kQ5_1; }
+constexpr int64_t NibblesAt(DType t) {
+  switch (t) {
+    case DType::kQ5_0:
+      return 6;
+    case DType::kQ5_1:
+      return 8;
+    case DType::kQ4_1:
+      return 4;
+    case DType::kQ4_K:
+      return 16;
+    case DType::kQ5_K:
+      return 48;
+    default:
+      return 2;  // q4_0
+  }
+}
+constexpr bool HasFifthBit(DType t) {
+  return t == DType::kQ5_0 || t == DType::kQ5_1 || t == DType::kQ5_K;
+}
 
 namespace int8_detail {
 
@@ -137,11 +155,10 @@ inline int BlockCode(const uint8_t* row, int64_t b, int j) {
     static_assert(kType == DType::kQ4_K || kType == DType::kQ5_K);
     const int64_t sb = b / 8, sub = b % 8;
     const uint8_t* blk = row + sb * DTypeBlockBytes(kType);
-    constexpr int kQs = kType == DType::kQ4_K ? 16 : 48;
-    const uint8_t q = blk[kQs + (sub / 2) * 32 + j];
+    const uint8_t q = blk[NibblesAt(kType) + (sub / 2) * 32 + j];
     const int nibble = sub % 2 == 0 ? q & 0xF : q >> 4;
-    if constexpr (kType == DType::kQ4_K) return nibble;
-    return nibble | (((blk[16 + j] >> sub) & 1) << 4);
+    if constexpr (!HasFifthBit(kType)) return nibble;
+    return nibble | (((blk[FifthBitsAt(kType) + j] >> sub) & 1) << 4);
   }
 }
 

@@ -117,8 +117,8 @@ HWY_INLINE void ForEachVec(const uint8_t* row, int64_t cols, const Fn& fn) {
       constexpr bool kFifth = kType == DType::kQ5_K;  // q5_K: bit is of qh[l], code l's fifth bit
       const float d = LoadF16(b), dmin = LoadF16(b + 2);
       const uint8_t* sc = b + 4;
-      const uint8_t* qh = b + 16;
-      const uint8_t* q = b + (kFifth ? 48 : 16);
+      const uint8_t* qh = b + FifthBitsAt(kType);
+      const uint8_t* q = b + NibblesAt(kType);
       const auto mask = hn::Set(di, 0xF), one = hn::Set(di, 1);
       auto fifth = [&](int64_t k, int bit) {
         return hn::ShiftLeft<4>(hn::And(hn::ShiftRightSame(LoadU8(qh + k), bit), one));

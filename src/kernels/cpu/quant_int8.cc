@@ -91,15 +91,14 @@ constexpr bool kScaleMinK = kType == DType::kQ4_K || kType == DType::kQ5_K;
 // The 32 bytes of q4_K / q5_K quants holding sub-blocks b and b ^ 1 (low nibbles: the even one).
 template <DType kType>
 CACHET_INT8_TARGET inline __m256i KQuants(const uint8_t* row, int64_t b) {
-  constexpr int64_t kQs = kType == DType::kQ4_K ? 16 : 48;
   return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-      row + (b / 8) * DTypeBlockBytes(kType) + kQs + ((b % 8) / 2) * 32));
+      row + (b / 8) * DTypeBlockBytes(kType) + NibblesAt(kType) + ((b % 8) / 2) * 32));
 }
 
 // A q5_K super-block's 32 bytes of fifth bits (bit i of byte l: value l of sub-block i).
 CACHET_INT8_TARGET inline __m256i Q5KHighBits(const uint8_t* row, int64_t b) {
-  return _mm256_loadu_si256(
-      reinterpret_cast<const __m256i*>(row + (b / 8) * DTypeBlockBytes(DType::kQ5_K) + 16));
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+      row + (b / 8) * DTypeBlockBytes(DType::kQ5_K) + FifthBitsAt(DType::kQ5_K)));
 }
 
 // The 32 unsigned codes of block b of a weight row.
