@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Peer agreement (issue 13's test): a synthetic GGUF of a real shape loads in both Cachet and
 # llama.cpp, and wherever both engines' top-2 logit margin exceeds 0.5 they give the same argmax:
-# with f16 weights, and with the Q4_K_M and Q5_K_M files llama.cpp's own quantizer makes of it
-# (q4_K, q5_K and q6_K blocks read by Cachet's int8 kernels). Both evaluate the same pseudo-random
+# with f16 weights, and with the Q4_K_M, Q5_K_M and IQ4_XS files llama.cpp's own quantizer makes
+# of it (q4_K, q5_K, iq4_xs and q6_K blocks read by Cachet's int8 kernels). Both evaluate the same pseudo-random
 # token ids as one sequence (f16 KV on both sides): Cachet with `cachet run --logits-of`, llama.cpp
 # with `llama_peer logits`. And `cachet convert --type q4_k_m` / `q5_k_m` picks llama.cpp's type for
 # every matrix (its q6_K layers, and its q5_0 / q5_1 / q8_0 fallbacks for rows off the 256-value
 # super-blocks, on a small qwen2-like shape whose 320 columns need them); both engines read
-# llama.cpp's Q5_K_M of that shape (mostly q5_1) to within 0.05 of each other's top-2 margins.
+# llama.cpp's Q5_K_M and IQ4_XS of that shape (mostly q5_1, iq4_nl) to within 0.05 of each other's
+# top-2 margins.
 #
 # usage: tests/peer_agreement.sh CACHET_BINARY WORK_DIR
 # environment: SHAPE (mha-85m), N_IDS (2048), MIN_CONFIDENT (10: fewer positions over the margin
@@ -89,8 +90,8 @@ agree() {
 }
 
 agree "$shape, f16 weights" "$model"
-# llama.cpp's own Q4_K_M and Q5_K_M of the model (q4_K / q5_K, q6_K blocks).
-for mix in q4_k_m q5_k_m; do
+# llama.cpp's own Q4_K_M, Q5_K_M and IQ4_XS of the model (q4_K / q5_K / iq4_xs, q6_K blocks).
+for mix in q4_k_m q5_k_m iq4_xs; do
   quantized="$work/$shape-$mix-llama.gguf"
   if [ ! -f "$quantized" ] || [ "$model" -nt "$quantized" ]; then
     "$peer" quantize "$model" "$threads" "$quantized.tmp" "$mix"
@@ -125,27 +126,32 @@ JSON
 same_types mini q4_k_m
 # q5_k_m: there q5_K falls back to q5_1; and on whole super-blocks.
 same_types mini q5_k_m
-# llama.cpp's Q5_K_M of the qwen2-like shape (44 of its 57 matrices q5_1) read by both engines.
-# Its random weights leave no top-2 margin over 0.5, so the check is closeness: the same argmax
-# at 95% of the positions and margins within 0.05 of each other.
+# llama.cpp's Q5_K_M and IQ4_XS of the qwen2-like shape (44 of its 57 matrices q5_1, iq4_nl) read
+# by both engines. Its random weights leave no top-2 margin over 0.5, so the check is closeness:
+# the same argmax at 95% of the positions and margins within 0.05 of each other.
 ids_of "$work/mini-ids.json" 512 1000
-"$cachet" run -m "$work/mini-llama.gguf" -t "$threads" --ctk f16 --ctv f16 \
-  --logits-of "$work/mini-ids.json" >"$work/cachet_logits.json"
-"$peer" logits "$work/mini-llama.gguf" "$threads" "$work/mini-ids.json" f16 \
-  >"$work/llama_logits.json"
-node -e '
-  const fs = require("fs");
-  const [cf, lf] = process.argv.slice(1);
-  const c = JSON.parse(fs.readFileSync(cf)), l = JSON.parse(fs.readFileSync(lf));
-  let same = 0, maxDiff = 0;
-  for (let i = 0; i < c.n; ++i) {
-    same += c.argmax[i] === l.argmax[i];
-    maxDiff = Math.max(maxDiff, Math.abs(c.margin[i] - l.margin[i]));
-  }
-  console.log(`peer_agreement (mini, llama.cpp\x27s Q5_K_M with q5_1): argmax equal at ${same} ` +
-              `of ${c.n}; largest difference of the margins ${maxDiff.toFixed(4)}`);
-  if (c.n !== l.n || same < 0.95 * c.n || maxDiff > 0.05) process.exit(1);' \
-  "$work/cachet_logits.json" "$work/llama_logits.json"
+close_logits() {
+  local label="$1" file="$2"
+  "$cachet" run -m "$file" -t "$threads" --ctk f16 --ctv f16 --logits-of "$work/mini-ids.json" \
+    >"$work/cachet_logits.json"
+  "$peer" logits "$file" "$threads" "$work/mini-ids.json" f16 >"$work/llama_logits.json"
+  node -e '
+    const fs = require("fs");
+    const [cf, lf, label] = process.argv.slice(1);
+    const c = JSON.parse(fs.readFileSync(cf)), l = JSON.parse(fs.readFileSync(lf));
+    let same = 0, maxDiff = 0;
+    for (let i = 0; i < c.n; ++i) {
+      same += c.argmax[i] === l.argmax[i];
+      maxDiff = Math.max(maxDiff, Math.abs(c.margin[i] - l.margin[i]));
+    }
+    console.log(`peer_agreement (${label}): argmax equal at ${same} of ${c.n}; largest ` +
+                `difference of the margins ${maxDiff.toFixed(4)}`);
+    if (c.n !== l.n || same < 0.95 * c.n || maxDiff > 0.05) process.exit(1);' \
+    "$work/cachet_logits.json" "$work/llama_logits.json" "$label"
+}
+close_logits "mini, llama.cpp's Q5_K_M with q5_1" "$work/mini-llama.gguf"
+"$peer" quantize "$work/mini-f16.gguf" "$threads" "$work/mini-iq4_xs-llama.gguf" iq4_xs
+close_logits "mini, llama.cpp's IQ4_XS with iq4_nl" "$work/mini-iq4_xs-llama.gguf"
 cat >"$work/mini256.json" <<'JSON'
 {"model_type": "llama", "num_hidden_layers": 8, "hidden_size": 256, "num_attention_heads": 4,
  "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 1000,

@@ -1,7 +1,7 @@
-// Quantized weight kernels (q8_0, q5_0, q5_1, q4_0, q4_1, q4_K, q5_K, q6_K): the reference
-// quantizers against the values they encode, ref::MatMul against double-precision math over the
-// reference dequantization, and every cpu:: MatMul / DequantRow (each compiled SIMD target this CPU
-// has) against ref::.
+// Quantized weight kernels (q8_0, q5_0, q5_1, q4_0, q4_1, q4_K, q5_K, q6_K, iq4_nl, iq4_xs): the
+// reference quantizers against the values they encode, ref::MatMul against double-precision math
+// over the reference dequantization, and every cpu:: MatMul / DequantRow (each compiled SIMD target
+// this CPU has) against ref::.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -18,8 +18,9 @@
 namespace cachet::kernels {
 namespace {
 
-constexpr DType kQuantTypes[] = {DType::kQ8_0, DType::kQ5_0, DType::kQ5_1, DType::kQ4_0,
-                                 DType::kQ4_1, DType::kQ4_K, DType::kQ5_K, DType::kQ6_K};
+constexpr DType kQuantTypes[] = {DType::kQ8_0,   DType::kQ5_0,  DType::kQ5_1, DType::kQ4_0,
+                                 DType::kQ4_1,   DType::kQ4_K,  DType::kQ5_K, DType::kQ6_K,
+                                 DType::kIQ4_NL, DType::kIQ4_XS};
 
 double NormErr(const float* a, const float* b, size_t n) {
   double diff = 0.0, ref = 0.0;
@@ -79,8 +80,9 @@ TEST(QuantKernels, RowBytesAndBlockSizes) {
 TEST(QuantKernels, ReferenceRoundTripError) {
   std::mt19937 rng(1);
   const std::pair<DType, double> kBounds[] = {
-      {DType::kQ8_0, 0.01}, {DType::kQ5_0, 0.08}, {DType::kQ4_0, 0.15}, {DType::kQ4_K, 0.12},
-      {DType::kQ5_K, 0.06}, {DType::kQ6_K, 0.05}, {DType::kQ4_1, 0.12}, {DType::kQ5_1, 0.06}};
+      {DType::kQ8_0, 0.01},   {DType::kQ5_0, 0.08},  {DType::kQ4_0, 0.15}, {DType::kQ4_K, 0.12},
+      {DType::kQ5_K, 0.06},   {DType::kQ6_K, 0.05},  {DType::kQ4_1, 0.12}, {DType::kQ5_1, 0.06},
+      {DType::kIQ4_NL, 0.15}, {DType::kIQ4_XS, 0.15}};
   for (auto [t, bound] : kBounds) {
     QuantMatrix q = MakeMatrix(t, 8, 512, rng);
     const double err = NormErr(q.deq.data(), q.source.data(), q.deq.size());
@@ -142,6 +144,33 @@ TEST(QuantKernels, ReferenceDequantKnownBlocks) {
   for (int j = 0; j < 16; ++j) {
     EXPECT_EQ(y[j], 2.0f * (j + (j == 3 ? 16 : 0)) - 3.0f) << j;
     EXPECT_EQ(y[j + 16], 2.0f * (15 - j + (j + 16 == 20 ? 16 : 0)) - 3.0f) << j + 16;
+  }
+  // iq4_nl: d = 0.5, qs[j] = lo j, hi 15 - j: x = 0.5 * level; iq4_xs: d = 0.25, sub-block s
+  // has the 6-bit scale 32 + s + 1 (x = 0.25 * (s + 1) * level), each sub-block's bytes those.
+  static constexpr int kLevels[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                      1,    13,   25,  38,  53,  69,  89,  113};
+  std::vector<uint8_t> n4(18);
+  std::memcpy(n4.data(), &half, 2);
+  for (int j = 0; j < 16; ++j) n4[2 + j] = static_cast<uint8_t>(j | ((15 - j) << 4));
+  ref::DequantRow(Matrix{n4.data(), DType::kIQ4_NL, 1, 32}, 0, y);
+  for (int j = 0; j < 16; ++j) {
+    EXPECT_EQ(y[j], 0.5f * kLevels[j]) << j;
+    EXPECT_EQ(y[j + 16], 0.5f * kLevels[15 - j]) << j + 16;
+  }
+  std::vector<uint8_t> x4(136, 0);
+  std::memcpy(x4.data(), &quarter, 2);
+  uint16_t scales_h = 0;
+  for (int s = 0; s < 8; ++s) {
+    const int ls = 32 + s + 1;
+    scales_h |= static_cast<uint16_t>((ls >> 4) << (2 * s));
+    x4[4 + s / 2] |= static_cast<uint8_t>((ls & 0xF) << (4 * (s % 2)));
+    for (int j = 0; j < 16; ++j) x4[8 + 16 * s + j] = static_cast<uint8_t>(j | ((15 - j) << 4));
+  }
+  std::memcpy(x4.data() + 2, &scales_h, 2);
+  ref::DequantRow(Matrix{x4.data(), DType::kIQ4_XS, 1, 256}, 0, y);
+  for (int i = 0; i < 256; ++i) {
+    const int s = i / 32, j = i % 32;
+    EXPECT_EQ(y[i], 0.25f * static_cast<float>(s + 1) * kLevels[j < 16 ? j : 31 - j]) << i;
   }
   // q6_K: d = 1, every scale 2, every q = 63 (ql 0xFF, qh 0xFF) -> 2 * 31
   std::vector<uint8_t> k6(210, 0xFF);

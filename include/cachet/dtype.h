@@ -5,7 +5,7 @@
 
 namespace cachet {
 
-// kQ8_0 .. kQ5_1 are GGUF (GGML) block-quantized weight types: a row of a matrix is a sequence of
+// kQ8_0 .. kIQ4_XS are GGUF (GGML) block-quantized weight types: a row of a matrix is a sequence of
 // blocks of DTypeBlockElems(t) elements, DTypeBlockBytes(t) bytes each (layouts in
 // kernels/ref/quant.cc). They have no per-element size: use DTypeRowBytes, never DTypeSize.
 enum class DType : uint8_t {
@@ -19,7 +19,9 @@ enum class DType : uint8_t {
   kQ5_0,
   kQ5_K,
   kQ4_1,
-  kQ5_1
+  kQ5_1,
+  kIQ4_NL,
+  kIQ4_XS
 };
 
 inline const char* DTypeName(DType t) {
@@ -46,6 +48,10 @@ inline const char* DTypeName(DType t) {
       return "q4_1";
     case DType::kQ5_1:
       return "q5_1";
+    case DType::kIQ4_NL:
+      return "iq4_nl";
+    case DType::kIQ4_XS:
+      return "iq4_xs";
   }
   return "?";
 }

@@ -8,8 +8,10 @@
 //   q4_1 / q5_1: u as q4_0 / q5_0, dw = d, o = -m (the block's f16 minimum);
 //   q8_0: u = code + 128, o = 128 dw;
 //   q4_K: u = the nibble of sub-block b, dw = d * scale_b, o = dmin * min_b;
-//   q5_K: as q4_K, u = nibble | fifth bit << 4.
-//   q6_K: u = the 6-bit code, o = 32 dw; its scales are per 16 values, so a block has two halves
+//   q5_K: as q4_K, u = nibble | fifth bit << 4;
+//   iq4_nl / iq4_xs: u = kIQ4Values[nibble] + 128, o = 128 dw (iq4_xs: dw = d * (6-bit scale -
+//   32)). q6_K: u = the 6-bit code, o = 32 dw; its scales are per 16 values, so a block has two
+//   halves
 //         with dw_h = d * scale_h, and the offsets go into the integer sums of each half:
 //         dx_b * sum_h dw_h * sum_{j in h} (u_j - 32) q_j.
 // Shared by the scalar reference (kernels/ref/quant.cc) and the SIMD kernels (kernels/cpu/).
@@ -37,10 +39,16 @@ struct Q8Acts {
 // The weight types with an int8 path.
 inline bool HasInt8Path(DType t) {
   return t == DType::kQ4_0 || t == DType::kQ5_0 || t == DType::kQ8_0 || t == DType::kQ4_K ||
-         t == DType::kQ5_K || t == DType::kQ6_K || t == DType::kQ4_1 || t == DType::kQ5_1;
+         t == DType::kQ5_K || t == DType::kQ6_K || t == DType::kQ4_1 || t == DType::kQ5_1 ||
+         t == DType::kIQ4_NL || t == DType::kIQ4_XS;
 }
 
-// The offset o = Int8Offset(t) * dw of the legacy block types (q4_0, q5_0, q8_0).
+// iq4_nl's and iq4_xs's 16 levels (llama.cpp's kvalues_iq4nl), which their nibbles index.
+inline constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                          1,    13,   25,  38,  53,  69,  89,  113};
+
+// The offset o = Int8Offset(t) * dw of the legacy block types (q4_0, q5_0, q8_0) and iq4_nl /
+// iq4_xs.
 constexpr int Int8Offset(DType t) { return t == DType::kQ4_0 ? 8 : t == DType::kQ5_0 ? 16 : 128; }
 
 // The legacy types with an f16 minimum after the scale (o = -m): q4_1, q5_1.
@@ -90,6 +98,14 @@ inline void ScaleMinK4(int j, const uint8_t* q, int* d, int* m) {
   }
 }
 
+// The 6-bit scale of sub-block j (0..7) of an iq4_xs super-block: low 4 bits from scales_l
+// (byte 4 + j / 2), high 2 from scales_h (the u16 at byte 2).
+inline int IQ4XSScale(const uint8_t* blk, int64_t j) {
+  uint16_t h;
+  std::memcpy(&h, blk + 2, 2);
+  return ((blk[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((h >> (2 * j)) & 3) << 4);
+}
+
 }  // namespace int8_detail
 
 // dw[b] and o[b] of every 32-value block of a weight row of nb blocks; for q6_K the dw of the
@@ -97,10 +113,17 @@ inline void ScaleMinK4(int j, const uint8_t* q, int* d, int* m) {
 template <DType kType>
 inline void BlockScales(const uint8_t* row, int64_t nb, float* dw, float* o) {
   using int8_detail::LoadF16;
-  if constexpr (kType == DType::kQ4_0 || kType == DType::kQ5_0 || kType == DType::kQ8_0) {
+  if constexpr (kType == DType::kQ4_0 || kType == DType::kQ5_0 || kType == DType::kQ8_0 ||
+                kType == DType::kIQ4_NL) {
     for (int64_t b = 0; b < nb; ++b) {
       dw[b] = LoadF16(row + b * DTypeBlockBytes(kType));
       o[b] = static_cast<float>(Int8Offset(kType)) * dw[b];
+    }
+  } else if constexpr (kType == DType::kIQ4_XS) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* blk = row + (b / 8) * DTypeBlockBytes(kType);
+      dw[b] = LoadF16(blk) * static_cast<float>(int8_detail::IQ4XSScale(blk, b % 8) - 32);
+      o[b] = 128.0f * dw[b];
     }
   } else if constexpr (HasBlockMin(kType)) {
     for (int64_t b = 0; b < nb; ++b) {
@@ -133,7 +156,13 @@ inline void BlockScales(const uint8_t* row, int64_t nb, float* dw, float* o) {
 // Unsigned code j (0..31) of block b of a weight row.
 template <DType kType>
 inline int BlockCode(const uint8_t* row, int64_t b, int j) {
-  if constexpr (kType == DType::kQ4_0 || kType == DType::kQ5_0 || HasBlockMin(kType)) {
+  if constexpr (kType == DType::kIQ4_NL || kType == DType::kIQ4_XS) {
+    // iq4_xs: sub-block b % 8 of a super-block, 16 bytes each after the 8-byte header.
+    const uint8_t* q = kType == DType::kIQ4_NL
+                           ? row + b * DTypeBlockBytes(kType) + 2
+                           : row + (b / 8) * DTypeBlockBytes(kType) + 8 + 16 * (b % 8);
+    return kIQ4Values[j < 16 ? q[j] & 0xF : q[j - 16] >> 4] + 128;
+  } else if constexpr (kType == DType::kQ4_0 || kType == DType::kQ5_0 || HasBlockMin(kType)) {
     const uint8_t* blk = row + b * DTypeBlockBytes(kType);
     const uint8_t* q = blk + NibblesAt(kType);
     const int nibble = j < 16 ? q[j] & 0xF : q[j - 16] >> 4;

@@ -76,6 +76,10 @@ uint32_t GgmlTypeOf(DType t) {
       return kGgmlQ4_1;
     case DType::kQ5_1:
       return kGgmlQ5_1;
+    case DType::kIQ4_NL:
+      return kGgmlIQ4_NL;
+    case DType::kIQ4_XS:
+      return kGgmlIQ4_XS;
   }
   return kGgmlF32;
 }
@@ -137,6 +141,12 @@ bool ToDType(uint32_t ggml, DType* out) {
       return true;
     case kGgmlQ5_1:
       *out = DType::kQ5_1;
+      return true;
+    case kGgmlIQ4_NL:
+      *out = DType::kIQ4_NL;
+      return true;
+    case kGgmlIQ4_XS:
+      *out = DType::kIQ4_XS;
       return true;
     default:
       return false;
@@ -369,7 +379,7 @@ Result<GgufFile> GgufFile::Parse(const uint8_t* data, size_t size, const std::st
       return Unimplemented(what + ": tensor type " + std::to_string(t.ggml_type) + " (" +
                            GgmlTypeName(t.ggml_type) +
                            ") is not supported (supported: f32, f16, bf16, q8_0, q5_0, q5_1, "
-                           "q4_0, q4_1, q4_K, q5_K, q6_K)");
+                           "q4_0, q4_1, q4_K, q5_K, q6_K, iq4_nl, iq4_xs)");
     }
     const int64_t row_bytes = DTypeRowBytes(t.dtype, t.ne[0]);
     if (row_bytes < 0) {

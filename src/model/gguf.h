@@ -46,6 +46,8 @@ enum GgmlType : uint32_t {
   kGgmlQ4_K = 12,
   kGgmlQ5_K = 13,
   kGgmlQ6_K = 14,
+  kGgmlIQ4_NL = 20,
+  kGgmlIQ4_XS = 23,
   kGgmlBF16 = 30,
 };
 const char* GgmlTypeName(uint32_t t);  // "q5_K", ... or "unknown"

@@ -48,6 +48,10 @@ uint32_t FileType(WeightFormat f) {
       return 3;
     case DType::kQ5_1:
       return 9;
+    case DType::kIQ4_NL:
+      return 25;
+    case DType::kIQ4_XS:
+      return 30;
     case DType::kQ6_K:
       return 18;
     case DType::kQ5_0:
@@ -222,10 +226,11 @@ DType MatrixType(const WeightFormat& format, const ModelTensor& t, int n_layers,
   }
   if (DTypeRowBytes(want, cols) >= 0) return want;
   // llama.cpp's fallbacks for rows off the 256-value super-blocks (qwen2.5-0.5b's 896 columns).
-  const DType fallback = want == DType::kQ4_K   ? DType::kQ5_0
-                         : want == DType::kQ5_K ? DType::kQ5_1
-                         : want == DType::kQ6_K ? DType::kQ8_0
-                                                : DType::kF16;
+  const DType fallback = want == DType::kQ4_K     ? DType::kQ5_0
+                         : want == DType::kQ5_K   ? DType::kQ5_1
+                         : want == DType::kIQ4_XS ? DType::kIQ4_NL
+                         : want == DType::kQ6_K   ? DType::kQ8_0
+                                                  : DType::kF16;
   return DTypeRowBytes(fallback, cols) >= 0 ? fallback : DType::kF16;
 }
 

@@ -19,10 +19,12 @@ constexpr int64_t DTypeBlockElems(DType t) {
     case DType::kQ5_0:
     case DType::kQ4_1:
     case DType::kQ5_1:
+    case DType::kIQ4_NL:
       return 32;
     case DType::kQ4_K:
     case DType::kQ5_K:
     case DType::kQ6_K:
+    case DType::kIQ4_XS:
       return 256;
     default:
       return 1;
@@ -40,6 +42,10 @@ constexpr int64_t DTypeBlockBytes(DType t) {
       return 20;  // f16 scale, f16 minimum + 16 bytes of nibbles
     case DType::kQ5_1:
       return 24;  // f16 scale, f16 minimum + 32 fifth bits + 16 bytes of nibbles
+    case DType::kIQ4_NL:
+      return 18;  // f16 scale + 16 bytes of nibbles indexing a table of 16 values
+    case DType::kIQ4_XS:
+      return 136;  // f16 d, 8 6-bit sub-block scales (2 + 4 bytes), 128 bytes of such nibbles
     case DType::kQ4_K:
       return 144;  // f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
     case DType::kQ5_K:

@@ -148,6 +148,28 @@ HWY_INLINE void ForEachVec(const uint8_t* row, int64_t cols, const Fn& fn) {
           fn(c0 + j + 32 + k, hn::MulSub(hn::ConvertTo(df, code), d2, mn2));
         }
       }
+    } else if constexpr (kType == DType::kIQ4_NL || kType == DType::kIQ4_XS) {
+      // The levels the nibbles index, by one byte shuffle per 16 nibbles, times the (sub-)block's
+      // scale.
+      const hn::Full128<int8_t> d8;
+      const hn::Full128<uint8_t> du8;
+      const auto table = hn::LoadU(d8, kIQ4Values);
+      constexpr int64_t kSub = DTypeBlockElems(kType) / 32;
+      float dw[kSub], o[kSub];
+      BlockScales<kType>(b, kSub, dw, o);
+      for (int64_t s = 0; s < kSub; ++s) {
+        const auto v = hn::LoadU(du8, kType == DType::kIQ4_NL ? b + 2 : b + 8 + 16 * s);
+        alignas(16) int8_t levels[32];
+        hn::Store(hn::TableLookupBytes(table, hn::BitCast(d8, hn::And(v, hn::Set(du8, 15)))), d8,
+                  levels);
+        hn::Store(hn::TableLookupBytes(table, hn::BitCast(d8, hn::ShiftRight<4>(v))), d8,
+                  levels + 16);
+        const VF d = hn::Set(df, dw[s]);
+        for (int64_t k = 0; k < 32; k += N) {
+          fn(c0 + 32 * s + k,
+             hn::Mul(hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(DI8(), levels + k))), d));
+        }
+      }
     } else {
       static_assert(kType == DType::kQ6_K);
       const uint8_t* ql = b;
@@ -295,6 +317,10 @@ void QuantMatMulImpl(const float* x, int64_t n, const Matrix& w, const float* bi
       return MatMulT<DType::kQ4_1>(x, n, w, bias, y, y_stride, pool);
     case DType::kQ5_1:
       return MatMulT<DType::kQ5_1>(x, n, w, bias, y, y_stride, pool);
+    case DType::kIQ4_NL:
+      return MatMulT<DType::kIQ4_NL>(x, n, w, bias, y, y_stride, pool);
+    case DType::kIQ4_XS:
+      return MatMulT<DType::kIQ4_XS>(x, n, w, bias, y, y_stride, pool);
     case DType::kQ6_K:
       return MatMulT<DType::kQ6_K>(x, n, w, bias, y, y_stride, pool);
     default:
@@ -319,6 +345,10 @@ void QuantDequantRowImpl(const Matrix& w, int64_t r, float* out) {
       return DequantRowT<DType::kQ4_1>(w, r, out);
     case DType::kQ5_1:
       return DequantRowT<DType::kQ5_1>(w, r, out);
+    case DType::kIQ4_NL:
+      return DequantRowT<DType::kIQ4_NL>(w, r, out);
+    case DType::kIQ4_XS:
+      return DequantRowT<DType::kIQ4_XS>(w, r, out);
     case DType::kQ6_K:
       return DequantRowT<DType::kQ6_K>(w, r, out);
     default:

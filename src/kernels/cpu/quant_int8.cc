@@ -79,10 +79,32 @@ struct HardF16 {
   }
 };
 
-// q4_0, q5_0, q4_1, q5_1: 32-value blocks of nibbles (and fifth bits).
+// iq4_nl, iq4_xs: nibbles that index a table of levels (kIQ4Values).
+template <DType kType>
+constexpr bool kIQ4 = kType == DType::kIQ4_NL || kType == DType::kIQ4_XS;
+
+// q4_0, q5_0, q4_1, q5_1, iq4_nl and iq4_xs's sub-blocks: 32 values in 16 bytes of nibbles (and
+// fifth bits), low nibbles first.
 template <DType kType>
 constexpr bool kLegacyNibbles = kType == DType::kQ4_0 || kType == DType::kQ5_0 ||
-                                HasBlockMin(kType);
+                                HasBlockMin(kType) || kIQ4<kType>;
+
+// The 16 nibble bytes of 32-value block b.
+template <DType kType>
+inline const uint8_t* NibblePtr(const uint8_t* row, int64_t b) {
+  if constexpr (kType == DType::kIQ4_XS) {  // after the super-block's 8-byte header
+    return row + (b / 8) * DTypeBlockBytes(kType) + 8 + 16 * (b % 8);
+  } else {
+    return row + b * DTypeBlockBytes(kType) + NibblesAt(kType);
+  }
+}
+
+// kIQ4Values + 128 (the unsigned codes), for a byte shuffle in each 128-bit lane.
+CACHET_INT8_TARGET inline __m256i IQ4Codes256() {
+  const __m128i t = _mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, -127, -115, -103, -90, -75, -59,
+                                  -39, -15);  // 129 .. 241 as signed bytes
+  return _mm256_broadcastsi128_si256(t);
+}
 
 // q4_K and q5_K: the types with a super-block header of 6-bit scales and minimums.
 template <DType kType>
@@ -118,9 +140,11 @@ CACHET_INT8_TARGET inline __m256i Codes(const uint8_t* row, int64_t b) {
     return _mm256_or_si256(lo, hi);
   } else if constexpr (kLegacyNibbles<kType>) {
     const uint8_t* blk = row + b * BlockBytes<kType>();
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + NibblesAt(kType)));
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(NibblePtr<kType>(row, b)));
     const __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4);
-    if constexpr (!HasFifthBit(kType)) {
+    if constexpr (kIQ4<kType>) {
+      return _mm256_shuffle_epi8(IQ4Codes256(), nibbles);
+    } else if constexpr (!HasFifthBit(kType)) {
       return nibbles;
     } else {  // bit j of qh is code j's fifth bit
       uint32_t qh;
@@ -185,14 +209,17 @@ CACHET_INT8_TARGET inline __m512i CodePair(const uint8_t* row, int64_t b) {
         _mm512_test_epi8_mask(_mm512_broadcast_i64x4(Q5KHighBits(row, b)), bits);
     return _mm512_mask_add_epi8(nibbles, fifth, nibbles, _mm512_set1_epi8(16));
   } else if constexpr (kLegacyNibbles<kType>) {
-    constexpr int64_t kBytes = BlockBytes<kType>(), kCodes = NibblesAt(kType);
+    constexpr int64_t kBytes = BlockBytes<kType>();
     const uint8_t* blk = row + b * kBytes;
     const __m512i v = _mm512_mask_broadcast_i32x4(
-        _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kCodes))),
-        0xFF00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + kBytes + kCodes)));
+        _mm512_broadcast_i32x4(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(NibblePtr<kType>(row, b)))),
+        0xFF00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(NibblePtr<kType>(row, b + 1))));
     const __m512i nibbles = _mm512_and_si512(
         _mm512_srlv_epi64(v, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0)), _mm512_set1_epi8(0x0F));
-    if constexpr (!HasFifthBit(kType)) {
+    if constexpr (kIQ4<kType>) {
+      return _mm512_shuffle_epi8(_mm512_broadcast_i64x4(IQ4Codes256()), nibbles);
+    } else if constexpr (!HasFifthBit(kType)) {
       return nibbles;
     } else {  // the two blocks' qh: bit j of each is its code j's fifth bit
       uint32_t qh0, qh1;
@@ -227,6 +254,25 @@ CACHET_INT8_TARGET inline void Q4KScales(const uint8_t* blk, __m256* dw, __m256*
                      _mm256_set1_ps(HardF16::Load(blk + 2)));
 }
 
+// The eight sub-block scales d * (ls_j - 32) of an iq4_xs super-block: ls_j's low 4 bits are bits
+// 4j.. of the u32 at byte 4, its high 2 bits 2j.. of the u16 at byte 2.
+CACHET_INT8_TARGET inline __m256 IQ4XSScales(const uint8_t* blk) {
+  uint16_t h;
+  uint32_t l;
+  std::memcpy(&h, blk + 2, 2);
+  std::memcpy(&l, blk + 4, 4);
+  const __m256i lo =
+      _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int32_t>(l)),
+                                         _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                       _mm256_set1_epi32(0xF));
+  const __m256i hi = _mm256_and_si256(
+      _mm256_srlv_epi32(_mm256_set1_epi32(h), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+      _mm256_set1_epi32(3));
+  const __m256i ls =
+      _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), _mm256_set1_epi32(32));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(ls), _mm256_set1_ps(HardF16::Load(blk)));
+}
+
 // The sixteen scales d * sc_j of a q6_K super-block, one per 16 values.
 CACHET_INT8_TARGET inline __m512 Q6KScales(const uint8_t* blk) {
   const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
@@ -243,6 +289,12 @@ CACHET_INT8_TARGET void RowScales(const uint8_t* row, int64_t nb, float* dw, flo
           _mm512_permutexvar_ps(evens, Q6KScales(row + sb * DTypeBlockBytes(kType)));
       _mm256_storeu_ps(dw + sb * 8, _mm512_castps512_ps256(split));
       _mm256_storeu_ps(o + sb * 8, _mm512_extractf32x8_ps(split, 1));
+    }
+  } else if constexpr (kType == DType::kIQ4_XS) {
+    for (int64_t sb = 0; sb < nb / 8; ++sb) {
+      const __m256 d8 = IQ4XSScales(row + sb * DTypeBlockBytes(kType));
+      _mm256_storeu_ps(dw + sb * 8, d8);
+      _mm256_storeu_ps(o + sb * 8, _mm256_mul_ps(d8, _mm256_set1_ps(128.0f)));
     }
   } else if constexpr (kScaleMinK<kType>) {
     for (int64_t sb = 0; sb < nb / 8; ++sb) {
@@ -376,6 +428,26 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
       for (int t = 0; t < kT; ++t) {
         v[t] = HorizontalSum(_mm512_add_ps(acc0[t], acc1[t])) - HorizontalSum(corr[t]);
       }
+    } else if constexpr (kType == DType::kIQ4_XS) {
+      // Per super-block: its eight sub-block scales once; pair p's lanes take two of them.
+      const __m512i lo = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+      for (int64_t sb = 0; sb < nb / 8; ++sb) {
+        const __m512 dw8 = _mm512_castps256_ps512(IQ4XSScales(row + sb * DTypeBlockBytes(kType)));
+#pragma GCC unroll 4
+        for (int64_t i = 0; i < 4; ++i) {
+          const int64_t p = 4 * sb + i;
+          const __m512 w = _mm512_permutexvar_ps(
+              _mm512_add_epi32(lo, _mm512_set1_epi32(static_cast<int32_t>(2 * i))), dw8);
+          pair(
+              row, p,
+              [&](int t) CACHET_INT8_TARGET {
+                return _mm512_mul_ps(w, _mm512_load_ps(a[t].dx2 + p * 16));
+              },
+              i % 2 == 0 ? acc0 : acc1);
+        }
+      }
+#pragma GCC unroll 8
+      for (int t = 0; t < kT; ++t) v[t] = HorizontalSum(_mm512_add_ps(acc0[t], acc1[t]));
     } else if constexpr (kType == DType::kQ6_K) {
       // Per super-block: its sixteen scales once; pair p's lanes take scales 4p .. 4p + 3, four
       // lanes (16 values) each, times the activations' dx.
@@ -792,6 +864,10 @@ void Int8MatMul(const float* x, int64_t n, const Matrix& w, const float* bias, f
       return Dispatch<DType::kQ4_1>(x, n, w, bias, y, y_stride, pool);
     case DType::kQ5_1:
       return Dispatch<DType::kQ5_1>(x, n, w, bias, y, y_stride, pool);
+    case DType::kIQ4_NL:
+      return Dispatch<DType::kIQ4_NL>(x, n, w, bias, y, y_stride, pool);
+    case DType::kIQ4_XS:
+      return Dispatch<DType::kIQ4_XS>(x, n, w, bias, y, y_stride, pool);
     case DType::kQ6_K:
       return Dispatch<DType::kQ6_K>(x, n, w, bias, y, y_stride, pool);
     default:

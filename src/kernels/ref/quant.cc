@@ -14,6 +14,10 @@
 //       x = d * sc * q - dmin * m.
 //   block_q5_K (256 values, 176 bytes): f16 d; f16 dmin; u8 scales[12]; u8 qh[32]; u8 qs[128]
 //       q4_K's, with bit i of qh[l] the fifth bit of value l of sub-block i.
+//   block_iq4_nl (32 values, 18 bytes): f16 d; u8 qs[16]           x = d * kIQ4Values[nibble]
+//   block_iq4_xs (256 values, 136 bytes): f16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128]
+//       8 sub-blocks of 32, each 16 bytes of qs as iq4_nl's, with the 6-bit scale ls (low 4 bits
+//       in scales_l, high 2 in scales_h): x = d * (ls - 32) * kIQ4Values[nibble].
 //   block_q6_K (256 values, 210 bytes): u8 ql[128]; u8 qh[64]; int8 scales[16]; f16 d
 //       16 sub-blocks of 16; 6-bit q = low 4 bits from ql, high 2 bits from qh; x = d * sc * (q -
 //       32).
@@ -90,6 +94,19 @@ void DequantScaleMinK(const uint8_t* b, float* y) {
   }
 }
 
+// iq4_nl, iq4_xs: the level a nibble indexes times the (sub-)block's scale.
+template <DType kType>
+void DequantIQ4(const uint8_t* b, float* y) {
+  constexpr int64_t kSub = DTypeBlockElems(kType) / 32;
+  float dw[kSub], o[kSub];
+  BlockScales<kType>(b, kSub, dw, o);
+  for (int64_t s = 0; s < kSub; ++s) {
+    for (int j = 0; j < 32; ++j) {
+      y[s * 32 + j] = dw[s] * static_cast<float>(BlockCode<kType>(b, s, j) - 128);
+    }
+  }
+}
+
 void DequantQ6_K(const uint8_t* b, float* y) {
   const uint8_t* ql = b;
   const uint8_t* qh = b + 128;
@@ -155,6 +172,52 @@ void QuantizeMin(const float* x, int levels, uint8_t* b) {
     qh |= static_cast<uint32_t>(x1 >> 4) << (j + 16);
   }
   if (fifth) std::memcpy(b + 4, &qh, 4);
+}
+
+// The index of kIQ4Values nearest to v.
+int NearestIQ4(float v) {
+  int best = 0;
+  for (int i = 1; i < 16; ++i) {
+    if (std::fabs(v - kIQ4Values[i]) < std::fabs(v - kIQ4Values[best])) best = i;
+  }
+  return best;
+}
+
+// 32 values as iq4_nl's nibbles against the scale d (d = 0: the level nearest 0).
+void QuantizeIQ4Nibbles(const float* x, float d, uint8_t* q) {
+  const float id = d != 0.0f ? 1.0f / d : 0.0f;
+  for (int j = 0; j < 16; ++j) {
+    q[j] = static_cast<uint8_t>(NearestIQ4(x[j] * id) | (NearestIQ4(x[j + 16] * id) << 4));
+  }
+}
+
+// The block's value of largest magnitude maps to the level -127 (no search over scales, as
+// llama.cpp's quantizer does).
+void QuantizeIQ4_NL(const float* x, uint8_t* b) {
+  StoreF16(b, SignedMax32(x) / -127.0f);
+  QuantizeIQ4Nibbles(x, LoadF16(b), b + 2);
+}
+
+void QuantizeIQ4_XS(const float* x, uint8_t* b) {
+  float scale[8], max_abs = 0.0f, max_scale = 0.0f;
+  for (int s = 0; s < 8; ++s) {
+    scale[s] = SignedMax32(x + 32 * s) / -127.0f;
+    if (std::fabs(scale[s]) > max_abs) {
+      max_abs = std::fabs(scale[s]);
+      max_scale = scale[s];
+    }
+  }
+  StoreF16(b, max_scale / -32.0f);
+  const float d = LoadF16(b);
+  uint16_t scales_h = 0;
+  std::memset(b + 4, 0, 4);
+  for (int s = 0; s < 8; ++s) {
+    const int ls = d != 0.0f ? std::clamp(NearestInt(scale[s] / d), -32, 31) + 32 : 32;
+    scales_h |= static_cast<uint16_t>((ls >> 4) << (2 * s));
+    b[4 + s / 2] |= static_cast<uint8_t>((ls & 0xF) << (4 * (s % 2)));
+    QuantizeIQ4Nibbles(x + 32 * s, d * static_cast<float>(ls - 32), b + 8 + 16 * s);
+  }
+  std::memcpy(b + 2, &scales_h, 2);
 }
 
 void QuantizeQ4_0(const float* x, uint8_t* b) {
@@ -339,6 +402,12 @@ void QuantDequantRow(const Matrix& w, int64_t r, float* out) {
       case DType::kQ5_1:
         DequantMin<DType::kQ5_1>(b, y);
         break;
+      case DType::kIQ4_NL:
+        DequantIQ4<DType::kIQ4_NL>(b, y);
+        break;
+      case DType::kIQ4_XS:
+        DequantIQ4<DType::kIQ4_XS>(b, y);
+        break;
       case DType::kQ6_K:
         DequantQ6_K(b, y);
         break;
@@ -384,6 +453,12 @@ void QuantizeRow(DType t, const float* x, int64_t n, void* out) {
         break;
       case DType::kQ5_1:
         QuantizeMin(x + i * be, 31, o + i * bb);
+        break;
+      case DType::kIQ4_NL:
+        QuantizeIQ4_NL(x + i * be, o + i * bb);
+        break;
+      case DType::kIQ4_XS:
+        QuantizeIQ4_XS(x + i * be, o + i * bb);
         break;
       case DType::kQ6_K:
         QuantizeQ6_K(x + i * be, o + i * bb);
@@ -435,7 +510,7 @@ float Int8DotT(const uint8_t* row, const int8_t* q, const float* d, const float*
     float dw, o;
     // Scales of one block: q4_K's and q5_K's are per super-block, so ask for the whole one and
     // pick.
-    if constexpr (kType == DType::kQ4_K || kType == DType::kQ5_K) {
+    if constexpr (kType == DType::kQ4_K || kType == DType::kQ5_K || kType == DType::kIQ4_XS) {
       float dws[8], os[8];
       BlockScales<kType>(row + (b / 8) * DTypeBlockBytes(kType), 8, dws, os);
       dw = dws[b % 8];
@@ -472,6 +547,10 @@ float Int8Dot(const Matrix& w, int64_t r, const int8_t* q, const float* d, const
       return Int8DotT<DType::kQ4_1>(row, q, d, s, nb);
     case DType::kQ5_1:
       return Int8DotT<DType::kQ5_1>(row, q, d, s, nb);
+    case DType::kIQ4_NL:
+      return Int8DotT<DType::kIQ4_NL>(row, q, d, s, nb);
+    case DType::kIQ4_XS:
+      return Int8DotT<DType::kIQ4_XS>(row, q, d, s, nb);
     default:
       return NAN;  // no int8 path (HasInt8Path)
   }
