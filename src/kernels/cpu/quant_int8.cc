@@ -428,37 +428,27 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
       for (int t = 0; t < kT; ++t) {
         v[t] = HorizontalSum(_mm512_add_ps(acc0[t], acc1[t])) - HorizontalSum(corr[t]);
       }
-    } else if constexpr (kType == DType::kIQ4_XS) {
-      // Per super-block: its eight sub-block scales once; pair p's lanes take two of them.
-      const __m512i lo = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    } else if constexpr (kType == DType::kQ6_K || kType == DType::kIQ4_XS) {
+      // Per super-block: its scales once, q6_K's sixteen (one per 16 values: pair p's lanes take
+      // scales 4p .. 4p + 3, four lanes each) or iq4_xs's eight (pair p's take 2p and 2p + 1,
+      // eight lanes each), times the activations' dx.
+      constexpr bool kQ6 = kType == DType::kQ6_K;
+      const __m512i lanes = kQ6 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                                : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
       for (int64_t sb = 0; sb < nb / 8; ++sb) {
-        const __m512 dw8 = _mm512_castps256_ps512(IQ4XSScales(row + sb * DTypeBlockBytes(kType)));
+        const uint8_t* blk = row + sb * DTypeBlockBytes(kType);
+        __m512 sc;
+        if constexpr (kQ6) {
+          sc = Q6KScales(blk);
+        } else {
+          sc = _mm512_castps256_ps512(IQ4XSScales(blk));
+        }
 #pragma GCC unroll 4
         for (int64_t i = 0; i < 4; ++i) {
           const int64_t p = 4 * sb + i;
           const __m512 w = _mm512_permutexvar_ps(
-              _mm512_add_epi32(lo, _mm512_set1_epi32(static_cast<int32_t>(2 * i))), dw8);
-          pair(
-              row, p,
-              [&](int t) CACHET_INT8_TARGET {
-                return _mm512_mul_ps(w, _mm512_load_ps(a[t].dx2 + p * 16));
-              },
-              i % 2 == 0 ? acc0 : acc1);
-        }
-      }
-#pragma GCC unroll 8
-      for (int t = 0; t < kT; ++t) v[t] = HorizontalSum(_mm512_add_ps(acc0[t], acc1[t]));
-    } else if constexpr (kType == DType::kQ6_K) {
-      // Per super-block: its sixteen scales once; pair p's lanes take scales 4p .. 4p + 3, four
-      // lanes (16 values) each, times the activations' dx.
-      const __m512i lanes = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-      for (int64_t sb = 0; sb < nb / 8; ++sb) {
-        const __m512 sc = Q6KScales(row + sb * DTypeBlockBytes(kType));
-#pragma GCC unroll 4
-        for (int64_t i = 0; i < 4; ++i) {
-          const int64_t p = 4 * sb + i;
-          const __m512 w =
-              _mm512_permutexvar_ps(_mm512_add_epi32(lanes, _mm512_set1_epi32(4 * i)), sc);
+              _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>((kQ6 ? 4 : 2) * i))),
+              sc);
           pair(
               row, p,
               [&](int t) CACHET_INT8_TARGET {
