@@ -9,9 +9,9 @@
 //   q8_0: u = code + 128, o = 128 dw;
 //   q4_K: u = the nibble of sub-block b, dw = d * scale_b, o = dmin * min_b;
 //   q5_K: as q4_K, u = nibble | fifth bit << 4;
-//   iq4_nl / iq4_xs: u = kIQ4Values[nibble] + 128, o = 128 dw (iq4_xs: dw = d * (6-bit scale -
-//   32)). q6_K: u = the 6-bit code, o = 32 dw; its scales are per 16 values, so a block has two
-//   halves
+//   iq4_nl: u = kIQ4Values[nibble] + 128, o = 128 dw;
+//   iq4_xs: as iq4_nl, dw = d * (6-bit scale_b - 32);
+//   q6_K: u = the 6-bit code, o = 32 dw; its scales are per 16 values, so a block has two halves
 //         with dw_h = d * scale_h, and the offsets go into the integer sums of each half:
 //         dx_b * sum_h dw_h * sum_{j in h} (u_j - 32) q_j.
 // Shared by the scalar reference (kernels/ref/quant.cc) and the SIMD kernels (kernels/cpu/).
@@ -54,7 +54,7 @@ constexpr int Int8Offset(DType t) { return t == DType::kQ4_0 ? 8 : t == DType::k
 // The legacy types with an f16 minimum after the scale (o = -m): q4_1, q5_1.
 constexpr bool HasBlockMin(DType t) { return t == DType::kQ4_1 || t == DType::kQ5_1; }
 // Where a block (q4_K, q5_K: a super-block) keeps its fifth bits (q5_0, q5_1, q5_K) and its
-// nibbles (q4_0, q5_0, q4_1, q5_1, q4_K, q5_K).
+// nibbles (q4_0, q5_0, q4_1, q5_1, q4_K, q5_K, iq4_nl; iq4_xs: kernels/cpu/quant_int8.cc).
 constexpr int64_t FifthBitsAt(DType t) {
   return t == DType::kQ5_0 ? 2 : t == DType::kQ5_1 ? 4 : 16;
 }
@@ -71,7 +71,7 @@ constexpr int64_t NibblesAt(DType t) {
     case DType::kQ5_K:
       return 48;
     default:
-      return 2;  // q4_0
+      return 2;  // q4_0, iq4_nl
   }
 }
 constexpr bool HasFifthBit(DType t) {
