@@ -153,23 +153,37 @@ inline void BlockScales(const uint8_t* row, int64_t nb, float* dw, float* o) {
   }
 }
 
+// The types whose 32-value blocks are 16 bytes of nibbles, low nibbles first (q4_0, q5_0, q4_1,
+// q5_1, iq4_nl, and iq4_xs's sub-blocks), and block b's 16 bytes.
+constexpr bool HasBlockNibbles(DType t) {
+  return t == DType::kQ4_0 || t == DType::kQ5_0 || HasBlockMin(t) || t == DType::kIQ4_NL ||
+         t == DType::kIQ4_XS;
+}
+template <DType kType>
+inline const uint8_t* BlockNibbles(const uint8_t* row, int64_t b) {
+  static_assert(HasBlockNibbles(kType));
+  if constexpr (kType == DType::kIQ4_XS) {  // after the super-block's 8-byte header
+    return row + (b / 8) * DTypeBlockBytes(kType) + 8 + 16 * (b % 8);
+  } else {
+    return row + b * DTypeBlockBytes(kType) + NibblesAt(kType);
+  }
+}
+
 // Unsigned code j (0..31) of block b of a weight row.
 template <DType kType>
 inline int BlockCode(const uint8_t* row, int64_t b, int j) {
-  if constexpr (kType == DType::kIQ4_NL || kType == DType::kIQ4_XS) {
-    // iq4_xs: sub-block b % 8 of a super-block, 16 bytes each after the 8-byte header.
-    const uint8_t* q = kType == DType::kIQ4_NL
-                           ? row + b * DTypeBlockBytes(kType) + 2
-                           : row + (b / 8) * DTypeBlockBytes(kType) + 8 + 16 * (b % 8);
-    return kIQ4Values[j < 16 ? q[j] & 0xF : q[j - 16] >> 4] + 128;
-  } else if constexpr (kType == DType::kQ4_0 || kType == DType::kQ5_0 || HasBlockMin(kType)) {
-    const uint8_t* blk = row + b * DTypeBlockBytes(kType);
-    const uint8_t* q = blk + NibblesAt(kType);
+  if constexpr (HasBlockNibbles(kType)) {
+    const uint8_t* q = BlockNibbles<kType>(row, b);
     const int nibble = j < 16 ? q[j] & 0xF : q[j - 16] >> 4;
-    if constexpr (!HasFifthBit(kType)) return nibble;
-    uint32_t qh;
-    std::memcpy(&qh, blk + FifthBitsAt(kType), 4);
-    return nibble | (((qh >> j) & 1) << 4);
+    if constexpr (kType == DType::kIQ4_NL || kType == DType::kIQ4_XS) {
+      return kIQ4Values[nibble] + 128;
+    } else if constexpr (!HasFifthBit(kType)) {
+      return nibble;
+    } else {
+      uint32_t qh;
+      std::memcpy(&qh, row + b * DTypeBlockBytes(kType) + FifthBitsAt(kType), 4);
+      return nibble | (((qh >> j) & 1) << 4);
+    }
   } else if constexpr (kType == DType::kQ8_0) {
     return static_cast<int8_t>(row[b * DTypeBlockBytes(kType) + 2 + j]) + 128;
   } else if constexpr (kType == DType::kQ6_K) {

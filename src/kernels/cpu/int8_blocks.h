@@ -44,22 +44,6 @@ struct HardF16 {
 template <DType kType>
 constexpr bool kIQ4 = kType == DType::kIQ4_NL || kType == DType::kIQ4_XS;
 
-// q4_0, q5_0, q4_1, q5_1, iq4_nl and iq4_xs's sub-blocks: 32 values in 16 bytes of nibbles (and
-// fifth bits), low nibbles first.
-template <DType kType>
-constexpr bool kLegacyNibbles = kType == DType::kQ4_0 || kType == DType::kQ5_0 ||
-                                HasBlockMin(kType) || kIQ4<kType>;
-
-// The 16 nibble bytes of 32-value block b.
-template <DType kType>
-inline const uint8_t* NibblePtr(const uint8_t* row, int64_t b) {
-  if constexpr (kType == DType::kIQ4_XS) {  // after the super-block's 8-byte header
-    return row + (b / 8) * DTypeBlockBytes(kType) + 8 + 16 * (b % 8);
-  } else {
-    return row + b * DTypeBlockBytes(kType) + NibblesAt(kType);
-  }
-}
-
 // kIQ4Values + 128 (the unsigned codes), for a byte shuffle in each 128-bit lane.
 CACHET_INT8_TARGET inline __m256i IQ4Codes256() {
   const __m128i t = _mm_setr_epi8(1, 24, 45, 63, 79, 93, 106, 118, -127, -115, -103, -90, -75, -59,
@@ -99,9 +83,10 @@ CACHET_INT8_TARGET inline __m256i Codes(const uint8_t* row, int64_t b) {
         _mm256_and_si256(_mm256_slli_epi16(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)), 4),
                          _mm256_set1_epi8(0x30));
     return _mm256_or_si256(lo, hi);
-  } else if constexpr (kLegacyNibbles<kType>) {
+  } else if constexpr (HasBlockNibbles(kType)) {
     const uint8_t* blk = row + b * BlockBytes<kType>();
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(NibblePtr<kType>(row, b)));
+    const __m128i v =
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(BlockNibbles<kType>(row, b)));
     const __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), low4);
     if constexpr (kIQ4<kType>) {
       return _mm256_shuffle_epi8(IQ4Codes256(), nibbles);
@@ -169,13 +154,13 @@ CACHET_INT8_TARGET inline __m512i CodePair(const uint8_t* row, int64_t b) {
     const __mmask64 fifth =
         _mm512_test_epi8_mask(_mm512_broadcast_i64x4(Q5KHighBits(row, b)), bits);
     return _mm512_mask_add_epi8(nibbles, fifth, nibbles, _mm512_set1_epi8(16));
-  } else if constexpr (kLegacyNibbles<kType>) {
+  } else if constexpr (HasBlockNibbles(kType)) {
     constexpr int64_t kBytes = BlockBytes<kType>();
     const uint8_t* blk = row + b * kBytes;
     const __m512i v = _mm512_mask_broadcast_i32x4(
         _mm512_broadcast_i32x4(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(NibblePtr<kType>(row, b)))),
-        0xFF00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(NibblePtr<kType>(row, b + 1))));
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(BlockNibbles<kType>(row, b)))),
+        0xFF00, _mm_loadu_si128(reinterpret_cast<const __m128i*>(BlockNibbles<kType>(row, b + 1))));
     const __m512i nibbles = _mm512_and_si512(
         _mm512_srlv_epi64(v, _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0)), _mm512_set1_epi8(0x0F));
     if constexpr (kIQ4<kType>) {

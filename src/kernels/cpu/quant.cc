@@ -108,7 +108,7 @@ HWY_INLINE void ForEachVec(const uint8_t* row, int64_t cols, const Fn& fn) {
         if constexpr (HasBlockMin(kType)) return hn::MulAdd(hn::ConvertTo(df, nibble), d, m);
         return hn::Mul(hn::ConvertTo(df, hn::Sub(nibble, sixteen)), d);
       };
-      const uint8_t* qs = b + NibblesAt(kType);
+      const uint8_t* qs = BlockNibbles<kType>(b, 0);
       for (int64_t k = 0; k < 16; k += N) fn(c0 + k, code(k, hn::And(LoadU8(qs + k), mask)));
       for (int64_t k = 0; k < 16; k += N) {
         fn(c0 + 16 + k, code(16 + k, hn::ShiftRight<4>(LoadU8(qs + k))));
@@ -158,7 +158,7 @@ HWY_INLINE void ForEachVec(const uint8_t* row, int64_t cols, const Fn& fn) {
       float dw[kSub], o[kSub];
       BlockScales<kType>(b, kSub, dw, o);
       for (int64_t s = 0; s < kSub; ++s) {
-        const auto v = hn::LoadU(du8, kType == DType::kIQ4_NL ? b + 2 : b + 8 + 16 * s);
+        const auto v = hn::LoadU(du8, BlockNibbles<kType>(b, s));
         alignas(16) int8_t levels[32];
         hn::Store(hn::TableLookupBytes(table, hn::BitCast(d8, hn::And(v, hn::Set(du8, 15)))), d8,
                   levels);

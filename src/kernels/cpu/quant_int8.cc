@@ -243,13 +243,13 @@ CACHET_INT8_TARGET DecodeActs PrepareDecodeActs(const float* x, int64_t cols, fl
     const int half = static_cast<int>(b % 2);
     std::fill(dx2 + pair + 8 * half, dx2 + pair + 8 * half + 8, d[b]);
     std::fill(off2 + pair + 8 * half, off2 + pair + 8 * half + 8, 0);
-    std::fill(s2 + pair + 8 * half, s2 + pair + 8 * half + 8, 0.0f);
     if constexpr (kType == DType::kQ6_K) {  // per 16 values: their four lanes share a scale
       int32_t first = 0;
       for (int j = 0; j < 16; ++j) first += q[b * 32 + j];
       off2[pair + 8 * half] = -32 * first;
       off2[pair + 8 * half + 4] = -32 * (sum - first);
-    } else if constexpr (HasBlockMin(kType)) {
+    } else if constexpr (HasBlockMin(kType)) {  // only q4_1 / q5_1 read s2
+      std::fill(s2 + pair + 8 * half, s2 + pair + 8 * half + 8, 0.0f);
       s2[pair + 8 * half] = s[b];
     } else if constexpr (!kScaleMinK<kType>) {
       off2[pair + 8 * half] = -Int8Offset(kType) * sum;

@@ -73,23 +73,16 @@ void DequantQ5_0(const uint8_t* b, float* y) {
   }
 }
 
-// q4_1 and q5_1: x = d * code + m, code the nibble (and the fifth bit of q5_1).
+// q4_1, q5_1, q4_K and q5_K: x = dw * code - o per 32-value (sub-)block, its scale and offset as
+// the int8 path reads them (q4_1 / q5_1: d * code + m; q4_K / q5_K: d * sc * code - dmin * m).
 template <DType kType>
-void DequantMin(const uint8_t* b, float* y) {
-  const float d = LoadF16(b), m = LoadF16(b + 2);
-  for (int j = 0; j < 32; ++j) y[j] = d * static_cast<float>(BlockCode<kType>(b, 0, j)) + m;
-}
-
-// q4_K and q5_K: x = d * sc * code - dmin * m per 32-value sub-block.
-template <DType kType>
-void DequantScaleMinK(const uint8_t* b, float* y) {
-  const float d = LoadF16(b), dmin = LoadF16(b + 2);
-  for (int s = 0; s < 8; ++s) {
-    int sc, m;
-    ScaleMinK4(s, b + 4, &sc, &m);
-    const float ds = d * sc, ms = dmin * m;
-    for (int l = 0; l < 32; ++l) {
-      y[s * 32 + l] = ds * static_cast<float>(BlockCode<kType>(b, s, l)) - ms;
+void DequantScaled(const uint8_t* b, float* y) {
+  constexpr int64_t kSub = DTypeBlockElems(kType) / 32;
+  float dw[kSub], o[kSub];
+  BlockScales<kType>(b, kSub, dw, o);
+  for (int64_t s = 0; s < kSub; ++s) {
+    for (int j = 0; j < 32; ++j) {
+      y[s * 32 + j] = dw[s] * static_cast<float>(BlockCode<kType>(b, s, j)) - o[s];
     }
   }
 }
@@ -391,16 +384,16 @@ void QuantDequantRow(const Matrix& w, int64_t r, float* out) {
         DequantQ5_0(b, y);
         break;
       case DType::kQ4_K:
-        DequantScaleMinK<DType::kQ4_K>(b, y);
+        DequantScaled<DType::kQ4_K>(b, y);
         break;
       case DType::kQ5_K:
-        DequantScaleMinK<DType::kQ5_K>(b, y);
+        DequantScaled<DType::kQ5_K>(b, y);
         break;
       case DType::kQ4_1:
-        DequantMin<DType::kQ4_1>(b, y);
+        DequantScaled<DType::kQ4_1>(b, y);
         break;
       case DType::kQ5_1:
-        DequantMin<DType::kQ5_1>(b, y);
+        DequantScaled<DType::kQ5_1>(b, y);
         break;
       case DType::kIQ4_NL:
         DequantIQ4<DType::kIQ4_NL>(b, y);
@@ -508,8 +501,8 @@ float Int8DotT(const uint8_t* row, const int8_t* q, const float* d, const float*
       continue;
     }
     float dw, o;
-    // Scales of one block: q4_K's and q5_K's are per super-block, so ask for the whole one and
-    // pick.
+    // Scales of one block: q4_K's, q5_K's and iq4_xs's are per super-block, so ask for the whole
+    // one and pick.
     if constexpr (kType == DType::kQ4_K || kType == DType::kQ5_K || kType == DType::kIQ4_XS) {
       float dws[8], os[8];
       BlockScales<kType>(row + (b / 8) * DTypeBlockBytes(kType), 8, dws, os);
