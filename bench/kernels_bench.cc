@@ -144,8 +144,9 @@ void BenchMatMul(ThreadPool& pool, std::mt19937& rng) {
 void BenchQuantMatMul(ThreadPool& pool, std::mt19937& rng) {
   const int64_t rows = 5632, cols = 2048;
   const char* only = std::getenv("QUANT_TYPE");  // one type's rows, by name (q6_k)
-  for (DType dtype : {DType::kQ4_0, DType::kQ4_K, DType::kQ8_0, DType::kQ6_K, DType::kQ5_0,
-                      DType::kQ5_K, DType::kQ4_1, DType::kQ5_1, DType::kIQ4_NL, DType::kIQ4_XS}) {
+  for (DType dtype :
+       {DType::kQ4_0, DType::kQ4_K, DType::kQ8_0, DType::kQ6_K, DType::kQ5_0, DType::kQ5_K,
+        DType::kQ4_1, DType::kQ5_1, DType::kIQ4_NL, DType::kIQ4_XS, DType::kQ3_K, DType::kQ2_K}) {
     if (only != nullptr && std::string(only) != cachet::DTypeName(dtype)) continue;
     const int64_t rb = cachet::DTypeRowBytes(dtype, cols);
     std::vector<uint8_t> one(rows * rb);

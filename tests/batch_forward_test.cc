@@ -199,8 +199,9 @@ TEST(BatchDeterminism, MatMulRowDoesNotDependOnTheBatch) {
             << tok << " alone";
       }
     }
-    for (DType t : {DType::kQ8_0, DType::kQ5_0, DType::kQ5_1, DType::kQ4_0, DType::kQ4_1,
-                    DType::kQ4_K, DType::kQ5_K, DType::kQ6_K, DType::kIQ4_NL, DType::kIQ4_XS}) {
+    for (DType t :
+         {DType::kQ8_0, DType::kQ5_0, DType::kQ5_1, DType::kQ4_0, DType::kQ4_1, DType::kQ4_K,
+          DType::kQ5_K, DType::kQ6_K, DType::kQ3_K, DType::kQ2_K, DType::kIQ4_NL, DType::kIQ4_XS}) {
       const bool k_quant = DTypeBlockElems(t) == 256;
       for (int64_t cols :
            k_quant ? std::vector<int64_t>{256, 768} : std::vector<int64_t>{384, 416}) {
@@ -487,8 +488,9 @@ TEST_F(BatchForward, TogetherEqualsAloneF16) {
 // kvtiny's q6_K file is one of them: its 384-column matrices do not split into q6_K's 256-value
 // super-blocks, so `cachet convert` writes them q8_0 (ffn_down, 1024 columns, is q6_K).
 TEST_F(BatchForward, TogetherEqualsAloneInt8Weights) {
-  for (DType t : {DType::kQ8_0, DType::kQ5_0, DType::kQ5_1, DType::kQ4_0, DType::kQ4_1,
-                  DType::kQ4_K, DType::kQ5_K, DType::kQ6_K, DType::kIQ4_NL, DType::kIQ4_XS}) {
+  for (DType t :
+       {DType::kQ8_0, DType::kQ5_0, DType::kQ5_1, DType::kQ4_0, DType::kQ4_1, DType::kQ4_K,
+        DType::kQ5_K, DType::kQ6_K, DType::kQ3_K, DType::kQ2_K, DType::kIQ4_NL, DType::kIQ4_XS}) {
     ExpectTogetherEqualsAlone(Model(t), "f32", kernels::cpu::HasInt8Kernels(),
                               std::string(DTypeName(t)) + ", KV f32");
   }

@@ -333,8 +333,10 @@ TEST(GgufReader, CorruptFilesGiveClearErrors) {
   Patch<uint64_t>(b, q_info + 4 + 8 * 2 + 4, 33);
   expect_error(b, "not a multiple of the alignment");
   b = good;
-  Patch<uint32_t>(b, q_info + 4 + 8 * 2, 11);
-  expect_error(b, "tensor 'q': tensor type 11 (q3_K) is not supported");
+  Patch<uint32_t>(b, q_info + 4 + 8 * 2, 16);
+  expect_error(b,
+               "tensor 'q': tensor type 16 (iq2_xxs) is not supported (supported: f32, f16, q4_0, "
+               "q4_1, q5_0, q5_1, q8_0, q2_K, q3_K, q4_K, q5_K, q6_K, iq4_nl, iq4_xs, bf16)");
   b = good;
   Patch<uint32_t>(b, q_info + 4 + 8 * 2, 999);
   expect_error(b, "tensor type 999 (unknown)");

@@ -1,7 +1,7 @@
-// Quantized weight kernels (q8_0, q5_0, q5_1, q4_0, q4_1, q4_K, q5_K, q6_K, iq4_nl, iq4_xs): the
-// reference quantizers against the values they encode, ref::MatMul against double-precision math
-// over the reference dequantization, and every cpu:: MatMul / DequantRow (each compiled SIMD target
-// this CPU has) against ref::.
+// Quantized weight kernels (q8_0, q5_0, q5_1, q4_0, q4_1, q2_K, q3_K, q4_K, q5_K, q6_K, iq4_nl,
+// iq4_xs): the reference quantizers against the values they encode, ref::MatMul against
+// double-precision math over the reference dequantization, and every cpu:: MatMul / DequantRow
+// (each compiled SIMD target this CPU has) against ref::.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -18,9 +18,9 @@
 namespace cachet::kernels {
 namespace {
 
-constexpr DType kQuantTypes[] = {DType::kQ8_0,   DType::kQ5_0,  DType::kQ5_1, DType::kQ4_0,
-                                 DType::kQ4_1,   DType::kQ4_K,  DType::kQ5_K, DType::kQ6_K,
-                                 DType::kIQ4_NL, DType::kIQ4_XS};
+constexpr DType kQuantTypes[] = {DType::kQ8_0, DType::kQ5_0, DType::kQ5_1,   DType::kQ4_0,
+                                 DType::kQ4_1, DType::kQ4_K, DType::kQ5_K,   DType::kQ6_K,
+                                 DType::kQ3_K, DType::kQ2_K, DType::kIQ4_NL, DType::kIQ4_XS};
 
 double NormErr(const float* a, const float* b, size_t n) {
   double diff = 0.0, ref = 0.0;
@@ -80,9 +80,9 @@ TEST(QuantKernels, RowBytesAndBlockSizes) {
 TEST(QuantKernels, ReferenceRoundTripError) {
   std::mt19937 rng(1);
   const std::pair<DType, double> kBounds[] = {
-      {DType::kQ8_0, 0.01},   {DType::kQ5_0, 0.08},  {DType::kQ4_0, 0.15}, {DType::kQ4_K, 0.12},
-      {DType::kQ5_K, 0.06},   {DType::kQ6_K, 0.05},  {DType::kQ4_1, 0.12}, {DType::kQ5_1, 0.06},
-      {DType::kIQ4_NL, 0.15}, {DType::kIQ4_XS, 0.15}};
+      {DType::kQ8_0, 0.01},   {DType::kQ5_0, 0.08},   {DType::kQ4_0, 0.15}, {DType::kQ4_K, 0.12},
+      {DType::kQ5_K, 0.06},   {DType::kQ6_K, 0.05},   {DType::kQ4_1, 0.12}, {DType::kQ5_1, 0.06},
+      {DType::kIQ4_NL, 0.15}, {DType::kIQ4_XS, 0.15}, {DType::kQ3_K, 9.0},  {DType::kQ2_K, 9.0}};
   for (auto [t, bound] : kBounds) {
     QuantMatrix q = MakeMatrix(t, 8, 512, rng);
     const double err = NormErr(q.deq.data(), q.source.data(), q.deq.size());
@@ -215,6 +215,52 @@ TEST(QuantKernels, ReferenceDequantKnownBlocks) {
     EXPECT_EQ(y[j], static_cast<float>(code * (s + 1 + (s >= 4 ? 40 : 0))) -
                         (2.0f * s + (s >= 4 ? 33 : 0)))
         << j;
+  }
+}
+
+// q3_K and q2_K: 2-bit codes, four 32-value blocks per 32 bytes, q3_K's third bits and 6-bit
+// scales.
+TEST(QuantKernels, ReferenceDequantTwoBitBlocks) {
+  const uint16_t one = F32ToF16(1.0f), half = F32ToF16(0.5f);
+  // Block k's code l: low bits (l + k) % 4; q3_K's third bit set only where l == k.
+  auto low_code = [](int k, int l) { return (l + k) % 4; };
+  std::vector<uint8_t> k3(110, 0);
+  for (int k = 0; k < 8; ++k) {
+    for (int l = 0; l < 32; ++l) {
+      k3[32 + 32 * (k / 4) + l] |= static_cast<uint8_t>(low_code(k, l) << (2 * (k % 4)));
+      if (l == k) k3[l] |= static_cast<uint8_t>(1 << k);
+    }
+  }
+  // Half s has the scale s - 8: stored 24 + s, low 4 bits in nibble s / 8 of byte s % 8, high 2
+  // in bits 2 (s / 4) of byte 8 + s % 4.
+  for (int s = 0; s < 16; ++s) {
+    const int ls = 24 + s;
+    k3[96 + s % 8] |= static_cast<uint8_t>((ls & 0xF) << (s < 8 ? 0 : 4));
+    k3[96 + 8 + s % 4] |= static_cast<uint8_t>((ls >> 4) << (2 * (s / 4)));
+  }
+  std::memcpy(k3.data() + 108, &one, 2);
+  float y[256];
+  ref::DequantRow(Matrix{k3.data(), DType::kQ3_K, 1, 256}, 0, y);
+  for (int i = 0; i < 256; ++i) {
+    const int k = i / 32, l = i % 32, s = 2 * k + l / 16;
+    const int v = low_code(k, l) + (l == k ? 4 : 0) - 4;
+    EXPECT_EQ(y[i], static_cast<float>((s - 8) * v)) << i;
+  }
+  // q2_K: d = 1, dmin = 0.5, half s has scale s and minimum 15 - s.
+  std::vector<uint8_t> k2(84, 0);
+  for (int s = 0; s < 16; ++s) k2[s] = static_cast<uint8_t>(s | ((15 - s) << 4));
+  for (int k = 0; k < 8; ++k) {
+    for (int l = 0; l < 32; ++l) {
+      k2[16 + 32 * (k / 4) + l] |= static_cast<uint8_t>(low_code(k, l) << (2 * (k % 4)));
+    }
+  }
+  std::memcpy(k2.data() + 80, &one, 2);
+  std::memcpy(k2.data() + 82, &half, 2);
+  ref::DequantRow(Matrix{k2.data(), DType::kQ2_K, 1, 256}, 0, y);
+  for (int i = 0; i < 256; ++i) {
+    const int k = i / 32, l = i % 32, s = 2 * k + l / 16;
+    EXPECT_EQ(y[i], static_cast<float>(s * low_code(k, l)) - 0.5f * static_cast<float>(15 - s))
+        << i;
   }
 }
 

@@ -365,10 +365,9 @@ void Kl(const Peer& peer, int threads, const char* path, const std::vector<std::
 // MODEL (f16) written to OUT as llama.cpp's llama-quantize writes FILE_TYPE, mixes included.
 void Quantize(const char* in, int threads, const char* out, const std::string& type) {
   static const std::pair<const char*, llama_ftype> kTypes[] = {
-      {"q4_k_m", LLAMA_FTYPE_MOSTLY_Q4_K_M},
-      {"q5_k_m", LLAMA_FTYPE_MOSTLY_Q5_K_M},
-      {"iq4_xs", LLAMA_FTYPE_MOSTLY_IQ4_XS},
-      {"q4_0", LLAMA_FTYPE_MOSTLY_Q4_0},
+      {"q4_k_m", LLAMA_FTYPE_MOSTLY_Q4_K_M}, {"q5_k_m", LLAMA_FTYPE_MOSTLY_Q5_K_M},
+      {"iq4_xs", LLAMA_FTYPE_MOSTLY_IQ4_XS}, {"q3_k_m", LLAMA_FTYPE_MOSTLY_Q3_K_M},
+      {"q2_k", LLAMA_FTYPE_MOSTLY_Q2_K},     {"q4_0", LLAMA_FTYPE_MOSTLY_Q4_0},
       {"q8_0", LLAMA_FTYPE_MOSTLY_Q8_0}};
   llama_model_quantize_params p = llama_model_quantize_default_params();
   p.nthread = threads;
@@ -379,8 +378,11 @@ void Quantize(const char* in, int threads, const char* out, const std::string& t
       found = true;
     }
   }
-  if (!found)
-    Die("quantize: unknown file type '" + type + "' (q4_k_m, q5_k_m, iq4_xs, q4_0, q8_0)");
+  if (!found) {
+    std::string names;
+    for (const auto& [name, ftype] : kTypes) names += std::string(names.empty() ? "" : ", ") + name;
+    Die("quantize: unknown file type '" + type + "' (" + names + ")");
+  }
   if (llama_model_quantize(in, out, &p) != 0) Die(std::string("quantize: ") + in + " failed");
 }
 
@@ -394,7 +396,7 @@ int main(int argc, char** argv) {
                  "       llama_peer kl MODEL THREADS WINDOWS.jsonl KV_TYPE[,KV_TYPE..]\n"
                  "       llama_peer logits MODEL THREADS IDS.json KV_TYPE\n"
                  "       llama_peer quantize MODEL THREADS OUT.gguf FILE_TYPE (q4_k_m, q5_k_m, "
-                 "iq4_xs, q4_0, q8_0)\n");
+                 "iq4_xs, q3_k_m, q2_k, q4_0, q8_0)\n");
     return 2;
   }
   llama_log_set(Quiet, nullptr);

@@ -13,7 +13,10 @@
 //   iq4_xs: as iq4_nl, dw = d * (6-bit scale_b - 32);
 //   q6_K: u = the 6-bit code, o = 32 dw; its scales are per 16 values, so a block has two halves
 //         with dw_h = d * scale_h, and the offsets go into the integer sums of each half:
-//         dx_b * sum_h dw_h * sum_{j in h} (u_j - 32) q_j.
+//         dx_b * sum_h dw_h * sum_{j in h} (u_j - 32) q_j;
+//   q3_K: as q6_K, u = the 3-bit code (two bits and a third), o = 4 dw, dw_h = d * (scale_h - 32);
+//   q2_K: halves too, u = the 2-bit code, dw_h = d * scale_h, and an offset o_h = dmin * min_h
+//         of its own: dx_b * sum_h (dw_h * sum_{j in h} u_j q_j - o_h * sum_{j in h} q_j).
 // Shared by the scalar reference (kernels/ref/quant.cc) and the SIMD kernels (kernels/cpu/).
 #pragma once
 
@@ -40,7 +43,7 @@ struct Q8Acts {
 inline bool HasInt8Path(DType t) {
   return t == DType::kQ4_0 || t == DType::kQ5_0 || t == DType::kQ8_0 || t == DType::kQ4_K ||
          t == DType::kQ5_K || t == DType::kQ6_K || t == DType::kQ4_1 || t == DType::kQ5_1 ||
-         t == DType::kIQ4_NL || t == DType::kIQ4_XS;
+         t == DType::kIQ4_NL || t == DType::kIQ4_XS || t == DType::kQ3_K || t == DType::kQ2_K;
 }
 
 // iq4_nl's and iq4_xs's 16 levels (llama.cpp's kvalues_iq4nl), which their nibbles index.
@@ -78,6 +81,15 @@ constexpr bool HasFifthBit(DType t) {
   return t == DType::kQ5_0 || t == DType::kQ5_1 || t == DType::kQ5_K;
 }
 
+// The types whose scales are per 16 values (each 32-value block has two halves), and the offset
+// of q6_K's and q3_K's codes (o_h = HalfOffset * dw_h; q2_K has minimums instead).
+constexpr bool HasHalfScales(DType t) {
+  return t == DType::kQ6_K || t == DType::kQ3_K || t == DType::kQ2_K;
+}
+constexpr int HalfOffset(DType t) { return t == DType::kQ6_K ? 32 : t == DType::kQ3_K ? 4 : 0; }
+// Where q3_K's and q2_K's 64 bytes of 2-bit codes begin (q3_K: after its 32 bytes of third bits).
+constexpr int64_t TwoBitCodesAt(DType t) { return t == DType::kQ3_K ? 32 : 16; }
+
 namespace int8_detail {
 
 inline float LoadF16(const uint8_t* p) {
@@ -106,10 +118,39 @@ inline int IQ4XSScale(const uint8_t* blk, int64_t j) {
   return ((blk[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((h >> (2 * j)) & 3) << 4);
 }
 
+// The 6-bit scale s (0..15) of a q3_K super-block as stored (its value is that minus 32): low 4
+// bits from byte s (s < 8: low nibble) or s - 8 (high nibble), high 2 bits from byte 8 + s % 4.
+inline int Q3KScale(const uint8_t* blk, int s) {
+  const uint8_t* sc = blk + 96;
+  const int low = s < 8 ? sc[s] & 0xF : sc[s - 8] >> 4;
+  return low | (((sc[8 + s % 4] >> (2 * (s / 4))) & 3) << 4);
+}
+
 }  // namespace int8_detail
 
-// dw[b] and o[b] of every 32-value block of a weight row of nb blocks; for q6_K the dw of the
-// block's two halves (o = 32 dw each).
+// dw_s and o_s of the sixteen 16-value halves of a q6_K / q3_K / q2_K super-block: value j of
+// half s is dw_s * u_j - o_s.
+template <DType kType>
+inline void HalfScales(const uint8_t* blk, float* dw, float* o) {
+  using int8_detail::LoadF16;
+  static_assert(HasHalfScales(kType));
+  for (int s = 0; s < 16; ++s) {
+    if constexpr (kType == DType::kQ6_K) {
+      dw[s] =
+          LoadF16(blk + 208) * static_cast<float>(reinterpret_cast<const int8_t*>(blk + 192)[s]);
+    } else if constexpr (kType == DType::kQ3_K) {
+      dw[s] = LoadF16(blk + 108) * static_cast<float>(int8_detail::Q3KScale(blk, s) - 32);
+    } else {
+      dw[s] = LoadF16(blk + 80) * static_cast<float>(blk[s] & 0xF);
+      o[s] = LoadF16(blk + 82) * static_cast<float>(blk[s] >> 4);
+      continue;
+    }
+    o[s] = static_cast<float>(HalfOffset(kType)) * dw[s];
+  }
+}
+
+// dw[b] and o[b] of every 32-value block of a weight row of nb blocks (the types with one scale
+// per block: not q6_K, q3_K, q2_K).
 template <DType kType>
 inline void BlockScales(const uint8_t* row, int64_t nb, float* dw, float* o) {
   using int8_detail::LoadF16;
@@ -129,14 +170,6 @@ inline void BlockScales(const uint8_t* row, int64_t nb, float* dw, float* o) {
     for (int64_t b = 0; b < nb; ++b) {
       dw[b] = LoadF16(row + b * DTypeBlockBytes(kType));
       o[b] = -LoadF16(row + b * DTypeBlockBytes(kType) + 2);
-    }
-  } else if constexpr (kType == DType::kQ6_K) {
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* blk = row + (b / 8) * DTypeBlockBytes(kType);
-      const float d = LoadF16(blk + 208);
-      const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192) + 2 * (b % 8);
-      dw[b] = d * static_cast<float>(sc[0]);
-      o[b] = d * static_cast<float>(sc[1]);
     }
   } else {
     static_assert(kType == DType::kQ4_K || kType == DType::kQ5_K);
@@ -186,6 +219,15 @@ inline int BlockCode(const uint8_t* row, int64_t b, int j) {
     }
   } else if constexpr (kType == DType::kQ8_0) {
     return static_cast<int8_t>(row[b * DTypeBlockBytes(kType) + 2 + j]) + 128;
+  } else if constexpr (kType == DType::kQ3_K || kType == DType::kQ2_K) {
+    // Per 128 values, 32 bytes of 2-bit codes: bits 2k.. of byte j are code j of 32-value block k
+    // (0..3); q3_K's third bit of code j of block b (0..7) is bit b of hmask[j].
+    const uint8_t* blk = row + (b / 8) * DTypeBlockBytes(kType);
+    const int k = static_cast<int>(b % 8);
+    const uint8_t* qs = blk + TwoBitCodesAt(kType) + 32 * (k / 4);
+    const int low = (qs[j] >> (2 * (k % 4))) & 3;
+    if constexpr (kType == DType::kQ2_K) return low;
+    return low | (((blk[j] >> k) & 1) << 2);
   } else if constexpr (kType == DType::kQ6_K) {
     // Per 128 values: ql's 64 bytes hold the low nibbles of 32-value blocks 0 and 1 and (high
     // nibbles) 2 and 3, qh's 32 bytes the top two bits of all four, two bits per block.

@@ -52,38 +52,6 @@ const char* GgmlTypeName(uint32_t t) {
   return t < sizeof(kNames) / sizeof(kNames[0]) ? kNames[t] : "unknown";
 }
 
-uint32_t GgmlTypeOf(DType t) {
-  switch (t) {
-    case DType::kF32:
-      return kGgmlF32;
-    case DType::kF16:
-      return kGgmlF16;
-    case DType::kBF16:
-      return kGgmlBF16;
-    case DType::kQ8_0:
-      return kGgmlQ8_0;
-    case DType::kQ4_0:
-      return kGgmlQ4_0;
-    case DType::kQ4_K:
-      return kGgmlQ4_K;
-    case DType::kQ6_K:
-      return kGgmlQ6_K;
-    case DType::kQ5_0:
-      return kGgmlQ5_0;
-    case DType::kQ5_K:
-      return kGgmlQ5_K;
-    case DType::kQ4_1:
-      return kGgmlQ4_1;
-    case DType::kQ5_1:
-      return kGgmlQ5_1;
-    case DType::kIQ4_NL:
-      return kGgmlIQ4_NL;
-    case DType::kIQ4_XS:
-      return kGgmlIQ4_XS;
-  }
-  return kGgmlF32;
-}
-
 bool GgufValue::is_integer() const {
   switch (type) {
     case GgufType::kU8:
@@ -108,49 +76,23 @@ constexpr uint64_t kMaxDims = 4;
 constexpr uint64_t kMaxElems = uint64_t{1} << 48;
 
 bool ToDType(uint32_t ggml, DType* out) {
-  switch (ggml) {
-    case kGgmlF32:
-      *out = DType::kF32;
+  for (const DTypeInfo& i : kDTypes) {
+    if (i.ggml_type == ggml) {
+      *out = i.type;
       return true;
-    case kGgmlF16:
-      *out = DType::kF16;
-      return true;
-    case kGgmlBF16:
-      *out = DType::kBF16;
-      return true;
-    case kGgmlQ8_0:
-      *out = DType::kQ8_0;
-      return true;
-    case kGgmlQ4_0:
-      *out = DType::kQ4_0;
-      return true;
-    case kGgmlQ4_K:
-      *out = DType::kQ4_K;
-      return true;
-    case kGgmlQ6_K:
-      *out = DType::kQ6_K;
-      return true;
-    case kGgmlQ5_0:
-      *out = DType::kQ5_0;
-      return true;
-    case kGgmlQ5_K:
-      *out = DType::kQ5_K;
-      return true;
-    case kGgmlQ4_1:
-      *out = DType::kQ4_1;
-      return true;
-    case kGgmlQ5_1:
-      *out = DType::kQ5_1;
-      return true;
-    case kGgmlIQ4_NL:
-      *out = DType::kIQ4_NL;
-      return true;
-    case kGgmlIQ4_XS:
-      *out = DType::kIQ4_XS;
-      return true;
-    default:
-      return false;
+    }
   }
+  return false;
+}
+
+// In GGML's order of type ids.
+std::string SupportedTypes() {
+  std::string s;
+  for (uint32_t id = 0; id < 64; ++id) {
+    DType t;
+    if (ToDType(id, &t)) s += std::string(s.empty() ? "" : ", ") + GgmlTypeName(id);
+  }
+  return s;
 }
 
 // Bounds-checked little-endian cursor over the file; every read reports what it was reading.
@@ -378,8 +320,7 @@ Result<GgufFile> GgufFile::Parse(const uint8_t* data, size_t size, const std::st
     if (!ToDType(t.ggml_type, &t.dtype)) {
       return Unimplemented(what + ": tensor type " + std::to_string(t.ggml_type) + " (" +
                            GgmlTypeName(t.ggml_type) +
-                           ") is not supported (supported: f32, f16, bf16, q8_0, q5_0, q5_1, "
-                           "q4_0, q4_1, q4_K, q5_K, q6_K, iq4_nl, iq4_xs)");
+                           ") is not supported (supported: " + SupportedTypes() + ")");
     }
     const int64_t row_bytes = DTypeRowBytes(t.dtype, t.ne[0]);
     if (row_bytes < 0) {
@@ -577,7 +518,7 @@ Status GgufWriter::Write(const std::string& path) const {
     PutString(&head, t.name);
     Put<uint32_t>(&head, static_cast<uint32_t>(t.shape.size()));
     for (auto it = t.shape.rbegin(); it != t.shape.rend(); ++it) Put<uint64_t>(&head, *it);
-    Put<uint32_t>(&head, GgmlTypeOf(t.dtype));
+    Put<uint32_t>(&head, Info(t.dtype).ggml_type);
     Put<uint64_t>(&head, offset);
     offset += (t.n_bytes + kAlign - 1) / kAlign * kAlign;
   }

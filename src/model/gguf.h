@@ -34,24 +34,7 @@ enum class GgufType : uint32_t {
 };
 const char* GgufTypeName(GgufType t);
 
-// GGML tensor types Cachet computes on, and their GGUF ids.
-enum GgmlType : uint32_t {
-  kGgmlF32 = 0,
-  kGgmlF16 = 1,
-  kGgmlQ4_0 = 2,
-  kGgmlQ4_1 = 3,
-  kGgmlQ5_0 = 6,
-  kGgmlQ5_1 = 7,
-  kGgmlQ8_0 = 8,
-  kGgmlQ4_K = 12,
-  kGgmlQ5_K = 13,
-  kGgmlQ6_K = 14,
-  kGgmlIQ4_NL = 20,
-  kGgmlIQ4_XS = 23,
-  kGgmlBF16 = 30,
-};
 const char* GgmlTypeName(uint32_t t);  // "q5_K", ... or "unknown"
-uint32_t GgmlTypeOf(DType t);
 
 struct GgufValue {
   GgufType type = GgufType::kU8;

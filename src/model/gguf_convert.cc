@@ -31,35 +31,7 @@ constexpr char kLlama3Regex[] =
     R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
 
 uint32_t FileType(WeightFormat f) {
-  switch (f.type) {
-    case DType::kF32:
-      return 0;
-    case DType::kF16:
-      return 1;
-    case DType::kQ4_0:
-      return 2;
-    case DType::kQ8_0:
-      return 7;
-    case DType::kQ4_K:
-      return f.mix_m ? 15 : 14;  // MOSTLY_Q4_K_M; MOSTLY_Q4_K_S, the nearest to all q4_K
-    case DType::kQ5_K:
-      return f.mix_m ? 17 : 16;  // MOSTLY_Q5_K_M; MOSTLY_Q5_K_S
-    case DType::kQ4_1:
-      return 3;
-    case DType::kQ5_1:
-      return 9;
-    case DType::kIQ4_NL:
-      return 25;
-    case DType::kIQ4_XS:
-      return 30;
-    case DType::kQ6_K:
-      return 18;
-    case DType::kQ5_0:
-      return 8;
-    case DType::kBF16:
-      return 32;
-  }
-  return 0;
+  return f.mix_m ? Info(f.type).file_type_m : Info(f.type).file_type;
 }
 
 // The llama.cpp pre-tokenizer name of a tokenizer.json pre_tokenizer.
@@ -226,11 +198,12 @@ DType MatrixType(const WeightFormat& format, const ModelTensor& t, int n_layers,
   }
   if (DTypeRowBytes(want, cols) >= 0) return want;
   // llama.cpp's fallbacks for rows off the 256-value super-blocks (qwen2.5-0.5b's 896 columns).
-  const DType fallback = want == DType::kQ4_K     ? DType::kQ5_0
-                         : want == DType::kQ5_K   ? DType::kQ5_1
-                         : want == DType::kIQ4_XS ? DType::kIQ4_NL
-                         : want == DType::kQ6_K   ? DType::kQ8_0
-                                                  : DType::kF16;
+  const bool to_iq4_nl = want == DType::kIQ4_XS || want == DType::kQ3_K || want == DType::kQ2_K;
+  const DType fallback = want == DType::kQ4_K   ? DType::kQ5_0
+                         : want == DType::kQ5_K ? DType::kQ5_1
+                         : to_iq4_nl            ? DType::kIQ4_NL
+                         : want == DType::kQ6_K ? DType::kQ8_0
+                                                : DType::kF16;
   return DTypeRowBytes(fallback, cols) >= 0 ? fallback : DType::kF16;
 }
 

@@ -2,6 +2,8 @@
 
 namespace cachet {
 
+const char* DTypeName(DType t) { return t < DType::kCount ? Info(t).name : "?"; }
+
 uint16_t F32ToF16(float f) {
   uint32_t x;
   std::memcpy(&x, &f, 4);

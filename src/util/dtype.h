@@ -1,8 +1,10 @@
 // Element types of weights and activations, and scalar conversions for reference code.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <iterator>
 
 #include "cachet/dtype.h"
 
@@ -11,51 +13,56 @@ namespace cachet {
 inline bool DTypeIsQuantized(DType t) { return t >= DType::kQ8_0; }
 // Bytes of one element: f32/f16/bf16 only.
 constexpr size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
-// Elements per block (1 for the plain float types) and bytes per block.
-constexpr int64_t DTypeBlockElems(DType t) {
-  switch (t) {
-    case DType::kQ8_0:
-    case DType::kQ4_0:
-    case DType::kQ5_0:
-    case DType::kQ4_1:
-    case DType::kQ5_1:
-    case DType::kIQ4_NL:
-      return 32;
-    case DType::kQ4_K:
-    case DType::kQ5_K:
-    case DType::kQ6_K:
-    case DType::kIQ4_XS:
-      return 256;
-    default:
-      return 1;
+// One row per type, in DType's order: what every layer needs to know of a type. Adding a weight
+// type is one row here (the compiler checks that every type has its row), its kernels
+// (kernels/ref/quant.cc's layouts) and its cases in the kernels' dispatch.
+struct DTypeInfo {
+  DType type;
+  const char* name;
+  int64_t block_elems;   // elements per block: 1 for the float types
+  int64_t block_bytes;   // bytes per block
+  uint32_t ggml_type;    // its GGUF tensor type id
+  uint32_t file_type;    // GGUF general.file_type of a file all in this type (llama_ftype)
+  uint32_t file_type_m;  // ... of llama.cpp's _M mix with this base type (0: none)
+};
+inline constexpr DTypeInfo kDTypes[] = {
+    {DType::kF32, "f32", 1, 4, 0, 0, 0},
+    {DType::kF16, "f16", 1, 2, 1, 1, 0},
+    {DType::kBF16, "bf16", 1, 2, 30, 32, 0},
+    {DType::kQ8_0, "q8_0", 32, 34, 8, 7, 0},        // f16 scale + 32 x int8
+    {DType::kQ4_0, "q4_0", 32, 18, 2, 2, 0},        // f16 scale + 16 bytes of nibbles
+    {DType::kQ4_K, "q4_k", 256, 144, 12, 14, 15},   // f16 d, f16 dmin, 12 bytes of 6-bit
+                                                    // scales/mins, 128 bytes of nibbles
+    {DType::kQ6_K, "q6_k", 256, 210, 14, 18, 0},    // 128 bytes low nibbles, 64 bytes high 2
+                                                    // bits, 16 int8 scales, f16 d
+    {DType::kQ5_0, "q5_0", 32, 22, 6, 8, 0},        // f16 scale + 32 fifth bits + 16 bytes of
+                                                    // nibbles
+    {DType::kQ5_K, "q5_k", 256, 176, 13, 16, 17},   // q4_K's, with 32 bytes of fifth bits before
+                                                    // the nibbles
+    {DType::kQ4_1, "q4_1", 32, 20, 3, 3, 0},        // f16 scale, f16 minimum + 16 bytes of nibbles
+    {DType::kQ5_1, "q5_1", 32, 24, 7, 9, 0},        // f16 scale, f16 minimum + 32 fifth bits + 16
+                                                    // bytes of nibbles
+    {DType::kIQ4_NL, "iq4_nl", 32, 18, 20, 25, 0},  // f16 scale + 16 bytes of nibbles indexing a
+                                                    // table of 16 values
+    {DType::kIQ4_XS, "iq4_xs", 256, 136, 23, 30, 0},  // f16 d, 8 6-bit sub-block scales (2 + 4
+                                                      // bytes), 128 bytes of such nibbles
+    {DType::kQ3_K, "q3_k", 256, 110, 11, 11, 12},     // 32 bytes of third bits, 64 bytes of 2-bit
+                                                      // codes, 12 bytes of 6-bit scales, f16 d
+    {DType::kQ2_K, "q2_k", 256, 84, 10, 10, 0},       // 16 bytes of 4-bit scales/mins, 64 bytes of
+                                                      // 2-bit codes, f16 d, f16 dmin
+};
+static_assert(std::size(kDTypes) == static_cast<size_t>(DType::kCount), "a DType has no row");
+constexpr bool DTypesInOrder() {
+  for (size_t i = 0; i < std::size(kDTypes); ++i) {
+    if (static_cast<size_t>(kDTypes[i].type) != i) return false;
   }
+  return true;
 }
-constexpr int64_t DTypeBlockBytes(DType t) {
-  switch (t) {
-    case DType::kQ8_0:
-      return 34;  // f16 scale + 32 x int8
-    case DType::kQ4_0:
-      return 18;  // f16 scale + 16 bytes of nibbles
-    case DType::kQ5_0:
-      return 22;  // f16 scale + 32 fifth bits + 16 bytes of nibbles
-    case DType::kQ4_1:
-      return 20;  // f16 scale, f16 minimum + 16 bytes of nibbles
-    case DType::kQ5_1:
-      return 24;  // f16 scale, f16 minimum + 32 fifth bits + 16 bytes of nibbles
-    case DType::kIQ4_NL:
-      return 18;  // f16 scale + 16 bytes of nibbles indexing a table of 16 values
-    case DType::kIQ4_XS:
-      return 136;  // f16 d, 8 6-bit sub-block scales (2 + 4 bytes), 128 bytes of such nibbles
-    case DType::kQ4_K:
-      return 144;  // f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
-    case DType::kQ5_K:
-      return 176;  // q4_K's, with 32 bytes of fifth bits before the nibbles
-    case DType::kQ6_K:
-      return 210;  // 128 bytes low nibbles, 64 bytes high 2 bits, 16 int8 scales, f16 d
-    default:
-      return static_cast<int64_t>(DTypeSize(t));
-  }
-}
+static_assert(DTypesInOrder(), "kDTypes' rows are not in DType's order");
+constexpr const DTypeInfo& Info(DType t) { return kDTypes[static_cast<size_t>(t)]; }
+
+constexpr int64_t DTypeBlockElems(DType t) { return Info(t).block_elems; }
+constexpr int64_t DTypeBlockBytes(DType t) { return Info(t).block_bytes; }
 // Bytes of a row of `cols` elements; -1 when cols is not a multiple of the block size.
 inline int64_t DTypeRowBytes(DType t, int64_t cols) {
   const int64_t be = DTypeBlockElems(t);

@@ -68,11 +68,35 @@ CACHET_INT8_TARGET inline __m256i Q5KHighBits(const uint8_t* row, int64_t b) {
       row + (b / 8) * DTypeBlockBytes(DType::kQ5_K) + FifthBitsAt(DType::kQ5_K)));
 }
 
+// q3_K and q2_K: 2-bit codes, four 32-value blocks per 32 bytes (block k at bits 2k).
+template <DType kType>
+constexpr bool kTwoBit = kType == DType::kQ3_K || kType == DType::kQ2_K;
+
+// The 32 bytes of 2-bit codes holding 32-value block b, and q3_K's 32 bytes of third bits.
+template <DType kType>
+CACHET_INT8_TARGET inline __m256i TwoBitCodes(const uint8_t* row, int64_t b) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+      row + (b / 8) * DTypeBlockBytes(kType) + TwoBitCodesAt(kType) + 32 * ((b % 8) / 4)));
+}
+CACHET_INT8_TARGET inline __m256i Q3KThirdBits(const uint8_t* row, int64_t b) {
+  return _mm256_loadu_si256(
+      reinterpret_cast<const __m256i*>(row + (b / 8) * DTypeBlockBytes(DType::kQ3_K)));
+}
+
 // The 32 unsigned codes of block b of a weight row.
 template <DType kType>
 CACHET_INT8_TARGET inline __m256i Codes(const uint8_t* row, int64_t b) {
   const __m256i low4 = _mm256_set1_epi8(0x0F);
-  if constexpr (kType == DType::kQ6_K) {
+  if constexpr (kTwoBit<kType>) {
+    const int k = static_cast<int>(b % 8);
+    const __m256i low = _mm256_and_si256(
+        _mm256_srl_epi16(TwoBitCodes<kType>(row, b), _mm_cvtsi32_si128(2 * (k % 4))),
+        _mm256_set1_epi8(3));
+    if constexpr (kType == DType::kQ2_K) return low;
+    const __mmask32 third =
+        _mm256_test_epi8_mask(Q3KThirdBits(row, b), _mm256_set1_epi8(static_cast<char>(1 << k)));
+    return _mm256_mask_add_epi8(low, third, low, _mm256_set1_epi8(4));
+  } else if constexpr (kType == DType::kQ6_K) {
     const uint8_t* blk = row + (b / 8) * DTypeBlockBytes(kType);
     const int half = static_cast<int>(b % 8) / 4, k = static_cast<int>(b % 4);
     const __m256i ql =
@@ -136,6 +160,22 @@ CACHET_INT8_TARGET inline __m512i CodePair(const uint8_t* row, int64_t b) {
     const __m512i hi = _mm512_and_si512(_mm512_slli_epi16(_mm512_srlv_epi16(qh, count), 4),
                                         _mm512_set1_epi8(0x30));
     return _mm512_or_si512(lo, hi);
+  } else if constexpr (kTwoBit<kType>) {
+    // Blocks k and k + 1 (k even) are bits 2k and 2k + 2 of the same 32 bytes: one shift count per
+    // 256-bit half; q3_K's third bits by one masked byte add, as q5_K's fifth.
+    const int k = static_cast<int>(b % 8);
+    const __m512i count =
+        _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(2 * (k % 4))),
+                           _mm256_set1_epi16(static_cast<int16_t>(2 * (k % 4) + 2)), 1);
+    const __m512i low = _mm512_and_si512(
+        _mm512_srlv_epi16(_mm512_broadcast_i64x4(TwoBitCodes<kType>(row, b)), count),
+        _mm512_set1_epi8(3));
+    if constexpr (kType == DType::kQ2_K) return low;
+    const __m512i bits = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << k)),
+                                            _mm256_set1_epi8(static_cast<char>(1 << (k + 1))), 1);
+    const __mmask64 third =
+        _mm512_test_epi8_mask(_mm512_broadcast_i64x4(Q3KThirdBits(row, b)), bits);
+    return _mm512_mask_add_epi8(low, third, low, _mm512_set1_epi8(4));
   } else if constexpr (kType == DType::kQ4_K) {
     // One 32-byte load holds both sub-blocks. The odd one's high nibbles stay in place: its codes
     // count 16 times (exact in the integer sum), and DecodeRows scales it by 1/16 (exact too).
@@ -226,15 +266,72 @@ CACHET_INT8_TARGET inline __m512 Q6KScales(const uint8_t* blk) {
                        _mm512_set1_ps(HardF16::Load(blk + 208)));
 }
 
+// The sixteen scales d * (sc_j - 32) of a q3_K super-block: sc_j's low 4 bits are the low (j < 8)
+// or high nibble of byte j % 8, its high 2 bits bits 2 (j / 4).. of byte 8 + j % 4 (Q3KScale).
+CACHET_INT8_TARGET inline __m512 Q3KScales(const uint8_t* blk) {
+  const __m128i v = _mm_maskz_loadu_epi8(0x0FFF, blk + 96);  // 12 bytes: no read past the block
+  const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(v, _mm_set1_epi8(0x0F)),
+                                         _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F)));
+  const __m128i high =
+      _mm_shuffle_epi8(v, _mm_setr_epi8(8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11));
+  const __m512i top = _mm512_and_si512(
+      _mm512_srlv_epi32(_mm512_cvtepu8_epi32(high),
+                        _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0)),
+      _mm512_set1_epi32(3));
+  const __m512i sc = _mm512_sub_epi32(
+      _mm512_or_si512(_mm512_cvtepu8_epi32(low), _mm512_slli_epi32(top, 4)), _mm512_set1_epi32(32));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(sc), _mm512_set1_ps(HardF16::Load(blk + 108)));
+}
+
+// The sixteen scales d * sc_j and minimums dmin * m_j of a q2_K super-block (the low and high
+// nibbles of its first 16 bytes).
+CACHET_INT8_TARGET inline void Q2KScales(const uint8_t* blk, __m512* dw, __m512* o) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(blk)));
+  *dw = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0xF))),
+                      _mm512_set1_ps(HardF16::Load(blk + 80)));
+  *o = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)),
+                     _mm512_set1_ps(HardF16::Load(blk + 82)));
+}
+
+// The sixteen per-16-value scales of a q6_K / q3_K / q2_K super-block, in order (block k's halves
+// are 2k and 2k + 1), and q2_K's minimums in o.
 template <DType kType>
-CACHET_INT8_TARGET void RowScales(const uint8_t* row, int64_t nb, float* dw, float* o) {
-  if constexpr (kType == DType::kQ6_K) {  // the halves of each block: first in dw, second in o
+CACHET_INT8_TARGET inline __m512 HalfScaleVec(const uint8_t* blk, __m512* o) {
+  if constexpr (kType == DType::kQ6_K) {
+    return Q6KScales(blk);
+  } else if constexpr (kType == DType::kQ3_K) {
+    return Q3KScales(blk);
+  } else {
+    static_assert(kType == DType::kQ2_K);
+    __m512 dw;
+    Q2KScales(blk, &dw, o);
+    return dw;
+  }
+}
+
+// Floats of RowScales per 32-value block: dw and o; q2_K dw and o of each half.
+template <DType kType>
+constexpr int64_t kScaleFields = kType == DType::kQ2_K ? 4 : 2;
+
+// The scales of a row of nb blocks, field f of block b at sc[f * nb + b]: dw, then o (q6_K, q3_K:
+// the first half's dw, then the second's; q2_K: the halves' dw, then their o).
+template <DType kType>
+CACHET_INT8_TARGET void RowScales(const uint8_t* row, int64_t nb, float* sc) {
+  float* dw = sc;
+  float* o = sc + nb;
+  if constexpr (HasHalfScales(kType)) {
     const __m512i evens = _mm512_set_epi32(15, 13, 11, 9, 7, 5, 3, 1, 14, 12, 10, 8, 6, 4, 2, 0);
     for (int64_t sb = 0; sb < nb / 8; ++sb) {
-      const __m512 split =
-          _mm512_permutexvar_ps(evens, Q6KScales(row + sb * DTypeBlockBytes(kType)));
+      __m512 mins = _mm512_setzero_ps();
+      const __m512 split = _mm512_permutexvar_ps(
+          evens, HalfScaleVec<kType>(row + sb * DTypeBlockBytes(kType), &mins));
       _mm256_storeu_ps(dw + sb * 8, _mm512_castps512_ps256(split));
       _mm256_storeu_ps(o + sb * 8, _mm512_extractf32x8_ps(split, 1));
+      if constexpr (kType == DType::kQ2_K) {
+        const __m512 m = _mm512_permutexvar_ps(evens, mins);
+        _mm256_storeu_ps(sc + 2 * nb + sb * 8, _mm512_castps512_ps256(m));
+        _mm256_storeu_ps(sc + 3 * nb + sb * 8, _mm512_extractf32x8_ps(m, 1));
+      }
     }
   } else if constexpr (kType == DType::kIQ4_XS) {
     for (int64_t sb = 0; sb < nb / 8; ++sb) {

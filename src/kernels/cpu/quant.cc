@@ -1,8 +1,9 @@
 // Highway MatMul and DequantRow for the GGUF block-quantized weight types (q8_0, q5_0, q5_1, q4_0,
-// q4_1, q4_K, q5_K, q6_K; layouts in kernels/ref/quant.cc). Weights stay quantized in memory:
-// blocks are widened to f32 vectors on the fly (integers promoted to i32 lanes, converted, scaled),
-// all arithmetic is f32. QuantMatMul prefers the int8 kernels (kernels/cpu/quant_int8.cc) where the
-// CPU has them; this f32 path serves CPUs without AVX-512 VNNI.
+// q4_1, q2_K, q3_K, q4_K, q5_K, q6_K, iq4_nl, iq4_xs; layouts in kernels/ref/quant.cc). Weights
+// stay quantized in memory: blocks are widened to f32 vectors on the fly (integers promoted to i32
+// lanes, converted, scaled), all arithmetic is f32. QuantMatMul prefers the int8 kernels
+// (kernels/cpu/quant_int8.cc) where the CPU has them; this f32 path serves CPUs without AVX-512
+// VNNI.
 //
 // n == 1 (decode): each row's dequantized vectors are dotted with x as they are produced.
 // n > 1 (prefill): each task dequantizes a block of rows into per-thread f32 scratch once and runs
@@ -170,6 +171,26 @@ HWY_INLINE void ForEachVec(const uint8_t* row, int64_t cols, const Fn& fn) {
              hn::Mul(hn::ConvertTo(df, hn::PromoteTo(di, hn::LoadU(DI8(), levels + k))), d));
         }
       }
+    } else if constexpr (kType == DType::kQ3_K || kType == DType::kQ2_K) {
+      // 32-value block k: two bits of each of 32 bytes of codes (and q3_K's third bit from
+      // hmask), each half of it with its own scale and offset.
+      float dw[16], o[16];
+      HalfScales<kType>(b, dw, o);
+      const uint8_t* qs = b + TwoBitCodesAt(kType);
+      const auto three = hn::Set(di, 3), one = hn::Set(di, 1);
+      for (int k = 0; k < 8; ++k) {
+        for (int64_t l = 0; l < 32; l += N) {
+          auto code =
+              hn::And(hn::ShiftRightSame(LoadU8(qs + 32 * (k / 4) + l), 2 * (k % 4)), three);
+          if constexpr (kType == DType::kQ3_K) {
+            code =
+                hn::Or(code, hn::ShiftLeft<2>(hn::And(hn::ShiftRightSame(LoadU8(b + l), k), one)));
+          }
+          const int s = 2 * k + static_cast<int>(l / 16);
+          fn(c0 + 32 * k + l,
+             hn::MulSub(hn::ConvertTo(df, code), hn::Set(df, dw[s]), hn::Set(df, o[s])));
+        }
+      }
     } else {
       static_assert(kType == DType::kQ6_K);
       const uint8_t* ql = b;
@@ -323,6 +344,10 @@ void QuantMatMulImpl(const float* x, int64_t n, const Matrix& w, const float* bi
       return MatMulT<DType::kIQ4_XS>(x, n, w, bias, y, y_stride, pool);
     case DType::kQ6_K:
       return MatMulT<DType::kQ6_K>(x, n, w, bias, y, y_stride, pool);
+    case DType::kQ3_K:
+      return MatMulT<DType::kQ3_K>(x, n, w, bias, y, y_stride, pool);
+    case DType::kQ2_K:
+      return MatMulT<DType::kQ2_K>(x, n, w, bias, y, y_stride, pool);
     default:
       return ref::MatMul(x, n, w, bias, y, y_stride, pool);
   }
@@ -351,6 +376,10 @@ void QuantDequantRowImpl(const Matrix& w, int64_t r, float* out) {
       return DequantRowT<DType::kIQ4_XS>(w, r, out);
     case DType::kQ6_K:
       return DequantRowT<DType::kQ6_K>(w, r, out);
+    case DType::kQ3_K:
+      return DequantRowT<DType::kQ3_K>(w, r, out);
+    case DType::kQ2_K:
+      return DequantRowT<DType::kQ2_K>(w, r, out);
     default:
       return ref::QuantDequantRow(w, r, out);
   }

@@ -65,6 +65,7 @@ struct DecodeActs {
   const float* s2;      // q4_1 / q5_1, 16 per block pair: [sx_b, 0 x 7, sx_b+1, 0 x 7]
   const float* d;       // per block, for q4_K's scales
   const float* s;       // per block, for q4_K's offsets
+  const float* s16;     // q2_K, per half block: dx_b * the sum of the half's codes
 };
 
 // y_t[r] (y_t = y + t * y_stride) for rows [r0, r1) of a matrix of nb blocks per row and kT
@@ -86,8 +87,9 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
     const __m512i codes = CodePair<kType>(row, b);
 #pragma GCC unroll 8
     for (int t = 0; t < kT; ++t) {
-      const __m512i start =
-          kScaleMinK<kType> ? _mm512_setzero_si512() : _mm512_load_si512(a[t].off2 + p * 16);
+      const __m512i start = kScaleMinK<kType> || kType == DType::kQ2_K
+                                ? _mm512_setzero_si512()
+                                : _mm512_load_si512(a[t].off2 + p * 16);
       const __m512i z = _mm512_dpbusd_epi32(start, codes, _mm512_loadu_si512(a[t].q + b * 32));
       acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(z), scale(t), acc[t]);
     }
@@ -135,18 +137,29 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
       for (int t = 0; t < kT; ++t) {
         v[t] = HorizontalSum(_mm512_add_ps(acc0[t], acc1[t])) - HorizontalSum(corr[t]);
       }
-    } else if constexpr (kType == DType::kQ6_K || kType == DType::kIQ4_XS) {
-      // Per super-block: its scales once, q6_K's sixteen (one per 16 values: pair p's lanes take
-      // scales 4p .. 4p + 3, four lanes each) or iq4_xs's eight (pair p's take 2p and 2p + 1,
-      // eight lanes each), times the activations' dx.
-      constexpr bool kQ6 = kType == DType::kQ6_K;
+    } else if constexpr (HasHalfScales(kType) || kType == DType::kIQ4_XS) {
+      // Per super-block: its scales once, sixteen of q6_K, q3_K, q2_K (one per 16 values: pair p's
+      // lanes take scales 4p .. 4p + 3, four lanes each) or iq4_xs's eight (pair p's take 2p and
+      // 2p + 1, eight lanes each), times the activations' dx; q2_K's minimums' share sum_h o_h
+      // s16_h.
+      constexpr bool kQ6 = HasHalfScales(kType);
       const __m512i lanes = kQ6 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
                                 : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+      __m512 corr[kT];
+#pragma GCC unroll 8
+      for (int t = 0; t < kT; ++t) corr[t] = _mm512_setzero_ps();
       for (int64_t sb = 0; sb < nb / 8; ++sb) {
         const uint8_t* blk = row + sb * DTypeBlockBytes(kType);
         __m512 sc;
         if constexpr (kQ6) {
-          sc = Q6KScales(blk);
+          __m512 mins;
+          sc = HalfScaleVec<kType>(blk, &mins);
+          if constexpr (kType == DType::kQ2_K) {
+#pragma GCC unroll 8
+            for (int t = 0; t < kT; ++t) {
+              corr[t] = _mm512_fmadd_ps(mins, _mm512_loadu_ps(a[t].s16 + sb * 16), corr[t]);
+            }
+          }
         } else {
           sc = _mm512_castps256_ps512(IQ4XSScales(blk));
         }
@@ -165,7 +178,10 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
         }
       }
 #pragma GCC unroll 8
-      for (int t = 0; t < kT; ++t) v[t] = HorizontalSum(_mm512_add_ps(acc0[t], acc1[t]));
+      for (int t = 0; t < kT; ++t) {
+        v[t] = HorizontalSum(_mm512_add_ps(acc0[t], acc1[t]));
+        if constexpr (kType == DType::kQ2_K) v[t] -= HorizontalSum(corr[t]);
+      }
     } else {
       // q4_1 / q5_1: the minimums' share sum_b m_b sx_b, one lane per block.
       __m512 corr[kT];
@@ -218,10 +234,10 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
   }
 }
 
-// Floats of scratch one token's decode activations take (codes, dx2, off2, s2, d, s).
+// Floats of scratch one token's decode activations take (codes, dx2, off2, s2, d, s, s16).
 int64_t DecodeActsFloats(int64_t cols) {
   const int64_t nb = cols / kQ8Block, pairs = CeilDiv(nb, 2);
-  return RoundUp(cols, 64) / 4 + 48 * pairs + 2 * RoundUp(nb, 16);
+  return RoundUp(cols, 64) / 4 + 48 * pairs + 4 * RoundUp(nb, 16);
 }
 
 // Lays out one token's activations for DecodeRows in buf (DecodeActsFloats(cols), 64-byte aligned).
@@ -235,6 +251,7 @@ CACHET_INT8_TARGET DecodeActs PrepareDecodeActs(const float* x, int64_t cols, fl
   float* s2 = reinterpret_cast<float*>(off2 + 16 * pairs);
   float* d = s2 + 16 * pairs;
   float* s = d + RoundUp(nb, 16);
+  float* s16 = s + RoundUp(nb, 16);
   QuantizeQ8(x, cols, q, d, s);
   for (int64_t b = 0; b < nb; ++b) {
     int32_t sum = 0;
@@ -243,11 +260,16 @@ CACHET_INT8_TARGET DecodeActs PrepareDecodeActs(const float* x, int64_t cols, fl
     const int half = static_cast<int>(b % 2);
     std::fill(dx2 + pair + 8 * half, dx2 + pair + 8 * half + 8, d[b]);
     std::fill(off2 + pair + 8 * half, off2 + pair + 8 * half + 8, 0);
-    if constexpr (kType == DType::kQ6_K) {  // per 16 values: their four lanes share a scale
+    if constexpr (HasHalfScales(kType)) {  // per 16 values: their four lanes share a scale
       int32_t first = 0;
       for (int j = 0; j < 16; ++j) first += q[b * 32 + j];
-      off2[pair + 8 * half] = -32 * first;
-      off2[pair + 8 * half + 4] = -32 * (sum - first);
+      if constexpr (kType == DType::kQ2_K) {
+        s16[2 * b] = d[b] * static_cast<float>(first);
+        s16[2 * b + 1] = d[b] * static_cast<float>(sum - first);
+      } else {
+        off2[pair + 8 * half] = -HalfOffset(kType) * first;
+        off2[pair + 8 * half + 4] = -HalfOffset(kType) * (sum - first);
+      }
     } else if constexpr (HasBlockMin(kType)) {  // only q4_1 / q5_1 read s2
       std::fill(s2 + pair + 8 * half, s2 + pair + 8 * half + 8, 0.0f);
       s2[pair + 8 * half] = s[b];
@@ -255,7 +277,7 @@ CACHET_INT8_TARGET DecodeActs PrepareDecodeActs(const float* x, int64_t cols, fl
       off2[pair + 8 * half] = -Int8Offset(kType) * sum;
     }
   }
-  return DecodeActs{q, dx2, off2, s2, d, s};
+  return DecodeActs{q, dx2, off2, s2, d, s, s16};
 }
 
 // Tokens that share one unpacking of a weight row (DecodeRows). 8 measured no better: q4_K 10%
@@ -338,33 +360,43 @@ CACHET_INT8_TARGET void PrefillTile(const uint8_t* const* rows, const float* con
     for (auto& row : sum) {
       for (__m512i& v : row) v = _mm512_setzero_si512();
     }
-    // q6_K: each half of the block has its own scale; 32 times the activations' codes of the half
-    // (its offset) are summed apart, once for every row, and each half is scaled on its own.
+    // q6_K, q3_K, q2_K: each half of the block has its own scale. The activations' codes of the
+    // half are summed apart, once for every row (times the offset: q6_K, q3_K), and each half is
+    // scaled on its own (q2_K: its sum times the minimum taken off).
     __m512i off[kG];
     auto fold_half = [&](int h) CACHET_INT8_TARGET {
       for (int g = 0; g < kG; ++g) {
         const __m512 dx = _mm512_load_ps(a.dx + ((g0 + g) * nb + b) * 16);
         for (int r = 0; r < kRows; ++r) {
           const __m512 dw = _mm512_set1_ps(scales[r][h * nb + b]);
-          acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][g], off[g])),
-                                      _mm512_mul_ps(dw, dx), acc[r][g]);
+          if constexpr (kType == DType::kQ2_K) {
+            acc[r][g] =
+                _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r][g]), _mm512_mul_ps(dw, dx), acc[r][g]);
+            acc[r][g] = _mm512_fnmadd_ps(
+                _mm512_cvtepi32_ps(off[g]),
+                _mm512_mul_ps(_mm512_set1_ps(scales[r][(2 + h) * nb + b]), dx), acc[r][g]);
+          } else {
+            acc[r][g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum[r][g], off[g])),
+                                        _mm512_mul_ps(dw, dx), acc[r][g]);
+          }
           sum[r][g] = _mm512_setzero_si512();
         }
         off[g] = _mm512_setzero_si512();
       }
     };
-    if constexpr (kType == DType::kQ6_K) {
+    if constexpr (HasHalfScales(kType)) {
       for (__m512i& v : off) v = _mm512_setzero_si512();
     }
     for (int k = 0; k < 8; ++k) {
-      if constexpr (kType == DType::kQ6_K) {
+      if constexpr (HasHalfScales(kType)) {
         if (k == 4) fold_half(0);
       }
       __m512i x[kG];
       for (int g = 0; g < kG; ++g) {
         x[g] = _mm512_load_si512(a.q + (((g0 + g) * nb + b) * 8 + k) * 64);
-        if constexpr (kType == DType::kQ6_K) {
-          off[g] = _mm512_dpbusd_epi32(off[g], _mm512_set1_epi8(32), x[g]);
+        if constexpr (HasHalfScales(kType)) {
+          constexpr char kOff = kType == DType::kQ2_K ? 1 : HalfOffset(kType);
+          off[g] = _mm512_dpbusd_epi32(off[g], _mm512_set1_epi8(kOff), x[g]);
         }
       }
       for (int r = 0; r < kRows; ++r) {
@@ -374,7 +406,7 @@ CACHET_INT8_TARGET void PrefillTile(const uint8_t* const* rows, const float* con
         for (int g = 0; g < kG; ++g) sum[r][g] = _mm512_dpbusd_epi32(sum[r][g], w, x[g]);
       }
     }
-    if constexpr (kType == DType::kQ6_K) {
+    if constexpr (HasHalfScales(kType)) {
       fold_half(1);
       continue;
     }
@@ -442,11 +474,11 @@ CACHET_INT8_TARGET void Prefill(const float* x, int64_t n, const Matrix& w, cons
   const int64_t block = std::min(kPrefillRowBlock, RoundUp(CeilDiv(w.rows, threads), kRows));
   RunTasks(pool, CeilDiv(w.rows, block), parallel, [&](int64_t task) {
     const int64_t r_begin = task * block, r_end = std::min(w.rows, r_begin + block);
-    // Row i of the block: scales dw at scales + 2 i nb, offsets o right after.
+    // Row i of the block: its RowScales at scales + kScaleFields i nb.
     // Scales are unpacked by the first token chunk, a tile's rows at a time, while the next tile's
     // rows are prefetched: with few tokens a tile is short, and a pass that read the block's rows
     // first would wait on DRAM with nothing to compute (a fifth of a 16-token step).
-    float* scales = ThreadScratch(kScratchInt8Scales, 2 * block * nb);
+    float* scales = ThreadScratch(kScratchInt8Scales, kScaleFields<kType> * block * nb);
     const int64_t chunk_groups = kPrefillTokenChunk / kLanes;
     for (int64_t c0 = 0; c0 < groups; c0 += chunk_groups) {
       const int64_t c1 = std::min(groups, c0 + chunk_groups);
@@ -454,8 +486,8 @@ CACHET_INT8_TARGET void Prefill(const float* x, int64_t n, const Matrix& w, cons
         const int nr = static_cast<int>(std::min<int64_t>(kRows, r_end - r0));
         if (c0 == 0) {
           for (int64_t r = r0; r < r0 + nr; ++r) {
-            float* sc = scales + 2 * (r - r_begin) * nb;
-            RowScales<kType>(base + r * row_bytes, nb, sc, sc + nb);
+            RowScales<kType>(base + r * row_bytes, nb,
+                             scales + kScaleFields<kType> * (r - r_begin) * nb);
           }
           const uint8_t* next = base + (r0 + kRows) * row_bytes;
           const int64_t next_bytes = std::min<int64_t>(kRows, r_end - r0 - nr) * row_bytes;
@@ -468,7 +500,7 @@ CACHET_INT8_TARGET void Prefill(const float* x, int64_t n, const Matrix& w, cons
         for (int i = 0; i < kRows; ++i) {
           const int64_t rr = r0 + std::min(i, nr - 1);
           rows[i] = base + rr * row_bytes;
-          sc[i] = scales + 2 * (rr - r_begin) * nb;
+          sc[i] = scales + kScaleFields<kType> * (rr - r_begin) * nb;
         }
         // Two token groups per tile (each weight quad broadcast serves 32 tokens), a last odd
         // group alone: a lane's operations are the same in either tile, so its bits are too.
@@ -567,6 +599,10 @@ void Int8MatMul(const float* x, int64_t n, const Matrix& w, const float* bias, f
       return Dispatch<DType::kIQ4_XS>(x, n, w, bias, y, y_stride, pool);
     case DType::kQ6_K:
       return Dispatch<DType::kQ6_K>(x, n, w, bias, y, y_stride, pool);
+    case DType::kQ3_K:
+      return Dispatch<DType::kQ3_K>(x, n, w, bias, y, y_stride, pool);
+    case DType::kQ2_K:
+      return Dispatch<DType::kQ2_K>(x, n, w, bias, y, y_stride, pool);
     default:
       return ref::MatMul(x, n, w, bias, y, y_stride, pool);
   }

@@ -21,6 +21,14 @@
 //   block_q6_K (256 values, 210 bytes): u8 ql[128]; u8 qh[64]; int8 scales[16]; f16 d
 //       16 sub-blocks of 16; 6-bit q = low 4 bits from ql, high 2 bits from qh; x = d * sc * (q -
 //       32).
+//   block_q3_K (256 values, 110 bytes): u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d
+//       16 sub-blocks of 16 with 6-bit scales sc (stored + 32, packed as Q3KScale reads them);
+//       per 128 values, 32 bytes of qs hold four 32-value blocks, two bits each (block k at bits
+//       2k); bit i of hmask[l] is the third bit of value l of 32-value block i; x = d * (sc - 32)
+//       * (q - 4).
+//   block_q2_K (256 values, 84 bytes): u8 scales[16]; u8 qs[64]; f16 d; f16 dmin
+//       16 sub-blocks of 16, each with a 4-bit scale (low nibble) and min (high nibble); qs as
+//       q3_K's; x = d * sc * q - dmin * m.
 //
 // The quantizers are simple (per sub-block min/max, no iterative search as llama.cpp's
 // make_qkx2_quants): they produce valid blocks, which is all tests and `cachet convert` need.
@@ -116,6 +124,44 @@ void DequantQ6_K(const uint8_t* b, float* y) {
       y[n + l + 32] = d * sc[is + 2] * static_cast<float>(q2);
       y[n + l + 64] = d * sc[is + 4] * static_cast<float>(q3);
       y[n + l + 96] = d * sc[is + 6] * static_cast<float>(q4);
+    }
+  }
+}
+
+// Written from the layout as llama.cpp's dequantize_row_q3_K walks it, apart from the BlockCode /
+// HalfScales readers the int8 path uses, so that each checks the other.
+void DequantQ3_K(const uint8_t* b, float* y) {
+  const uint8_t* hm = b;
+  const uint8_t* q = b + 32;
+  const float d = LoadF16(b + 108);
+  int is = 0;
+  uint8_t m = 1;
+  for (int n = 0; n < 256; n += 128, q += 32) {
+    for (int shift = 0; shift < 8; shift += 2, m = static_cast<uint8_t>(m << 1)) {
+      for (int half = 0; half < 2; ++half, ++is) {
+        const float dl = d * static_cast<float>(int8_detail::Q3KScale(b, is) - 32);
+        for (int l = 16 * half; l < 16 * half + 16; ++l) {
+          const int v = ((q[l] >> shift) & 3) - ((hm[l] & m) != 0 ? 0 : 4);
+          *y++ = dl * static_cast<float>(v);
+        }
+      }
+    }
+  }
+}
+
+void DequantQ2_K(const uint8_t* b, float* y) {
+  const uint8_t* q = b + 16;
+  const float d = LoadF16(b + 80), dmin = LoadF16(b + 82);
+  int is = 0;
+  for (int n = 0; n < 256; n += 128, q += 32) {
+    for (int shift = 0; shift < 8; shift += 2) {
+      for (int half = 0; half < 2; ++half, ++is) {
+        const float dl = d * static_cast<float>(b[is] & 0xF),
+                    ml = dmin * static_cast<float>(b[is] >> 4);
+        for (int l = 16 * half; l < 16 * half + 16; ++l) {
+          *y++ = dl * static_cast<float>((q[l] >> shift) & 3) - ml;
+        }
+      }
     }
   }
 }
@@ -364,6 +410,89 @@ void QuantizeQ6_K(const float* x, uint8_t* b) {
   }
 }
 
+// 256 values' 2-bit codes (and q3_K's third bits) from codes L (0..3 or 0..7), in the layout the
+// readers above decode.
+void PackTwoBitCodes(const uint8_t* L, uint8_t* qs, uint8_t* hmask) {
+  std::memset(qs, 0, 64);
+  if (hmask != nullptr) std::memset(hmask, 0, 32);
+  for (int b = 0; b < 8; ++b) {
+    for (int l = 0; l < 32; ++l) {
+      const uint8_t u = L[32 * b + l];
+      qs[32 * (b / 4) + l] |= static_cast<uint8_t>((u & 3) << (2 * (b % 4)));
+      if (hmask != nullptr) hmask[l] |= static_cast<uint8_t>((u >> 2) << b);
+    }
+  }
+}
+
+// Each 16 values' largest magnitude maps to code -4 (as QuantizeQ6_K: no search).
+void QuantizeQ3_K(const float* x, uint8_t* b) {
+  float scale[16], max_scale = 0.0f, max_abs = 0.0f;
+  for (int s = 0; s < 16; ++s) {
+    float amax = 0.0f, max = 0.0f;
+    for (int l = 0; l < 16; ++l) {
+      if (std::fabs(x[16 * s + l]) > amax) {
+        amax = std::fabs(x[16 * s + l]);
+        max = x[16 * s + l];
+      }
+    }
+    scale[s] = max / -4.0f;
+    if (std::fabs(scale[s]) > max_abs) {
+      max_abs = std::fabs(scale[s]);
+      max_scale = scale[s];
+    }
+  }
+  std::memset(b, 0, 110);
+  const float iscale = max_abs != 0.0f ? -32.0f / max_scale : 0.0f;
+  StoreF16(b + 108, iscale != 0.0f ? 1.0f / iscale : 0.0f);
+  uint8_t* sc = b + 96;
+  for (int s = 0; s < 16; ++s) {
+    const int ls = std::clamp(NearestInt(iscale * scale[s]), -32, 31) + 32;
+    sc[s % 8] |= static_cast<uint8_t>((ls & 0xF) << (s < 8 ? 0 : 4));
+    sc[8 + s % 4] |= static_cast<uint8_t>((ls >> 4) << (2 * (s / 4)));
+  }
+  const float d = LoadF16(b + 108);
+  uint8_t L[256];
+  for (int s = 0; s < 16; ++s) {
+    const float dl = d * static_cast<float>(int8_detail::Q3KScale(b, s) - 32);
+    for (int l = 0; l < 16; ++l) {
+      const int q = dl != 0.0f ? NearestInt(x[16 * s + l] / dl) : 0;
+      L[16 * s + l] = static_cast<uint8_t>(std::clamp(q, -4, 3) + 4);
+    }
+  }
+  PackTwoBitCodes(L, b + 32, b);
+}
+
+// Each 16 values' range mapped onto codes 0..3 above its minimum (as QuantizeScaleMinK).
+void QuantizeQ2_K(const float* x, uint8_t* b) {
+  float scale[16], minv[16], max_scale = 0.0f, max_min = 0.0f;
+  for (int s = 0; s < 16; ++s) {
+    float lo = 0.0f, hi = x[16 * s];
+    for (int l = 0; l < 16; ++l) {
+      lo = std::min(lo, x[16 * s + l]);
+      hi = std::max(hi, x[16 * s + l]);
+    }
+    scale[s] = (hi - lo) / 3.0f;
+    minv[s] = -lo;
+    max_scale = std::max(max_scale, scale[s]);
+    max_min = std::max(max_min, minv[s]);
+  }
+  StoreF16(b + 80, max_scale / 15.0f);
+  StoreF16(b + 82, max_min / 15.0f);
+  const float d = LoadF16(b + 80), dmin = LoadF16(b + 82);
+  uint8_t L[256];
+  for (int s = 0; s < 16; ++s) {
+    const int ls = d > 0 ? std::clamp(NearestInt(scale[s] / d), 0, 15) : 0;
+    const int lm = dmin > 0 ? std::clamp(NearestInt(minv[s] / dmin), 0, 15) : 0;
+    b[s] = static_cast<uint8_t>(ls | (lm << 4));
+    const float dl = d * static_cast<float>(ls), ml = dmin * static_cast<float>(lm);
+    for (int l = 0; l < 16; ++l) {
+      const int q = dl != 0.0f ? NearestInt((x[16 * s + l] + ml) / dl) : 0;
+      L[16 * s + l] = static_cast<uint8_t>(std::clamp(q, 0, 3));
+    }
+  }
+  PackTwoBitCodes(L, b + 16, nullptr);
+}
+
 }  // namespace
 
 void QuantDequantRow(const Matrix& w, int64_t r, float* out) {
@@ -403,6 +532,12 @@ void QuantDequantRow(const Matrix& w, int64_t r, float* out) {
         break;
       case DType::kQ6_K:
         DequantQ6_K(b, y);
+        break;
+      case DType::kQ3_K:
+        DequantQ3_K(b, y);
+        break;
+      case DType::kQ2_K:
+        DequantQ2_K(b, y);
         break;
       default:
         std::fill(y, y + be, 0.0f);
@@ -456,6 +591,12 @@ void QuantizeRow(DType t, const float* x, int64_t n, void* out) {
       case DType::kQ6_K:
         QuantizeQ6_K(x + i * be, o + i * bb);
         break;
+      case DType::kQ3_K:
+        QuantizeQ3_K(x + i * be, o + i * bb);
+        break;
+      case DType::kQ2_K:
+        QuantizeQ2_K(x + i * be, o + i * bb);
+        break;
       default:
         break;
     }
@@ -490,30 +631,37 @@ float Int8DotT(const uint8_t* row, const int8_t* q, const float* d, const float*
   double acc = 0.0;
   for (int64_t b = 0; b < nb; ++b) {
     const int8_t* qb = q + b * kQ8Block;
-    if constexpr (kType == DType::kQ6_K) {  // two halves, each offset inside its integer sum
-      float dw[8], dw_hi[8];
-      BlockScales<kType>(row + (b / 8) * DTypeBlockBytes(kType), 8, dw, dw_hi);
-      int32_t dot[2] = {0, 0};
-      for (int j = 0; j < kQ8Block; ++j) dot[j / 16] += (BlockCode<kType>(row, b, j) - 32) * qb[j];
-      acc +=
-          (static_cast<double>(dw[b % 8]) * dot[0] + static_cast<double>(dw_hi[b % 8]) * dot[1]) *
-          d[b];
-      continue;
-    }
-    float dw, o;
-    // Scales of one block: q4_K's, q5_K's and iq4_xs's are per super-block, so ask for the whole
-    // one and pick.
-    if constexpr (kType == DType::kQ4_K || kType == DType::kQ5_K || kType == DType::kIQ4_XS) {
-      float dws[8], os[8];
-      BlockScales<kType>(row + (b / 8) * DTypeBlockBytes(kType), 8, dws, os);
-      dw = dws[b % 8];
-      o = os[b % 8];
+    if constexpr (HasHalfScales(kType)) {
+      // Two halves; q6_K's and q3_K's offsets inside each half's integer sum, q2_K's minimums
+      // times the half's sum of activation codes.
+      float dw[16], o[16];
+      HalfScales<kType>(row + (b / 8) * DTypeBlockBytes(kType), dw, o);
+      int32_t dot[2] = {0, 0}, sum[2] = {0, 0};
+      for (int j = 0; j < kQ8Block; ++j) {
+        dot[j / 16] += (BlockCode<kType>(row, b, j) - HalfOffset(kType)) * qb[j];
+        sum[j / 16] += qb[j];
+      }
+      for (int h = 0; h < 2; ++h) {
+        const int s = 2 * static_cast<int>(b % 8) + h;
+        acc += static_cast<double>(dw[s]) * dot[h] * d[b];
+        if constexpr (kType == DType::kQ2_K) acc -= static_cast<double>(o[s]) * sum[h] * d[b];
+      }
     } else {
-      BlockScales<kType>(row + b * DTypeBlockBytes(kType), 1, &dw, &o);
+      float dw, o;
+      // Scales of one block: q4_K's, q5_K's and iq4_xs's are per super-block, so ask for the
+      // whole one and pick.
+      if constexpr (kType == DType::kQ4_K || kType == DType::kQ5_K || kType == DType::kIQ4_XS) {
+        float dws[8], os[8];
+        BlockScales<kType>(row + (b / 8) * DTypeBlockBytes(kType), 8, dws, os);
+        dw = dws[b % 8];
+        o = os[b % 8];
+      } else {
+        BlockScales<kType>(row + b * DTypeBlockBytes(kType), 1, &dw, &o);
+      }
+      int32_t dot = 0;
+      for (int j = 0; j < kQ8Block; ++j) dot += BlockCode<kType>(row, b, j) * qb[j];
+      acc += static_cast<double>(dw) * d[b] * dot - static_cast<double>(o) * s[b];
     }
-    int32_t dot = 0;
-    for (int j = 0; j < kQ8Block; ++j) dot += BlockCode<kType>(row, b, j) * qb[j];
-    acc += static_cast<double>(dw) * d[b] * dot - static_cast<double>(o) * s[b];
   }
   return static_cast<float>(acc);
 }
@@ -544,6 +692,10 @@ float Int8Dot(const Matrix& w, int64_t r, const int8_t* q, const float* d, const
       return Int8DotT<DType::kIQ4_NL>(row, q, d, s, nb);
     case DType::kIQ4_XS:
       return Int8DotT<DType::kIQ4_XS>(row, q, d, s, nb);
+    case DType::kQ3_K:
+      return Int8DotT<DType::kQ3_K>(row, q, d, s, nb);
+    case DType::kQ2_K:
+      return Int8DotT<DType::kQ2_K>(row, q, d, s, nb);
     default:
       return NAN;  // no int8 path (HasInt8Path)
   }
