@@ -163,12 +163,13 @@ CACHET_INT8_TARGET inline __m512i CodePair(const uint8_t* row, int64_t b) {
   } else if constexpr (kTwoBit<kType>) {
     // Blocks k and k + 1 (k even) are bits 2k and 2k + 2 of the same 32 bytes: one shift count per
     // 256-bit half; q3_K's third bits by one masked byte add, as q5_K's fifth.
+    // A per-qword shift (cheaper than a per-word one): the bits it brings down from the next
+    // byte fall above the two the mask keeps.
     const int k = static_cast<int>(b % 8);
     const __m512i count =
-        _mm512_inserti64x4(_mm512_set1_epi16(static_cast<int16_t>(2 * (k % 4))),
-                           _mm256_set1_epi16(static_cast<int16_t>(2 * (k % 4) + 2)), 1);
+        _mm512_inserti64x4(_mm512_set1_epi64(2 * (k % 4)), _mm256_set1_epi64x(2 * (k % 4) + 2), 1);
     const __m512i low = _mm512_and_si512(
-        _mm512_srlv_epi16(_mm512_broadcast_i64x4(TwoBitCodes<kType>(row, b)), count),
+        _mm512_srlv_epi64(_mm512_broadcast_i64x4(TwoBitCodes<kType>(row, b)), count),
         _mm512_set1_epi8(3));
     if constexpr (kType == DType::kQ2_K) return low;
     const __m512i bits = _mm512_inserti64x4(_mm512_set1_epi8(static_cast<char>(1 << k)),
@@ -267,20 +268,20 @@ CACHET_INT8_TARGET inline __m512 Q6KScales(const uint8_t* blk) {
 }
 
 // The sixteen scales d * (sc_j - 32) of a q3_K super-block: sc_j's low 4 bits are the low (j < 8)
-// or high nibble of byte j % 8, its high 2 bits bits 2 (j / 4).. of byte 8 + j % 4 (Q3KScale).
+// or high nibble of byte j % 8, its high 2 bits bits 2 (j / 4).. of byte 8 + j % 4 (Q3KScale), so
+// the u32 of bytes 8-11 shifted by 2 (j / 4) holds them for four j at once.
 CACHET_INT8_TARGET inline __m512 Q3KScales(const uint8_t* blk) {
-  const __m128i v = _mm_maskz_loadu_epi8(0x0FFF, blk + 96);  // 12 bytes: no read past the block
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 96));
+  uint32_t h;
+  std::memcpy(&h, blk + 104, 4);
   const __m128i low = _mm_unpacklo_epi64(_mm_and_si128(v, _mm_set1_epi8(0x0F)),
                                          _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F)));
-  const __m128i high =
-      _mm_shuffle_epi8(v, _mm_setr_epi8(8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11));
-  const __m512i top = _mm512_and_si512(
-      _mm512_srlv_epi32(_mm512_cvtepu8_epi32(high),
-                        _mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0)),
-      _mm512_set1_epi32(3));
-  const __m512i sc = _mm512_sub_epi32(
-      _mm512_or_si512(_mm512_cvtepu8_epi32(low), _mm512_slli_epi32(top, 4)), _mm512_set1_epi32(32));
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(sc), _mm512_set1_ps(HardF16::Load(blk + 108)));
+  const __m128i high = _mm_and_si128(
+      _mm_srlv_epi32(_mm_set1_epi32(static_cast<int32_t>(h)), _mm_setr_epi32(0, 2, 4, 6)),
+      _mm_set1_epi8(3));
+  const __m128i sc = _mm_sub_epi8(_mm_or_si128(low, _mm_slli_epi16(high, 4)), _mm_set1_epi8(32));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)),
+                       _mm512_set1_ps(HardF16::Load(blk + 108)));
 }
 
 // The sixteen scales d * sc_j and minimums dmin * m_j of a q2_K super-block (the low and high
