@@ -76,13 +76,15 @@ TEST(QuantKernels, RowBytesAndBlockSizes) {
   EXPECT_EQ(DTypeRowBytes(DType::kF16, 3), 6);
 }
 
-// The reference quantizers reproduce their input to within the format's resolution.
+// The reference quantizers reproduce their input to within the format's resolution; the k-quants'
+// fitted scales (llama.cpp's least-squares search) below what mapping each sub-block's range gave:
+// q4_K 0.079, q5_K 0.039, q6_K 0.019, q3_K 0.154, q2_K 0.327.
 TEST(QuantKernels, ReferenceRoundTripError) {
   std::mt19937 rng(1);
   const std::pair<DType, double> kBounds[] = {
-      {DType::kQ8_0, 0.01},   {DType::kQ5_0, 0.08},   {DType::kQ4_0, 0.15}, {DType::kQ4_K, 0.12},
-      {DType::kQ5_K, 0.06},   {DType::kQ6_K, 0.05},   {DType::kQ4_1, 0.12}, {DType::kQ5_1, 0.06},
-      {DType::kIQ4_NL, 0.15}, {DType::kIQ4_XS, 0.15}, {DType::kQ3_K, 9.0},  {DType::kQ2_K, 9.0}};
+      {DType::kQ8_0, 0.01},   {DType::kQ5_0, 0.08},   {DType::kQ4_0, 0.15},  {DType::kQ4_K, 0.075},
+      {DType::kQ5_K, 0.0375}, {DType::kQ6_K, 0.0182}, {DType::kQ4_1, 0.12},  {DType::kQ5_1, 0.06},
+      {DType::kIQ4_NL, 0.15}, {DType::kIQ4_XS, 0.15}, {DType::kQ3_K, 0.152}, {DType::kQ2_K, 0.30}};
   for (auto [t, bound] : kBounds) {
     QuantMatrix q = MakeMatrix(t, 8, 512, rng);
     const double err = NormErr(q.deq.data(), q.source.data(), q.deq.size());

@@ -30,8 +30,10 @@
 //       16 sub-blocks of 16, each with a 4-bit scale (low nibble) and min (high nibble); qs as
 //       q3_K's; x = d * sc * q - dmin * m.
 //
-// The quantizers are simple (per sub-block min/max, no iterative search as llama.cpp's
-// make_qkx2_quants): they produce valid blocks, which is all tests and `cachet convert` need.
+// The quantizers of q8_0, q4_0, q5_0, q4_1 and q5_1 map each block's range as llama.cpp's do; the
+// k-quants' (q2_K .. q6_K) fit their scales as llama.cpp's reference quantizer does (the weighted
+// least-squares searches below), so that `cachet convert --type q4_k_m` writes files of its
+// quality; iq4_nl / iq4_xs map the range onto the levels without llama.cpp's search (tests only).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -51,7 +53,15 @@ void StoreF16(uint8_t* p, float f) {
   const uint16_t h = F32ToF16(f);
   std::memcpy(p, &h, 2);
 }
-int NearestInt(float f) { return static_cast<int>(std::nearbyint(f)); }
+// Rounds to nearest, ties to even, as nearbyint in the default rounding mode, for |f| < 2^22 (every
+// code and scale here): adding 1.5 * 2^23 leaves the integer in the low mantissa bits, without a
+// libm call in the quantizers' inner loops.
+int NearestInt(float f) {
+  const float v = f + 12582912.0f;
+  int32_t i;
+  std::memcpy(&i, &v, 4);
+  return (i & 0x007fffff) - 0x00400000;
+}
 
 void DequantQ8_0(const uint8_t* b, float* y) {
   const float d = LoadF16(b);
@@ -176,14 +186,14 @@ void QuantizeQ8_0(const float* x, uint8_t* b) {
   for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>(std::round(x[j] * id));
 }
 
-// The value of largest magnitude of a 32-value block, with its sign: q4_0 and q5_0 map it to code
-// 0.
-float SignedMax32(const float* x) {
+// The value of largest magnitude of n values, with its sign: q4_0 and q5_0 map it to code 0, the
+// k-quants to their lowest code.
+float SignedMax(const float* x, int n) {
   float amax = 0.0f, max = 0.0f;
-  for (int j = 0; j < 32; ++j) {
-    if (std::fabs(x[j]) > amax) {
-      amax = std::fabs(x[j]);
-      max = x[j];
+  for (int i = 0; i < n; ++i) {
+    if (std::fabs(x[i]) > amax) {
+      amax = std::fabs(x[i]);
+      max = x[i];
     }
   }
   return max;
@@ -233,14 +243,14 @@ void QuantizeIQ4Nibbles(const float* x, float d, uint8_t* q) {
 // The block's value of largest magnitude maps to the level -127 (no search over scales, as
 // llama.cpp's quantizer does).
 void QuantizeIQ4_NL(const float* x, uint8_t* b) {
-  StoreF16(b, SignedMax32(x) / -127.0f);
+  StoreF16(b, SignedMax(x, 32) / -127.0f);
   QuantizeIQ4Nibbles(x, LoadF16(b), b + 2);
 }
 
 void QuantizeIQ4_XS(const float* x, uint8_t* b) {
   float scale[8], max_abs = 0.0f, max_scale = 0.0f;
   for (int s = 0; s < 8; ++s) {
-    scale[s] = SignedMax32(x + 32 * s) / -127.0f;
+    scale[s] = SignedMax(x + 32 * s, 32) / -127.0f;
     if (std::fabs(scale[s]) > max_abs) {
       max_abs = std::fabs(scale[s]);
       max_scale = scale[s];
@@ -260,7 +270,7 @@ void QuantizeIQ4_XS(const float* x, uint8_t* b) {
 }
 
 void QuantizeQ4_0(const float* x, uint8_t* b) {
-  const float d = SignedMax32(x) / -8.0f;
+  const float d = SignedMax(x, 32) / -8.0f;
   const float id = d != 0.0f ? 1.0f / d : 0.0f;
   StoreF16(b, d);
   uint8_t* q = b + 2;
@@ -273,7 +283,7 @@ void QuantizeQ4_0(const float* x, uint8_t* b) {
 
 // As llama.cpp's quantize_row_q5_0_ref.
 void QuantizeQ5_0(const float* x, uint8_t* b) {
-  const float d = SignedMax32(x) / -16.0f;
+  const float d = SignedMax(x, 32) / -16.0f;
   const float id = d != 0.0f ? 1.0f / d : 0.0f;
   StoreF16(b, d);
   uint32_t qh = 0;
@@ -288,30 +298,179 @@ void QuantizeQ5_0(const float* x, uint8_t* b) {
   std::memcpy(b + 2, &qh, 4);
 }
 
+// The k-quant fits, as llama.cpp's reference quantizer makes them (the files its llama-quantize
+// writes without an importance matrix): each sub-block's scale (and minimum) is a weighted least-
+// squares fit to the codes, searched over a few candidate scales, not the plain range mapping.
+
+// Codes 0..nmax of n values with weights w (make_qkx2_quants): the range's codes (the minimum
+// capped at 0), then, for nstep + 1 scales of nmax + rmin + rdelta * i levels over the range, the
+// codes they round to with the least-squares scale and minimum for those codes; the fit of least
+// weighted error (squared, or absolute with use_mad) wins. Returns the scale, *neg_min = -min.
+float FitScaleMin(int n, int nmax, const float* x, const float* w, float rmin, float rdelta,
+                  int nstep, bool use_mad, uint8_t* L, float* neg_min) {
+  float lo = x[0], hi = x[0], sum_w = w[0], sum_x = w[0] * x[0];
+  for (int i = 1; i < n; ++i) {
+    lo = std::min(lo, x[i]);
+    hi = std::max(hi, x[i]);
+    sum_w += w[i];
+    sum_x += w[i] * x[i];
+  }
+  lo = std::min(lo, 0.0f);
+  if (hi == lo) {
+    std::fill(L, L + n, 0);
+    *neg_min = -lo;
+    return 0.0f;
+  }
+  auto error = [&](float scale, float min, const int* codes) {
+    float e = 0.0f;
+    for (int i = 0; i < n; ++i) {
+      const float diff = scale * static_cast<float>(codes[i]) + min - x[i];
+      e += w[i] * (use_mad ? std::fabs(diff) : diff * diff);
+    }
+    return e;
+  };
+  int best_codes[32], codes[32];  // ints, which stores of byte codes could not alias
+  float iscale = nmax / (hi - lo), scale = 1 / iscale;
+  for (int i = 0; i < n; ++i) best_codes[i] = std::clamp(NearestInt(iscale * (x[i] - lo)), 0, nmax);
+  float best = error(scale, lo, best_codes);
+  for (int step = 0; step <= nstep; ++step) {
+    iscale = (rmin + rdelta * static_cast<float>(step) + nmax) / (hi - lo);
+    float sum_l = 0.0f, sum_l2 = 0.0f, sum_xl = 0.0f;
+    for (int i = 0; i < n; ++i) {
+      const int l = std::clamp(NearestInt(iscale * (x[i] - lo)), 0, nmax);
+      codes[i] = l;
+      const float wl = w[i] * static_cast<float>(l);
+      sum_l += wl;
+      sum_l2 += wl * static_cast<float>(l);
+      sum_xl += wl * x[i];
+    }
+    const float D = sum_w * sum_l2 - sum_l * sum_l;
+    if (D <= 0) continue;
+    float this_scale = (sum_w * sum_xl - sum_x * sum_l) / D;
+    float this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D;
+    if (this_min > 0) {
+      this_min = 0;
+      this_scale = sum_xl / sum_l2;
+    }
+    const float e = error(this_scale, this_min, codes);
+    if (e < best) {
+      std::copy(codes, codes + n, best_codes);
+      best = e;
+      scale = this_scale;
+      lo = this_min;
+    }
+  }
+  for (int i = 0; i < n; ++i) L[i] = static_cast<uint8_t>(best_codes[i]);
+  *neg_min = -lo;
+  return scale;
+}
+
+// Codes -nmax..nmax-1 (stored + nmax) of n values and their scale, weighted by x^2
+// (make_qx_quants): from the largest magnitude mapped to -nmax, and from 18 scales around it,
+// the least-squares fit of the largest sum(w x l)^2 / sum(w l^2) wins.
+float FitSymmetric(int n, int nmax, const float* x, uint8_t* L) {
+  const float max = SignedMax(x, n);
+  if (std::fabs(max) < 1e-15f) {
+    std::fill(L, L + n, 0);
+    return 0.0f;
+  }
+  struct Fit {
+    float sumlx = 0.0f, suml2 = 0.0f;
+  };
+  auto fit = [&](float iscale, int* codes) {
+    Fit f;
+    for (int i = 0; i < n; ++i) {
+      const int l = std::clamp(NearestInt(iscale * x[i]), -nmax, nmax - 1);
+      codes[i] = l;
+      const float wl = x[i] * x[i] * static_cast<float>(l);
+      f.sumlx += wl * x[i];
+      f.suml2 += wl * static_cast<float>(l);
+    }
+    return f;
+  };
+  int best_codes[16], codes[16];
+  Fit f = fit(-nmax / max, best_codes);
+  float scale = f.suml2 != 0.0f ? f.sumlx / f.suml2 : 0.0f, best = scale * f.sumlx;
+  for (int is = -9; is <= 9; ++is) {
+    if (is == 0) continue;
+    f = fit(-(nmax + 0.1f * static_cast<float>(is)) / max, codes);
+    if (f.suml2 > 0 && f.sumlx * f.sumlx > best * f.suml2) {
+      std::copy(codes, codes + n, best_codes);
+      scale = f.sumlx / f.suml2;
+      best = scale * f.sumlx;
+    }
+  }
+  for (int i = 0; i < n; ++i) L[i] = static_cast<uint8_t>(best_codes[i] + nmax);
+  return scale;
+}
+
+// q3_K's codes -nmax..nmax-1 (stored + nmax) of n values and their scale (make_q3_quants): from
+// the largest magnitude mapped to -nmax, then up to five passes that move one code at a time to
+// where the least-squares scale of the others puts it, while that lowers the x^2-weighted error.
+float FitCodesOneByOne(int n, int nmax, const float* x, uint8_t* L) {
+  const float max = SignedMax(x, n);
+  if (std::fabs(max) < 1e-15f) {
+    std::fill(L, L + n, 0);
+    return 0.0f;
+  }
+  const float iscale = -nmax / max;
+  int l[16];
+  float sumlx = 0.0f, suml2 = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    l[i] = std::clamp(NearestInt(iscale * x[i]), -nmax, nmax - 1);
+    const float w = x[i] * x[i];
+    sumlx += w * x[i] * l[i];
+    suml2 += w * l[i] * l[i];
+  }
+  for (int pass = 0; pass < 5; ++pass) {
+    int changed = 0;
+    for (int i = 0; i < n; ++i) {
+      const float w = x[i] * x[i];
+      float slx = sumlx - w * x[i] * l[i];
+      if (slx <= 0) continue;
+      float sl2 = suml2 - w * l[i] * l[i];
+      const int nl = std::clamp(NearestInt(x[i] * sl2 / slx), -nmax, nmax - 1);
+      if (nl == l[i]) continue;
+      slx += w * x[i] * nl;
+      sl2 += w * nl * nl;
+      if (sl2 > 0 && slx * slx * suml2 > sumlx * sumlx * sl2) {
+        l[i] = nl;
+        sumlx = slx;
+        suml2 = sl2;
+        ++changed;
+      }
+    }
+    if (changed == 0) break;
+  }
+  for (int i = 0; i < n; ++i) L[i] = static_cast<uint8_t>(l[i] + nmax);
+  return suml2 > 0.0f ? sumlx / suml2 : 0.0f;
+}
+
 // q4_K's and q5_K's header (f16 d, dmin and the 6-bit scales and minimums of 8 sub-blocks, at b)
 // and codes 0..levels of the 256 values in L, quantized against the header as stored.
 void QuantizeScaleMinK(const float* x, int levels, uint8_t* b, uint8_t* L) {
-  float scale[8], minv[8];
-  float max_scale = 0.0f, max_min = 0.0f;
+  float scale[8], minv[8], max_scale = 0.0f, max_min = 0.0f;
   for (int s = 0; s < 8; ++s) {
-    float lo = 0.0f, hi = x[s * 32];
-    for (int l = 0; l < 32; ++l) {
-      lo = std::min(lo, x[s * 32 + l]);
-      hi = std::max(hi, x[s * 32 + l]);
-    }
-    scale[s] = (hi - lo) / static_cast<float>(levels);
-    minv[s] = -lo;  // >= 0
+    const float* xs = x + 32 * s;
+    float sum_x2 = 0.0f, w[32];
+    for (int l = 0; l < 32; ++l) sum_x2 += xs[l] * xs[l];
+    const float av_x = std::sqrt(sum_x2 / 32);
+    for (int l = 0; l < 32; ++l) w[l] = av_x + std::fabs(xs[l]);
+    scale[s] = levels == 15
+                   ? FitScaleMin(32, 15, xs, w, -1.0f, 0.1f, 20, false, L + 32 * s, &minv[s])
+                   : FitScaleMin(32, 31, xs, w, -0.5f, 0.1f, 15, false, L + 32 * s, &minv[s]);
     max_scale = std::max(max_scale, scale[s]);
     max_min = std::max(max_min, minv[s]);
   }
-  const float d = max_scale / 63.0f, dmin = max_min / 63.0f;
+  const float inv_scale = max_scale > 0 ? 63.0f / max_scale : 0.0f;
+  const float inv_min = max_min > 0 ? 63.0f / max_min : 0.0f;
   uint8_t ls[8], lm[8];
   for (int s = 0; s < 8; ++s) {
-    ls[s] = static_cast<uint8_t>(d > 0 ? std::clamp(NearestInt(scale[s] / d), 0, 63) : 0);
-    lm[s] = static_cast<uint8_t>(dmin > 0 ? std::clamp(NearestInt(minv[s] / dmin), 0, 63) : 0);
+    ls[s] = static_cast<uint8_t>(std::min(63, NearestInt(inv_scale * scale[s])));
+    lm[s] = static_cast<uint8_t>(std::min(63, NearestInt(inv_min * minv[s])));
   }
-  StoreF16(b, d);
-  StoreF16(b + 2, dmin);
+  StoreF16(b, max_scale / 63.0f);
+  StoreF16(b + 2, max_min / 63.0f);
   uint8_t* scales = b + 4;
   std::memset(scales, 0, 12);
   for (int j = 0; j < 8; ++j) {
@@ -329,9 +488,10 @@ void QuantizeScaleMinK(const float* x, int levels, uint8_t* b, uint8_t* L) {
     int sc, m;
     ScaleMinK4(s, scales, &sc, &m);
     const float dl = df * sc, ml = dminf * m;
+    if (dl == 0.0f) continue;
     for (int l = 0; l < 32; ++l) {
-      const int q = dl != 0.0f ? NearestInt((x[s * 32 + l] + ml) / dl) : 0;
-      L[s * 32 + l] = static_cast<uint8_t>(std::clamp(q, 0, levels));
+      L[s * 32 + l] =
+          static_cast<uint8_t>(std::clamp(NearestInt((x[s * 32 + l] + ml) / dl), 0, levels));
     }
   }
 }
@@ -361,41 +521,33 @@ void QuantizeQ5_K(const float* x, uint8_t* b) {
 }
 
 void QuantizeQ6_K(const float* x, uint8_t* b) {
-  float scale[16];
-  float max_scale = 0.0f, max_abs = 0.0f;
+  float scale[16], max_scale = 0.0f, max_abs = 0.0f;
+  uint8_t L[256];
   for (int s = 0; s < 16; ++s) {
-    float amax = 0.0f, max = 0.0f;
-    for (int l = 0; l < 16; ++l) {
-      const float v = x[s * 16 + l];
-      if (std::fabs(v) > amax) {
-        amax = std::fabs(v);
-        max = v;
-      }
-    }
-    scale[s] = max / -32.0f;
+    scale[s] = FitSymmetric(16, 32, x + 16 * s, L + 16 * s);
     if (std::fabs(scale[s]) > max_abs) {
       max_abs = std::fabs(scale[s]);
       max_scale = scale[s];
     }
   }
-  uint8_t* ql = b;
-  uint8_t* qh = b + 128;
-  int8_t* sc = reinterpret_cast<int8_t*>(b + 192);
-  if (max_abs == 0.0f) {
+  if (max_abs < 1e-15f) {
     std::memset(b, 0, 210);
     return;
   }
+  uint8_t* ql = b;
+  uint8_t* qh = b + 128;
+  int8_t* sc = reinterpret_cast<int8_t*>(b + 192);
   const float iscale = -128.0f / max_scale;
   StoreF16(b + 208, 1.0f / iscale);
   for (int s = 0; s < 16; ++s)
     sc[s] = static_cast<int8_t>(std::min(127, NearestInt(iscale * scale[s])));
   const float d = LoadF16(b + 208);
-  uint8_t L[256];
   for (int s = 0; s < 16; ++s) {
     const float dl = d * sc[s];
+    if (dl == 0.0f) continue;
     for (int l = 0; l < 16; ++l) {
-      const int q = dl != 0.0f ? NearestInt(x[s * 16 + l] / dl) : 0;
-      L[s * 16 + l] = static_cast<uint8_t>(std::clamp(q, -32, 31) + 32);
+      L[s * 16 + l] =
+          static_cast<uint8_t>(std::clamp(NearestInt(x[s * 16 + l] / dl), -32, 31) + 32);
     }
   }
   for (int j = 0; j < 256; j += 128, ql += 64, qh += 32) {
@@ -424,70 +576,65 @@ void PackTwoBitCodes(const uint8_t* L, uint8_t* qs, uint8_t* hmask) {
   }
 }
 
-// Each 16 values' largest magnitude maps to code -4 (as QuantizeQ6_K: no search).
 void QuantizeQ3_K(const float* x, uint8_t* b) {
   float scale[16], max_scale = 0.0f, max_abs = 0.0f;
+  uint8_t L[256];
   for (int s = 0; s < 16; ++s) {
-    float amax = 0.0f, max = 0.0f;
-    for (int l = 0; l < 16; ++l) {
-      if (std::fabs(x[16 * s + l]) > amax) {
-        amax = std::fabs(x[16 * s + l]);
-        max = x[16 * s + l];
-      }
-    }
-    scale[s] = max / -4.0f;
+    scale[s] = FitCodesOneByOne(16, 4, x + 16 * s, L + 16 * s);
     if (std::fabs(scale[s]) > max_abs) {
       max_abs = std::fabs(scale[s]);
       max_scale = scale[s];
     }
   }
   std::memset(b, 0, 110);
-  const float iscale = max_abs != 0.0f ? -32.0f / max_scale : 0.0f;
-  StoreF16(b + 108, iscale != 0.0f ? 1.0f / iscale : 0.0f);
   uint8_t* sc = b + 96;
-  for (int s = 0; s < 16; ++s) {
-    const int ls = std::clamp(NearestInt(iscale * scale[s]), -32, 31) + 32;
-    sc[s % 8] |= static_cast<uint8_t>((ls & 0xF) << (s < 8 ? 0 : 4));
-    sc[8 + s % 4] |= static_cast<uint8_t>((ls >> 4) << (2 * (s / 4)));
+  if (max_scale != 0.0f) {
+    const float iscale = -32.0f / max_scale;
+    for (int s = 0; s < 16; ++s) {
+      const int ls = std::clamp(NearestInt(iscale * scale[s]), -32, 31) + 32;
+      sc[s % 8] |= static_cast<uint8_t>((ls & 0xF) << (s < 8 ? 0 : 4));
+      sc[8 + s % 4] |= static_cast<uint8_t>((ls >> 4) << (2 * (s / 4)));
+    }
+    StoreF16(b + 108, 1.0f / iscale);
   }
   const float d = LoadF16(b + 108);
-  uint8_t L[256];
   for (int s = 0; s < 16; ++s) {
     const float dl = d * static_cast<float>(int8_detail::Q3KScale(b, s) - 32);
+    if (dl == 0.0f) continue;
     for (int l = 0; l < 16; ++l) {
-      const int q = dl != 0.0f ? NearestInt(x[16 * s + l] / dl) : 0;
-      L[16 * s + l] = static_cast<uint8_t>(std::clamp(q, -4, 3) + 4);
+      L[16 * s + l] = static_cast<uint8_t>(std::clamp(NearestInt(x[16 * s + l] / dl), -4, 3) + 4);
     }
   }
   PackTwoBitCodes(L, b + 32, b);
 }
 
-// Each 16 values' range mapped onto codes 0..3 above its minimum (as QuantizeScaleMinK).
 void QuantizeQ2_K(const float* x, uint8_t* b) {
   float scale[16], minv[16], max_scale = 0.0f, max_min = 0.0f;
+  uint8_t L[256];
   for (int s = 0; s < 16; ++s) {
-    float lo = 0.0f, hi = x[16 * s];
-    for (int l = 0; l < 16; ++l) {
-      lo = std::min(lo, x[16 * s + l]);
-      hi = std::max(hi, x[16 * s + l]);
-    }
-    scale[s] = (hi - lo) / 3.0f;
-    minv[s] = -lo;
+    float w[16];
+    for (int l = 0; l < 16; ++l) w[l] = std::fabs(x[16 * s + l]);
+    scale[s] = FitScaleMin(16, 3, x + 16 * s, w, -0.5f, 0.1f, 15, true, L + 16 * s, &minv[s]);
     max_scale = std::max(max_scale, scale[s]);
     max_min = std::max(max_min, minv[s]);
   }
-  StoreF16(b + 80, max_scale / 15.0f);
-  StoreF16(b + 82, max_min / 15.0f);
+  std::memset(b, 0, 84);
+  if (max_scale > 0) {
+    for (int s = 0; s < 16; ++s)
+      b[s] = static_cast<uint8_t>(NearestInt(15.0f / max_scale * scale[s]));
+    StoreF16(b + 80, max_scale / 15.0f);
+  }
+  if (max_min > 0) {
+    for (int s = 0; s < 16; ++s)
+      b[s] |= static_cast<uint8_t>(NearestInt(15.0f / max_min * minv[s]) << 4);
+    StoreF16(b + 82, max_min / 15.0f);
+  }
   const float d = LoadF16(b + 80), dmin = LoadF16(b + 82);
-  uint8_t L[256];
   for (int s = 0; s < 16; ++s) {
-    const int ls = d > 0 ? std::clamp(NearestInt(scale[s] / d), 0, 15) : 0;
-    const int lm = dmin > 0 ? std::clamp(NearestInt(minv[s] / dmin), 0, 15) : 0;
-    b[s] = static_cast<uint8_t>(ls | (lm << 4));
-    const float dl = d * static_cast<float>(ls), ml = dmin * static_cast<float>(lm);
+    const float dl = d * static_cast<float>(b[s] & 0xF), ml = dmin * static_cast<float>(b[s] >> 4);
+    if (dl == 0.0f) continue;
     for (int l = 0; l < 16; ++l) {
-      const int q = dl != 0.0f ? NearestInt((x[16 * s + l] + ml) / dl) : 0;
-      L[16 * s + l] = static_cast<uint8_t>(std::clamp(q, 0, 3));
+      L[16 * s + l] = static_cast<uint8_t>(std::clamp(NearestInt((x[16 * s + l] + ml) / dl), 0, 3));
     }
   }
   PackTwoBitCodes(L, b + 16, nullptr);
