@@ -543,10 +543,10 @@ TEST(Cli, ConvertSyntheticAndLogitsOf) {
   EXPECT_EQ(r.status >> 8, 2);
   EXPECT_NE(r.err.find("needs DIR OUT.gguf"), std::string::npos) << r.err;
   // An unknown type names every one there is; nothing is written.
-  r = RunCachet("convert --synthetic " + shape + " " + dir.path() + "/q3.gguf --type q3_k_m");
+  r = RunCachet("convert --synthetic " + shape + " " + dir.path() + "/q3.gguf --type q3_k_s");
   EXPECT_EQ(r.status >> 8, 2);
-  EXPECT_NE(r.err.find("unknown --type 'q3_k_m' (one of: f32, f16, bf16, q8_0, q5_0, q5_1, q4_0, "
-                       "q4_1, q4_k, q5_k, q6_k, q4_k_m, q5_k_m)"),
+  EXPECT_NE(r.err.find("unknown --type 'q3_k_s' (one of: f32, f16, bf16, q8_0, q5_0, q5_1, q4_0, "
+                       "q4_1, q4_k, q5_k, q6_k, q4_k_m, q5_k_m, q3_k_m, q2_k)"),
             std::string::npos)
       << r.err;
   EXPECT_FALSE(std::filesystem::exists(dir.path() + "/q3.gguf"));

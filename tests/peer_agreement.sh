@@ -169,10 +169,16 @@ agree "mini, llama.cpp's Q5_K_M with q5_1" "$work/mini-llama.gguf" "$work/mini-i
 "$peer" quantize "$work/mini-f16.gguf" "$threads" "$work/mini-iq4_xs-llama.gguf" iq4_xs
 agree "mini, llama.cpp's IQ4_XS with iq4_nl" "$work/mini-iq4_xs-llama.gguf" "$work/mini-ids.json" 0 \
   0.95 0.05
+# q3_k_m and q2_k: q3_K and q2_K fall back to q4_0 (and Q2_K's attn_v is q4_K with 5 query heads
+# per KV head, q3_K with 2 on mini256, whose 16 layers give Q3_K_M's first ffn_down q5_K).
+same_types mini q3_k_m
+same_types mini q2_k
 cat >"$work/mini256.json" <<'JSON'
-{"model_type": "llama", "num_hidden_layers": 8, "hidden_size": 256, "num_attention_heads": 4,
+{"model_type": "llama", "num_hidden_layers": 16, "hidden_size": 256, "num_attention_heads": 4,
  "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 1000,
  "max_position_embeddings": 2048, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
  "tie_word_embeddings": true}
 JSON
 same_types mini256 q5_k_m
+same_types mini256 q3_k_m
+same_types mini256 q2_k

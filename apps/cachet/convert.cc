@@ -39,12 +39,14 @@ void AddConvert(CLI::App& app) {
       ->default_val(1);
   cmd->add_option(
          "--type", o->type,
-         "Matrix type: f32, f16, bf16, q8_0, q5_0, q5_1, q4_0, q4_1, q4_k, q5_k, q6_k, or "
-         "q4_k_m / "
-         "q5_k_m: llama.cpp's Q4_K_M / Q5_K_M mix (q4_k / q5_k, with q6_k for the LM head and "
-         "for attn_v and ffn_down in about a third of the layers). Norms stay f32. A matrix "
-         "whose rows do not split into the type's blocks (256 values for q4_k / q5_k / q6_k) "
-         "falls back as llama.cpp's does: q4_k to q5_0, q5_k to q5_1, q6_k to q8_0, then f16")
+         "Matrix type: f32, f16, bf16, q8_0, q5_0, q5_1, q4_0, q4_1, q4_k, q5_k, q6_k, or one of "
+         "llama.cpp's mixes, matrix for matrix as its quantizer makes them: q4_k_m / q5_k_m "
+         "(q4_k / q5_k, with q6_k for attn_v and ffn_down in about a third of the layers), "
+         "q3_k_m (q3_k, with q4_k / q5_k for attn_output, attn_v and ffn_down), q2_k (q2_k, with "
+         "q3_k / q4_k for attn_output, attn_v and ffn_down); every mix keeps the LM head in "
+         "q6_k. Norms stay f32. A matrix whose rows do not split into the type's blocks (256 "
+         "values for the k types) falls back as llama.cpp's does: q4_k to q5_0, q5_k to q5_1, "
+         "q6_k to q8_0, q3_k and q2_k to q4_0, then f16")
       ->default_val("f16");
   cmd->add_option("-t,--threads", o->threads, "Threads converting rows (0 = one per core)")
       ->default_val(0)
@@ -77,7 +79,9 @@ void AddConvert(CLI::App& app) {
         {"q5_k", DType::kQ5_K},
         {"q6_k", DType::kQ6_K},
         {"q4_k_m", WeightFormat::MixM(DType::kQ4_K)},
-        {"q5_k_m", WeightFormat::MixM(DType::kQ5_K)}};
+        {"q5_k_m", WeightFormat::MixM(DType::kQ5_K)},
+        {"q3_k_m", WeightFormat::MixM(DType::kQ3_K)},
+        {"q2_k", WeightFormat::MixM(DType::kQ2_K)}};
     const WeightFormat* type = nullptr;
     for (const auto& [name, t] : kTypes) {
       if (o->type == name) type = &t;

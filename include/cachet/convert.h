@@ -12,15 +12,18 @@
 namespace cachet {
 
 // What the matrices of a written GGUF are stored as: `type` for every one (f32, f16, bf16, q8_0,
-// q5_0, q5_1, q4_0, q4_1, q4_K, q5_K or q6_K), or with `mix_m` llama.cpp's Q4_K_M / Q5_K_M mix:
-// `type` (q4_K or q5_K), but q6_K for the LM head (the embedding when it is tied) and for attn_v
-// and ffn_down in the layers llama.cpp's quantizer gives more bits (the first and last eighth of
-// the layers and every third between). A matrix whose rows do not split into its type's blocks
-// falls back as llama.cpp's does: q4_K to q5_0, q5_K to q5_1, q6_K to q8_0 (and a mix's LM head to
-// q8_0), then f16. Norms and biases stay f32.
+// q5_0, q5_1, q4_0, q4_1, q2_K, q3_K, q4_K, q5_K or q6_K), or with `mix_m` the mix llama.cpp's
+// quantizer makes with that base type, matrix for matrix: Q4_K_M / Q5_K_M (q4_K / q5_K, q6_K for
+// attn_v and ffn_down in the first and last eighth of the layers and every third between),
+// Q3_K_M (q3_K; attn_output q4_K, attn_v q5_K in the first two layers and q4_K after, ffn_down q5_K
+// in the first sixteenth and q4_K after) and Q2_K (q2_K; attn_output and ffn_down q3_K, attn_v q4_K
+// with 4 or more query heads per KV head, else q3_K); in every mix the LM head (the embedding when
+// it is tied) is q6_K. A matrix whose rows do not split into its type's blocks falls back as
+// llama.cpp's does: q4_K to q5_0, q5_K to q5_1, q6_K to q8_0, q3_K and q2_K to q4_0, then f16.
+// Norms and biases stay f32.
 struct WeightFormat {
   DType type = DType::kF16;
-  bool mix_m = false;                               // type is then q4_K or q5_K
+  bool mix_m = false;                               // type is then q2_K, q3_K, q4_K or q5_K
   WeightFormat(DType t = DType::kF16) : type(t) {}  // NOLINT: a plain type is a format
   static WeightFormat MixM(DType t) {
     WeightFormat f(t);

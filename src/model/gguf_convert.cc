@@ -180,30 +180,41 @@ std::vector<ModelTensor> ModelTensors(const ModelConfig& c) {
   return t;
 }
 
-DType MatrixType(const WeightFormat& format, const ModelTensor& t, int n_layers, bool tied) {
+DType MatrixType(const WeightFormat& format, const ModelTensor& t, int n_layers, int n_gqa,
+                 bool tied) {
   const int64_t cols = t.shape.back();
   DType want = format.type;
   if (format.mix_m) {
-    // llama.cpp's use_more_bits: the first and last eighth of the layers, and every third between.
+    // llama.cpp's rules (llama_tensor_get_type) for its Q4_K_M, Q5_K_M, Q3_K_M and Q2_K files.
     const int i = t.layer, n = n_layers;
+    // use_more_bits: the first and last eighth of the layers, and every third between.
     const bool more_bits = i >= 0 && (i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2);
     const bool lm_head =
         t.hf_name == "lm_head.weight" || (tied && t.hf_name == "model.embed_tokens.weight");
+    const bool v = t.hf_name.ends_with("self_attn.v_proj.weight");
+    const bool down = t.hf_name.ends_with("mlp.down_proj.weight");
+    const bool out = t.hf_name.ends_with("self_attn.o_proj.weight");
     if (lm_head) {
       want = DTypeRowBytes(DType::kQ6_K, cols) >= 0 ? DType::kQ6_K : DType::kQ8_0;
-    } else if (more_bits && (t.hf_name.ends_with("self_attn.v_proj.weight") ||
-                             t.hf_name.ends_with("mlp.down_proj.weight"))) {
+    } else if (format.type == DType::kQ3_K) {
+      if (v) want = i < 2 ? DType::kQ5_K : DType::kQ4_K;
+      if (down) want = i < n / 16 ? DType::kQ5_K : DType::kQ4_K;
+      if (out) want = DType::kQ4_K;
+    } else if (format.type == DType::kQ2_K) {
+      if (v) want = n_gqa >= 4 ? DType::kQ4_K : DType::kQ3_K;
+      if (down || out) want = DType::kQ3_K;
+    } else if (more_bits && (v || down)) {
       want = DType::kQ6_K;
     }
   }
   if (DTypeRowBytes(want, cols) >= 0) return want;
   // llama.cpp's fallbacks for rows off the 256-value super-blocks (qwen2.5-0.5b's 896 columns).
-  const bool to_iq4_nl = want == DType::kIQ4_XS || want == DType::kQ3_K || want == DType::kQ2_K;
-  const DType fallback = want == DType::kQ4_K   ? DType::kQ5_0
-                         : want == DType::kQ5_K ? DType::kQ5_1
-                         : to_iq4_nl            ? DType::kIQ4_NL
-                         : want == DType::kQ6_K ? DType::kQ8_0
-                                                : DType::kF16;
+  const DType fallback = want == DType::kQ4_K                           ? DType::kQ5_0
+                         : want == DType::kQ5_K                         ? DType::kQ5_1
+                         : want == DType::kIQ4_XS                       ? DType::kIQ4_NL
+                         : want == DType::kQ3_K || want == DType::kQ2_K ? DType::kQ4_0
+                         : want == DType::kQ6_K                         ? DType::kQ8_0
+                                                                        : DType::kF16;
   return DTypeRowBytes(fallback, cols) >= 0 ? fallback : DType::kF16;
 }
 
@@ -280,6 +291,7 @@ TensorAdder::TensorAdder(GgufWriter& w, const ModelConfig& c, WeightFormat forma
     : w_(w),
       format_(format),
       n_layers_(c.n_layers),
+      n_gqa_(c.n_kv_heads > 0 ? c.n_heads / c.n_kv_heads : 1),
       tied_(c.tie_word_embeddings),
       head_dim_(c.head_dim),
       permute_(GgufPermutesQK(c.arch)),
@@ -303,7 +315,7 @@ void TensorAdder::Add(const ModelTensor& t, RowSource rows) {
     return;
   }
   const int64_t n_rows = t.shape[0], cols = t.shape[1];
-  const DType out = MatrixType(format_, t, n_layers_, tied_);
+  const DType out = MatrixType(format_, t, n_layers_, n_gqa_, tied_);
   const int64_t row_bytes = DTypeRowBytes(out, cols);
   ++state_->tensors;
   state_->total_values += n_rows * cols;

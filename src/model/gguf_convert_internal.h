@@ -57,6 +57,7 @@ class TensorAdder {
   GgufWriter& w_;
   WeightFormat format_;
   int n_layers_;
+  int n_gqa_;  // query heads per KV head
   bool tied_;
   int head_dim_;
   bool permute_;
@@ -64,6 +65,7 @@ class TensorAdder {
 };
 
 // The type matrix t is stored as in `format` (WeightFormat), fallbacks included.
-DType MatrixType(const WeightFormat& format, const ModelTensor& t, int n_layers, bool tied);
+DType MatrixType(const WeightFormat& format, const ModelTensor& t, int n_layers, int n_gqa,
+                 bool tied);
 
 }  // namespace cachet::gguf_convert_internal

@@ -23,7 +23,7 @@ struct DTypeInfo {
   int64_t block_bytes;   // bytes per block
   uint32_t ggml_type;    // its GGUF tensor type id
   uint32_t file_type;    // GGUF general.file_type of a file all in this type (llama_ftype)
-  uint32_t file_type_m;  // ... of llama.cpp's _M mix with this base type (0: none)
+  uint32_t file_type_m;  // ... of llama.cpp's mix with this base type (_M, or Q2_K; 0: none)
 };
 inline constexpr DTypeInfo kDTypes[] = {
     {DType::kF32, "f32", 1, 4, 0, 0, 0},
@@ -48,7 +48,7 @@ inline constexpr DTypeInfo kDTypes[] = {
                                                       // bytes), 128 bytes of such nibbles
     {DType::kQ3_K, "q3_k", 256, 110, 11, 11, 12},     // 32 bytes of third bits, 64 bytes of 2-bit
                                                       // codes, 12 bytes of 6-bit scales, f16 d
-    {DType::kQ2_K, "q2_k", 256, 84, 10, 10, 0},       // 16 bytes of 4-bit scales/mins, 64 bytes of
+    {DType::kQ2_K, "q2_k", 256, 84, 10, 10, 10},      // 16 bytes of 4-bit scales/mins, 64 bytes of
                                                       // 2-bit codes, f16 d, f16 dmin
 };
 static_assert(std::size(kDTypes) == static_cast<size_t>(DType::kCount), "a DType has no row");
