@@ -365,85 +365,81 @@ float FitScaleMin(int n, int nmax, const float* x, const float* w, float rmin, f
   return scale;
 }
 
-// Codes -nmax..nmax-1 (stored + nmax) of n values and their scale, weighted by x^2
-// (make_qx_quants): from the largest magnitude mapped to -nmax, and from 18 scales around it,
-// the least-squares fit of the largest sum(w x l)^2 / sum(w l^2) wins.
-float FitSymmetric(int n, int nmax, const float* x, uint8_t* L) {
+// The codes -nmax..nmax-1 of n values at the scale 1 / iscale, and the sums sum(w x l) and
+// sum(w l^2), weighted by w = x^2, of the least-squares scale sumlx / suml2 for them.
+struct SymmetricFit {
+  float sumlx = 0.0f, suml2 = 0.0f;
+};
+SymmetricFit FitCodesAt(int n, int nmax, const float* x, float iscale, int* codes) {
+  SymmetricFit f;
+  for (int i = 0; i < n; ++i) {
+    const int l = std::clamp(NearestInt(iscale * x[i]), -nmax, nmax - 1);
+    codes[i] = l;
+    const float w = x[i] * x[i];
+    f.sumlx += w * x[i] * static_cast<float>(l);
+    f.suml2 += w * static_cast<float>(l) * static_cast<float>(l);
+  }
+  return f;
+}
+
+// Codes -nmax..nmax-1 (stored + nmax) of n (<= 16) values and their scale, weighted by x^2: from
+// the largest magnitude mapped to -nmax, then either (make_qx_quants) the least-squares fit of 18
+// scales around it with the largest sum(w x l)^2 / sum(w l^2), or (one_by_one, q3_K's
+// make_q3_quants) up to five passes that move one code at a time to where the least-squares scale
+// of the others puts it, while that lowers the error.
+float FitSymmetric(int n, int nmax, const float* x, bool one_by_one, uint8_t* L) {
   const float max = SignedMax(x, n);
   if (std::fabs(max) < 1e-15f) {
     std::fill(L, L + n, 0);
     return 0.0f;
   }
-  struct Fit {
-    float sumlx = 0.0f, suml2 = 0.0f;
-  };
-  auto fit = [&](float iscale, int* codes) {
-    Fit f;
-    for (int i = 0; i < n; ++i) {
-      const int l = std::clamp(NearestInt(iscale * x[i]), -nmax, nmax - 1);
-      codes[i] = l;
-      const float wl = x[i] * x[i] * static_cast<float>(l);
-      f.sumlx += wl * x[i];
-      f.suml2 += wl * static_cast<float>(l);
-    }
-    return f;
-  };
   int best_codes[16], codes[16];
-  Fit f = fit(-nmax / max, best_codes);
+  SymmetricFit f = FitCodesAt(n, nmax, x, -nmax / max, best_codes);
   float scale = f.suml2 != 0.0f ? f.sumlx / f.suml2 : 0.0f, best = scale * f.sumlx;
-  for (int is = -9; is <= 9; ++is) {
+  for (int is = -9; !one_by_one && is <= 9; ++is) {
     if (is == 0) continue;
-    f = fit(-(nmax + 0.1f * static_cast<float>(is)) / max, codes);
-    if (f.suml2 > 0 && f.sumlx * f.sumlx > best * f.suml2) {
+    const SymmetricFit g =
+        FitCodesAt(n, nmax, x, -(nmax + 0.1f * static_cast<float>(is)) / max, codes);
+    if (g.suml2 > 0 && g.sumlx * g.sumlx > best * g.suml2) {
       std::copy(codes, codes + n, best_codes);
-      scale = f.sumlx / f.suml2;
-      best = scale * f.sumlx;
+      scale = g.sumlx / g.suml2;
+      best = scale * g.sumlx;
     }
+  }
+  for (int pass = 0; one_by_one && pass < 5; ++pass) {
+    int changed = 0;
+    for (int i = 0; i < n; ++i) {
+      const int li = best_codes[i];
+      const float w = x[i] * x[i];
+      float slx = f.sumlx - w * x[i] * li;
+      if (slx <= 0) continue;
+      float sl2 = f.suml2 - w * li * li;
+      const int nl = std::clamp(NearestInt(x[i] * sl2 / slx), -nmax, nmax - 1);
+      if (nl == li) continue;
+      slx += w * x[i] * nl;
+      sl2 += w * nl * nl;
+      if (sl2 > 0 && slx * slx * f.suml2 > f.sumlx * f.sumlx * sl2) {
+        best_codes[i] = nl;
+        f = {slx, sl2};
+        ++changed;
+      }
+    }
+    if (changed == 0) break;
+    scale = f.suml2 > 0.0f ? f.sumlx / f.suml2 : 0.0f;
   }
   for (int i = 0; i < n; ++i) L[i] = static_cast<uint8_t>(best_codes[i] + nmax);
   return scale;
 }
 
-// q3_K's codes -nmax..nmax-1 (stored + nmax) of n values and their scale (make_q3_quants): from
-// the largest magnitude mapped to -nmax, then up to five passes that move one code at a time to
-// where the least-squares scale of the others puts it, while that lowers the x^2-weighted error.
-float FitCodesOneByOne(int n, int nmax, const float* x, uint8_t* L) {
-  const float max = SignedMax(x, n);
-  if (std::fabs(max) < 1e-15f) {
-    std::fill(L, L + n, 0);
-    return 0.0f;
+// FitSymmetric of each 16 values of a q6_K / q3_K super-block; returns the scale of largest
+// magnitude, with its sign.
+float FitSixteens(const float* x, int nmax, bool one_by_one, float* scale, uint8_t* L) {
+  float max_scale = 0.0f;
+  for (int s = 0; s < 16; ++s) {
+    scale[s] = FitSymmetric(16, nmax, x + 16 * s, one_by_one, L + 16 * s);
+    if (std::fabs(scale[s]) > std::fabs(max_scale)) max_scale = scale[s];
   }
-  const float iscale = -nmax / max;
-  int l[16];
-  float sumlx = 0.0f, suml2 = 0.0f;
-  for (int i = 0; i < n; ++i) {
-    l[i] = std::clamp(NearestInt(iscale * x[i]), -nmax, nmax - 1);
-    const float w = x[i] * x[i];
-    sumlx += w * x[i] * l[i];
-    suml2 += w * l[i] * l[i];
-  }
-  for (int pass = 0; pass < 5; ++pass) {
-    int changed = 0;
-    for (int i = 0; i < n; ++i) {
-      const float w = x[i] * x[i];
-      float slx = sumlx - w * x[i] * l[i];
-      if (slx <= 0) continue;
-      float sl2 = suml2 - w * l[i] * l[i];
-      const int nl = std::clamp(NearestInt(x[i] * sl2 / slx), -nmax, nmax - 1);
-      if (nl == l[i]) continue;
-      slx += w * x[i] * nl;
-      sl2 += w * nl * nl;
-      if (sl2 > 0 && slx * slx * suml2 > sumlx * sumlx * sl2) {
-        l[i] = nl;
-        sumlx = slx;
-        suml2 = sl2;
-        ++changed;
-      }
-    }
-    if (changed == 0) break;
-  }
-  for (int i = 0; i < n; ++i) L[i] = static_cast<uint8_t>(l[i] + nmax);
-  return suml2 > 0.0f ? sumlx / suml2 : 0.0f;
+  return max_scale;
 }
 
 // q4_K's and q5_K's header (f16 d, dmin and the 6-bit scales and minimums of 8 sub-blocks, at b)
@@ -521,16 +517,10 @@ void QuantizeQ5_K(const float* x, uint8_t* b) {
 }
 
 void QuantizeQ6_K(const float* x, uint8_t* b) {
-  float scale[16], max_scale = 0.0f, max_abs = 0.0f;
+  float scale[16];
   uint8_t L[256];
-  for (int s = 0; s < 16; ++s) {
-    scale[s] = FitSymmetric(16, 32, x + 16 * s, L + 16 * s);
-    if (std::fabs(scale[s]) > max_abs) {
-      max_abs = std::fabs(scale[s]);
-      max_scale = scale[s];
-    }
-  }
-  if (max_abs < 1e-15f) {
+  const float max_scale = FitSixteens(x, 32, false, scale, L);
+  if (std::fabs(max_scale) < 1e-15f) {
     std::memset(b, 0, 210);
     return;
   }
@@ -577,15 +567,9 @@ void PackTwoBitCodes(const uint8_t* L, uint8_t* qs, uint8_t* hmask) {
 }
 
 void QuantizeQ3_K(const float* x, uint8_t* b) {
-  float scale[16], max_scale = 0.0f, max_abs = 0.0f;
+  float scale[16];
   uint8_t L[256];
-  for (int s = 0; s < 16; ++s) {
-    scale[s] = FitCodesOneByOne(16, 4, x + 16 * s, L + 16 * s);
-    if (std::fabs(scale[s]) > max_abs) {
-      max_abs = std::fabs(scale[s]);
-      max_scale = scale[s];
-    }
-  }
+  const float max_scale = FitSixteens(x, 4, true, scale, L);
   std::memset(b, 0, 110);
   uint8_t* sc = b + 96;
   if (max_scale != 0.0f) {
