@@ -20,8 +20,11 @@
 // Shared by the scalar reference (kernels/ref/quant.cc) and the SIMD kernels (kernels/cpu/).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <utility>
 
 #include "util/dtype.h"
 
@@ -39,11 +42,23 @@ struct Q8Acts {
   int64_t nb() const { return cols / kQ8Block; }
 };
 
-// The weight types with an int8 path.
-inline bool HasInt8Path(DType t) {
-  return t == DType::kQ4_0 || t == DType::kQ5_0 || t == DType::kQ8_0 || t == DType::kQ4_K ||
-         t == DType::kQ5_K || t == DType::kQ6_K || t == DType::kQ4_1 || t == DType::kQ5_1 ||
-         t == DType::kIQ4_NL || t == DType::kIQ4_XS || t == DType::kQ3_K || t == DType::kQ2_K;
+// The weight types with an int8 path: every block-quantized one.
+inline bool HasInt8Path(DType t) { return DTypeIsQuantized(t); }
+
+// Calls fn(std::integral_constant<DType, t>{}) when t is block-quantized (a row of kDTypes from
+// q8_0 on), else other(): how the kernels turn a matrix's type into their template argument, so
+// that each is compiled for every quantized row of the table.
+template <class Fn, class Other>
+void VisitQuantized(DType t, Fn&& fn, Other&& other) {
+  constexpr size_t kFirst = static_cast<size_t>(DType::kQ8_0);
+  [&]<size_t... I>(std::index_sequence<I...>) {
+    const bool quantized =
+        ((static_cast<size_t>(t) == kFirst + I &&
+          (fn(std::integral_constant<DType, static_cast<DType>(kFirst + I)>{}), true)) ||
+         ...);
+    if (!quantized) other();
+  }
+  (std::make_index_sequence<static_cast<size_t>(DType::kCount) - kFirst>{});
 }
 
 // iq4_nl's and iq4_xs's 16 levels (llama.cpp's kvalues_iq4nl), which their nibbles index.

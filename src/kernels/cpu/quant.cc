@@ -323,66 +323,16 @@ void QuantMatMulImpl(const float* x, int64_t n, const Matrix& w, const float* bi
                      int64_t y_stride, ThreadPool& pool) {
   if (n <= 0 || w.rows <= 0) return;
   if (hn::Lanes(DF()) > 16 || w.cols <= 0) return ref::MatMul(x, n, w, bias, y, y_stride, pool);
-  switch (w.dtype) {
-    case DType::kQ8_0:
-      return MatMulT<DType::kQ8_0>(x, n, w, bias, y, y_stride, pool);
-    case DType::kQ4_0:
-      return MatMulT<DType::kQ4_0>(x, n, w, bias, y, y_stride, pool);
-    case DType::kQ5_0:
-      return MatMulT<DType::kQ5_0>(x, n, w, bias, y, y_stride, pool);
-    case DType::kQ4_K:
-      return MatMulT<DType::kQ4_K>(x, n, w, bias, y, y_stride, pool);
-    case DType::kQ5_K:
-      return MatMulT<DType::kQ5_K>(x, n, w, bias, y, y_stride, pool);
-    case DType::kQ4_1:
-      return MatMulT<DType::kQ4_1>(x, n, w, bias, y, y_stride, pool);
-    case DType::kQ5_1:
-      return MatMulT<DType::kQ5_1>(x, n, w, bias, y, y_stride, pool);
-    case DType::kIQ4_NL:
-      return MatMulT<DType::kIQ4_NL>(x, n, w, bias, y, y_stride, pool);
-    case DType::kIQ4_XS:
-      return MatMulT<DType::kIQ4_XS>(x, n, w, bias, y, y_stride, pool);
-    case DType::kQ6_K:
-      return MatMulT<DType::kQ6_K>(x, n, w, bias, y, y_stride, pool);
-    case DType::kQ3_K:
-      return MatMulT<DType::kQ3_K>(x, n, w, bias, y, y_stride, pool);
-    case DType::kQ2_K:
-      return MatMulT<DType::kQ2_K>(x, n, w, bias, y, y_stride, pool);
-    default:
-      return ref::MatMul(x, n, w, bias, y, y_stride, pool);
-  }
+  VisitQuantized(
+      w.dtype, [&](auto t) { MatMulT<decltype(t)::value>(x, n, w, bias, y, y_stride, pool); },
+      [&] { ref::MatMul(x, n, w, bias, y, y_stride, pool); });
 }
 
 void QuantDequantRowImpl(const Matrix& w, int64_t r, float* out) {
   if (hn::Lanes(DF()) > 16) return ref::QuantDequantRow(w, r, out);
-  switch (w.dtype) {
-    case DType::kQ8_0:
-      return DequantRowT<DType::kQ8_0>(w, r, out);
-    case DType::kQ4_0:
-      return DequantRowT<DType::kQ4_0>(w, r, out);
-    case DType::kQ5_0:
-      return DequantRowT<DType::kQ5_0>(w, r, out);
-    case DType::kQ4_K:
-      return DequantRowT<DType::kQ4_K>(w, r, out);
-    case DType::kQ5_K:
-      return DequantRowT<DType::kQ5_K>(w, r, out);
-    case DType::kQ4_1:
-      return DequantRowT<DType::kQ4_1>(w, r, out);
-    case DType::kQ5_1:
-      return DequantRowT<DType::kQ5_1>(w, r, out);
-    case DType::kIQ4_NL:
-      return DequantRowT<DType::kIQ4_NL>(w, r, out);
-    case DType::kIQ4_XS:
-      return DequantRowT<DType::kIQ4_XS>(w, r, out);
-    case DType::kQ6_K:
-      return DequantRowT<DType::kQ6_K>(w, r, out);
-    case DType::kQ3_K:
-      return DequantRowT<DType::kQ3_K>(w, r, out);
-    case DType::kQ2_K:
-      return DequantRowT<DType::kQ2_K>(w, r, out);
-    default:
-      return ref::QuantDequantRow(w, r, out);
-  }
+  VisitQuantized(
+      w.dtype, [&](auto t) { DequantRowT<decltype(t)::value>(w, r, out); },
+      [&] { ref::QuantDequantRow(w, r, out); });
 }
 #endif  // HWY_TARGET == HWY_SCALAR
 

@@ -578,34 +578,9 @@ CACHET_INT8_TARGET void QuantizeQ8(const float* x, int64_t cols, int8_t* q, floa
 void Int8MatMul(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
                 int64_t y_stride, ThreadPool& pool) {
   if (n <= 0 || w.rows <= 0) return;
-  switch (w.dtype) {
-    case DType::kQ4_0:
-      return Dispatch<DType::kQ4_0>(x, n, w, bias, y, y_stride, pool);
-    case DType::kQ5_0:
-      return Dispatch<DType::kQ5_0>(x, n, w, bias, y, y_stride, pool);
-    case DType::kQ8_0:
-      return Dispatch<DType::kQ8_0>(x, n, w, bias, y, y_stride, pool);
-    case DType::kQ4_K:
-      return Dispatch<DType::kQ4_K>(x, n, w, bias, y, y_stride, pool);
-    case DType::kQ5_K:
-      return Dispatch<DType::kQ5_K>(x, n, w, bias, y, y_stride, pool);
-    case DType::kQ4_1:
-      return Dispatch<DType::kQ4_1>(x, n, w, bias, y, y_stride, pool);
-    case DType::kQ5_1:
-      return Dispatch<DType::kQ5_1>(x, n, w, bias, y, y_stride, pool);
-    case DType::kIQ4_NL:
-      return Dispatch<DType::kIQ4_NL>(x, n, w, bias, y, y_stride, pool);
-    case DType::kIQ4_XS:
-      return Dispatch<DType::kIQ4_XS>(x, n, w, bias, y, y_stride, pool);
-    case DType::kQ6_K:
-      return Dispatch<DType::kQ6_K>(x, n, w, bias, y, y_stride, pool);
-    case DType::kQ3_K:
-      return Dispatch<DType::kQ3_K>(x, n, w, bias, y, y_stride, pool);
-    case DType::kQ2_K:
-      return Dispatch<DType::kQ2_K>(x, n, w, bias, y, y_stride, pool);
-    default:
-      return ref::MatMul(x, n, w, bias, y, y_stride, pool);
-  }
+  VisitQuantized(
+      w.dtype, [&](auto t) { Dispatch<decltype(t)::value>(x, n, w, bias, y, y_stride, pool); },
+      [&] { ref::MatMul(x, n, w, bias, y, y_stride, pool); });
 }
 
 }  // namespace cachet::kernels::cpu

@@ -802,34 +802,10 @@ float Int8DotT(const uint8_t* row, const int8_t* q, const float* d, const float*
 float Int8Dot(const Matrix& w, int64_t r, const int8_t* q, const float* d, const float* s) {
   const uint8_t* row = static_cast<const uint8_t*>(w.data) + r * DTypeRowBytes(w.dtype, w.cols);
   const int64_t nb = w.cols / kQ8Block;
-  switch (w.dtype) {
-    case DType::kQ4_0:
-      return Int8DotT<DType::kQ4_0>(row, q, d, s, nb);
-    case DType::kQ8_0:
-      return Int8DotT<DType::kQ8_0>(row, q, d, s, nb);
-    case DType::kQ4_K:
-      return Int8DotT<DType::kQ4_K>(row, q, d, s, nb);
-    case DType::kQ6_K:
-      return Int8DotT<DType::kQ6_K>(row, q, d, s, nb);
-    case DType::kQ5_0:
-      return Int8DotT<DType::kQ5_0>(row, q, d, s, nb);
-    case DType::kQ5_K:
-      return Int8DotT<DType::kQ5_K>(row, q, d, s, nb);
-    case DType::kQ4_1:
-      return Int8DotT<DType::kQ4_1>(row, q, d, s, nb);
-    case DType::kQ5_1:
-      return Int8DotT<DType::kQ5_1>(row, q, d, s, nb);
-    case DType::kIQ4_NL:
-      return Int8DotT<DType::kIQ4_NL>(row, q, d, s, nb);
-    case DType::kIQ4_XS:
-      return Int8DotT<DType::kIQ4_XS>(row, q, d, s, nb);
-    case DType::kQ3_K:
-      return Int8DotT<DType::kQ3_K>(row, q, d, s, nb);
-    case DType::kQ2_K:
-      return Int8DotT<DType::kQ2_K>(row, q, d, s, nb);
-    default:
-      return NAN;  // no int8 path (HasInt8Path)
-  }
+  float dot = NAN;  // no int8 path (HasInt8Path)
+  VisitQuantized(
+      w.dtype, [&](auto t) { dot = Int8DotT<decltype(t)::value>(row, q, d, s, nb); }, [] {});
+  return dot;
 }
 
 void Int8MatMul(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
