@@ -620,6 +620,47 @@ TEST(KernelsCpu, QuestBoundsMatchRef) {
   }
 }
 
+TEST(KernelsCpu, TopKMatchesRef) {
+  for (int64_t target : KernelTargets()) {
+    ScopedTarget scoped(target);
+    const std::string tn = TargetString(target);
+    std::mt19937 rng(12);
+    for (int n : {1, 2, 15, 16, 17, 100, 1023}) {
+      // Values from few levels (many ties), -0 beside +0, infinities, and a continuous spread.
+      for (int kind = 0; kind < 3; ++kind) {
+        std::vector<float> x = RandomVec(n, rng, -5.0f, 5.0f);
+        for (int i = 0; i < n; ++i) {
+          if (kind == 0) x[i] = std::round(x[i]);
+          if (kind == 1 && i % 3 == 0) x[i] = i % 2 == 0 ? 0.0f : -0.0f;
+          if (kind == 1 && i % 7 == 1) x[i] = i % 2 == 0 ? INFINITY : -INFINITY;
+        }
+        for (int k : {1, 2, n / 3 + 1, n / 2 + 1, n - 1, n}) {
+          if (k < 1 || k > n) continue;
+          std::vector<int32_t> a(k), b(k);
+          cpu::TopK(x.data(), n, k, a.data());
+          ref::TopK(x.data(), n, k, b.data());
+          ASSERT_EQ(a, b) << "n=" << n << " k=" << k << " kind=" << kind << tn;
+          // What it means: ascending, and no index left out is above one taken, nor equal to one
+          // taken at a higher index.
+          std::vector<bool> in(n);
+          for (int i = 0; i < k; ++i) {
+            if (i > 0) {
+              ASSERT_LT(a[i - 1], a[i]);
+            }
+            in[a[i]] = true;
+          }
+          for (int i = 0; i < n; ++i) {
+            for (int j = 0; j < k && !in[i]; ++j) {
+              ASSERT_TRUE(x[i] < x[a[j]] || (x[i] == x[a[j]] && i > a[j]))
+                  << "left out " << i << " taken " << a[j] << " n=" << n << " k=" << k;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(KernelsRef, ContiguousAttentionMatchesDouble) {
   std::mt19937 rng(8);
   const int n_keys = 23, head_dim = 16, n_heads = 2;

@@ -119,6 +119,9 @@ class PageRows {
   /* is bounds + 2 p head_dim, its hi the head_dim values after, f16 (bits) rounded outward. */   \
   void PageBoundScores(const float* q, int n_heads, int head_dim, const uint16_t* bounds,         \
                        int n_pages, float* out);                                                  \
+  /* The indices of the k largest of x[0..n) (0 < k <= n, no NaN; -0 equals +0), ascending: of */ \
+  /* equal values the lower indices first. Quest's page selection. */                             \
+  void TopK(const float* x, int n, int k, int32_t* out);                                          \
   /* Sum of n 64-bit words (wrapping), read as one stream: the read-bandwidth probe. */           \
   uint64_t SumWords(const uint64_t* x, int64_t n);
 
@@ -230,6 +233,9 @@ inline void PageBoundScores(const float* q, int n_heads, int head_dim, const uin
                             int n_pages, float* out) {
   UseReferenceKernels() ? ref::PageBoundScores(q, n_heads, head_dim, bounds, n_pages, out)
                         : cpu::PageBoundScores(q, n_heads, head_dim, bounds, n_pages, out);
+}
+inline void TopK(const float* x, int n, int k, int32_t* out) {
+  UseReferenceKernels() ? ref::TopK(x, n, k, out) : cpu::TopK(x, n, k, out);
 }
 
 }  // namespace cachet::kernels

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <utility>
 
 #include "kv/block_table.h"
 #include "util/dtype.h"
@@ -57,16 +56,8 @@ bool QuestIndex::Select(PagePool& pool, int table, std::span<const int32_t> tabl
   thread_local std::vector<float> score;
   score.resize(candidates);
   kernels::PageBoundScores(batch.q, batch.n_heads, hd, bounds_.data(), candidates, score.data());
-  thread_local std::vector<std::pair<float, int32_t>> ub;
-  ub.resize(candidates);
-  for (int p = 0; p < candidates; ++p) ub[p] = {score[p], p};
-  std::nth_element(ub.begin(), ub.begin() + k, ub.end(), [](const auto& a, const auto& c) {
-    return a.first > c.first || (a.first == c.first && a.second < c.second);
-  });
-  std::sort(ub.begin(), ub.begin() + k,
-            [](const auto& a, const auto& c) { return a.second < c.second; });
-  selected->clear();
-  for (int i = 0; i < k; ++i) selected->push_back(ub[i].second);
+  selected->resize(k);
+  kernels::TopK(score.data(), candidates, k, selected->data());
   selected->push_back(n_pages - 1);
   return true;
 }

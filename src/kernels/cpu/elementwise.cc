@@ -1,5 +1,5 @@
-// Highway RmsNorm, RopeRotateHalf, SiluMul, the Quest bounds and the read-bandwidth probe: full
-// vectors, then a scalar tail.
+// Highway RmsNorm, RopeRotateHalf, SiluMul, the Quest bounds and selection and the read-bandwidth
+// probe: full vectors, then a scalar tail.
 
 // clang-format off
 #include "kernels/cpu/hwy_targets.h"  // must precede every Highway header
@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "kernels/kernels.h"
 
@@ -43,6 +44,7 @@ void PageBoundScoresImpl(const float* q, int n_heads, int head_dim, const uint16
                          int n_pages, float* out) {
   ref::PageBoundScores(q, n_heads, head_dim, bounds, n_pages, out);
 }
+void TopKImpl(const float* x, int n, int k, int32_t* out) { ref::TopK(x, n, k, out); }
 #else
 
 void RmsNormImpl(const float* x, const float* weight, int64_t dim, float eps, float* y) {
@@ -147,6 +149,73 @@ void PageBoundScoresImpl(const float* q, int n_heads, int head_dim, const uint16
   }
 }
 
+// The k-th largest value found bit by bit as an integer key, each bit by one vector pass that
+// counts the keys at or above the candidate (32 passes over a thousand pages: about 1 us), then the
+// indices over it compressed out in order: an nth_element over (value, index) pairs and a sort of
+// the winners took ten times that, a twentieth of a Quest decode step at 16k tokens.
+void TopKImpl(const float* x, int n, int k, int32_t* out) {
+  using DI = hn::RebindToSigned<DF>;
+  using VI = hn::Vec<DI>;
+  const DI di;
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(di));
+  // Keys ordered as the floats (+0 for -0, so that they tie), padded with INT32_MIN: below every
+  // key of a float that is not NaN.
+  thread_local std::vector<int32_t> keys;
+  const int n_pad = (n + N - 1) / N * N;
+  keys.assign(n_pad, INT32_MIN);
+  const VI magnitude = hn::Set(di, 0x7FFFFFFF);
+  auto key_of = [&](VF v) HWY_ATTR {
+    const VI b = hn::BitCast(di, hn::Add(v, hn::Zero(df)));
+    return hn::Xor(b, hn::And(hn::ShiftRight<31>(b), magnitude));
+  };
+  int i = 0;
+  for (; i + N <= n; i += N) hn::StoreU(key_of(hn::LoadU(df, x + i)), di, keys.data() + i);
+  if (i < n) {
+    HWY_ALIGN float tail[hn::MaxLanes(df)] = {};
+    std::copy(x + i, x + n, tail);
+    const VI kt = key_of(hn::Load(df, tail));
+    HWY_ALIGN int32_t kt_lanes[hn::MaxLanes(di)];
+    hn::Store(kt, di, kt_lanes);
+    std::copy(kt_lanes, kt_lanes + (n - i), keys.data() + i);
+  }
+  auto count_over = [&](int32_t t) HWY_ATTR {  // keys > t
+    const VI vt = hn::Set(di, t);
+    size_t c = 0;
+    for (int j = 0; j < n_pad; j += N)
+      c += hn::CountTrue(di, hn::Gt(hn::LoadU(di, keys.data() + j), vt));
+    return static_cast<int>(c);
+  };
+  // The largest t (biased to unsigned) with k keys at or above it.
+  uint32_t t = 0;
+  for (int bit = 31; bit >= 0; --bit) {
+    const uint32_t c = t | (uint32_t{1} << bit);  // >= 1: its signed form minus 1 does not wrap
+    if (count_over(static_cast<int32_t>(c ^ 0x80000000u) - 1) >= k) t = c;
+  }
+  const int32_t kth = static_cast<int32_t>(t ^ 0x80000000u);
+  int ties = k - count_over(kth);  // of the keys equal to the k-th, how many are taken
+  const VI vk = hn::Set(di, kth);
+  int written = 0;
+  for (int j = 0; j < n_pad; j += N) {
+    const VI kv = hn::LoadU(di, keys.data() + j);
+    const VI idx = hn::Iota(di, j);
+    auto take = hn::Gt(kv, vk);
+    const auto eq = hn::Eq(kv, vk);
+    const int n_eq = static_cast<int>(hn::CountTrue(di, eq));
+    if (n_eq > 0 && ties >= n_eq) {
+      take = hn::Or(take, eq);
+      ties -= n_eq;
+    } else if (n_eq > 0 && ties > 0) {  // the last ties, lowest indices first
+      for (int l = 0; l < N; ++l) {
+        const int32_t key = keys[j + l];
+        if (key > kth || (key == kth && ties-- > 0)) out[written++] = j + l;
+      }
+      continue;
+    }
+    written += static_cast<int>(hn::CompressBlendedStore(idx, take, di, out + written));
+  }
+}
+
 // Four full vectors an iteration and a software prefetch 1 KiB ahead, as the decode kernels read
 // their weight rows: a scalar loop without prefetch reads a fifth less per thread on some CPUs,
 // and would understate the roofline.
@@ -184,6 +253,7 @@ HWY_EXPORT(RopeRotateHalfImpl);
 HWY_EXPORT(SiluMulImpl);
 HWY_EXPORT(KeyBoundsImpl);
 HWY_EXPORT(PageBoundScoresImpl);
+HWY_EXPORT(TopKImpl);
 HWY_EXPORT(SumWordsImpl);
 
 void RmsNorm(const float* x, const float* weight, int64_t dim, float eps, float* y) {
@@ -205,6 +275,10 @@ void KeyBounds(const float* keys, int n, int head_dim, float* lo, float* hi) {
 void PageBoundScores(const float* q, int n_heads, int head_dim, const uint16_t* bounds, int n_pages,
                      float* out) {
   HWY_DYNAMIC_DISPATCH(PageBoundScoresImpl)(q, n_heads, head_dim, bounds, n_pages, out);
+}
+
+void TopK(const float* x, int n, int k, int32_t* out) {
+  HWY_DYNAMIC_DISPATCH(TopKImpl)(x, n, k, out);
 }
 
 uint64_t SumWords(const uint64_t* x, int64_t n) { return HWY_DYNAMIC_DISPATCH(SumWordsImpl)(x, n); }

@@ -1,8 +1,10 @@
-// Reference RmsNorm, RopeRotateHalf, SiluMul and the Quest bounds: plain scalar loops.
+// Reference RmsNorm, RopeRotateHalf, SiluMul, the Quest bounds and selection: plain scalar loops.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "kernels/kernels.h"
 #include "util/dtype.h"
@@ -69,6 +71,16 @@ void PageBoundScores(const float* q, int n_heads, int head_dim, const uint16_t* 
     }
     out[p] = best;
   }
+}
+
+void TopK(const float* x, int n, int k, int32_t* out) {
+  std::vector<std::pair<float, int32_t>> v(n);
+  for (int i = 0; i < n; ++i) v[i] = {x[i], i};
+  std::nth_element(v.begin(), v.begin() + (k - 1), v.end(), [](const auto& a, const auto& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  });
+  for (int i = 0; i < k; ++i) out[i] = v[i].second;
+  std::sort(out, out + k);
 }
 
 }  // namespace cachet::kernels::ref
