@@ -90,13 +90,9 @@ std::vector<int> FitToTotal(const std::vector<double>& want, const std::vector<i
 
 // Indices of the b highest scores (ties to the earlier token), ascending.
 std::vector<int32_t> TopIndices(const std::vector<float>& s, int b) {
-  std::vector<int32_t> idx(s.size());
-  std::iota(idx.begin(), idx.end(), 0);
-  b = std::clamp(b, 0, static_cast<int>(s.size()));
-  std::nth_element(idx.begin(), idx.begin() + b, idx.end(),
-                   [&](int32_t i, int32_t j) { return s[i] > s[j] || (s[i] == s[j] && i < j); });
-  idx.resize(b);
-  std::sort(idx.begin(), idx.end());
+  std::vector<int32_t> idx(std::clamp(b, 0, static_cast<int>(s.size())));
+  if (!idx.empty())
+    kernels::TopK(s.data(), static_cast<int>(s.size()), int(idx.size()), idx.data());
   return idx;
 }
 
