@@ -77,18 +77,16 @@ struct RefRows final : kernels::PageRows {
     PagePool& pool = *refs_[page].pool;
     const int32_t id = refs_[page].page;
     const size_t* bytes = bytes_[&pool != hot_][IsCodecPage(id)];
-    for (Role role : {Role::kKey, Role::kValue}) {
-      const char* p = reinterpret_cast<const char*>(pool.rows(id, role));
-      const size_t n = bytes[role == Role::kValue];
-      for (size_t off = 0; off < n; off += 64) __builtin_prefetch(p + off);
-    }
+    auto fetch = [](const void* p, size_t n) {
+      for (size_t off = 0; off < n; off += 64)
+        __builtin_prefetch(static_cast<const char*>(p) + off);
+    };
+    fetch(pool.rows(id, Role::kKey), bytes[0]);
+    fetch(pool.rows(id, Role::kValue), bytes[1]);
     // The positions live apart from the rows, and the kernel reads them first (which keys are
     // visible): unfetched, a scattered page's positions were a DRAM miss that a third of a Quest
     // decode step's attention waited on.
-    const char* pos = reinterpret_cast<const char*>(pool.positions(id));
-    for (size_t off = 0; off < layout_.page_tokens * sizeof(int32_t); off += 64) {
-      __builtin_prefetch(pos + off);
-    }
+    fetch(pool.positions(id), layout_.page_tokens * sizeof(int32_t));
   }
 
  private:
