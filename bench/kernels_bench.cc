@@ -3,12 +3,14 @@
 // (cpu:: kernels; CACHET_REF_KERNELS=1 times the reference).
 //
 // Build and run: cmake --build build --target kernels_bench && build/kernels_bench [max_threads
-// [attention|codecs|matmul|quant [CODEC]]] (default: all hardware threads, every section; `codecs`
-// is the codec part of `attention`, CODEC one of its names).
+// [attention|codecs|matmul|quant [CODEC]|calibrated FILE.kvcal]] (default: all hardware threads,
+// every section but `calibrated`; `codecs` is the codec part of `attention`, CODEC one of its
+// names; `calibrated` times the kvq / pca page decoders on a model's calibration).
 // Times are the best per-call time over many short batches, which filters out most interference
 // from other load on the machine.
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -20,6 +22,9 @@
 #include <vector>
 
 #include "kernels/kernels.h"
+#include "kv/codecs/calibration.h"
+#include "kv/codecs/codec_simd.h"
+#include "kv/codecs/rope_table.h"
 #include "kv/page_pool.h"
 #include "kv/paged_sequence.h"
 #include "util/dtype.h"
@@ -290,12 +295,85 @@ void BenchCodecAttention(std::mt19937& rng, int heads, const std::string& only_c
   }
 }
 
+// The calibrated codecs' page decoders (what a kvq / pca decode step spends beside attention) on
+// a model's own calibration: per table and role, 4096 rows drawn from the calibrated channel
+// statistics, coded into 16-token pages, then decoded page by page as attention asks for them
+// (keys turned by their positions' RoPE, theta 10000). Per codec: ns per row, tables of one width
+// and of mixed widths apart. PT=N sets the page's tokens.
+void BenchCalibratedDecode(const std::string& path, std::mt19937& rng) {
+  namespace codecs = cachet::codecs;
+  auto cal = codecs::LoadCalibration(path);
+  if (!cal.ok()) {
+    std::fprintf(stderr, "%s\n", cal.status().ToString().c_str());
+    std::exit(1);
+  }
+  const int d = cal->head_dim, n = 4096, pt = std::getenv("PT") ? std::atoi(std::getenv("PT")) : 16;
+  const int tables = cal->n_layers * cal->n_kv_heads;
+  std::vector<float> inv(d / 2);
+  for (int j = 0; j < d / 2; ++j) inv[j] = 1.0f / std::pow(10000.0f, 2.0f * j / d);
+  const codecs::RopeTable rope(inv, n);
+  std::vector<int32_t> pos(n);
+  std::iota(pos.begin(), pos.end(), 0);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> rows(size_t(n) * d), out(size_t(pt) * d);
+  for (codecs::Codec c : {codecs::Codec::kKvq4, codecs::Codec::kKvq3, codecs::Codec::kPca4}) {
+    for (codecs::Role role : {codecs::Role::kKey, codecs::Role::kValue}) {
+      double ns[2] = {0, 0};
+      int count[2] = {0, 0};
+      for (int t = 0; t < tables; ++t) {
+        const codecs::HeadStats& h = cal->head(t, role);
+        const codecs::CalPlan& plan = cal->plan(t, role, c);
+        const bool kvq = codecs::IsKvq(c);
+        for (int r = 0; r < n; ++r) {
+          for (int i = 0; i < d; ++i) {
+            rows[size_t(r) * d + i] = kvq ? h.ch_mean[i] + h.ch_scale[i] * nd(rng)
+                                          : h.mean[i] + h.channel_std[i] * nd(rng);
+          }
+        }
+        const size_t page_bytes = codecs::PageBytes(c, role, pt, d);
+        std::vector<uint8_t> pages(page_bytes * (n / pt));
+        for (int p = 0; p < n / pt; ++p) {
+          codecs::EncodePage(c, role, rows.data() + size_t(p) * pt * d, pt, pt, d,
+                             pages.data() + p * page_bytes, &plan);
+        }
+        const bool turn = codecs::StoredBeforeRope(c, role);
+        const double s = SecondsPerCall(
+            [&] {
+              for (int p = 0; p < n / pt; ++p) {
+                codecs::simd::DecodeStored(c, role, pages.data() + p * page_bytes, pt, pt, d,
+                                           out.data(), &plan, turn ? &rope : nullptr,
+                                           pos.data() + p * pt);
+              }
+            },
+            0.1);
+        ns[!plan.uniform] += s * 1e9 / n;
+        ++count[!plan.uniform];
+      }
+      for (int mixed : {0, 1}) {
+        if (count[mixed] == 0) continue;
+        std::printf("  decode %-4s %-6s %-11s %2d tables  %6.2f ns/row\n", codecs::CodecName(c),
+                    role == codecs::Role::kKey ? "keys" : "values",
+                    mixed ? "mixed width" : "one width", count[mixed], ns[mixed] / count[mixed]);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const int max_threads = argc > 1 ? std::atoi(argv[1]) : ThreadPool::DefaultThreads();
   const std::string only = argc > 2 ? argv[2] : "";  // attention, matmul or quant; all if empty
   std::mt19937 rng(1);
+  if (only == "calibrated") {
+    if (argc < 4) {
+      std::fprintf(stderr, "usage: kernels_bench THREADS calibrated FILE.kvcal\n");
+      return 1;
+    }
+    std::printf("calibrated page decoders (single-threaded, %s):\n", argv[3]);
+    BenchCalibratedDecode(argv[3], rng);
+    return 0;
+  }
   if (only.empty() || only == "attention") {
     std::printf("attention (single-threaded):\n");
     BenchAttention(rng);

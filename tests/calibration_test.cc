@@ -391,6 +391,30 @@ TEST(Calibration, KvqPagesOfOneWidthDecodeAlikeOnTheFastPath) {
               << i << TargetString(target);
         }
       }
+      // Keys of one width, turned by their RoPE inside the decoder (kvq4 at 64 and 128: the row
+      // made in registers, its outliers blended in before the turn), at positions in the table
+      // and past it.
+      const codecs::CalPlan& kplan = cal->plan(0, Role::kKey, kvq);
+      ASSERT_TRUE(kplan.uniform);
+      std::vector<uint8_t> kpage(codecs::PageBytes(kvq, Role::kKey, n, d));
+      codecs::EncodePage(kvq, Role::kKey, rows.data(), n, n, d, kpage.data(), &kplan);
+      std::vector<float> turned(rows.size());
+      codecs::DecodeStored(kvq, Role::kKey, kpage.data(), n, n, d, turned.data(), &kplan);
+      std::vector<float> inv(d / 2);
+      for (int j = 0; j < d / 2; ++j) inv[j] = 1.0f / std::pow(10000.0f, 2.0f * j / d);
+      const codecs::RopeTable rope(inv, 30);
+      std::vector<int32_t> pos(n);
+      for (int t = 0; t < n; ++t) pos[t] = 7 + 3 * t;
+      rope.Turn(turned.data(), n, d, pos.data(), false);
+      for (int64_t target : KernelTargets()) {
+        ScopedTarget scoped(target);
+        codecs::simd::DecodeStored(kvq, Role::kKey, kpage.data(), n, n, d, simd.data(), &kplan,
+                                   &rope, pos.data());
+        for (size_t i = 0; i < ref.size(); ++i) {
+          ASSERT_NEAR(simd[i], turned[i], 1e-5f * (1 + std::fabs(turned[i])))
+              << "keys, at " << i << TargetString(target);
+        }
+      }
       double err = 0, var = 0;
       for (size_t i = 0; i < rows.size(); ++i) {
         err += (ref[i] - rows[i]) * double(ref[i] - rows[i]);

@@ -3,6 +3,7 @@
 // (codec_simd.cc) reads the same layout.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -26,7 +27,8 @@ inline constexpr int kKvqChannelBits =
     9;  // an outlier entry: the channel, then its code's high bits
 inline constexpr size_t kKvqScaleBytes = 1;
 size_t KvqCodesOffset(int dim);
-float KvqRowScale(const uint8_t* row);
+extern const std::array<float, 256> kKvqScales;
+inline float KvqRowScale(const uint8_t* row) { return kKvqScales[row[0]]; }
 float KvqOutlierStep(float zmax, int bits);
 
 // A kvq plan's outliers written over a decoded row (its other channels decoded), the plan's arrays
@@ -34,20 +36,26 @@ float KvqOutlierStep(float zmax, int bits);
 class KvqOutlierPatch {
  public:
   explicit KvqOutlierPatch(const CalPlan& p);
+  // The row's j-th outlier: its channel (in *ch) and value.
+  float Value(const uint8_t* row, int j, int* ch) const {
+    uint16_t e;
+    std::memcpy(&e, row + kKvqScaleBytes + 2 * j, 2);
+    const int c = *ch = e & ((1 << kKvqChannelBits) - 1);
+    const int at = byte_at_[c];
+    uint32_t w = 0;  // the word holding its low bits, read within the row
+    if (at + 4 <= row_bytes_) {
+      std::memcpy(&w, row + at, 4);
+    } else {
+      for (int b = 0; at + b < row_bytes_; ++b) w |= uint32_t{row[at + b]} << (8 * b);
+    }
+    const int code = ((e >> kKvqChannelBits) << bits_[c]) | int((w >> shift_[c]) & mask_[c]);
+    return mean_[c] + scale_[c] * (code * step_[c] - zmax_);
+  }
   void Apply(const uint8_t* row, float* x) const {
     for (int j = 0; j < n_; ++j) {
-      uint16_t e;
-      std::memcpy(&e, row + kKvqScaleBytes + 2 * j, 2);
-      const int ch = e & ((1 << kKvqChannelBits) - 1);
-      const int at = byte_at_[ch];
-      uint32_t w = 0;  // the word holding its low bits, read within the row
-      if (at + 4 <= row_bytes_) {
-        std::memcpy(&w, row + at, 4);
-      } else {
-        for (int b = 0; at + b < row_bytes_; ++b) w |= uint32_t{row[at + b]} << (8 * b);
-      }
-      const int code = ((e >> kKvqChannelBits) << bits_[ch]) | int((w >> shift_[ch]) & mask_[ch]);
-      x[ch] = mean_[ch] + scale_[ch] * (code * step_[ch] - zmax_);
+      int ch;
+      const float v = Value(row, j, &ch);
+      x[ch] = v;
     }
   }
 

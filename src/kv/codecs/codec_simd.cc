@@ -239,62 +239,172 @@ HWY_INLINE float CalValue(const CalPlan& p, const uint8_t* row, size_t rb, float
 }
 
 #if HWY_TARGET <= HWY_AVX3
-// A pca or kvq page of mixed widths (CalPlan::lanes_ok) on AVX-512, without gathers (a row's two
-// gathers per 16 channels were half of a kvtiny kvq4 decode step): per 16 channels (axes) the
-// row's 16-dword window is loaded once, each lane's code is cut out of the two dwords it spans
-// (permuted into it), and its level looked up in the pooled levels of widths 1 to 5 (64 floats:
-// two two-table permutes and a blend), times its spread and the row's scale (kvq: plus the
-// channel's mean); the few channels of more bits are then decoded one by one (kvq: then the
-// outliers, then RoPE).
+// The levels of 16 codes of a row of mixed widths (CalPlan::lanes_ok) on AVX-512, without gathers
+// (a row's two gathers per 16 coordinates were half of a kvtiny kvq4 decode step): the row's
+// 16-dword window is loaded once, each lane's code is cut out of the two dwords it spans (permuted
+// into it), and its level looked up in the pooled levels of widths 1 to 5 (64 floats: two
+// two-table permutes and a blend). Wider coordinates get a narrower level here: callers decode
+// them apart (CalPlan::wide).
+class WindowLevels {
+ public:
+  explicit WindowLevels(const float* pooled62) {
+    HWY_ALIGN float pooled[64] = {};  // widths 1 .. 5: 2 + 4 + ... + 32
+    std::copy_n(pooled62, 62, pooled);
+    t0_ = _mm512_load_ps(pooled), t1_ = _mm512_load_ps(pooled + 16);
+    t2_ = _mm512_load_ps(pooled + 32), t3_ = _mm512_load_ps(pooled + 48);
+  }
+  // Coordinates [i, i + 16) of a row of rb bytes.
+  HWY_INLINE hn::Vec512<float> operator()(const CalPlan& p, const uint8_t* in, size_t rb,
+                                          int i) const {
+    const hn::Full512<uint32_t> du;
+    const hn::Full512<int32_t> di;
+    // The window's bytes within the row, straight from it (masked: no fault past the page, and
+    // no copy of the row whose stores a wider load could not be forwarded from).
+    const int64_t first = 4 * int64_t{p.lane_base[i / 16]}, valid = int64_t(rb) - first;
+    const __mmask64 in_row = valid >= 64 ? ~__mmask64{0} : (__mmask64{1} << valid) - 1;
+    const auto window = hn::Vec512<uint32_t>{_mm512_maskz_loadu_epi8(in_row, in + first)};
+    const auto at = hn::LoadU(di, p.lane_word.data() + i);
+    const auto lo = hn::TableLookupLanes(window, hn::IndicesFromVec(du, hn::BitCast(du, at)));
+    const auto hi = hn::TableLookupLanes(
+        window, hn::IndicesFromVec(du, hn::BitCast(du, hn::Add(at, hn::Set(di, 1)))));
+    const auto bit = hn::BitCast(du, hn::LoadU(di, p.lane_bit.data() + i));
+    // (hi << 1) << (31 - bit): hi's bits above the code's start, without a shift by 32.
+    const auto word = hn::Or(hn::Shr(lo, bit),
+                             hn::Shl(hn::Shl(hi, hn::Set(du, 1u)), hn::Sub(hn::Set(du, 31u), bit)));
+    const auto mask = hn::BitCast(du, hn::LoadU(di, p.mask.data() + i));
+    const auto idx =
+        hn::Add(hn::BitCast(di, hn::And(word, mask)), hn::LoadU(di, p.lane_level.data() + i));
+    const __m512 a = _mm512_permutex2var_ps(t0_, idx.raw, t1_);
+    const __m512 b = _mm512_permutex2var_ps(t2_, idx.raw, t3_);
+    return hn::Vec512<float>{
+        _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx.raw, _mm512_set1_epi32(32)), a, b)};
+  }
+
+ private:
+  __m512 t0_, t1_, t2_, t3_;
+};
+
+// A pca or kvq page of mixed widths (CalPlan::lanes_ok) on AVX-512: per 16 coordinates their
+// WindowLevels, times their spreads and the row's scale (kvq: plus the channels' means); the few
+// coordinates of more bits are then decoded one by one (kvq: then the outliers, then RoPE).
 void DecodeCalLanes(const CalPlan& p, Codec c, const uint8_t* page, int n, int dim, float* rows,
                     const RowTurn& turn) {
   const hn::Full512<float> df;
-  const hn::Full512<uint32_t> du;
-  const hn::Full512<int32_t> di;
   const size_t rb = RowStride(c, dim);
   const bool kvq = IsKvq(c);
-  HWY_ALIGN float pooled[64] = {};  // widths 1 .. 5: 2 + 4 + ... + 32
-  std::copy_n(kvq ? p.stats->ch_levels.data() : p.stats->levels.data(), 62, pooled);
-  const __m512 t0 = _mm512_load_ps(pooled), t1 = _mm512_load_ps(pooled + 16);
-  const __m512 t2 = _mm512_load_ps(pooled + 32), t3 = _mm512_load_ps(pooled + 48);
+  const WindowLevels window(kvq ? p.stats->ch_levels.data() : p.stats->levels.data());
   const float *mean = kvq ? p.stats->ch_mean.data() : nullptr, *sigma = p.sigma.data();
   const std::optional<KvqOutlierPatch> outliers =
       kvq ? std::optional<KvqOutlierPatch>(p) : std::nullopt;
-  const auto one = hn::Set(du, 1u), k31 = hn::Set(du, 31u);
-  const auto k32 = hn::Set(di, 32);
   for (int t = 0; t < n; ++t) {
     const uint8_t* in = page + t * rb;
     const float r = CalRowScale(kvq, in);
     const auto vr = hn::Set(df, r);
     float* x = rows + size_t(t) * dim;
     for (int i = 0; i < dim; i += 16) {
-      // The window's bytes within the row, straight from it (masked: no fault past the page, and
-      // no copy of the row whose stores a wider load could not be forwarded from).
-      const int64_t first = 4 * int64_t{p.lane_base[i / 16]}, valid = int64_t(rb) - first;
-      const __mmask64 in_row = valid >= 64 ? ~__mmask64{0} : (__mmask64{1} << valid) - 1;
-      const auto window = hn::Vec512<uint32_t>{_mm512_maskz_loadu_epi8(in_row, in + first)};
-      const auto at = hn::LoadU(di, p.lane_word.data() + i);
-      const auto lo = hn::TableLookupLanes(window, hn::IndicesFromVec(du, hn::BitCast(du, at)));
-      const auto hi = hn::TableLookupLanes(
-          window, hn::IndicesFromVec(du, hn::BitCast(du, hn::Add(at, hn::Set(di, 1)))));
-      const auto bit = hn::BitCast(du, hn::LoadU(di, p.lane_bit.data() + i));
-      // (hi << 1) << (31 - bit): hi's bits above the code's start, without a shift by 32.
-      const auto word = hn::Or(hn::Shr(lo, bit), hn::Shl(hn::Shl(hi, one), hn::Sub(k31, bit)));
-      const auto mask = hn::BitCast(du, hn::LoadU(di, p.mask.data() + i));
-      const auto idx =
-          hn::Add(hn::BitCast(di, hn::And(word, mask)), hn::LoadU(di, p.lane_level.data() + i));
-      const __m512 a = _mm512_permutex2var_ps(t0, idx.raw, t1);
-      const __m512 b = _mm512_permutex2var_ps(t2, idx.raw, t3);
-      const auto level =
-          hn::Vec512<float>{_mm512_mask_blend_ps(_mm512_test_epi32_mask(idx.raw, k32.raw), a, b)};
       // r (sigma level), as the plan's table and the scalar decoder round it: the same bits.
-      const auto v = hn::Mul(vr, hn::Mul(hn::LoadU(df, sigma + i), level));
+      const auto v = hn::Mul(vr, hn::Mul(hn::LoadU(df, sigma + i), window(p, in, rb, i)));
       hn::StoreU(kvq ? hn::Add(hn::LoadU(df, mean + i), v) : v, df, x + i);
     }
-    // (The lanes looked the wide channels' codes up among narrower levels.)
+    // (The lanes looked the wide coordinates' codes up among narrower levels.)
     for (int ch : p.wide) x[ch] = CalValue(p, in, rb, r, mean, ch);
     if (kvq) outliers->Apply(in, x);
     turn(t, x, dim);
+  }
+}
+
+// kvq rows of kDim channels on AVX-512 made in registers: each 16 channels decoded (kNibbles: a
+// page of one width of 4 bits, its codes straight from the row; else WindowLevels), the wide
+// channels and the outliers blended into their lanes, the row's two halves turned by RoPE together
+// (keys), and the row stored once. Stored, patched by scalar stores and loaded again to be turned,
+// every key row waited on a store that could not be forwarded (`kernels_bench 1 calibrated`, the
+// TinyLlama shape's kvq4 keys of one width: 21.8 -> 12.2 ns a row, in cache).
+template <bool kNibbles, int kDim>
+void DecodeKvqRows(const CalPlan& p, Codec c, const uint8_t* page, int n, float* rows,
+                   const RowTurn& turn) {
+  constexpr int kVecs = kDim / 16, kOut = kDim / 64;
+  static_assert(kOut * 64 == kDim);
+  const hn::Full512<float> df;
+  using V = hn::Vec512<float>;
+  const size_t rb = RowStride(c, kDim), at = KvqCodesOffset(kDim);
+  const float *mean = p.stats->ch_mean.data(), *sigma = p.sigma.data();
+  const std::optional<LevelLookup> level =
+      kNibbles ? std::optional<LevelLookup>(std::in_place, p.stats->ChannelLevels(4), 16)
+               : std::nullopt;
+  const std::optional<WindowLevels> window =
+      kNibbles ? std::nullopt : std::optional<WindowLevels>(p.stats->ch_levels.data());
+  const KvqOutlierPatch outliers(p);
+  const int n_wide = kNibbles ? 0 : static_cast<int>(p.wide.size());
+  float own[2 * kDim];  // the angles of a position past the table
+  for (int t = 0; t < n; ++t) {
+    const uint8_t* in = page + t * rb;
+    const float r = KvqRowScale(in);
+    const V vr = hn::Set(df, r);
+    V v[kVecs];
+#pragma GCC unroll 32
+    for (int k = 0; k < kVecs; ++k) {
+      const int i = 16 * k;
+      if constexpr (kNibbles) {
+        v[k] = hn::MulAdd(hn::Mul(hn::LoadU(df, sigma + i), vr), (*level)(Nibbles(in + at + i / 2)),
+                          hn::LoadU(df, mean + i));
+      } else {
+        v[k] = hn::Add(hn::LoadU(df, mean + i),
+                       hn::Mul(vr, hn::Mul(hn::LoadU(df, sigma + i), (*window)(p, in, rb, i))));
+      }
+    }
+    // Blended in as the scalar decoder stores them: the wide channels, then the outliers.
+    auto blend = [&](int ch, float value) HWY_ATTR {
+#pragma GCC unroll 32
+      for (int k = 0; k < kVecs; ++k) {
+        const unsigned lane = unsigned(ch - 16 * k);
+        const __mmask16 m = static_cast<__mmask16>(lane < 16 ? 1u << (lane & 15) : 0u);
+        v[k].raw = _mm512_mask_mov_ps(v[k].raw, m, _mm512_set1_ps(value));
+      }
+    };
+    for (int w = 0; w < n_wide; ++w) {
+      blend(p.wide[w], CalValue(p, in, rb, r, mean, p.wide[w]));
+    }
+#pragma GCC unroll 8
+    for (int j = 0; j < kOut; ++j) {
+      int ch;
+      const float value = outliers.Value(in, j, &ch);
+      blend(ch, value);
+    }
+    float* x = rows + size_t(t) * kDim;
+    if (turn.rope == nullptr) {
+#pragma GCC unroll 32
+      for (int k = 0; k < kVecs; ++k) hn::StoreU(v[k], df, x + 16 * k);
+      continue;
+    }
+    // Rotate-half RoPE as kernels' RotateHalfRow turns a row: the same operations.
+    const float* cs = turn.rope->Angles(turn.positions[t], own);
+    constexpr int kHalfVecs = kVecs / 2;
+#pragma GCC unroll 16
+    for (int k = 0; k < kHalfVecs; ++k) {
+      const V co = hn::LoadU(df, cs + 16 * k), si = hn::LoadU(df, cs + kDim / 2 + 16 * k);
+      const V x0 = v[k], x1 = v[k + kHalfVecs];
+      hn::StoreU(hn::NegMulAdd(x1, si, hn::Mul(x0, co)), df, x + 16 * k);
+      hn::StoreU(hn::MulAdd(x0, si, hn::Mul(x1, co)), df, x + kDim / 2 + 16 * k);
+    }
+  }
+}
+
+// DecodeKvqRows for the head widths it is made for (64, 128), or false.
+bool DecodeKvqInRegisters(const CalPlan& p, Codec c, const uint8_t* page, int n, int dim,
+                          float* rows, const RowTurn& turn) {
+  const bool nibbles = p.uniform && p.bits_per_value == 4;
+  if (!nibbles && !p.lanes_ok) return false;
+  switch (dim) {
+    case 64:
+      nibbles ? DecodeKvqRows<true, 64>(p, c, page, n, rows, turn)
+              : DecodeKvqRows<false, 64>(p, c, page, n, rows, turn);
+      return true;
+    case 128:
+      nibbles ? DecodeKvqRows<true, 128>(p, c, page, n, rows, turn)
+              : DecodeKvqRows<false, 128>(p, c, page, n, rows, turn);
+      return true;
+    default:
+      return false;
   }
 }
 #endif
@@ -311,6 +421,9 @@ void DecodeCalImpl(const CalPlan& p, Codec c, const uint8_t* page, int n, int di
   const int N = static_cast<int>(hn::Lanes(df));
   const size_t rb = RowStride(c, dim);
   const bool kvq = IsKvq(c);
+#if HWY_TARGET <= HWY_AVX3
+  if (kvq && N == 16 && DecodeKvqInRegisters(p, c, page, n, dim, rows, turn)) return;
+#endif
   if (kvq && p.uniform) return DecodeUniformKvq(p, c, page, n, dim, rows, turn);
 #if HWY_TARGET <= HWY_AVX3
   if (p.lanes_ok && N == 16) return DecodeCalLanes(p, c, page, n, dim, rows, turn);

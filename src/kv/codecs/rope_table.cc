@@ -15,10 +15,8 @@ RopeTable::RopeTable(std::vector<float> inv_freq, int n_positions)
   }
 }
 
-const float* RopeTable::Angles(int32_t pos, float* own) const {
-  const int half = static_cast<int>(inv_freq_.size());
-  if (pos >= 0 && pos < n_positions_) return cs_.data() + size_t(pos) * 2 * half;
-  kernels::RopeAngles(inv_freq_.data(), half, pos, own);
+const float* RopeTable::Made(int32_t pos, float* own) const {
+  kernels::RopeAngles(inv_freq_.data(), static_cast<int>(inv_freq_.size()), pos, own);
   return own;
 }
 

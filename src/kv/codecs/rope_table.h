@@ -4,6 +4,7 @@
 // below n_positions (others computed as met).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -16,9 +17,13 @@ class RopeTable {
   // inverse rotation.
   void Turn(float* rows, int n, int dim, const int32_t* positions, bool back) const;
   // A position's angles, cos half then sin half: the table's row, or made in own (dim floats).
-  const float* Angles(int32_t pos, float* own) const;
+  const float* Angles(int32_t pos, float* own) const {
+    if (pos >= 0 && pos < n_positions_) return cs_.data() + size_t(pos) * 2 * inv_freq_.size();
+    return Made(pos, own);
+  }
 
  private:
+  const float* Made(int32_t pos, float* own) const;
   std::vector<float> inv_freq_;
   std::vector<float> cs_;  // [position][cos half, sin half]
   int n_positions_;
