@@ -38,8 +38,7 @@ class KvqOutlierPatch {
   explicit KvqOutlierPatch(const CalPlan& p);
   // The row's j-th outlier: its channel (in *ch) and value.
   float Value(const uint8_t* row, int j, int* ch) const {
-    uint16_t e;
-    std::memcpy(&e, row + kKvqScaleBytes + 2 * j, 2);
+    const uint16_t e = Entry(row, j);
     const int c = *ch = e & ((1 << kKvqChannelBits) - 1);
     const int at = byte_at_[c];
     uint32_t w = 0;  // the word holding its low bits, read within the row
@@ -48,8 +47,14 @@ class KvqOutlierPatch {
     } else {
       for (int b = 0; at + b < row_bytes_; ++b) w |= uint32_t{row[at + b]} << (8 * b);
     }
-    const int code = ((e >> kKvqChannelBits) << bits_[c]) | int((w >> shift_[c]) & mask_[c]);
-    return mean_[c] + scale_[c] * (code * step_[c] - zmax_);
+    return Of(e, c, int((w >> shift_[c]) & mask_[c]));
+  }
+  // The same for a row whose channels all have 4 bits, packed from `codes` on: an outlier's low
+  // bits are its channel's nibble, no lookup of where its code sits.
+  float NibbleValue(const uint8_t* row, const uint8_t* codes, int j, int* ch) const {
+    const uint16_t e = Entry(row, j);
+    const int c = *ch = e & ((1 << kKvqChannelBits) - 1);
+    return Of(e, c, (codes[c / 2] >> (4 * (c & 1))) & 15);
   }
   void Apply(const uint8_t* row, float* x) const {
     for (int j = 0; j < n_; ++j) {
@@ -60,6 +65,16 @@ class KvqOutlierPatch {
   }
 
  private:
+  static uint16_t Entry(const uint8_t* row, int j) {
+    uint16_t e;
+    std::memcpy(&e, row + kKvqScaleBytes + 2 * j, 2);
+    return e;
+  }
+  // Channel c's value from its entry e and the low bits of its code.
+  float Of(uint16_t e, int c, int low) const {
+    const int code = ((e >> kKvqChannelBits) << bits_[c]) | low;
+    return mean_[c] + scale_[c] * (code * step_[c] - zmax_);
+  }
   const float *mean_, *scale_, *step_;
   const int32_t *byte_at_, *shift_, *mask_;
   const uint8_t* bits_;

@@ -334,8 +334,6 @@ void DecodeKvqRows(const CalPlan& p, Codec c, const uint8_t* page, int n, float*
   const std::optional<WindowLevels> window =
       kNibbles ? std::nullopt : std::optional<WindowLevels>(p.stats->ch_levels.data());
   const KvqOutlierPatch outliers(p);
-  const float* ch_scale = p.stats->ch_scale.data();
-  const float step = p.outlier_step[0], zmax = p.stats->ch_zmax;
   const int n_wide = kNibbles ? 0 : static_cast<int>(p.wide.size());
   float own[2 * kDim];  // the angles of a position past the table
   for (int t = 0; t < n; ++t) {
@@ -369,16 +367,8 @@ void DecodeKvqRows(const CalPlan& p, Codec c, const uint8_t* page, int n, float*
 #pragma GCC unroll 8
     for (int j = 0; j < kOut; ++j) {
       int ch;
-      float value;
-      if constexpr (kNibbles) {  // one width: the code's low bits are the channel's nibble
-        uint16_t e;
-        std::memcpy(&e, in + kKvqScaleBytes + 2 * j, 2);
-        ch = e & ((1 << kKvqChannelBits) - 1);
-        const int code = ((e >> kKvqChannelBits) << 4) | ((in[at + ch / 2] >> (4 * (ch & 1))) & 15);
-        value = mean[ch] + ch_scale[ch] * (code * step - zmax);
-      } else {
-        value = outliers.Value(in, j, &ch);
-      }
+      const float value =
+          kNibbles ? outliers.NibbleValue(in, in + at, j, &ch) : outliers.Value(in, j, &ch);
       blend(ch, value);
     }
     float* x = rows + size_t(t) * kDim;
