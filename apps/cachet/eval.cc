@@ -408,8 +408,9 @@ void AddEval(CLI::App& app) {
   cmd->add_flag("--kl-decode", o->kl_decode,
                 "KL: score the second half one token at a time, as generation sees the cache "
                 "(KIVI's full-precision residual and --kv-window act as in decoding); by default "
-                "it runs in --ubatch chunks whose K/V are stored in the codec before the chunk "
-                "attends, as llama.cpp's perplexity tool does");
+                "it runs in --ubatch chunks: row-wise codecs store a chunk's K/V before it "
+                "attends, as llama.cpp's perplexity tool does; staged ones (KIVI keys, "
+                "--kv-window) seal its pages after");
   cmd->add_option("--dump-windows", o->dump_windows,
                   "KL: write each text window's token ids as a JSON line (window, score_from, "
                   "ids) to score another engine on the same tokens");

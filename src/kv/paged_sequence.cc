@@ -179,8 +179,27 @@ void PagedSequence::Append(int layer, int kv_head, const float* k, const float* 
   // A codec page is a row-wise codec's: the token is encoded where it lands.
   WriteRow(pool_, ti, t.pages[t.n_tokens / pt], t.n_tokens % pt, k, v, pos);
   ++t.n_tokens;
-  SealAgedPage(pool_, ti, t);
-  if (quest()) t.quest.OnAppend(pool_, ti, t.pages, FinalPages(pool_.layout(), t.n_tokens));
+  ++t.unsealed;
+}
+
+void PagedSequence::SealAged(int layer) {
+  const KvLayout& lay = pool_.layout();
+  for (int h = 0; h < lay.n_kv_heads; ++h) {
+    const int ti = layer * lay.n_kv_heads + h;
+    BlockTable& t = tables_[ti];
+    if (t.unsealed == 0) continue;
+    SealAgedPages(pool_, ti, t);
+    if (quest()) {
+      t.quest.OnFinal(pool_, ti, t.pages, FinalPages(lay, t.n_tokens - t.unsealed),
+                      FinalPages(lay, t.n_tokens));
+    }
+    t.unsealed = 0;
+  }
+}
+
+void PagedSequence::CommitTokens(int n) {
+  n_tokens_ += n;
+  for (int l = 0; l < pool_.layout().n_layers; ++l) SealAged(l);
 }
 
 Status PagedSequence::Retain(std::span<const std::vector<int32_t>> keep, bool demote,

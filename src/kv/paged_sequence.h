@@ -48,7 +48,10 @@ class PagedSequence final : public KvSequence {
   // one, or while an observer gathers attention).
   void AgeOut();
   void Append(int layer, int kv_head, const float* k, const float* v, int32_t pos) override;
-  void CommitTokens(int n) override { n_tokens_ += n; }
+  // Staged layouts: tokens are written raw; SealAged seals the pages they aged (what is left,
+  // at CommitTokens).
+  void SealAged(int layer) override;
+  void CommitTokens(int n) override;
   void Attend(int layer, int kv_head, const kernels::AttnBatch& batch) const override;
 
   // The page-table view of a plain (f32) layout, as the kernels take it.

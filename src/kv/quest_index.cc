@@ -10,9 +10,9 @@ namespace cachet {
 
 using codecs::Role;
 
-void QuestIndex::OnAppend(PagePool& pool, int table, std::span<const int32_t> pages,
-                          int64_t final_pages) {
-  if (pages_bounded(pool.layout().head_dim) == final_pages - 1) {
+void QuestIndex::OnFinal(PagePool& pool, int table, std::span<const int32_t> pages,
+                         int64_t final_before, int64_t final_pages) {
+  if (final_pages > final_before && pages_bounded(pool.layout().head_dim) == final_before) {
     Extend(pool, table, pages, final_pages);
   }
 }

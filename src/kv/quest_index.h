@@ -24,12 +24,13 @@ class QuestIndex {
     bounds_.resize(std::min<size_t>(bounds_.size(), size_t(pages) * 2 * head_dim));
   }
 
-  // Called as tokens are appended, with the number of pages in their final form: bounds the page
-  // that just reached it, so that the first decode step after a prompt has none left to build.
-  // Only when every page before it has bounds: a table that lost them (a fork, prefix reuse,
-  // Retain) gets them all back at the next decode step, one task per table rather than here on
-  // one thread.
-  void OnAppend(PagePool& pool, int table, std::span<const int32_t> pages, int64_t final_pages);
+  // Called once appended tokens have attended, with the number of pages in their final form
+  // before and after them: bounds the pages that reached it, so that the first decode step after
+  // a prompt has none left to build. Only when every page before them has bounds: a table that
+  // lost them (a fork, prefix reuse, Retain) gets them all back at the next decode step, one task
+  // per table rather than here on one thread.
+  void OnFinal(PagePool& pool, int table, std::span<const int32_t> pages, int64_t final_before,
+               int64_t final_pages);
 
   // The logical pages a decode step reads (ascending, the last page last): the top `pages` (or,
   // when pages is 0, the fraction keep) of all but the last page by key bound, then the last;

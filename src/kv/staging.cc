@@ -24,27 +24,27 @@ int64_t SealsNeeded(const KvLayout& lay, const BlockTable& t, int n) {
   return fills;
 }
 
-void SealAgedPage(PagePool& pool, int table, BlockTable& t) {
+void SealAgedPages(PagePool& pool, int table, BlockTable& t) {
   const KvLayout& lay = pool.layout();
   if (!Stages(lay)) return;
-  const int64_t sealed = lay.SealedPages(t.n_tokens);
-  const int64_t p = sealed - 1;
-  if (sealed <= lay.SealedPages(t.n_tokens - 1) || IsSinkPage(lay, p) || IsCodecPage(t.pages[p])) {
-    return;
-  }
-  const int32_t raw = t.pages[p];
-  const int32_t codec = t.seal_pages.front();
-  t.seal_pages.erase(t.seal_pages.begin());
+  // Sealed pages are a prefix (after the sinks): the raw ones to seal end the aged span.
+  int64_t first = lay.SealedPages(t.n_tokens);
+  while (first > 0 && !IsSinkPage(lay, first - 1) && !IsCodecPage(t.pages[first - 1])) --first;
   thread_local std::vector<float> rows;
   rows.resize(size_t(lay.page_tokens) * lay.head_dim);
-  std::memcpy(pool.positions(codec), pool.positions(raw), lay.page_tokens * sizeof(int32_t));
-  for (Role role : {Role::kKey, Role::kValue}) {
-    codecs::DecodePage(lay.raw_codec(), role, pool.rows(raw, role), lay.page_tokens,
-                       lay.page_tokens, lay.head_dim, rows.data());
-    EncodePageRows(pool, table, codec, role, rows.data(), 0, lay.page_tokens);
+  for (int64_t p = first; p < lay.SealedPages(t.n_tokens); ++p) {
+    const int32_t raw = t.pages[p];
+    const int32_t codec = t.seal_pages.front();
+    t.seal_pages.erase(t.seal_pages.begin());
+    std::memcpy(pool.positions(codec), pool.positions(raw), lay.page_tokens * sizeof(int32_t));
+    for (Role role : {Role::kKey, Role::kValue}) {
+      codecs::DecodePage(lay.raw_codec(), role, pool.rows(raw, role), lay.page_tokens,
+                         lay.page_tokens, lay.head_dim, rows.data());
+      EncodePageRows(pool, table, codec, role, rows.data(), 0, lay.page_tokens);
+    }
+    pool.Unref(raw);
+    t.pages[p] = codec;
   }
-  pool.Unref(raw);
-  t.pages[p] = codec;
 }
 
 }  // namespace cachet

@@ -1,7 +1,8 @@
 // Codec staging: which pages of a block table are raw and which are codec pages. Row-wise codecs
 // encode each token into its page as it is written; staged layouts (KIVI keys, --kv-window) write
 // tokens into raw pages and seal a page into a codec page once it is full and `window` tokens
-// old. Pages holding the first `sinks` tokens stay raw.
+// old, after the tokens that aged it have attended. Pages holding the first `sinks` tokens stay
+// raw.
 #pragma once
 
 #include <cstdint>
@@ -28,8 +29,9 @@ inline bool WantsCodecPage(const KvLayout& lay, int64_t p, int64_t n_tokens) {
 int64_t FinalPages(const KvLayout& lay, int64_t n_tokens);
 // Codec pages to reserve so that the next n tokens can seal the staged pages they age.
 int64_t SealsNeeded(const KvLayout& lay, const BlockTable& t, int n);
-// After a token is appended: seals the page it aged into its final form, if any, into one of
-// t.seal_pages.
-void SealAgedPage(PagePool& pool, int table, BlockTable& t);
+// Seals every staged page the table's tokens have aged (full and `window` tokens old) that is
+// still raw, each into one of t.seal_pages. Called once the tokens appended have attended: a
+// prompt chunk reads its own tokens at the staging precision, as a decode step reads its page.
+void SealAgedPages(PagePool& pool, int table, BlockTable& t);
 
 }  // namespace cachet

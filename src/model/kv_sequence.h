@@ -18,6 +18,10 @@ class KvSequence {
   // Appends one token's K and V rows (head_dim floats each) at its original position. Room must
   // have been reserved.
   virtual void Append(int layer, int kv_head, const float* k, const float* v, int32_t pos) = 0;
+  // The layer's appended tokens have attended: a cache that holds recent tokens at a higher
+  // precision before coding them (staged layouts) may code those now old enough. A prompt chunk
+  // thus reads its own tokens as a decode step reads its own page.
+  virtual void SealAged(int layer) = 0;
   // Marks the tokens appended since the last call as part of the sequence (all layers done).
   virtual void CommitTokens(int n) = 0;
   // Attention of a GQA group's queries over the cached K/V of (layer, kv_head), whatever codec

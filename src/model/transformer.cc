@@ -193,6 +193,7 @@ Status Transformer::ForwardBatch(std::span<const SeqChunk> seqs, ThreadPool& poo
     }
     if (kv_only) return OkStatus();
     Attention(l, seqs, pool);
+    for (const SeqChunk& s : seqs) s.kv->SealAged(l);
     kernels::MatMul(attn_.data(), n, L.wo, nullptr, xn, d, pool);
     ForEachToken(n, pool, [&](int i) {
       float* xi = x + size_t(i) * d;

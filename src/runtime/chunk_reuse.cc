@@ -136,6 +136,7 @@ class Recompute final : public KvSequence {
     }
     (*deviation_)[pos - p0_] += d;
   }
+  void SealAged(int) override {}
   void CommitTokens(int) override {}
   void Attend(int layer, int kv_head, const kernels::AttnBatch& batch) const override {
     work_.Attend(layer, kv_head, batch);

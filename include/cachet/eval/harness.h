@@ -110,8 +110,9 @@ struct KlOptions {
   // another engine can be scored on the same tokens (bench/peers).
   std::string dump_windows;
   // Score the second half one token at a time, as generation sees the cache (KIVI's full-precision
-  // residual and --kv-window act as they do while decoding). Otherwise it runs in ubatch chunks
-  // whose K/V are stored before the chunk attends, as llama.cpp's perplexity tool does.
+  // residual and --kv-window act as they do while decoding). Otherwise it runs in ubatch chunks:
+  // row-wise codecs store a chunk's K/V before it attends, as llama.cpp's perplexity tool does;
+  // staged layouts (KIVI keys, --kv-window) seal the pages it aged after it has attended.
   bool decode = false;
   // Test-only: Gaussian noise of this stddev added to the tested configurations' logits (never
   // the reference's), to show the metric can fail. 0 in real runs.
