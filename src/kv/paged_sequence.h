@@ -140,8 +140,8 @@ class PagedSequence final : public KvSequence {
   // per (layer, KV head), only the full pages whose key bounds promise its queries the highest
   // scores, plus the last page: `pages` of them, or when pages is 0 the fraction `keep` of the
   // full pages (at least one). Each full page's per-channel key min/max is computed once: as the
-  // page reaches its final form while tokens are appended (full, and sealed in staged layouts),
-  // when Quest is on then, so set it before the prompt is evaluated; pages without bounds (forks,
+  // page reaches its final form (full, and sealed in staged layouts) once the tokens appended
+  // have attended (SealAged), when Quest is on then, so set it before the prompt is evaluated; pages without bounds (forks,
   // prefix reuse, Retain, the recent window) get them at the first decode step that needs them.
   // keep >= 1 with pages == 0 turns it off.
   void set_quest(int pages, double keep) {
