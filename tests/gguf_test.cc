@@ -4,6 +4,9 @@
 #include "model/gguf.h"
 
 #include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <sys/statfs.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstring>
@@ -255,6 +258,30 @@ size_t Find(const std::string& bytes, const std::string& what) {
 template <class T>
 void Patch(std::string& bytes, size_t at, T v) {
   std::memcpy(bytes.data() + at, &v, sizeof(T));
+}
+
+// A written model leaves the page cache (util/mmap_file.h, DropFromPageCache): its next load
+// reads it from disk rather than mapping the write's folios.
+TEST(GgufWriter, WrittenFileLeavesThePageCache) {
+  TempDir dir;
+  struct statfs fs {};
+  ASSERT_EQ(::statfs(dir.path().c_str(), &fs), 0);
+  if (fs.f_type == 0x01021994) GTEST_SKIP() << dir.path() << " is tmpfs: its pages are the file";
+  constexpr int64_t kBytes = 8 << 20;
+  GgufWriter w;
+  w.SetString("general.architecture", "llama");
+  w.AddTensor("w", DType::kF32, {kBytes / 4}, [](uint8_t* out) { std::memset(out, 7, kBytes); });
+  const std::string path = dir.path() + "/big.gguf";
+  ASSERT_TRUE(w.Write(path).ok());
+  auto f = MappedFile::Open(path);
+  ASSERT_TRUE(f.ok());
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<unsigned char> resident((f->size() + page - 1) / page);
+  ASSERT_EQ(::mincore(const_cast<uint8_t*>(f->data()), f->size(), resident.data()), 0);
+  size_t in_cache = 0;
+  for (unsigned char r : resident) in_cache += r & 1;
+  EXPECT_LT(in_cache, resident.size() / 4) << in_cache << " of " << resident.size();
+  EXPECT_EQ(f->data()[f->size() - 1], 7);  // and it reads back
 }
 
 TEST(GgufReader, ReadsWhatTheWriterWrote) {

@@ -538,6 +538,7 @@ Status GgufWriter::Write(const std::string& path) const {
     ok = ok && std::fwrite(buf.data(), 1, buf.size(), f.get()) == buf.size();
   }
   ok = std::fflush(f.get()) == 0 && ok;
+  if (ok) DropFromPageCache(::fileno(f.get()));
   ok = std::fclose(f.release()) == 0 && ok;
   if (!ok || std::rename(temp.c_str(), target.c_str()) != 0) {
     std::remove(temp.c_str());

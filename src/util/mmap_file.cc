@@ -65,6 +65,11 @@ void ReleaseMappedRange(const void* p, size_t n) {
   if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
 }
 
+void DropFromPageCache(int fd) {
+  // Dirty pages cannot be dropped: write them first.
+  if (::fdatasync(fd) == 0) (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+}
+
 Result<std::string> OutputTarget(const std::string& path) {
   namespace fs = std::filesystem;
   std::error_code ec;

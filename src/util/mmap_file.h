@@ -36,6 +36,12 @@ class MappedFile {
 // of the mapping, so that RSS does not count them twice.
 void ReleaseMappedRange(const void* p, size_t n);
 
+// Writes a just-written file's pages to disk and drops them from the page cache (advice: errors
+// are ignored). Linux 6.18 on a KVM guest kept a freshly written GGUF in 2 MiB folios that,
+// mapped, decoded 25-40% slower and erratically until re-read (docs/BENCHMARKS.md, "A freshly
+// written model file"); the next load reads it from disk once instead.
+void DropFromPageCache(int fd);
+
 // Reads a whole file into memory (config.json, a saved KV cache); NotFound if it cannot be opened.
 Result<std::string> ReadTextFile(const std::string& path);
 // Writes bytes to a temporary file beside path, then renames it over path: a reader sees the old
