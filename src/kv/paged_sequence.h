@@ -141,9 +141,9 @@ class PagedSequence final : public KvSequence {
   // scores, plus the last page: `pages` of them, or when pages is 0 the fraction `keep` of the
   // full pages (at least one). Each full page's per-channel key min/max is computed once: as the
   // page reaches its final form (full, and sealed in staged layouts) once the tokens appended
-  // have attended (SealAged), when Quest is on then, so set it before the prompt is evaluated; pages without bounds (forks,
-  // prefix reuse, Retain, the recent window) get them at the first decode step that needs them.
-  // keep >= 1 with pages == 0 turns it off.
+  // have attended (SealAged), when Quest is on then, so set it before the prompt is evaluated;
+  // pages without bounds (forks, prefix reuse, Retain, the recent window) get them at the first
+  // decode step that needs them. keep >= 1 with pages == 0 turns it off.
   void set_quest(int pages, double keep) {
     quest_pages_ = pages;
     quest_keep_ = keep;
