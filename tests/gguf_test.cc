@@ -10,7 +10,9 @@
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "cachet/convert.h"
 #include "cachet/engine.h"
@@ -263,10 +265,16 @@ void Patch(std::string& bytes, size_t at, T v) {
 // A written model leaves the page cache (util/mmap_file.h, DropFromPageCache): its next load
 // reads it from disk rather than mapping the write's folios.
 TEST(GgufWriter, WrittenFileLeavesThePageCache) {
-  TempDir dir;
-  struct statfs fs {};
-  ASSERT_EQ(::statfs(dir.path().c_str(), &fs), 0);
-  if (fs.f_type == 0x01021994) GTEST_SKIP() << dir.path() << " is tmpfs: its pages are the file";
+  // A tmpfs file's pages are the file and cannot leave: then the test writes in the build tree.
+  auto on_tmpfs = [](const std::string& path) {
+    struct statfs fs {};
+    return ::statfs(path.c_str(), &fs) == 0 && fs.f_type == 0x01021994;
+  };
+  std::optional<TempDir> scratch(std::in_place);
+  if (on_tmpfs(scratch->path())) scratch.emplace(std::filesystem::current_path().string());
+  const TempDir& dir = *scratch;
+  ASSERT_FALSE(dir.path().empty());
+  ASSERT_FALSE(on_tmpfs(dir.path())) << dir.path() << ": no directory off tmpfs to write in";
   constexpr int64_t kBytes = 8 << 20;
   GgufWriter w;
   w.SetString("general.architecture", "llama");

@@ -5,8 +5,10 @@
 
 namespace cachet::testing {
 
-TempDir::TempDir() {
-  std::string tmpl = (std::filesystem::temp_directory_path() / "cachet-test-XXXXXX").string();
+TempDir::TempDir(const std::string& base) {
+  const std::filesystem::path root =
+      base.empty() ? std::filesystem::temp_directory_path() : std::filesystem::path(base);
+  std::string tmpl = (root / "cachet-test-XXXXXX").string();
   char* p = ::mkdtemp(tmpl.data());
   path_ = p ? p : "";
 }

@@ -38,10 +38,11 @@ inline std::vector<GoldenCase> LoadGolden() {
   return cases;
 }
 
-// A fresh temporary directory, removed by the destructor.
+// A fresh temporary directory (under `base`, by default the system's temporary directory),
+// removed by the destructor.
 class TempDir {
  public:
-  TempDir();
+  explicit TempDir(const std::string& base = "");
   ~TempDir();
   const std::string& path() const { return path_; }
   std::string Write(const std::string& name, const std::string& contents) const {
