@@ -115,63 +115,115 @@ HWY_INLINE void ScoreBlock(const Rows& k, int cnt, int hd, const float* const* q
   }
 }
 
-// acc_r += sum_j p_r[j] * v_j over a page's cnt values for R rows (p_r at p + r * s_stride, acc_r
-// at acc + r * hd): each value vector is loaded (and unpacked) once for all R rows; block rows go
-// block by block, a q4_0 load serving both nibbles.
-template <int R, class Rows>
-HWY_INLINE void AccumulateBlock(const Rows& v, int cnt, int hd, const float* p, int s_stride,
-                                float* acc) {
+// Whether a row reader gives two vectors per load (q4_0: a block's low and high nibbles).
+template <class Rows>
+constexpr int kVecsPerLoad = [] {
+  if constexpr (Rows::kBlocks) return Rows::kNibbles ? 2 : 1;
+  return 1;
+}();
+
+// acc_r += sum_j p_r[j] * v_j over lanes of a page's cnt values for R rows (p_r at p + r *
+// s_stride, acc_r at acc + r * hd): U loads of each value row starting at load u0 (a load is N
+// lanes of a plain row at u * N, or one Values call of a block row: block u / per_block, codes
+// (u % per_block) * N on). The U * R sums are independent FMA chains walked together, key by
+// key: walked one after the other, a decode step (one to four rows) waited on the FMA latency at
+// every key (kernels_bench's decode attention over f32 / f16 / q8_0 pages: 5-14% slower). Each
+// lane still adds its keys in order, so the bits do not depend on U or R.
+template <int R, int U, class Rows>
+HWY_INLINE void AccumulateLoads(const Rows& v, int cnt, int hd, const float* p, int s_stride,
+                                float* acc, int u0) {
   const DF df;
   constexpr int N = kMaxLanes;
+  constexpr int kV = kVecsPerLoad<Rows>;
+  int lane[U][kV];  // each sum's first lane within the row
+  for (int u = 0; u < U; ++u) {
+    if constexpr (Rows::kBlocks) {
+      constexpr int kPerBlock = kCodeSpan<Rows> / N;
+      const int at = (u0 + u) / kPerBlock * 32 + (u0 + u) % kPerBlock * N;
+      lane[u][0] = at;
+      if constexpr (kV == 2) lane[u][1] = at + 16;
+    } else {
+      lane[u][0] = (u0 + u) * N;
+    }
+  }
+  VF a[R][U][kV];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+    for (int u = 0; u < U; ++u) {
+#pragma GCC unroll 2
+      for (int i = 0; i < kV; ++i) {
+        a[r][u][i] = hn::LoadU(df, acc + static_cast<int64_t>(r) * hd + lane[u][i]);
+      }
+    }
+  }
   if constexpr (Rows::kBlocks) {
-    for (int blk = 0; blk < hd / 32; ++blk) {
-      for (int o = 0; o < kCodeSpan<Rows>; o += N) {
-        VF lo[R], hi[R];
-        auto acc_at = [&](int r, int oo) {
-          return acc + static_cast<int64_t>(r) * hd + blk * 32 + oo;
-        };
+    constexpr int kPerBlock = kCodeSpan<Rows> / N;
+    for (int j = 0; j < cnt; ++j) {
+#pragma GCC unroll 16
+      for (int u = 0; u < U; ++u) {
+        const int blk = (u0 + u) / kPerBlock;
+        VF x[2];
+        v.Values(j, blk, (u0 + u) % kPerBlock * N, &x[0], &x[1]);
+        const float scale = v.Scale(j, blk);
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-          lo[r] = hn::LoadU(df, acc_at(r, o));
-          if constexpr (Rows::kNibbles) hi[r] = hn::LoadU(df, acc_at(r, 16 + o));
-        }
-        for (int j = 0; j < cnt; ++j) {
-          VF xl, xh;
-          v.Values(j, blk, o, &xl, &xh);
-          const float scale = v.Scale(j, blk);
-#pragma GCC unroll 16
-          for (int r = 0; r < R; ++r) {
-            // The row's weight times the block's scale, then times the code: the same steps
-            // whether the block is read in place or unpacked (ScaledRows).
-            const VF w = hn::Set(df, p[static_cast<int64_t>(r) * s_stride + j] * scale);
-            lo[r] = hn::MulAdd(w, xl, lo[r]);
-            if constexpr (Rows::kNibbles) hi[r] = hn::MulAdd(w, xh, hi[r]);
-          }
-        }
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-          hn::StoreU(lo[r], df, acc_at(r, o));
-          if constexpr (Rows::kNibbles) hn::StoreU(hi[r], df, acc_at(r, 16 + o));
+          // The row's weight times the block's scale, then times the code: the same steps
+          // whether the block is read in place or unpacked (ScaledRows).
+          const VF w = hn::Set(df, p[static_cast<int64_t>(r) * s_stride + j] * scale);
+#pragma GCC unroll 2
+          for (int i = 0; i < kV; ++i) a[r][u][i] = hn::MulAdd(w, x[i], a[r][u][i]);
         }
       }
     }
   } else {
-    int d = 0;
-    for (; d + N <= hd; d += N) {
-      VF a[R];
+    for (int j = 0; j < cnt; ++j) {
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) a[r] = hn::LoadU(df, acc + static_cast<int64_t>(r) * hd + d);
-      for (int j = 0; j < cnt; ++j) {
-        const VF x = v.Load(j, d);
+      for (int u = 0; u < U; ++u) {
+        const VF x = v.Load(j, lane[u][0]);
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-          a[r] = hn::MulAdd(hn::Set(df, p[static_cast<int64_t>(r) * s_stride + j]), x, a[r]);
+          a[r][u][0] =
+              hn::MulAdd(hn::Set(df, p[static_cast<int64_t>(r) * s_stride + j]), x, a[r][u][0]);
         }
       }
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) hn::StoreU(a[r], df, acc + static_cast<int64_t>(r) * hd + d);
     }
-    for (; d < hd; ++d) {
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 16
+    for (int u = 0; u < U; ++u) {
+#pragma GCC unroll 2
+      for (int i = 0; i < kV; ++i) {
+        hn::StoreU(a[r][u][i], df, acc + static_cast<int64_t>(r) * hd + lane[u][i]);
+      }
+    }
+  }
+}
+
+// acc_r += sum_j p_r[j] * v_j over a page's cnt values for R rows: as many loads walked together
+// as the accumulators' registers allow, each value vector loaded (and unpacked) once for all R
+// rows.
+template <int R, class Rows>
+HWY_INLINE void AccumulateBlock(const Rows& v, int cnt, int hd, const float* p, int s_stride,
+                                float* acc) {
+  constexpr int N = kMaxLanes;
+  // Half the vector registers (16 of AVX-512's 32) hold sums; the loads, weights and addresses
+  // take the rest.
+  constexpr int kSumRegs = N >= 16 ? 16 : 8;
+  constexpr int kU = std::max(1, std::min(4, kSumRegs / (R * kVecsPerLoad<Rows>)));
+  int n_loads = hd / N;
+  if constexpr (Rows::kBlocks) n_loads = hd / 32 * (kCodeSpan<Rows> / N);  // hd % 32 == 0
+  int u = 0;
+  if constexpr (kU >= 4) {
+    for (; u + 4 <= n_loads; u += 4) AccumulateLoads<R, 4>(v, cnt, hd, p, s_stride, acc, u);
+  }
+  if constexpr (kU >= 2) {
+    for (; u + 2 <= n_loads; u += 2) AccumulateLoads<R, 2>(v, cnt, hd, p, s_stride, acc, u);
+  }
+  for (; u < n_loads; ++u) AccumulateLoads<R, 1>(v, cnt, hd, p, s_stride, acc, u);
+  if constexpr (!Rows::kBlocks) {
+    for (int d = n_loads * N; d < hd; ++d) {
       for (int j = 0; j < cnt; ++j) {
         const float x = v.Elem(j, d);
         for (int r = 0; r < R; ++r) {
