@@ -1002,5 +1002,48 @@ TEST(KvTiersStore, LostRunsAreStoredAgainAfterTheRecheckInterval) {
   EXPECT_EQ(mem->runs.size(), 2u);
 }
 
+// A loaded run's pages are handed out table by table: each table's blocks lie in consecutive
+// slots (as a prompt chunk writes them, so that a decode step streams them), and every page holds
+// the bytes and positions stored for its block and table.
+TEST(KvTiersLoad, EachTablesPagesAreConsecutiveSlots) {
+  const KvLayout lay{2, 2, 8, 4};  // 2 layers x 2 KV heads: 4 tables
+  const int heads = lay.heads_total(), n_blocks = 6;
+  PagePool pool(lay, 1 << 20);
+  std::vector<int32_t> pages;  // block-major: pages[b * heads + h]
+  ASSERT_TRUE(pool.Alloc(n_blocks * heads, &pages).ok());
+  for (size_t i = 0; i < pages.size(); ++i) {
+    uint8_t* d = pool.data(pages[i]);
+    for (size_t j = 0; j < lay.raw_data_bytes(); ++j) d[j] = static_cast<uint8_t>(i * 31 + j);
+    std::fill_n(pool.positions(pages[i]), 4, static_cast<int32_t>(i));
+  }
+  TierNamespace ns = Ns();
+  ns.page_tokens = 4;
+  ns.n_layers = ns.n_kv_heads = 2;
+  ns.head_dim = 8;
+  std::vector<std::unique_ptr<Tier>> stack;
+  stack.push_back(std::make_unique<MemoryTier>());
+  KvTiers tiers(pool, ns, std::move(stack), /*zstd=*/false, /*run_blocks=*/3);
+  std::vector<int32_t> tokens(n_blocks * 4);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = 7 + static_cast<int32_t>(i);
+  tiers.Store(tokens, 0, n_blocks,
+              [&](int b) { return std::span<const int32_t>(pages.data() + b * heads, heads); });
+  std::vector<int32_t> loaded;
+  std::vector<int> source;
+  ASSERT_EQ(tiers.Load(tokens, 0, 1, n_blocks, &loaded, &source), n_blocks - 1);  // block 0 held
+  ASSERT_EQ(loaded.size(), size_t(n_blocks - 1) * heads);
+  for (int b = 1; b < n_blocks; ++b) {
+    for (int h = 0; h < heads; ++h) {
+      const int32_t page = loaded[(b - 1) * heads + h], stored = pages[b * heads + h];
+      EXPECT_EQ(std::memcmp(pool.data(page), pool.data(stored), lay.raw_data_bytes()), 0)
+          << "block " << b << " table " << h;
+      EXPECT_EQ(pool.positions(page)[0], pool.positions(stored)[0]);
+      // Within a run (blocks 1-2, then 3-5) a table's next block is the next slot.
+      if (b != 1 && b != 3) {
+        EXPECT_EQ(page, loaded[(b - 2) * heads + h] + 1) << "table " << h;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace cachet::tiers

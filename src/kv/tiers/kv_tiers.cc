@@ -59,6 +59,7 @@ bool KvTiers::Unpack(std::span<const uint8_t> payload, int n_blocks, int skip,
                      std::vector<int32_t>* pages) {
   const int heads = pool_.layout().heads_total();
   // Walk the payload once to check its shape and count the pages of each kind wanted.
+  std::vector<uint8_t> is_codec;  // of each wanted page, block-major as packed
   int n_raw = 0, n_codec = 0;
   size_t at = 0;
   for (int b = 0; b < n_blocks; ++b) {
@@ -67,22 +68,37 @@ bool KvTiers::Unpack(std::span<const uint8_t> payload, int n_blocks, int skip,
       const uint8_t kind = payload[at];
       if (kind != kRawPage && kind != kCodecPage) return false;
       if (kind == kCodecPage && pool_.layout().plain()) return false;
-      if (b >= skip) (kind == kCodecPage ? n_codec : n_raw) += 1;
+      if (b >= skip) {
+        (kind == kCodecPage ? n_codec : n_raw) += 1;
+        is_codec.push_back(kind == kCodecPage);
+      }
       at += 1 + PageBytes(kind == kCodecPage);
     }
   }
   if (at != payload.size()) return false;
   std::vector<int32_t> raw, codec;
   if (!pool_.Alloc(n_raw, n_codec, &raw, &codec).ok()) return false;
-  const size_t pos_bytes = pool_.layout().page_tokens * sizeof(int32_t);
+  // Fresh slots come in order; each table (head) takes the next ones for all its blocks, so a
+  // table's pages lie side by side as a prompt's chunk writes them, and a decode step streams
+  // them. Handed out block by block, one table's pages were heads_total() slots apart: f16 KV of
+  // mha-85m restored at 16384 tokens decoded at 28 tok/s against 37 for the same tokens prefilled.
+  const int wanted = n_blocks - skip;
+  std::vector<int32_t> slot(is_codec.size());
   size_t next_raw = 0, next_codec = 0;
+  for (int h = 0; h < heads; ++h) {
+    for (int b = 0; b < wanted; ++b) {
+      const size_t i = static_cast<size_t>(b) * heads + h;
+      slot[i] = is_codec[i] ? codec[next_codec++] : raw[next_raw++];
+    }
+  }
+  const size_t pos_bytes = pool_.layout().page_tokens * sizeof(int32_t);
   at = 0;
+  size_t i = 0;
   for (int b = 0; b < n_blocks; ++b) {
     for (int h = 0; h < heads; ++h) {
-      const bool is_codec = payload[at] == kCodecPage;
-      const size_t bytes = pool_.data_bytes(is_codec);
+      const size_t bytes = pool_.data_bytes(payload[at] == kCodecPage);
       if (b >= skip) {
-        const int32_t page = is_codec ? codec[next_codec++] : raw[next_raw++];
+        const int32_t page = slot[i++];
         std::memcpy(pool_.data(page), payload.data() + at + 1, bytes);
         std::memcpy(pool_.positions(page), payload.data() + at + 1 + bytes, pos_bytes);
         pages->push_back(page);
