@@ -1,6 +1,7 @@
 #include "kv/tiers/kv_tiers.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <optional>
 
@@ -55,58 +56,76 @@ std::string KvTiers::Pack(int first_block, int n_blocks, const PagesOf& pages_of
   return out;
 }
 
-bool KvTiers::Unpack(std::span<const uint8_t> payload, int n_blocks, int skip,
-                     std::vector<int32_t>* pages) {
+int KvTiers::Unpack(std::span<const Piece> pieces, std::vector<int32_t>* pages) {
   const int heads = pool_.layout().heads_total();
-  // Walk the payload once to check its shape and count the pages of each kind wanted.
-  std::vector<uint8_t> is_codec;  // of each wanted page, block-major as packed
-  int n_raw = 0, n_codec = 0;
-  size_t at = 0;
-  for (int b = 0; b < n_blocks; ++b) {
-    for (int h = 0; h < heads; ++h) {
-      if (at >= payload.size()) return false;
-      const uint8_t kind = payload[at];
-      if (kind != kRawPage && kind != kCodecPage) return false;
-      if (kind == kCodecPage && pool_.layout().plain()) return false;
-      if (b >= skip) {
-        (kind == kCodecPage ? n_codec : n_raw) += 1;
-        is_codec.push_back(kind == kCodecPage);
+  // Appends the kind of each wanted page of a piece (block-major, as packed); false, appending
+  // nothing, when the payload is not what this layout packs.
+  std::vector<uint8_t> is_codec;
+  auto wanted_kinds = [&](const Piece& pc) {
+    const size_t before = is_codec.size();
+    size_t at = 0;
+    for (int b = 0; b < pc.n_blocks; ++b) {
+      for (int h = 0; h < heads; ++h) {
+        const uint8_t kind = at < pc.payload.size() ? pc.payload[at] : 0xFF;
+        if (kind != kRawPage && (kind != kCodecPage || pool_.layout().plain())) {
+          is_codec.resize(before);
+          return false;
+        }
+        if (b >= pc.skip) is_codec.push_back(kind == kCodecPage);
+        at += 1 + PageBytes(kind == kCodecPage);
       }
-      at += 1 + PageBytes(kind == kCodecPage);
     }
+    if (at == pc.payload.size()) return true;
+    is_codec.resize(before);
+    return false;
+  };
+  // Raw and codec pages wanted up to each piece's end; a payload that is not what this layout
+  // packs ends the load before it.
+  std::vector<std::array<int, 2>> kinds;
+  for (const Piece& pc : pieces) {
+    const size_t before = is_codec.size();
+    if (!wanted_kinds(pc)) break;
+    std::array<int, 2> n = kinds.empty() ? std::array<int, 2>{0, 0} : kinds.back();
+    for (size_t i = before; i < is_codec.size(); ++i) ++n[is_codec[i]];
+    kinds.push_back(n);
   }
-  if (at != payload.size()) return false;
+  // All the pieces' pages in one allocation, or as many leading pieces as the pool holds.
+  int n = static_cast<int>(kinds.size());
   std::vector<int32_t> raw, codec;
-  if (!pool_.Alloc(n_raw, n_codec, &raw, &codec).ok()) return false;
-  // Fresh slots come in order; each table (head) takes the next ones for all its blocks, so a
-  // table's pages lie side by side as a prompt's chunk writes them, and a decode step streams
-  // them. Handed out block by block, one table's pages were heads_total() slots apart: f16 KV of
-  // mha-85m restored at 16384 tokens decoded at 28 tok/s against 37 for the same tokens prefilled.
-  const int wanted = n_blocks - skip;
-  std::vector<int32_t> slot(is_codec.size());
+  while (n > 0 && !pool_.Alloc(kinds[n - 1][0], kinds[n - 1][1], &raw, &codec).ok()) --n;
+  // Fresh slots come in order; each table (head) takes the next ones for all its blocks of the
+  // load, so a table's pages lie side by side as a prompt's chunks write them and a decode step
+  // streams them. Handed out block by block, one table's pages were heads_total() slots apart:
+  // f16 KV of mha-85m restored at 16384 tokens decoded 1.16x slower (docs/BENCHMARKS.md).
+  const size_t n_pages = n > 0 ? size_t(kinds[n - 1][0] + kinds[n - 1][1]) : 0;
+  const size_t blocks = n_pages / heads;
+  std::vector<int32_t> slot(n_pages);
   size_t next_raw = 0, next_codec = 0;
   for (int h = 0; h < heads; ++h) {
-    for (int b = 0; b < wanted; ++b) {
-      const size_t i = static_cast<size_t>(b) * heads + h;
+    for (size_t b = 0; b < blocks; ++b) {
+      const size_t i = b * heads + h;
       slot[i] = is_codec[i] ? codec[next_codec++] : raw[next_raw++];
     }
   }
   const size_t pos_bytes = pool_.layout().page_tokens * sizeof(int32_t);
-  at = 0;
   size_t i = 0;
-  for (int b = 0; b < n_blocks; ++b) {
-    for (int h = 0; h < heads; ++h) {
-      const size_t bytes = pool_.data_bytes(payload[at] == kCodecPage);
-      if (b >= skip) {
-        const int32_t page = slot[i++];
-        std::memcpy(pool_.data(page), payload.data() + at + 1, bytes);
-        std::memcpy(pool_.positions(page), payload.data() + at + 1 + bytes, pos_bytes);
-        pages->push_back(page);
+  for (int k = 0; k < n; ++k) {
+    const Piece& pc = pieces[k];
+    size_t at = 0;
+    for (int b = 0; b < pc.n_blocks; ++b) {
+      for (int h = 0; h < heads; ++h) {
+        const size_t bytes = pool_.data_bytes(pc.payload[at] == kCodecPage);
+        if (b >= pc.skip) {
+          const int32_t page = slot[i++];
+          std::memcpy(pool_.data(page), pc.payload.data() + at + 1, bytes);
+          std::memcpy(pool_.positions(page), pc.payload.data() + at + 1 + bytes, pos_bytes);
+          pages->push_back(page);
+        }
+        at += 1 + bytes + pos_bytes;
       }
-      at += 1 + bytes + pos_bytes;
     }
   }
-  return true;
+  return n;
 }
 
 int KvTiers::Load(std::span<const int32_t> tokens, uint64_t salt, int from_block, int to_block,
@@ -134,28 +153,34 @@ int KvTiers::Load(std::span<const int32_t> tokens, uint64_t salt, int from_block
     }
   }
   const size_t pt = static_cast<size_t>(pool_.layout().page_tokens);
-  int loaded = 0;
+  // Decoded up to the first run that is missing or damaged, then unpacked in one go.
+  std::vector<DecodedRun> decoded;
+  std::vector<Piece> pieces;
+  decoded.reserve(runs);
   for (int i = 0; i < runs && found[i]; ++i) {
     const int r = r0 + i, b0 = r * run_blocks_;
     const int n_blocks = std::min(run_blocks_, to_block - b0);
-    const auto run_tokens = tokens.subspan(b0 * pt, n_blocks * pt);
-    TierReport& report = reports_[from[i]];
-    Result<DecodedRun> run = DecodeRun(*found[i], ns_, keys[r], run_tokens);
-    const int skip = std::max(0, from_block - b0);
+    Result<DecodedRun> run =
+        DecodeRun(*found[i], ns_, keys[r], tokens.subspan(b0 * pt, n_blocks * pt));
     if (!run.ok()) {
-      ++report.rejected;  // damaged, or not this layout's: a miss, and gone from the tier
+      ++reports_[from[i]]
+            .rejected;  // damaged, or not this layout's: a miss, and gone from the tier
       tiers_[from[i]]->Erase(keys[r]);
       break;
     }
-    if (!Unpack(run->payload(), n_blocks, skip, pages)) {
-      // A payload the namespace says is ours but that does not unpack is a bug or damage the
-      // checksums missed; either way not served. A full pool (Alloc) ends the load too.
-      break;
-    }
-    source->insert(source->end(), n_blocks - skip, from[i]);
-    report.loaded_tokens += static_cast<int64_t>(n_blocks - skip) * pt;
-    loaded += n_blocks - skip;
-    stored_[keys[r]] = std::chrono::steady_clock::now();
+    decoded.push_back(std::move(run).value());
+    pieces.push_back({decoded.back().payload(), n_blocks, std::max(0, from_block - b0)});
+  }
+  // A payload the namespace says is ours but that does not unpack is a bug or damage the
+  // checksums missed; either way not served, nor what follows it. A full pool ends the load too.
+  const int n = Unpack(pieces, pages);
+  int loaded = 0;
+  for (int i = 0; i < n; ++i) {
+    const int got = pieces[i].n_blocks - pieces[i].skip;
+    source->insert(source->end(), got, from[i]);
+    reports_[from[i]].loaded_tokens += static_cast<int64_t>(got) * pt;
+    loaded += got;
+    stored_[keys[r0 + i]] = std::chrono::steady_clock::now();
   }
   return loaded;
 }

@@ -72,10 +72,14 @@ class KvTiers {
                std::vector<RunKey>* keys) const;
   size_t PageBytes(bool codec) const;  // a page's packed bytes after its kind byte
   std::string Pack(int first_block, int n_blocks, const PagesOf& pages_of) const;
-  // Fresh pages holding blocks [skip, n_blocks) of a payload of n_blocks; false when the payload
-  // is not what this layout packs or the pool has no room.
-  bool Unpack(std::span<const uint8_t> payload, int n_blocks, int skip,
-              std::vector<int32_t>* pages);
+  // A run's payload of n_blocks blocks, of which [skip, n_blocks) are wanted.
+  struct Piece {
+    std::span<const uint8_t> payload;
+    int n_blocks, skip;
+  };
+  // Fresh pages holding the wanted blocks of the leading pieces that are what this layout packs
+  // and that the pool has room for, appended block-major; returns how many pieces that is.
+  int Unpack(std::span<const Piece> pieces, std::vector<int32_t>* pages);
 
   PagePool& pool_;
   TierNamespace ns_;
