@@ -58,33 +58,30 @@ std::string KvTiers::Pack(int first_block, int n_blocks, const PagesOf& pages_of
 
 int KvTiers::Unpack(std::span<const Piece> pieces, std::vector<int32_t>* pages) {
   const int heads = pool_.layout().heads_total();
-  // Appends the kind of each wanted page of a piece (block-major, as packed); false, appending
-  // nothing, when the payload is not what this layout packs.
+  // Appends the kind of each wanted page of a piece (block-major, as packed); false when the
+  // payload is not what this layout packs.
   std::vector<uint8_t> is_codec;
   auto wanted_kinds = [&](const Piece& pc) {
-    const size_t before = is_codec.size();
     size_t at = 0;
     for (int b = 0; b < pc.n_blocks; ++b) {
       for (int h = 0; h < heads; ++h) {
         const uint8_t kind = at < pc.payload.size() ? pc.payload[at] : 0xFF;
-        if (kind != kRawPage && (kind != kCodecPage || pool_.layout().plain())) {
-          is_codec.resize(before);
-          return false;
-        }
+        if (kind != kRawPage && (kind != kCodecPage || pool_.layout().plain())) return false;
         if (b >= pc.skip) is_codec.push_back(kind == kCodecPage);
         at += 1 + PageBytes(kind == kCodecPage);
       }
     }
-    if (at == pc.payload.size()) return true;
-    is_codec.resize(before);
-    return false;
+    return at == pc.payload.size();
   };
   // Raw and codec pages wanted up to each piece's end; a payload that is not what this layout
   // packs ends the load before it.
   std::vector<std::array<int, 2>> kinds;
   for (const Piece& pc : pieces) {
     const size_t before = is_codec.size();
-    if (!wanted_kinds(pc)) break;
+    if (!wanted_kinds(pc)) {
+      is_codec.resize(before);
+      break;
+    }
     std::array<int, 2> n = kinds.empty() ? std::array<int, 2>{0, 0} : kinds.back();
     for (size_t i = before; i < is_codec.size(); ++i) ++n[is_codec[i]];
     kinds.push_back(n);
@@ -96,7 +93,7 @@ int KvTiers::Unpack(std::span<const Piece> pieces, std::vector<int32_t>* pages) 
   // Fresh slots come in order; each table (head) takes the next ones for all its blocks of the
   // load, so a table's pages lie side by side as a prompt's chunks write them and a decode step
   // streams them. Handed out block by block, one table's pages were heads_total() slots apart:
-  // f16 KV of mha-85m restored at 16384 tokens decoded 1.16x slower (docs/BENCHMARKS.md).
+  // f16 KV of mha-85m restored at 16384 tokens decoded 1.23x slower (docs/BENCHMARKS.md).
   const size_t n_pages = n > 0 ? size_t(kinds[n - 1][0] + kinds[n - 1][1]) : 0;
   const size_t blocks = n_pages / heads;
   std::vector<int32_t> slot(n_pages);
@@ -162,9 +159,8 @@ int KvTiers::Load(std::span<const int32_t> tokens, uint64_t salt, int from_block
     const int n_blocks = std::min(run_blocks_, to_block - b0);
     Result<DecodedRun> run =
         DecodeRun(*found[i], ns_, keys[r], tokens.subspan(b0 * pt, n_blocks * pt));
-    if (!run.ok()) {
-      ++reports_[from[i]]
-            .rejected;  // damaged, or not this layout's: a miss, and gone from the tier
+    if (!run.ok()) {  // damaged, or not this layout's: a miss, and gone from the tier
+      ++reports_[from[i]].rejected;
       tiers_[from[i]]->Erase(keys[r]);
       break;
     }
