@@ -242,8 +242,9 @@ void BenchAttention(std::mt19937& rng) {
 }
 
 // One decode step's attention (a group of `heads` query heads: 3 as in GQA, 1 as in MHA; head_dim
-// 64, 4096 keys in 16-token pages) over a cache stored in each codec. The caches are built once and
-// the codecs timed in turn, many rounds, so that machine noise hits them alike; best time per call.
+// 64, 4096 keys in 16-token pages, positions in 16 bits) over a cache stored in each codec. The
+// caches are built once and the codecs timed in turn, many rounds, so that machine noise hits them
+// alike; best time per call.
 void BenchCodecAttention(std::mt19937& rng, int heads, const std::string& only_codec) {
   using cachet::KvLayout;
   using cachet::PagedSequence;
@@ -261,6 +262,9 @@ void BenchCodecAttention(std::mt19937& rng, int heads, const std::string& only_c
     lay.n_layers = lay.n_kv_heads = 1;
     lay.head_dim = hd;
     if (const char* pt = std::getenv("PT")) lay.page_tokens = std::atoi(pt);
+    // Positions in 16 bits, as an engine whose context fits them stores them; WIDE_POSITIONS=1:
+    // in 32.
+    if (std::getenv("WIDE_POSITIONS") == nullptr) lay.max_tokens = n;
     const auto [k_name, v_name] = cachet::codecs::SplitKv(name);
     auto codec_k = cachet::codecs::ParseCodec(k_name);
     auto codec_v = cachet::codecs::ParseCodec(v_name);

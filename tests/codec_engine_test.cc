@@ -302,6 +302,54 @@ TEST(CodecEngine, DefaultPoolHoldsAFullContext) {
       << e.status().ToString();
 }
 
+// Positions take 16 bits where the context fits them (kvtiny's 4096 tokens) and 32 where it does
+// not: the same logits either way, two bytes less per token and table, and a cache saved by one
+// engine continues in the other (files keep 32-bit positions).
+TEST(CodecEngine, PositionsIn16BitsWhereTheContextFits) {
+  auto make = [](int n_ctx) {
+    EngineOptions o;
+    o.model_dir = testing::ModelDir();
+    o.threads = 2;
+    o.n_ctx = n_ctx;
+    o.kv_codec_k = o.kv_codec_v = "q4_0";
+    o.kv_window = 16;  // staged pages: positions copied when a page is sealed
+    auto e = Engine::Create(o);
+    EXPECT_TRUE(e.ok()) << e.status().ToString();
+    return std::move(e).value();
+  };
+  auto narrow = make(0), wide = make(70000);
+  const auto prompt = Prompt();
+  const int n = 203;
+  std::vector<float> ln, lw;
+  auto sn = narrow->NewSession(), sw = wide->NewSession();
+  ASSERT_TRUE(sn->Eval(std::span(prompt).first(n), &ln).ok());
+  ASSERT_TRUE(sw->Eval(std::span(prompt).first(n), &lw).ok());
+  EXPECT_EQ(ln, lw);
+  const KvLayout& lay = EngineAccess::kv(*sn).layout();
+  EXPECT_TRUE(lay.short_positions());
+  EXPECT_FALSE(EngineAccess::kv(*sw).layout().short_positions());
+  const int pages = EngineAccess::kv(*sn).pages_held();
+  EXPECT_EQ(pages, EngineAccess::kv(*sw).pages_held());
+  EXPECT_EQ(sw->kv_bytes() - sn->kv_bytes(), size_t(pages) * lay.page_tokens * 2);
+  for (int i = n; i < n + 20; ++i) {
+    ASSERT_TRUE(sn->Eval(std::span(prompt).subspan(i, 1), &ln).ok());
+    ASSERT_TRUE(sw->Eval(std::span(prompt).subspan(i, 1), &lw).ok());
+    ASSERT_EQ(ln, lw) << "token " << i;
+  }
+  // Saved by the narrow engine, continued by the wide one, and back.
+  testing::TempDir dir;
+  for (auto [from, to] : {std::pair{sn.get(), wide.get()}, {sw.get(), narrow.get()}}) {
+    const std::string path = dir.path() + "/c.kv";
+    ASSERT_TRUE(from->Save(path).ok());
+    auto loaded = to->LoadSession(path);
+    ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+    std::vector<float> a, b;
+    ASSERT_TRUE(from->Eval(std::span(prompt).subspan(n + 20, 1), &a).ok());
+    ASSERT_TRUE((*loaded)->Eval(std::span(prompt).subspan(n + 20, 1), &b).ok());
+    EXPECT_EQ(a, b);
+  }
+}
+
 TEST(CodecEngine, BadCodecOptionsAreClearErrors) {
   EngineOptions o;
   o.model_dir = testing::ModelDir();

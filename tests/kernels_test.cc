@@ -904,16 +904,20 @@ struct TypedPages final : PageRows {
   std::vector<int> k_bits;                      // KIVI keys: bits per code, else 0
   std::vector<std::vector<uint16_t>> k_chan;    // KIVI keys: (minimum, scale) per channel
   std::vector<std::vector<int32_t>> pos;
-  std::vector<float> k, v;  // every key's rows as stored (rounded), contiguous
+  std::vector<std::vector<uint16_t>> pos16;  // the same where they fit 16 bits, else empty
+  std::vector<float> k, v;                   // every key's rows as stored (rounded), contiguous
   std::vector<int32_t> k_pos;
 
   int n_pages() const override { return static_cast<int>(cnt.size()); }
   int n_keys() const override { return static_cast<int>(k_pos.size()); }
   int page_tokens() const override { return pt; }
   int head_dim() const override { return hd; }
-  const int32_t* Positions(int page, int* n) const override {
+  // Odd pages hand over their positions in 16 bits (as a pool whose context fits them stores
+  // them), even ones in 32: both kinds, side by side, in every test.
+  PagePositions Positions(int page, int* n) const override {
     *n = cnt[page];
-    return pos[page].data();
+    if (page % 2 == 1 && !pos16[page].empty()) return {nullptr, pos16[page].data()};
+    return {pos[page].data()};
   }
   PageData Rows(int page, float*, float*) const override {
     auto data = [&](DType t, const auto& p16, const auto& p32, const auto& pq) -> const void* {
@@ -1013,6 +1017,10 @@ TypedPages MakeTypedPages(const std::vector<int32_t>& key_pos, int pt, int hd, s
     TypedPages::Store(tp.v_type.back(), RandomVec(size_t(n) * hd, rng), hd, &tp.v16.back(),
                       &tp.v32.back(), &tp.vq.back(), &tp.v);
     tp.pos.emplace_back(key_pos.begin() + j, key_pos.begin() + j + n);
+    const bool fits = std::all_of(tp.pos.back().begin(), tp.pos.back().end(),
+                                  [](int32_t p) { return p >= 0 && p <= 0xFFFF; });
+    tp.pos16.emplace_back(fits ? tp.pos.back().size() : 0);
+    std::copy_n(tp.pos.back().begin(), tp.pos16.back().size(), tp.pos16.back().begin());
     tp.k_pos.insert(tp.k_pos.end(), key_pos.begin() + j, key_pos.begin() + j + n);
     j += n;
   }
@@ -1082,7 +1090,7 @@ struct DecodingPages final : PageRows {
   int n_keys() const override { return tp.n_keys(); }
   int page_tokens() const override { return tp.pt; }
   int head_dim() const override { return tp.hd; }
-  const int32_t* Positions(int page, int* n) const override { return tp.Positions(page, n); }
+  PagePositions Positions(int page, int* n) const override { return tp.Positions(page, n); }
   PageData Rows(int page, float* k_buf, float* v_buf) const override {
     ++calls[page];
     int64_t first = 0;

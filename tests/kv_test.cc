@@ -1,6 +1,8 @@
 // The paged KV cache: pool accounting, all-or-nothing reservation, fork and copy-on-write.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include "kv/paged_sequence.h"
 
 namespace cachet {
@@ -67,11 +69,47 @@ TEST(KvCache, ForkSharesAndCopiesOnWrite) {
   EXPECT_EQ(child_k[2 * 8], 100.0f);  // token 6 written
   const float* parent_k = pv.slots + pv.page_ids[1] * pv.slot_floats;
   EXPECT_EQ(parent_k[1 * 8], 5.0f);
-  EXPECT_EQ(pool.positions(cv.page_ids[1])[2], 6);
+  EXPECT_EQ(pool.position(cv.page_ids[1], 2), 6);
   parent.reset();  // child still holds the shared full pages
   EXPECT_EQ(pool.used_pages(), 8);
   child.reset();
   EXPECT_EQ(pool.used_pages(), 0);
+}
+
+// Codec layouts whose context fits 16 bits store positions in 16: two bytes a token and table
+// less, and the same values read back (in place where they are 32-bit, widened otherwise).
+TEST(KvCache, PositionsIn16BitsWhereTheContextFits) {
+  KvLayout lay = SmallLayout();
+  lay.codec_k = lay.codec_v = codecs::Codec::kF16;
+  for (int64_t max_tokens : {int64_t{0}, int64_t{65536}, int64_t{65537}}) {
+    lay.max_tokens = max_tokens;
+    const bool narrow = max_tokens == 65536;
+    EXPECT_EQ(lay.short_positions(), narrow) << max_tokens;
+    EXPECT_EQ(lay.codec_page_bytes(),
+              lay.codec_k_bytes() + lay.codec_v_bytes() + 4 * (narrow ? 2 : 4));
+    PagePool pool(lay, 8 * lay.page_bytes());
+    std::vector<int32_t> raw, codec;
+    ASSERT_TRUE(pool.Alloc(1, 1, &raw, &codec).ok());
+    const int32_t at[4] = {0, 1, 40000, 65535};
+    pool.SetPositions(codec[0], 0, at, 4);
+    pool.set_position(raw[0], 2, 65535);
+    int32_t buf[4] = {-1, -1, -1, -1};
+    const int32_t* p = pool.Positions(codec[0], 4, buf);
+    EXPECT_EQ(p == buf, narrow);
+    EXPECT_TRUE(std::equal(p, p + 4, at));
+    EXPECT_EQ(pool.position(raw[0], 2), 65535);
+    pool.CopyPositions(codec[0], raw[0], 2);
+    int32_t out[4];
+    pool.ReadPositions(raw[0], 3, out);
+    EXPECT_EQ(out[0], 0);
+    EXPECT_EQ(out[1], 1);
+    EXPECT_EQ(out[2], 65535);
+  }
+  // The plain layout (f32, the reference) keeps 32-bit positions: its kernel reads them in place.
+  KvLayout plain = SmallLayout();
+  plain.max_tokens = 100;
+  EXPECT_FALSE(plain.short_positions());
+  EXPECT_EQ(plain.raw_page_bytes(), plain.raw_data_bytes() + 16);
 }
 
 }  // namespace

@@ -312,7 +312,8 @@ TEST(SavedCache, DamageIsDetectedBeforeAnythingIsAllocated) {
 
 // Damage a checksum cannot see (the checksum recomputed after the change, as a forger would): the
 // parser's own bounds hold. Every header byte and a sample of the rest, changed: a refusal, or a
-// session that works (page bytes and positions are not checked beyond their sizes).
+// session that works (page bytes are not checked beyond their sizes; positions must lie in the
+// sequence).
 TEST(SavedCache, ForgedFilesAreRefusedOrHarmless) {
   testing::TempDir dir;
   auto e = MakeEngine({"q8_0", "q4_0"});
@@ -348,6 +349,35 @@ TEST(SavedCache, ForgedFilesAreRefusedOrHarmless) {
   EXPECT_GT(loaded, 100);   // page bytes are data
   s.reset();
   EXPECT_EQ(e->kv_stats().pages_used, 0);  // nothing leaked by the refusals or the sessions
+}
+
+// A forged position outside the sequence is refused by name (16-bit pools could not hold it, and
+// a codec that turns keys by their positions would read past its tables).
+TEST(SavedCache, PositionsOutsideTheSequenceAreRefused) {
+  testing::TempDir dir;
+  auto e = MakeEngine({"q8_0", "q4_0"});
+  auto s = e->NewSession();
+  ASSERT_TRUE(s->Eval(Slice(0, 20), nullptr).ok());
+  const std::string path = dir.path() + "/c.ckv";
+  ASSERT_TRUE(s->Save(path).ok());
+  std::string bytes = testing::ReadFile(path);
+  std::vector<int32_t> first(16);
+  for (int i = 0; i < 16; ++i) first[i] = i;
+  const size_t at = bytes.find(std::string_view(reinterpret_cast<const char*>(first.data()), 64));
+  ASSERT_NE(at, std::string::npos);  // the first page's positions, as saved
+  const int32_t forged = 70000;
+  std::memcpy(bytes.data() + at + 3 * 4, &forged, 4);
+  const uint64_t sum = XXH3_64bits(bytes.data(), bytes.size() - 8);
+  std::memcpy(bytes.data() + bytes.size() - 8, &sum, 8);
+  const std::string bad = dir.path() + "/forged.ckv";
+  std::ofstream(bad, std::ios::binary | std::ios::trunc).write(bytes.data(), bytes.size());
+  auto r = e->LoadSession(bad);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kDataLoss);
+  EXPECT_NE(r.status().message().find("row 3 of page 0 of table 0 is at position 70000, outside "
+                                      "the sequence's 20 tokens"),
+            std::string::npos)
+      << r.status().message();
 }
 
 // A pool too small for the file's pages: ResourceExhausted, the pool as it was.

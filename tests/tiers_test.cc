@@ -975,7 +975,8 @@ TEST(KvTiersStore, LostRunsAreStoredAgainAfterTheRecheckInterval) {
   PagePool pool(lay, 1 << 20);
   std::vector<int32_t> pages;
   ASSERT_TRUE(pool.Alloc(4, &pages).ok());
-  for (int32_t p : pages) std::fill_n(pool.positions(p), 4, 0);
+  const int32_t zero[4] = {0, 0, 0, 0};
+  for (int32_t p : pages) pool.SetPositions(p, 0, zero, 4);
   TierNamespace ns = Ns();
   ns.page_tokens = 4;
   ns.n_layers = ns.n_kv_heads = 1;
@@ -1018,7 +1019,8 @@ TEST_P(KvTiersLoad, EachTablesPagesAreConsecutiveSlots) {
   for (size_t i = 0; i < pages.size(); ++i) {
     uint8_t* d = pool.data(pages[i]);
     for (size_t j = 0; j < lay.raw_data_bytes(); ++j) d[j] = static_cast<uint8_t>(i * 31 + j);
-    std::fill_n(pool.positions(pages[i]), 4, static_cast<int32_t>(i));
+    const int32_t at[4] = {int32_t(i), int32_t(i), int32_t(i), int32_t(i)};
+    pool.SetPositions(pages[i], 0, at, 4);
   }
   TierNamespace ns = Ns();
   ns.page_tokens = 4;
@@ -1043,7 +1045,7 @@ TEST_P(KvTiersLoad, EachTablesPagesAreConsecutiveSlots) {
       const int32_t page = loaded[(b - 1) * heads + h], stored = pages[b * heads + h];
       EXPECT_EQ(std::memcmp(pool.data(page), pool.data(stored), lay.raw_data_bytes()), 0)
           << "block " << b << " table " << h;
-      EXPECT_EQ(pool.positions(page)[0], pool.positions(stored)[0]);
+      EXPECT_EQ(pool.position(page, 0), pool.position(stored, 0));
       if (b > 1) {
         EXPECT_EQ(page, loaded[(b - 2) * heads + h] + 1) << "table " << h;
       }
@@ -1052,6 +1054,64 @@ TEST_P(KvTiersLoad, EachTablesPagesAreConsecutiveSlots) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Room, KvTiersLoad, ::testing::Values(64, 12, 4));
+
+// Tiers carry positions as int32 whatever a pool stores them in: pages stored from a pool of
+// 16-bit positions load into one of 32 and back, and a run holding positions past a pool's context
+// is not loaded into it.
+TEST(KvTiersLoad, PositionsTravelAsInt32) {
+  auto layout = [](int64_t max_tokens) {
+    KvLayout l{1, 1, 8, 4};
+    l.codec_k = l.codec_v = codecs::Codec::kF16;
+    l.max_tokens = max_tokens;
+    return l;
+  };
+  const int n_blocks = 4;
+  TierNamespace ns = Ns();
+  ns.page_tokens = 4;
+  ns.n_layers = ns.n_kv_heads = 1;
+  ns.head_dim = 8;
+  std::vector<int32_t> tokens(n_blocks * 4);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = 3 + static_cast<int32_t>(i);
+  std::map<std::string, std::string> stored;
+  for (int64_t from : {int64_t{65536}, int64_t{0}}) {
+    PagePool src(layout(from), 64 * layout(from).page_bytes());
+    ASSERT_EQ(src.layout().short_positions(), from != 0);
+    std::vector<int32_t> pages;
+    ASSERT_TRUE(src.Alloc(n_blocks, &pages).ok());
+    for (int b = 0; b < n_blocks; ++b) {
+      const int32_t at[4] = {60000 + 4 * b, 60001 + 4 * b, 60002 + 4 * b, 60003 + 4 * b};
+      src.SetPositions(pages[b], 0, at, 4);
+    }
+    auto owned = std::make_unique<MemoryTier>();
+    MemoryTier* mem = owned.get();
+    std::vector<std::unique_ptr<Tier>> stack;
+    stack.push_back(std::move(owned));
+    KvTiers tiers(src, ns, std::move(stack), /*zstd=*/false, /*run_blocks=*/2);
+    tiers.Store(tokens, 0, n_blocks, [&](int b) { return std::span<const int32_t>(&pages[b], 1); });
+    ASSERT_EQ(mem->runs.size(), 2u);
+    if (!stored.empty()) {
+      EXPECT_EQ(mem->runs, stored);  // the same bytes from either pool
+    }
+    stored = mem->runs;
+  }
+  for (int64_t to : {int64_t{0}, int64_t{65536}, int64_t{60010}}) {
+    PagePool dst(layout(to), 64 * layout(to).page_bytes());
+    auto owned = std::make_unique<MemoryTier>();
+    owned->runs = stored;
+    std::vector<std::unique_ptr<Tier>> stack;
+    stack.push_back(std::move(owned));
+    KvTiers tiers(dst, ns, std::move(stack), /*zstd=*/false, /*run_blocks=*/2);
+    std::vector<int32_t> loaded;
+    std::vector<int> source;
+    // A context of 60010 tokens holds the first run's positions (to 60007), not the second's.
+    const int want = to == 60010 ? 2 : 4;  // blocks
+    ASSERT_EQ(tiers.Load(tokens, 0, 0, n_blocks, &loaded, &source), want) << to;
+    ASSERT_EQ(loaded.size(), size_t(want));
+    for (int b = 0; b < want; ++b) {
+      for (int r = 0; r < 4; ++r) EXPECT_EQ(dst.position(loaded[b], r), 60000 + 4 * b + r);
+    }
+  }
+}
 
 }  // namespace
 }  // namespace cachet::tiers

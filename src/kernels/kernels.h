@@ -75,6 +75,14 @@ struct PageData {
   int k_bits = 0;
 };
 
+// A page's token positions as its source stores them: int32, or uint16 where the context fits
+// 16 bits (one of the two set).
+struct PagePositions {
+  const int32_t* wide = nullptr;
+  const uint16_t* narrow = nullptr;
+  int32_t operator[](int i) const { return wide != nullptr ? wide[i] : narrow[i]; }
+};
+
 // A page table whose pages are not all raw f32 (KV codecs, a cold pool): the kernel asks for each
 // logical page's positions, then, if any key of it is visible, for its rows. Page i's keys are
 // numbered from the sum of the earlier pages' counts (the AttnObserve key index).
@@ -84,7 +92,7 @@ class PageRows {
   virtual int n_keys() const = 0;
   virtual int page_tokens() const = 0;  // the most rows a page holds
   virtual int head_dim() const = 0;
-  virtual const int32_t* Positions(int page, int* cnt) const = 0;
+  virtual PagePositions Positions(int page, int* cnt) const = 0;
   // Rows of other codecs are decoded into k_buf / v_buf (page_tokens x head_dim floats each).
   virtual PageData Rows(int page, float* k_buf, float* v_buf) const = 0;
   // A hint, called before the kernel works on the page before: start fetching the page's rows.

@@ -19,7 +19,7 @@ AgedRun FindAged(const PagePool& pool, const BlockTable& t, int n_tokens, int af
   while (r.first < int64_t(t.pages.size()) && IsSinkPage(lay, r.first)) ++r.first;
   const int64_t final_pages = FinalPages(lay, t.n_tokens);
   for (int64_t p = r.first; p < final_pages; ++p) {
-    if (pool.positions(t.pages[p])[pt - 1] >= int64_t(n_tokens) - after) break;
+    if (pool.position(t.pages[p], pt - 1) >= int64_t(n_tokens) - after) break;
     ++r.count;
   }
   return r;
@@ -53,6 +53,8 @@ Status AgeOutPages(PagePool& pool, std::vector<BlockTable>& tables, PagePool& co
   // Apply.
   size_t next = 0;
   thread_local std::vector<float> k, v;
+  thread_local std::vector<int32_t> pos;
+  pos.resize(pt);
   k.resize(size_t(pt) * lay.head_dim);
   v.resize(size_t(pt) * lay.head_dim);
   for (size_t ti = 0; ti < tables.size(); ++ti) {
@@ -63,7 +65,7 @@ Status AgeOutPages(PagePool& pool, std::vector<BlockTable>& tables, PagePool& co
     for (int64_t p = r.first; p < r.first + r.count; ++p) {
       const int32_t page = t.pages[p];
       DecodeRows(pool, int(ti), page, pt, k.data(), v.data());
-      const int32_t* pos = pool.positions(page);
+      pool.ReadPositions(page, pt, pos.data());
       for (int j = 0; j < pt; ++j) {
         AppendColdRow(cold_pool, int(ti), c, fresh, &next, k.data() + size_t(j) * lay.head_dim,
                       v.data() + size_t(j) * lay.head_dim, pos[j]);

@@ -9,6 +9,18 @@ namespace cachet {
 
 using codecs::Role;
 
+namespace {
+
+// A page's first n positions as int32: in place, or widened into a buffer of this thread (valid
+// until the next call).
+const int32_t* PagePositions(const PagePool& pool, int32_t page, int n) {
+  thread_local std::vector<int32_t> buf;
+  if (buf.size() < size_t(n)) buf.resize(n);
+  return pool.Positions(page, n, buf.data());
+}
+
+}  // namespace
+
 void EncodePageRows(PagePool& pool, int table, int32_t page, Role role, const float* rows,
                     int first, int n) {
   const KvLayout& lay = pool.layout();
@@ -17,7 +29,7 @@ void EncodePageRows(PagePool& pool, int table, int32_t page, Role role, const fl
   if (codecs::StoredBeforeRope(c, role)) {
     thread_local std::vector<float> back;
     back.assign(rows, rows + size_t(n) * hd);
-    lay.rope->Turn(back.data(), n, hd, pool.positions(page) + first, true);
+    lay.rope->Turn(back.data(), n, hd, PagePositions(pool, page, first + n) + first, true);
     rows = back.data();
   }
   const codecs::CalPlan* plan = pool.plan_of(page, table, role);
@@ -36,7 +48,7 @@ namespace {
 void RopeStoredRows(const PagePool& pool, int32_t page, Role role, int cnt, float* rows) {
   if (!codecs::StoredBeforeRope(pool.codec_of(page, role), role)) return;
   const KvLayout& lay = pool.layout();
-  lay.rope->Turn(rows, cnt, lay.head_dim, pool.positions(page), false);
+  lay.rope->Turn(rows, cnt, lay.head_dim, PagePositions(pool, page, cnt), false);
 }
 
 }  // namespace
@@ -45,12 +57,12 @@ void DecodeStoredRows(PagePool& pool, int table, int32_t page, Role role, int cn
   const KvLayout& lay = pool.layout();
   codecs::simd::DecodeStored(pool.codec_of(page, role), role, pool.rows(page, role), cnt,
                              lay.page_tokens, lay.head_dim, rows, pool.plan_of(page, table, role),
-                             lay.rope.get(), pool.positions(page));
+                             lay.rope.get(), PagePositions(pool, page, cnt));
 }
 
 void WriteRow(PagePool& pool, int table, int32_t page, int off, const float* k, const float* v,
               int32_t pos) {
-  pool.positions(page)[off] = pos;
+  pool.set_position(page, off, pos);
   for (Role role : {Role::kKey, Role::kValue}) {
     EncodePageRows(pool, table, page, role, role == Role::kKey ? k : v, off, 1);
   }
@@ -99,7 +111,7 @@ void GatherTable(PagePool& pool, int table, const BlockTable& t, std::vector<flo
     const int cnt = std::min(pt, t.n_tokens - p * pt);
     DecodeRows(pool, table, page, cnt, k->data() + size_t(p) * pt * hd,
                v->data() + size_t(p) * pt * hd);
-    std::memcpy(positions->data() + size_t(p) * pt, pool.positions(page), cnt * sizeof(int32_t));
+    pool.ReadPositions(page, cnt, positions->data() + size_t(p) * pt);
   }
 }
 

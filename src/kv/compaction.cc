@@ -88,7 +88,7 @@ class Compaction {
   bool Moves(size_t ti, int32_t r) const {
     if (!renumber_) return false;
     const int pt = lay_.page_tokens;
-    const int32_t pos = pool_.positions(tables_[ti].pages[r / pt])[r % pt];
+    const int32_t pos = pool_.position(tables_[ti].pages[r / pt], r % pt);
     return renumber_->new_pos[pos] != pos;
   }
   // A kept row's key and position as they are written: re-rotated when renumbered.
@@ -243,7 +243,7 @@ void Compaction::ApplyRowWise(size_t ti) {
     }
     const int32_t sp = t.pages[s];
     DecodeRows(pool_, int(ti), sp, cnt, kbuf_.data(), vbuf_.data());
-    std::memcpy(pos_.data(), pool_.positions(sp), cnt * sizeof(int32_t));
+    pool_.ReadPositions(sp, cnt, pos_.data());
     if (drops) {
       size_t x = kj;
       for (int r = 0; r < cnt; ++r) {
@@ -312,7 +312,7 @@ void Compaction::ApplyStaged(size_t ti) {
       const size_t x = size_t(d) * pt + r, src = size_t(k[x]) * hd;
       std::copy_n(&table_k_[src], hd, &kbuf_[size_t(r) * hd]);
       std::copy_n(new_v ? new_v + x * hd : &table_v_[src], hd, &vbuf_[size_t(r) * hd]);
-      pool_.positions(page)[r] = table_pos_[k[x]];
+      pool_.set_position(page, r, table_pos_[k[x]]);
     }
     for (Role role : {Role::kKey, Role::kValue}) {
       EncodePageRows(pool_, int(ti), page, role, role == Role::kKey ? kbuf_.data() : vbuf_.data(),

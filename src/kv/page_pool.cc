@@ -25,10 +25,10 @@ void PagePool::MapArena(Arena& a, size_t k_bytes, size_t v_bytes, size_t capacit
   const size_t data_bytes_per_slot = k_bytes + v_bytes;
   a.k_bytes = k_bytes;
   a.data_bytes = data_bytes_per_slot;
-  const size_t page_bytes = data_bytes_per_slot + layout_.page_tokens * sizeof(int32_t);
+  const size_t page_bytes = data_bytes_per_slot + layout_.page_position_bytes();
   a.slots = static_cast<int32_t>(std::min<size_t>(capacity_bytes / page_bytes, kCodecPageBit - 1));
   const size_t data = static_cast<size_t>(a.slots) * data_bytes_per_slot;
-  const size_t pos = static_cast<size_t>(a.slots) * layout_.page_tokens * sizeof(int32_t);
+  const size_t pos = static_cast<size_t>(a.slots) * layout_.page_position_bytes();
   a.mapped = data + pos;
   if (a.mapped > 0) {
     void* p = ::mmap(nullptr, a.mapped, PROT_READ | PROT_WRITE,
@@ -41,7 +41,7 @@ void PagePool::MapArena(Arena& a, size_t k_bytes, size_t v_bytes, size_t capacit
     // the arena, so this holds at most a partly used 2 MiB page more per region. Advice only.
     ::madvise(p, a.mapped, MADV_HUGEPAGE);
     a.base = static_cast<uint8_t*>(p);
-    a.positions = reinterpret_cast<int32_t*>(a.base + data);
+    a.positions = a.base + data;
   }
   a.refs.assign(a.slots, 0);
   a.free.reserve(a.slots);
@@ -49,7 +49,7 @@ void PagePool::MapArena(Arena& a, size_t k_bytes, size_t v_bytes, size_t capacit
 }
 
 PagePool::PagePool(const KvLayout& layout, size_t capacity_bytes)
-    : layout_(layout), capacity_bytes_(capacity_bytes) {
+    : layout_(layout), short_positions_(layout.short_positions()), capacity_bytes_(capacity_bytes) {
   MapArena(raw_, layout.raw_k_bytes(), layout.raw_k_bytes(), capacity_bytes);
   if (!layout.plain()) {
     MapArena(codec_, layout.codec_k_bytes(), layout.codec_v_bytes(), capacity_bytes);
@@ -117,7 +117,23 @@ void PagePool::CopyPage(int32_t from, int32_t to) {
     std::memcpy(rows(to, codecs::Role::kKey), rows(from, codecs::Role::kKey),
                 layout_.raw_data_bytes());
   }
-  std::memcpy(positions(to), positions(from), layout_.page_tokens * sizeof(int32_t));
+  CopyPositions(from, to, layout_.page_tokens);
+}
+
+void PagePool::SetPositions(int32_t page, int first, const int32_t* pos, int cnt) {
+  uint8_t* p = position_data(page);
+  if (!short_positions_) {
+    std::memcpy(reinterpret_cast<int32_t*>(p) + first, pos, cnt * sizeof(int32_t));
+    return;
+  }
+  uint16_t* s = reinterpret_cast<uint16_t*>(p) + first;
+  for (int i = 0; i < cnt; ++i) {
+    if (pos[i] < 0 || pos[i] > 0xFFFF) {
+      std::fprintf(stderr, "cachet: internal error: position %d does not fit 16 bits\n", pos[i]);
+      std::abort();
+    }
+    s[i] = static_cast<uint16_t>(pos[i]);
+  }
 }
 
 void PagePool::Unref(int32_t page) {

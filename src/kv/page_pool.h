@@ -7,8 +7,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cachet/status.h"
@@ -36,6 +38,10 @@ struct KvLayout {
   std::shared_ptr<const codecs::RopeTable> rope = nullptr;
   // Recent window: a page stays raw until `window` newer tokens follow it, then it is encoded.
   int window = 0;
+  // Every position is below this (the engine's context; 0: not known). Codec layouts whose
+  // context fits in 16 bits store positions in 16 (a quarter of a bit per value less at head_dim
+  // 64); the plain layout, the reference, keeps them in 32 as its kernel reads them.
+  int64_t max_tokens = 0;
 
   // Plain layouts store every page raw; others encode pages (see PagedSequence).
   bool plain() const { return codec_k == codecs::Codec::kF32 && codec_v == codecs::Codec::kF32; }
@@ -51,6 +57,9 @@ struct KvLayout {
     return n - window < page_tokens ? 0 : (n - window) / page_tokens;
   }
   int64_t slot_floats() const { return int64_t{2} * page_tokens * head_dim; }
+  bool short_positions() const { return !plain() && max_tokens > 0 && max_tokens <= 65536; }
+  size_t position_bytes() const { return short_positions() ? 2 : 4; }
+  size_t page_position_bytes() const { return page_tokens * position_bytes(); }
   // Raw pages hold rows unquantized: f32 in a plain layout, f16 beside a codec (the sinks, the
   // recent window and KIVI's residual are mixed precision's high tier, at half the bytes of f32).
   codecs::Codec raw_codec() const { return plain() ? codecs::Codec::kF32 : codecs::Codec::kF16; }
@@ -58,7 +67,7 @@ struct KvLayout {
     return codecs::PageBytes(raw_codec(), codecs::Role::kKey, page_tokens, head_dim);
   }
   size_t raw_data_bytes() const { return 2 * raw_k_bytes(); }
-  size_t raw_page_bytes() const { return raw_data_bytes() + page_tokens * sizeof(int32_t); }
+  size_t raw_page_bytes() const { return raw_data_bytes() + page_position_bytes(); }
   size_t codec_k_bytes() const {
     return codecs::PageBytes(codec_k, codecs::Role::kKey, page_tokens, head_dim);
   }
@@ -66,7 +75,7 @@ struct KvLayout {
     return codecs::PageBytes(codec_v, codecs::Role::kValue, page_tokens, head_dim);
   }
   size_t codec_page_bytes() const {
-    return codec_k_bytes() + codec_v_bytes() + page_tokens * sizeof(int32_t);
+    return codec_k_bytes() + codec_v_bytes() + page_position_bytes();
   }
   // Bytes of a page as most of a long sequence stores it.
   size_t page_bytes() const { return plain() ? raw_page_bytes() : codec_page_bytes(); }
@@ -105,6 +114,7 @@ class PagePool {
   PagePool& operator=(const PagePool&) = delete;
 
   const KvLayout& layout() const { return layout_; }
+  bool short_positions() const { return short_positions_; }
   size_t capacity_bytes() const { return capacity_bytes_; }
   size_t used_bytes() const {
     return raw_.used * layout_.raw_page_bytes() + codec_.used * layout_.codec_page_bytes();
@@ -165,29 +175,57 @@ class PagePool {
   // Codec pages: encoded K, then encoded V.
   uint8_t* codec_keys(int32_t page) { return rows(page | kCodecPageBit, codecs::Role::kKey); }
   uint8_t* codec_values(int32_t page) { return rows(page | kCodecPageBit, codecs::Role::kValue); }
-  int32_t* positions(int32_t page) {
-    return (IsCodecPage(page) ? codec_.positions : raw_.positions) +
-           static_cast<size_t>(page & ~kCodecPageBit) * layout_.page_tokens;
-  }
   // A page's K bytes then its V bytes, contiguous, as stored (the tiers copy pages whole).
   uint8_t* data(int32_t page) { return rows(page, codecs::Role::kKey); }
   const uint8_t* data(int32_t page) const { return const_cast<PagePool*>(this)->data(page); }
   size_t data_bytes(bool codec_page) const {
     return codec_page ? codec_data_bytes() : layout_.raw_data_bytes();
   }
-  const int32_t* positions(int32_t page) const {
-    return const_cast<PagePool*>(this)->positions(page);
+  // A page's token positions, in 16 or 32 bits (KvLayout::short_positions): read and written
+  // only through these. Positions(page, cnt, buf) points at the first cnt as int32, in place
+  // where they are stored so, else widened into buf (cnt values).
+  const int32_t* Positions(int32_t page, int cnt, int32_t* buf) const {
+    const uint8_t* p = position_data(page);
+    if (!short_positions_) return reinterpret_cast<const int32_t*>(p);
+    const uint16_t* s = reinterpret_cast<const uint16_t*>(p);
+    for (int i = 0; i < cnt; ++i) buf[i] = s[i];
+    return buf;
+  }
+  void ReadPositions(int32_t page, int cnt, int32_t* out) const {
+    const int32_t* p = Positions(page, cnt, out);
+    if (p != out) std::memcpy(out, p, cnt * sizeof(int32_t));
+  }
+  int32_t position(int32_t page, int r) const {
+    const uint8_t* p = position_data(page);
+    return short_positions_ ? reinterpret_cast<const uint16_t*>(p)[r]
+                            : reinterpret_cast<const int32_t*>(p)[r];
+  }
+  // Positions must be in [0, 65536) where they are stored in 16 bits (the engine keeps them below
+  // its context; loaders check what they read): anything else aborts as an internal error.
+  void set_position(int32_t page, int r, int32_t pos) { SetPositions(page, r, &pos, 1); }
+  void SetPositions(int32_t page, int first, const int32_t* pos, int cnt);
+  // Copies the first cnt positions of a page of this pool into another.
+  void CopyPositions(int32_t from, int32_t to, int cnt) {
+    std::memcpy(position_data(to), position_data(from), cnt * layout_.position_bytes());
+  }
+  const uint8_t* position_data(int32_t page) const {
+    const Arena& a = IsCodecPage(page) ? codec_ : raw_;
+    return a.positions + static_cast<size_t>(page & ~kCodecPageBit) * layout_.page_position_bytes();
+  }
+  uint8_t* position_data(int32_t page) {
+    return const_cast<uint8_t*>(std::as_const(*this).position_data(page));
   }
   // The f32 slots of a plain layout, as kernels::PagedKv takes them.
   const float* slots_base() const { return reinterpret_cast<const float*>(raw_.base); }
-  const int32_t* positions_base() const { return raw_.positions; }
+  // Plain layouts only (their positions are 32-bit).
+  const int32_t* positions_base() const { return reinterpret_cast<const int32_t*>(raw_.positions); }
 
  private:
   struct Arena {
     uint8_t* base = nullptr;
-    int32_t* positions = nullptr;
-    size_t data_bytes = 0;  // a page's K and V rows
-    size_t k_bytes = 0;     // its K rows, the V rows' offset
+    uint8_t* positions = nullptr;  // page_position_bytes() a slot, after every slot's rows
+    size_t data_bytes = 0;         // a page's K and V rows
+    size_t k_bytes = 0;            // its K rows, the V rows' offset
     size_t mapped = 0;
     int32_t slots = 0;
     int32_t used = 0;
@@ -201,6 +239,7 @@ class PagePool {
   }
 
   KvLayout layout_;
+  bool short_positions_ = false;  // layout_.short_positions(), read per page by attention
   size_t capacity_bytes_ = 0;
   Arena raw_, codec_;
   size_t high_water_bytes_ = 0;

@@ -232,7 +232,7 @@ Status PagedSequence::Renumber(std::span<const int32_t> new_pos, std::span<const
     for (size_t ti = 0; ti < tables.size(); ++ti) {
       const BlockTable& t = tables[ti];
       for (int32_t r = 0; r < t.n_tokens; ++r) {
-        if (new_pos[pool.positions(t.pages[r / pt])[r % pt]] >= 0) keep[ti].push_back(r);
+        if (new_pos[pool.position(t.pages[r / pt], r % pt)] >= 0) keep[ti].push_back(r);
       }
     }
     return keep;
@@ -265,7 +265,7 @@ Status PagedSequence::Truncate(int n) {
     const BlockTable& t = tables_[ti];
     int32_t m = 0;
     for (int32_t r = 0; r < t.n_tokens; ++r) {
-      if (pool_.positions(t.pages[r / pt])[r % pt] >= n) continue;
+      if (pool_.position(t.pages[r / pt], r % pt) >= n) continue;
       if (m != r) return FailedPrecondition("Truncate: a table's rows are not in position order");
       ++m;
     }
@@ -278,7 +278,7 @@ Status PagedSequence::Truncate(int n) {
     const BlockTable& c = cold_tables_[ti];
     const int cpt = cold_pool_->layout().page_tokens;
     for (int32_t r = 0; r < c.n_tokens; ++r) {
-      if (cold_pool_->positions(c.pages[r / cpt])[r % cpt] < n) {
+      if (cold_pool_->position(c.pages[r / cpt], r % cpt) < n) {
         cold_keep[ti].push_back(r);
       } else {
         cold_drops = true;
@@ -313,7 +313,7 @@ Status PagedSequence::Truncate(int n) {
                            role == codecs::Role::kKey ? kbuf.data() : vbuf.data(), cnt, pt, hd,
                            pool_.rows(fresh, role));
       }
-      std::memcpy(pool_.positions(fresh), pool_.positions(sealed), cnt * sizeof(int32_t));
+      pool_.CopyPositions(sealed, fresh, cnt);
       pool_.Unref(sealed);
       t.pages[m / pt] = fresh;
     }
@@ -335,8 +335,8 @@ void PagedSequence::Positions(int layer, int kv_head, std::vector<int32_t>* posi
   const int pt = pool_.layout().page_tokens;
   positions->resize(t.n_tokens);
   for (int p = 0; p * pt < t.n_tokens; ++p) {
-    std::memcpy(positions->data() + size_t(p) * pt, pool_.positions(t.pages[p]),
-                std::min(pt, t.n_tokens - p * pt) * sizeof(int32_t));
+    pool_.ReadPositions(t.pages[p], std::min(pt, t.n_tokens - p * pt),
+                        positions->data() + size_t(p) * pt);
   }
 }
 
@@ -396,7 +396,7 @@ void PagedSequence::OverwriteRow(int layer, int kv_head, int row, const float* k
   const int pt = pool_.layout().page_tokens;
   const int32_t page = table(layer, kv_head).pages[row / pt];
   WriteRow(pool_, layer * pool_.layout().n_kv_heads + kv_head, page, row % pt, k, v,
-           pool_.positions(page)[row % pt]);
+           pool_.position(page, row % pt));
 }
 
 }  // namespace cachet

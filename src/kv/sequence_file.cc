@@ -137,7 +137,8 @@ Result<Header> ParseHeader(ByteReader& r, std::span<const uint8_t> bytes) {
 }
 
 // Walks the tables, checking their sizes and page kinds: fn.table(index, cold, tokens) for each,
-// fn.page(index, cold, codec, data, bytes, positions, bytes) for each of its pages.
+// fn.page(index, cold, codec, data, bytes, positions, bytes, rows) for each of its pages (rows:
+// those it holds, each at a position checked to be in the sequence).
 template <class Fn>
 Status WalkTables(ByteReader& r, const Header& h, const KvLayout& hot, const KvLayout* cold,
                   Fn& fn) {
@@ -170,7 +171,20 @@ Status WalkTables(ByteReader& r, const Header& h, const KvLayout& hot, const KvL
       const uint8_t* data = r.Take(n, "page data");
       const uint8_t* pos = r.Take(pos_bytes, "page positions");
       if (!r.ok()) return r.status();
-      fn.page(t, is_cold, kind == kCodecPage, data, n, pos, pos_bytes);
+      // The rows a page holds are at positions of the sequence (the rest of a last page unused).
+      const int rows =
+          std::min<int64_t>(l.page_tokens, int64_t{n_tokens} - int64_t{p} * l.page_tokens);
+      for (int i = 0; i < rows; ++i) {
+        int32_t at;
+        std::memcpy(&at, pos + size_t(i) * sizeof(int32_t), sizeof at);
+        if (at < 0 || at >= h.seq_tokens) {
+          return DataLoss("saved cache: row " + std::to_string(i) + " of page " +
+                          std::to_string(p) + " of table " + std::to_string(t) +
+                          " is at position " + std::to_string(at) + ", outside the sequence's " +
+                          std::to_string(h.seq_tokens) + " tokens");
+        }
+      }
+      fn.page(t, is_cold, kind == kCodecPage, data, n, pos, pos_bytes, rows);
     }
   }
   return r.status();
@@ -227,6 +241,7 @@ std::string SaveSequence(const PagedSequence& seq, const tiers::TierNamespace& n
   w.Put<int32_t>(seq.n_tokens());
   w.Put<uint32_t>(static_cast<uint32_t>(seq.tables().size()));
   w.Put<uint32_t>(cold ? static_cast<uint32_t>(seq.cold_tables().size()) : 0);
+  std::vector<int32_t> pos(seq.pool().layout().page_tokens);
   auto put_table = [&](const BlockTable& t, const PagePool& pool) {
     w.Put<int32_t>(t.n_tokens);
     const size_t n_pages =
@@ -237,7 +252,9 @@ std::string SaveSequence(const PagedSequence& seq, const tiers::TierNamespace& n
       const bool codec = IsCodecPage(page);
       w.Put<uint8_t>(codec ? kCodecPage : kRawPage);
       w.Bytes(pool.data(page), pool.data_bytes(codec));
-      w.Bytes(pool.positions(page), pool.layout().page_tokens * sizeof(int32_t));
+      // Positions are written as int32 whatever the pool stores them in.
+      pool.ReadPositions(page, pool.layout().page_tokens, pos.data());
+      w.Bytes(pos.data(), pos.size() * sizeof(int32_t));
     }
   };
   // The sequence's pool is the one its tables' pages live in.
@@ -274,7 +291,7 @@ Result<Parsed> Parse(std::span<const uint8_t> bytes) {
     Parsed* p;
     void table(uint32_t, bool, int32_t n) { p->h.info.held_rows += n; }
     void page(uint32_t, bool is_cold, bool is_codec, const uint8_t*, size_t n, const uint8_t*,
-              size_t pn) {
+              size_t pn, int) {
       p->h.info.page_bytes += static_cast<int64_t>(n + pn);
       ++p->pages[(is_cold ? 2 : 0) + (is_codec ? 1 : 0)];
     }
@@ -306,6 +323,11 @@ Status LoadSequence(std::span<const uint8_t> bytes, const tiers::TierNamespace& 
     return FailedPrecondition(Mismatch(h.info.ns, ns));
   }
   PagePool& hot = seq->pool();
+  if (hot.layout().max_tokens > 0 && h.seq_tokens > hot.layout().max_tokens) {
+    return OutOfRange("saved cache: it holds " + std::to_string(h.seq_tokens) +
+                      " tokens, more than the context of " +
+                      std::to_string(hot.layout().max_tokens));
+  }
   PagePool* cold = nullptr;
   if (!h.info.cold_codec.empty()) {
     CACHET_ASSIGN_OR_RETURN(cold, cold_pool_for(h.info.cold_codec));
@@ -326,16 +348,19 @@ Status LoadSequence(std::span<const uint8_t> bytes, const tiers::TierNamespace& 
     std::vector<BlockTable>* tables[2];
     std::vector<int32_t>* pages[4];
     size_t next[4] = {0, 0, 0, 0};
+    std::vector<int32_t> p = {};  // a page's positions
     BlockTable& Table(uint32_t t, bool is_cold) {
       return (*tables[is_cold])[is_cold ? t - tables[0]->size() : t];
     }
     void table(uint32_t t, bool is_cold, int32_t n) { Table(t, is_cold).n_tokens = n; }
     void page(uint32_t t, bool is_cold, bool is_codec, const uint8_t* data, size_t n,
-              const uint8_t* pos, size_t pn) {
+              const uint8_t* pos, size_t pn, int rows) {
       const int which = (is_cold ? 2 : 0) + (is_codec ? 1 : 0);
       const int32_t page = (*pages[which])[next[which]++];
       std::memcpy(pools[is_cold]->data(page), data, n);
-      std::memcpy(pools[is_cold]->positions(page), pos, pn);
+      p.assign(pn / sizeof(int32_t), 0);  // a last page's unused rows: 0
+      std::memcpy(p.data(), pos, rows * sizeof(int32_t));
+      pools[is_cold]->SetPositions(page, 0, p.data(), static_cast<int>(p.size()));
       Table(t, is_cold).pages.push_back(page);
     }
   } fill{{&hot, cold}, {&tables, &cold_tables}, {&raw, &codec, &cold_raw, &cold_codec}};

@@ -36,7 +36,7 @@ void SealAgedPages(PagePool& pool, int table, BlockTable& t) {
     const int32_t raw = t.pages[p];
     const int32_t codec = t.seal_pages.front();
     t.seal_pages.erase(t.seal_pages.begin());
-    std::memcpy(pool.positions(codec), pool.positions(raw), lay.page_tokens * sizeof(int32_t));
+    pool.CopyPositions(raw, codec, lay.page_tokens);
     for (Role role : {Role::kKey, Role::kValue}) {
       codecs::DecodePage(lay.raw_codec(), role, pool.rows(raw, role), lay.page_tokens,
                          lay.page_tokens, lay.head_dim, rows.data());

@@ -53,9 +53,12 @@ struct RefRows final : kernels::PageRows {
   }
   int page_tokens() const override { return layout_.page_tokens; }
   int head_dim() const override { return layout_.head_dim; }
-  const int32_t* Positions(int page, int* cnt) const override {
+  kernels::PagePositions Positions(int page, int* cnt) const override {
     *cnt = refs_[page].cnt;
-    return refs_[page].pool->positions(refs_[page].page);
+    const PagePool& pool = *refs_[page].pool;
+    const uint8_t* p = pool.position_data(refs_[page].page);
+    if (pool.short_positions()) return {nullptr, reinterpret_cast<const uint16_t*>(p)};
+    return {reinterpret_cast<const int32_t*>(p)};
   }
   kernels::PageData Rows(int page, float* k_buf, float* v_buf) const override {
     PagePool& pool = *refs_[page].pool;
@@ -86,7 +89,7 @@ struct RefRows final : kernels::PageRows {
     // The positions live apart from the rows, and the kernel reads them first (which keys are
     // visible): unfetched, a scattered page's positions were a DRAM miss that a third of a Quest
     // decode step's attention waited on.
-    fetch(pool.positions(id), layout_.page_tokens * sizeof(int32_t));
+    fetch(pool.position_data(id), pool.layout().page_position_bytes());
   }
 
  private:

@@ -51,6 +51,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
   e->n_ctx_ = o.n_ctx > 0 ? o.n_ctx : c.max_position_embeddings;
   e->pool_ = std::make_unique<ThreadPool>(o.threads > 0 ? o.threads : ThreadPool::DefaultThreads());
   KvLayout layout{c.n_layers, c.n_kv_heads, c.head_dim, o.page_tokens};
+  layout.max_tokens = e->n_ctx_;  // positions in 16 bits where the context allows
   CACHET_ASSIGN_OR_RETURN(layout.codec_k, codecs::ParseCodec(o.kv_codec_k));
   CACHET_ASSIGN_OR_RETURN(layout.codec_v, codecs::ParseCodec(o.kv_codec_v));
   CACHET_RETURN_IF_ERROR(codecs::CheckDim(layout.codec_k, c.head_dim));

@@ -411,6 +411,33 @@ HWY_INLINE void WithValueRows(const void* rows, DType t, int cnt, int hd, int n_
 
 // The least and greatest of n >= 1 positions, a vector at a time (a page's keys: 16 in a vector on
 // AVX-512; std::min_element and max_element were two scalar passes per page and tile).
+// 16-bit positions widened into buf (whole vectors: buf has room for n rounded up to them), with
+// their bounds, in one pass: widened apart, the wide load of the bounds waited on narrow stores.
+HWY_INLINE void WidenPositions(const uint16_t* pos, int n, int32_t* buf, int32_t* lo, int32_t* hi) {
+  const hn::ScalableTag<int32_t> di;
+  const hn::Rebind<uint16_t, decltype(di)> du;
+  const int N = static_cast<int>(hn::Lanes(di));
+  auto vlo = hn::Set(di, std::numeric_limits<int32_t>::max());
+  auto vhi = hn::Set(di, std::numeric_limits<int32_t>::min());
+  int i = 0;
+  for (; i + N <= n; i += N) {
+    const auto p = hn::PromoteTo(di, hn::LoadU(du, pos + i));
+    hn::StoreU(p, di, buf + i);
+    vlo = hn::Min(vlo, p), vhi = hn::Max(vhi, p);
+  }
+  if (i < n) {  // a part vector (a table's last page): nothing past the page is read
+    uint16_t tail[64] = {};
+    std::copy_n(pos + i, n - i, tail);
+    const auto p = hn::PromoteTo(di, hn::LoadU(du, tail));
+    hn::StoreU(p, di, buf + i);
+    const auto in = hn::FirstN(di, n - i);
+    vlo = hn::IfThenElse(in, hn::Min(vlo, p), vlo);
+    vhi = hn::IfThenElse(in, hn::Max(vhi, p), vhi);
+  }
+  *lo = hn::GetLane(hn::MinOfLanes(di, vlo));
+  *hi = hn::GetLane(hn::MaxOfLanes(di, vhi));
+}
+
 HWY_INLINE void PositionBounds(const int32_t* pos, int n, int32_t* lo, int32_t* hi) {
   const hn::ScalableTag<int32_t> di;
   const int N = static_cast<int>(hn::Lanes(di));
@@ -478,7 +505,8 @@ void AttendPages(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys
   const size_t page_floats = static_cast<size_t>(pt) * (hd + hd / 32);
   const size_t chan_floats = static_cast<size_t>(2 + kRowBlock) * hd;  // ScoreChannelPage
   float* scratch = ThreadScratch(kScratchAttention, acc_floats + score_floats + 2 * max_rows +
-                                                        2 * max_slots * page_floats + chan_floats);
+                                                        2 * max_slots * page_floats + chan_floats +
+                                                        max_slots * s_stride);
   float* acc = scratch;
   float* scores = acc + acc_floats;
   float* run_max = scores + score_floats;
@@ -487,6 +515,8 @@ void AttendPages(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys
   float* k_buf = run_sum + max_rows;
   float* v_buf = k_buf + max_slots * page_floats;
   float* chan = v_buf + max_slots * page_floats;
+  // 16-bit positions widened: a page's per slot, in whole vectors (s_stride).
+  int32_t* pos_buf = reinterpret_cast<int32_t*>(chan + chan_floats);
   struct Slot {
     int page, cnt;
     const int32_t* pos;
@@ -579,12 +609,19 @@ void AttendPages(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys
           if (page + 1 < n_pages) pages.Prefetch(page + 1);
         }
         Slot& sl = slots[n_slots];
-        sl.pos = pages.Positions(page, &sl.cnt);
+        const PagePositions pp = pages.Positions(page, &sl.cnt);
         sl.page = page;
         sl.j0 = first_key;
         first_key += sl.cnt;
         int32_t p_min, p_max;
-        PositionBounds(sl.pos, sl.cnt, &p_min, &p_max);
+        if (pp.wide != nullptr) {
+          sl.pos = pp.wide;
+          PositionBounds(sl.pos, sl.cnt, &p_min, &p_max);
+        } else {
+          int32_t* buf = pos_buf + n_slots * s_stride;
+          WidenPositions(pp.narrow, sl.cnt, buf, &p_min, &p_max);
+          sl.pos = buf;
+        }
         if (p_min > q_max) continue;  // no key of the page is visible to the tile
         sl.all_visible = p_max <= q_min;
         float* kb = k_buf + n_slots * page_floats;
@@ -727,9 +764,9 @@ void AttendPages(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys
 // A plain page table of raw f32 pages.
 struct RawPages {
   const PagedKv& kv;
-  const int32_t* Positions(int page, int* cnt) const {
+  PagePositions Positions(int page, int* cnt) const {
     *cnt = std::min(kv.page_tokens, kv.n_tokens - page * kv.page_tokens);
-    return kv.positions + int64_t{kv.page_ids[page]} * kv.page_tokens;
+    return {kv.positions + int64_t{kv.page_ids[page]} * kv.page_tokens};
   }
   PageData Rows(int page, float*, float*) const {
     const float* k = kv.slots + int64_t{kv.page_ids[page]} * kv.slot_floats;

@@ -168,7 +168,7 @@ void PagedAttentionRows(const AttnBatch& b, const PageRows& kv) {
   bool quantized = false;
   for (int page = 0; page < kv.n_pages(); ++page) {
     int cnt = 0;
-    const int32_t* p = kv.Positions(page, &cnt);
+    const PagePositions p = kv.Positions(page, &cnt);
     const PageData rows = kv.Rows(page, k_buf.data(), v_buf.data());
     auto widen = [&](const void* data, DType t, float* out) {
       if (DTypeIsQuantized(t)) {
@@ -202,7 +202,7 @@ void PagedAttentionRows(const AttnBatch& b, const PageRows& kv) {
       DotScores(b, k.data(), cnt, hd, page_scores, n);
     }
     widen(rows.v, rows.v_type, &v[pos.size() * hd]);
-    pos.insert(pos.end(), p, p + cnt);
+    for (int r = 0; r < cnt; ++r) pos.push_back(p[r]);
   }
   AttendScored(b, scores.data(), v.data(), pos.data(), n, hd);
 }

@@ -38,37 +38,46 @@ void KvTiers::RunKeys(std::span<const int32_t> tokens, uint64_t salt, int n_bloc
   }
 }
 
-size_t KvTiers::PageBytes(bool codec) const {
-  return pool_.data_bytes(codec) + pool_.layout().page_tokens * sizeof(int32_t);
-}
-
 std::string KvTiers::Pack(int first_block, int n_blocks, const PagesOf& pages_of) const {
   std::string out;
-  const size_t pos_bytes = pool_.layout().page_tokens * sizeof(int32_t);
+  // Positions travel as int32 whatever the pool stores them in, so a tier serves engines of any
+  // context length.
+  const int pt = pool_.layout().page_tokens;
+  std::vector<int32_t> pos(pt);
   for (int b = first_block; b < first_block + n_blocks; ++b) {
     for (int32_t page : pages_of(b)) {
       const bool codec = IsCodecPage(page);
       out.push_back(static_cast<char>(codec ? kCodecPage : kRawPage));
       out.append(reinterpret_cast<const char*>(pool_.data(page)), pool_.data_bytes(codec));
-      out.append(reinterpret_cast<const char*>(pool_.positions(page)), pos_bytes);
+      pool_.ReadPositions(page, pt, pos.data());
+      out.append(reinterpret_cast<const char*>(pos.data()), pt * sizeof(int32_t));
     }
   }
   return out;
 }
 
 int KvTiers::Unpack(std::span<const Piece> pieces, std::vector<int32_t>* pages) {
-  const int heads = pool_.layout().heads_total();
+  const KvLayout& lay = pool_.layout();
+  const int heads = lay.heads_total(), pt = lay.page_tokens;
+  const size_t pos_bytes = pt * sizeof(int32_t);
+  std::vector<int32_t> pos(pt);
   // Appends the kind of each wanted page of a piece (block-major, as packed); false when the
-  // payload is not what this layout packs.
+  // payload is not what this layout packs, or holds positions past this engine's context.
   std::vector<uint8_t> is_codec;
   auto wanted_kinds = [&](const Piece& pc) {
     size_t at = 0;
     for (int b = 0; b < pc.n_blocks; ++b) {
       for (int h = 0; h < heads; ++h) {
         const uint8_t kind = at < pc.payload.size() ? pc.payload[at] : 0xFF;
-        if (kind != kRawPage && (kind != kCodecPage || pool_.layout().plain())) return false;
+        if (kind != kRawPage && (kind != kCodecPage || lay.plain())) return false;
+        const size_t data = pool_.data_bytes(kind == kCodecPage);
+        if (at + 1 + data + pos_bytes > pc.payload.size()) return false;
+        std::memcpy(pos.data(), pc.payload.data() + at + 1 + data, pos_bytes);
+        for (int32_t p : pos) {
+          if (p < 0 || (lay.max_tokens > 0 && p >= lay.max_tokens)) return false;
+        }
         if (b >= pc.skip) is_codec.push_back(kind == kCodecPage);
-        at += 1 + PageBytes(kind == kCodecPage);
+        at += 1 + data + pos_bytes;
       }
     }
     return at == pc.payload.size();
@@ -104,7 +113,6 @@ int KvTiers::Unpack(std::span<const Piece> pieces, std::vector<int32_t>* pages) 
       slot[i] = is_codec[i] ? codec[next_codec++] : raw[next_raw++];
     }
   }
-  const size_t pos_bytes = pool_.layout().page_tokens * sizeof(int32_t);
   size_t i = 0;
   for (int k = 0; k < n; ++k) {
     const Piece& pc = pieces[k];
@@ -115,7 +123,8 @@ int KvTiers::Unpack(std::span<const Piece> pieces, std::vector<int32_t>* pages) 
         if (b >= pc.skip) {
           const int32_t page = slot[i++];
           std::memcpy(pool_.data(page), pc.payload.data() + at + 1, bytes);
-          std::memcpy(pool_.positions(page), pc.payload.data() + at + 1 + bytes, pos_bytes);
+          std::memcpy(pos.data(), pc.payload.data() + at + 1 + bytes, pos_bytes);
+          pool_.SetPositions(page, 0, pos.data(), pt);
           pages->push_back(page);
         }
         at += 1 + bytes + pos_bytes;

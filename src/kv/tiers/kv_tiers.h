@@ -70,7 +70,6 @@ class KvTiers {
   // Keys of the runs covering blocks [0, n_blocks): full runs, then the shorter tail if any.
   void RunKeys(std::span<const int32_t> tokens, uint64_t salt, int n_blocks,
                std::vector<RunKey>* keys) const;
-  size_t PageBytes(bool codec) const;  // a page's packed bytes after its kind byte
   std::string Pack(int first_block, int n_blocks, const PagesOf& pages_of) const;
   // A run's payload of n_blocks blocks, of which [skip, n_blocks) are wanted.
   struct Piece {
