@@ -76,6 +76,72 @@ TEST(KvCache, ForkSharesAndCopiesOnWrite) {
   EXPECT_EQ(pool.used_pages(), 0);
 }
 
+// A decode step takes a page per table every page_tokens tokens. Taken as they come, one table's
+// pages would lie heads_total() slots apart; a long table takes its next pages from a claim of
+// free slots, so they lie side by side. Claimed slots stay free capacity: the pool's used pages
+// are the tables' own, and another sequence can still take every free page.
+TEST(KvCache, DecodePagesOfATableLieSideBySide) {
+  KvLayout lay = SmallLayout();
+  lay.max_tokens = 4096;
+  const int n = 1024;  // 256 pages a table
+  PagePool pool(lay, 4 * 300 * lay.page_bytes());
+  PagedSequence s(pool);
+  for (int i = 0; i < n; ++i) AppendTokens(s, 1, float(i));
+  ASSERT_EQ(s.n_tokens(), n);
+  EXPECT_EQ(pool.used_pages(), 4 * n / 4);
+  for (int l = 0; l < 2; ++l) {
+    for (int h = 0; h < 2; ++h) {
+      const kernels::PagedKv v = s.View(l, h);
+      int side_by_side = 0;
+      for (int p = 1; p < n / 4; ++p) side_by_side += v.page_ids[p] == v.page_ids[p - 1] + 1;
+      EXPECT_GT(side_by_side, n / 4 * 3 / 4) << l << " " << h;  // runs of up to 16 (213 of 255)
+      std::vector<int32_t> pos;
+      s.Positions(l, h, &pos);
+      ASSERT_EQ(pos.size(), size_t(n));
+      EXPECT_EQ(pos.back(), n - 1);
+    }
+  }
+  // The rest of the pool, claimed slots included, goes to another sequence.
+  std::vector<int32_t> rest;
+  ASSERT_TRUE(pool.Alloc(pool.free_pages(), &rest).ok());
+  EXPECT_EQ(pool.free_pages(), 0);
+  for (int32_t p : rest) pool.Unref(p);
+  // A pool with room for exactly the context decodes to its end.
+  PagePool tight(lay, 4 * (n / 4) * lay.page_bytes());
+  PagedSequence t(tight);
+  for (int i = 0; i < n; ++i) AppendTokens(t, 1, float(i));
+  EXPECT_EQ(tight.free_pages(), 0);
+  EXPECT_FALSE(t.Reserve(1).ok());
+}
+
+// Claims: taken front first, given back whole, and their slots taken by Alloc when no other is
+// free; the bytes they hold are free until taken.
+TEST(KvCache, ClaimsHoldFreeSlots) {
+  const KvLayout lay = SmallLayout();
+  PagePool pool(lay, 8 * lay.page_bytes());
+  const int32_t c = pool.Claim(false, 5);
+  ASSERT_GE(c, 0);
+  EXPECT_EQ(pool.free_pages(), 8);
+  const int32_t a = pool.TakeClaimed(c), b = pool.TakeClaimed(c);
+  EXPECT_EQ(b, a + 1);  // a fresh pool's slots in order
+  EXPECT_EQ(pool.used_pages(), 2);
+  std::vector<int32_t> rest;
+  ASSERT_TRUE(pool.Alloc(6, &rest).ok());  // 3 unclaimed slots, then 3 claimed ones
+  EXPECT_EQ(pool.TakeClaimed(c), -1);      // the claim's slots were taken
+  EXPECT_FALSE(pool.Alloc(1, &rest).ok());
+  for (int32_t p : rest) pool.Unref(p);
+  rest.clear();
+  pool.ReleaseClaim(c);
+  const int32_t d = pool.Claim(false, 3);
+  ASSERT_GE(d, 0);
+  pool.ReleaseClaim(d);
+  ASSERT_TRUE(pool.Alloc(6, &rest).ok());  // everything but a and b
+  pool.Unref(a);
+  pool.Unref(b);
+  for (int32_t p : rest) pool.Unref(p);
+  EXPECT_EQ(pool.used_pages(), 0);
+}
+
 // Codec layouts whose context fits 16 bits store positions in 16: two bytes a token and table
 // less, and the same values read back (in place where they are 32-bit, widened otherwise).
 TEST(KvCache, PositionsIn16BitsWhereTheContextFits) {

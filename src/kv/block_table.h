@@ -14,7 +14,8 @@ struct BlockTable {
   std::vector<int32_t> pages;
   int32_t n_tokens = 0;
   std::vector<int32_t> seal_pages;  // codec pages reserved for staged pages that will fill
-  int32_t unsealed = 0;             // tokens appended since the last SealAged (kv/staging.h)
+  int32_t claim = -1;    // the pool's claim of free slots for the next pages (PagedSequence)
+  int32_t unsealed = 0;  // tokens appended since the last SealAged (kv/staging.h)
   // Built as pages reach their final form (one thread, once the tokens have attended), else lazily
   // by decode steps (one task per table then).
   mutable QuestIndex quest;

@@ -77,8 +77,8 @@ Status PagePool::Alloc(int n_raw, int n_codec, std::vector<int32_t>* raw,
   const size_t need = static_cast<size_t>(n_raw) * layout_.raw_page_bytes() +
                       static_cast<size_t>(n_codec) * layout_.codec_page_bytes();
   auto fits = [&] {
-    return need <= free_bytes() && n_raw <= static_cast<int>(raw_.free.size()) &&
-           n_codec <= static_cast<int>(codec_.free.size());
+    return need <= free_bytes() && n_raw <= static_cast<int>(raw_.free.size()) + claimed_[0] &&
+           n_codec <= static_cast<int>(codec_.free.size()) + claimed_[1];
   };
   // Pages one reclaimer lets go may still be held by another (a chunk cache entry's pages are
   // also the prefix cache's): go round again while anything was let go.
@@ -95,19 +95,84 @@ Status PagePool::Alloc(int n_raw, int n_codec, std::vector<int32_t>* raw,
         std::to_string(n_raw + n_codec) + " pages), " + std::to_string(available_bytes()) + " of " +
         std::to_string(capacity_bytes_) + " bytes free; raise --kv-mem or shorten the prompt");
   }
-  auto take = [](Arena& a, int n, int32_t bit, std::vector<int32_t>* out) {
+  auto take = [&](Arena& a, int n, bool is_codec, std::vector<int32_t>* out) {
     for (int i = 0; i < n; ++i) {
-      const int32_t slot = a.free.back();
-      a.free.pop_back();
-      a.refs[slot] = 1;
-      ++a.used;
-      out->push_back(slot | bit);
+      int32_t slot;
+      if (!a.free.empty()) {
+        slot = a.free.back();
+        a.free.pop_back();
+      } else {
+        slot = StealClaimed(is_codec);
+      }
+      Taken(a, slot);
+      out->push_back(slot | (is_codec ? kCodecPageBit : 0));
     }
   };
-  take(raw_, n_raw, 0, raw);
-  take(codec_, n_codec, kCodecPageBit, codec);
+  take(raw_, n_raw, false, raw);
+  take(codec_, n_codec, true, codec);
   high_water_bytes_ = std::max(high_water_bytes_, used_bytes());
   return OkStatus();
+}
+
+int32_t PagePool::StealClaimed(bool codec) {
+  for (ClaimedRun& c : claims_) {
+    if (c.live && c.codec == codec && c.next < c.slots.size()) {
+      const int32_t slot = c.slots.back();
+      c.slots.pop_back();
+      --claimed_[codec];
+      return slot;
+    }
+  }
+  std::fprintf(stderr, "cachet: internal error: no claimed slot to take\n");
+  std::abort();
+}
+
+int32_t PagePool::Claim(bool codec, int n) {
+  Arena& a = codec ? codec_ : raw_;
+  const int m = std::min(n, static_cast<int>(a.free.size()));
+  if (m <= 0) return -1;
+  int32_t id;
+  if (!free_claims_.empty()) {
+    id = free_claims_.back();
+    free_claims_.pop_back();
+  } else {
+    id = static_cast<int32_t>(claims_.size());
+    claims_.emplace_back();
+  }
+  ClaimedRun& c = claims_[id];
+  c.slots.clear();
+  for (int i = 0; i < m; ++i) {  // the free stack's top: consecutive slots in a fresh pool
+    c.slots.push_back(a.free.back());
+    a.free.pop_back();
+  }
+  c.next = 0;
+  c.codec = codec;
+  c.live = true;
+  claimed_[codec] += m;
+  return id;
+}
+
+int32_t PagePool::TakeClaimed(int32_t claim) {
+  ClaimedRun& c = claims_[claim];
+  const size_t bytes = c.codec ? layout_.codec_page_bytes() : layout_.raw_page_bytes();
+  if (!c.live || c.next >= c.slots.size() || bytes > free_bytes()) return -1;
+  Arena& a = c.codec ? codec_ : raw_;
+  const int32_t slot = c.slots[c.next++];
+  --claimed_[c.codec];
+  Taken(a, slot);
+  high_water_bytes_ = std::max(high_water_bytes_, used_bytes());
+  return slot | (c.codec ? kCodecPageBit : 0);
+}
+
+void PagePool::ReleaseClaim(int32_t claim) {
+  ClaimedRun& c = claims_[claim];
+  Arena& a = c.codec ? codec_ : raw_;
+  for (size_t i = c.slots.size(); i > c.next; --i) a.free.push_back(c.slots[i - 1]);
+  claimed_[c.codec] -= static_cast<int32_t>(c.slots.size() - c.next);
+  c.slots.clear();
+  c.next = 0;
+  c.live = false;
+  free_claims_.push_back(claim);
 }
 
 void PagePool::CopyPage(int32_t from, int32_t to) {

@@ -140,6 +140,16 @@ class PagePool {
   // reclaimer is asked for pages only when it can cover the whole shortfall).
   Status Alloc(int n_raw, int n_codec, std::vector<int32_t>* raw, std::vector<int32_t>* codec);
   Status Alloc(int n, std::vector<int32_t>* out) { return Alloc(n, 0, out, nullptr); }
+  // Runs of free slots set aside for one table's next pages (PagedSequence: decode appends a page
+  // per table every page_tokens tokens, and pages taken as they come lie heads_total() slots
+  // apart). Claimed slots stay free capacity: they count as free, and Alloc takes them when no
+  // other slot is left. Claim sets aside up to n unclaimed free slots of one kind (-1: none);
+  // TakeClaimed makes the next a page (refcount 1), -1 once the claim is spent (or its slots were
+  // taken, or the bytes are not free); ReleaseClaim gives the rest back.
+  int32_t Claim(bool codec, int n);
+  int32_t TakeClaimed(int32_t claim);
+  void ReleaseClaim(int32_t claim);
+  bool claim_codec(int32_t claim) const { return claims_[claim].codec; }
   // Reclaimers are asked in the order they were added.
   void add_reclaimer(PageReclaimer* r) { reclaimers_.push_back(r); }
   void remove_reclaimer(PageReclaimer* r);
@@ -238,12 +248,27 @@ class PagePool {
     return IsCodecPage(page) ? codec_.refs[page & ~kCodecPageBit] : raw_.refs[page];
   }
 
+  struct ClaimedRun {
+    std::vector<int32_t> slots;  // taken from the front (next), stolen from the back
+    size_t next = 0;
+    bool codec = false;
+    bool live = false;
+  };
+  int32_t StealClaimed(bool codec);
+  void Taken(Arena& a, int32_t slot) {
+    a.refs[slot] = 1;
+    ++a.used;
+  }
+
   KvLayout layout_;
   bool short_positions_ = false;  // layout_.short_positions(), read per page by attention
   size_t capacity_bytes_ = 0;
   Arena raw_, codec_;
   size_t high_water_bytes_ = 0;
   std::vector<PageReclaimer*> reclaimers_;
+  std::vector<ClaimedRun> claims_;
+  std::vector<int32_t> free_claims_;
+  int32_t claimed_[2] = {0, 0};  // slots live claims hold unused: raw, codec
 };
 
 }  // namespace cachet

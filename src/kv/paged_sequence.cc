@@ -20,6 +20,7 @@ void PagedSequence::Clear() {
   for (BlockTable& t : tables_) {
     for (int32_t p : t.pages) pool_.Unref(p);
     for (int32_t p : t.seal_pages) pool_.Unref(p);
+    if (t.claim >= 0) pool_.ReleaseClaim(t.claim);
     t = BlockTable{};
   }
   for (BlockTable& t : cold_tables_) {
@@ -121,6 +122,36 @@ void PagedSequence::AgeOut() {
   }
 }
 
+int64_t PagedSequence::RunPages(int64_t p) const {
+  const KvLayout& lay = pool_.layout();
+  if (lay.staged() || lay.max_tokens <= 0 || IsSinkPage(lay, p)) return 1;
+  const int64_t room = (lay.max_tokens + lay.page_tokens - 1) / lay.page_tokens - p;
+  return std::clamp<int64_t>(std::min<int64_t>(kMaxRunPages, (p + 1) / 8), 1,
+                             std::max<int64_t>(room, 1));
+}
+
+int PagedSequence::TakeClaimedPages(BlockTable& t, int64_t want) {
+  const KvLayout& lay = pool_.layout();
+  int taken = 0;
+  for (int64_t p = static_cast<int64_t>(t.pages.size()); p < want; ++p) {
+    const bool raw = WrittenRaw(lay, p);
+    if (t.claim >= 0 && pool_.claim_codec(t.claim) == raw) {  // pages of another kind now
+      pool_.ReleaseClaim(t.claim);
+      t.claim = -1;
+    }
+    int32_t page = t.claim >= 0 ? pool_.TakeClaimed(t.claim) : -1;
+    if (page < 0 && RunPages(p) > 1) {
+      if (t.claim >= 0) pool_.ReleaseClaim(t.claim);
+      t.claim = pool_.Claim(!raw, static_cast<int>(RunPages(p)));
+      if (t.claim >= 0) page = pool_.TakeClaimed(t.claim);
+    }
+    if (page < 0) break;  // the rest from the step's allocation
+    scratch_claimed_.push_back(page);
+    ++taken;
+  }
+  return taken;
+}
+
 Status PagedSequence::Reserve(int n) {
   if (n <= 0) return OkStatus();
   // A move that succeeded stays when the reservation below fails: the same tokens.
@@ -145,13 +176,39 @@ Status PagedSequence::Reserve(int n) {
   if (need_raw + need_codec > std::numeric_limits<int32_t>::max() / 2) {
     return ResourceExhausted("KV reservation too large");
   }
+  // Steps of fewer tokens than a run (decode) take a table's new pages from its claim of free
+  // slots (TakeClaimedPages) when the pool has every page of the step free: pages taken a few at
+  // a time would lie heads_total() slots apart, each a new stream for the prefetchers (restored
+  // that way, a context decoded 1.23x slower, docs/BENCHMARKS.md). The rest, a longer step's pages
+  // (one allocation lays each table's side by side), and everything when the pool is short (its
+  // reclaimers are asked as before) come from one allocation; a failure gives claimed pages back.
+  scratch_claimed_.clear();
+  scratch_taken_.assign(tables_.size(), 0);
+  if (n < pt * kMaxRunPages &&
+      size_t(need_raw) * lay.raw_page_bytes() + size_t(need_codec) * lay.codec_page_bytes() <=
+          pool_.free_bytes()) {
+    for (size_t ti = 0; ti < tables_.size(); ++ti) {
+      BlockTable& t = tables_[ti];
+      const int64_t want = (t.n_tokens + n + pt - 1) / pt;
+      const size_t from = scratch_claimed_.size();
+      scratch_taken_[ti] = TakeClaimedPages(t, want);
+      for (size_t i = from; i < scratch_claimed_.size(); ++i) {
+        (IsCodecPage(scratch_claimed_[i]) ? need_codec : need_raw) -= 1;
+      }
+    }
+  }
   scratch_raw_.clear();
   scratch_codec_.clear();
-  CACHET_RETURN_IF_ERROR(pool_.Alloc(static_cast<int>(need_raw), static_cast<int>(need_codec),
-                                     &scratch_raw_, &scratch_codec_));
+  if (Status s = pool_.Alloc(static_cast<int>(need_raw), static_cast<int>(need_codec),
+                             &scratch_raw_, &scratch_codec_);
+      !s.ok()) {
+    for (int32_t page : scratch_claimed_) pool_.Unref(page);
+    return s;
+  }
   // Apply.
-  size_t next_raw = 0, next_codec = 0;
-  for (BlockTable& t : tables_) {
+  size_t next_raw = 0, next_codec = 0, next_claimed = 0;
+  for (size_t ti = 0; ti < tables_.size(); ++ti) {
+    BlockTable& t = tables_[ti];
     const int64_t len = t.n_tokens, want = (len + n + pt - 1) / pt;
     if (len % pt != 0 && pool_.refcount(t.pages.back()) > 1) {
       const int32_t shared = t.pages.back();
@@ -161,6 +218,8 @@ Status PagedSequence::Reserve(int n) {
       pool_.Unref(shared);
       t.pages.back() = copy;
     }
+    for (int i = 0; i < scratch_taken_[ti]; ++i)
+      t.pages.push_back(scratch_claimed_[next_claimed++]);
     for (int64_t p = static_cast<int64_t>(t.pages.size()); p < want; ++p) {
       t.pages.push_back(WrittenRaw(lay, p) ? scratch_raw_[next_raw++]
                                            : scratch_codec_[next_codec++]);

@@ -195,6 +195,16 @@ class PagedSequence final : public KvSequence {
   int quest_pages_ = 0;
   double quest_keep_ = 1.0;
   std::vector<int32_t> scratch_raw_, scratch_codec_;  // reused by Reserve: no per-step allocation
+  std::vector<int32_t> scratch_claimed_;  // pages Reserve took from the tables' claims, in order
+  std::vector<int> scratch_taken_;        // how many of them each table took
+  // The run of slots a table claims when it takes page p fresh: an eighth of the pages it will
+  // hold, at most kMaxRunPages, never past the context; 1 (no claim) in staged layouts, whose raw
+  // pages are sealed away, and for sink pages.
+  static constexpr int64_t kMaxRunPages = 16;
+  int64_t RunPages(int64_t p) const;
+  // Takes table t's next pages up to want from its claim (a new claim when it is spent), into
+  // scratch_claimed_; returns how many.
+  int TakeClaimedPages(BlockTable& t, int64_t want);
 };
 
 }  // namespace cachet
