@@ -115,8 +115,13 @@ Status PagePool::Alloc(int n_raw, int n_codec, std::vector<int32_t>* raw,
 }
 
 int32_t PagePool::StealClaimed(bool codec) {
-  for (ClaimedRun& c : claims_) {
+  // From where the last steal stopped: a long allocation from a pool of many spent claims stays
+  // linear.
+  for (size_t i = 0; i < claims_.size(); ++i) {
+    const size_t at = (steal_at_ + i) % claims_.size();
+    ClaimedRun& c = claims_[at];
     if (c.live && c.codec == codec && c.next < c.slots.size()) {
+      steal_at_ = at;
       const int32_t slot = c.slots.back();
       c.slots.pop_back();
       --claimed_[codec];

@@ -269,6 +269,7 @@ class PagePool {
   std::vector<ClaimedRun> claims_;
   std::vector<int32_t> free_claims_;
   int32_t claimed_[2] = {0, 0};  // slots live claims hold unused: raw, codec
+  size_t steal_at_ = 0;          // the claim StealClaimed last took from
 };
 
 }  // namespace cachet
