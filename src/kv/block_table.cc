@@ -13,7 +13,7 @@ namespace {
 
 // A page's first n positions as int32: in place, or widened into a buffer of this thread (valid
 // until the next call).
-const int32_t* PagePositions(const PagePool& pool, int32_t page, int n) {
+const int32_t* WidePositions(const PagePool& pool, int32_t page, int n) {
   thread_local std::vector<int32_t> buf;
   if (buf.size() < size_t(n)) buf.resize(n);
   return pool.Positions(page, n, buf.data());
@@ -29,7 +29,7 @@ void EncodePageRows(PagePool& pool, int table, int32_t page, Role role, const fl
   if (codecs::StoredBeforeRope(c, role)) {
     thread_local std::vector<float> back;
     back.assign(rows, rows + size_t(n) * hd);
-    lay.rope->Turn(back.data(), n, hd, PagePositions(pool, page, first + n) + first, true);
+    lay.rope->Turn(back.data(), n, hd, WidePositions(pool, page, first + n) + first, true);
     rows = back.data();
   }
   const codecs::CalPlan* plan = pool.plan_of(page, table, role);
@@ -48,7 +48,7 @@ namespace {
 void RopeStoredRows(const PagePool& pool, int32_t page, Role role, int cnt, float* rows) {
   if (!codecs::StoredBeforeRope(pool.codec_of(page, role), role)) return;
   const KvLayout& lay = pool.layout();
-  lay.rope->Turn(rows, cnt, lay.head_dim, PagePositions(pool, page, cnt), false);
+  lay.rope->Turn(rows, cnt, lay.head_dim, WidePositions(pool, page, cnt), false);
 }
 
 }  // namespace
@@ -57,7 +57,7 @@ void DecodeStoredRows(PagePool& pool, int table, int32_t page, Role role, int cn
   const KvLayout& lay = pool.layout();
   codecs::simd::DecodeStored(pool.codec_of(page, role), role, pool.rows(page, role), cnt,
                              lay.page_tokens, lay.head_dim, rows, pool.plan_of(page, table, role),
-                             lay.rope.get(), PagePositions(pool, page, cnt));
+                             lay.rope.get(), WidePositions(pool, page, cnt));
 }
 
 void WriteRow(PagePool& pool, int table, int32_t page, int off, const float* k, const float* v,

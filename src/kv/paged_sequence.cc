@@ -218,8 +218,9 @@ Status PagedSequence::Reserve(int n) {
       pool_.Unref(shared);
       t.pages.back() = copy;
     }
-    for (int i = 0; i < scratch_taken_[ti]; ++i)
+    for (int i = 0; i < scratch_taken_[ti]; ++i) {
       t.pages.push_back(scratch_claimed_[next_claimed++]);
+    }
     for (int64_t p = static_cast<int64_t>(t.pages.size()); p < want; ++p) {
       t.pages.push_back(WrittenRaw(lay, p) ? scratch_raw_[next_raw++]
                                            : scratch_codec_[next_codec++]);

@@ -411,6 +411,26 @@ HWY_INLINE void WithValueRows(const void* rows, DType t, int cnt, int hd, int n_
 
 // The least and greatest of n >= 1 positions, a vector at a time (a page's keys: 16 in a vector on
 // AVX-512; std::min_element and max_element were two scalar passes per page and tile).
+HWY_INLINE void PositionBounds(const int32_t* pos, int n, int32_t* lo, int32_t* hi) {
+  const hn::ScalableTag<int32_t> di;
+  const int N = static_cast<int>(hn::Lanes(di));
+  auto vlo = hn::Set(di, std::numeric_limits<int32_t>::max());
+  auto vhi = hn::Set(di, std::numeric_limits<int32_t>::min());
+  int i = 0;
+  for (; i + N <= n; i += N) {
+    const auto p = hn::LoadU(di, pos + i);
+    vlo = hn::Min(vlo, p), vhi = hn::Max(vhi, p);
+  }
+  if (i < n && n >= N) {  // the tail: the last vector, overlapping the one before
+    const auto p = hn::LoadU(di, pos + n - N);
+    vlo = hn::Min(vlo, p), vhi = hn::Max(vhi, p);
+    i = n;
+  }
+  int32_t a = hn::GetLane(hn::MinOfLanes(di, vlo)), b = hn::GetLane(hn::MaxOfLanes(di, vhi));
+  for (; i < n; ++i) a = std::min(a, pos[i]), b = std::max(b, pos[i]);
+  *lo = a, *hi = b;
+}
+
 // 16-bit positions widened into buf (whole vectors: buf has room for n rounded up to them), with
 // their bounds, in one pass: widened apart, the wide load of the bounds waited on narrow stores.
 HWY_INLINE void WidenPositions(const uint16_t* pos, int n, int32_t* buf, int32_t* lo, int32_t* hi) {
@@ -436,26 +456,6 @@ HWY_INLINE void WidenPositions(const uint16_t* pos, int n, int32_t* buf, int32_t
   }
   *lo = hn::GetLane(hn::MinOfLanes(di, vlo));
   *hi = hn::GetLane(hn::MaxOfLanes(di, vhi));
-}
-
-HWY_INLINE void PositionBounds(const int32_t* pos, int n, int32_t* lo, int32_t* hi) {
-  const hn::ScalableTag<int32_t> di;
-  const int N = static_cast<int>(hn::Lanes(di));
-  auto vlo = hn::Set(di, std::numeric_limits<int32_t>::max());
-  auto vhi = hn::Set(di, std::numeric_limits<int32_t>::min());
-  int i = 0;
-  for (; i + N <= n; i += N) {
-    const auto p = hn::LoadU(di, pos + i);
-    vlo = hn::Min(vlo, p), vhi = hn::Max(vhi, p);
-  }
-  if (i < n && n >= N) {  // the tail: the last vector, overlapping the one before
-    const auto p = hn::LoadU(di, pos + n - N);
-    vlo = hn::Min(vlo, p), vhi = hn::Max(vhi, p);
-    i = n;
-  }
-  int32_t a = hn::GetLane(hn::MinOfLanes(di, vlo)), b = hn::GetLane(hn::MaxOfLanes(di, vhi));
-  for (; i < n; ++i) a = std::min(a, pos[i]), b = std::max(b, pos[i]);
-  *lo = a, *hi = b;
 }
 
 // y += c * x.
