@@ -362,15 +362,16 @@ TEST(QuantKernels, Int8QuantizeMatchesReference) {
   EXPECT_EQ(qr[64 + 31], 119);  // 7.5 / (8 / 127) = 119.06
 }
 
-// cpu::Int8MatMul against ref::Int8MatMul on awkward shapes: rows not a multiple of the 4-row
-// tile, token counts across the 4-token tile and the 128-token chunk, 1 and 3 threads.
+// cpu::Int8MatMul against ref::Int8MatMul on awkward shapes: rows not a multiple of prefill's
+// 16-row tile (one row past two tiles, several tiles a task and a short last one), token counts
+// across the decode path, the 16-token tile and several tiles, 1 and 3 threads.
 TEST(QuantKernels, Int8MatMulMatchesReference) {
   if (!cpu::HasInt8Kernels()) GTEST_SKIP() << "this CPU has no AVX-512 VNNI: no int8 kernels";
   std::mt19937 rng(7);
   ThreadPool pool1(1), pool3(3);
   for (DType t : kQuantTypes) {
     const int64_t be = DTypeBlockElems(t);
-    for (int64_t rows : {1, 3, 70}) {
+    for (int64_t rows : {1, 3, 33, 70}) {
       for (int64_t cols : {be, 3 * be, 4 * be}) {
         QuantMatrix q = MakeMatrix(t, rows, cols, rng);
         const std::vector<float> bias = RandomVec(rows, rng);

@@ -17,6 +17,7 @@
 
 #include "kernels/block_keys.h"
 #include "kernels/cpu/int8_target.h"
+#include "kernels/cpu/int8_transpose.h"
 #include "kernels/kernels.h"
 
 namespace cachet::kernels::cpu {
@@ -64,22 +65,6 @@ CACHET_INT8_TARGET inline __m512i UnpackBlocks(const uint8_t* blk, bool pair) {
   }
 }
 
-// The first two stages of a dword transpose, within each 128-bit lane, of n (8 or 16) rows:
-// b[4 i + k], 128-bit lane L, holds element 4 L + k of rows 4 i .. 4 i + 3.
-CACHET_INT8_TARGET inline void TransposeLanes4(const __m512i* r, int n, __m512i* b) {
-  __m512i a[16];
-  for (int i = 0; i < n / 2; ++i) {
-    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < n / 4; ++i) {
-    b[4 * i + 0] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-  }
-}
-
 // r[t] = dword row of key t -> r[j] = dword j of keys 0..15.
 CACHET_INT8_TARGET inline void Transpose16(__m512i* r) {
   __m512i b[16];
@@ -109,23 +94,18 @@ CACHET_INT8_TARGET inline __m256i PairCodesQ4(const uint8_t* k0, int64_t row_byt
 
 CACHET_INT8_TARGET inline void UnpackPairQ4T(const uint8_t* k0, int64_t row_bytes, int n,
                                              __m512i* t) {
-  __m512i z[8], b[8];
+  __m512i z[8], w[8];
   for (int i = 0; i < 8; ++i) {
     z[i] = _mm512_inserti64x4(_mm512_castsi256_si512(PairCodesQ4(k0, row_bytes, n, i)),
                               PairCodesQ4(k0, row_bytes, n, i + 8), 1);
   }
-  // An 8 x 8 dword transpose in each 256-bit half: raw dword d of key i + 8 h at lane i + 8 h.
-  TransposeLanes4(z, 8, b);
-  const __m512i lo_lanes = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
-  const __m512i hi_lanes = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+  Transpose8x8Halves(z, w);  // w[d]: raw dword d of key i + 8 h at lane i + 8 h
   const __m512i mask = _mm512_set1_epi8(0x0F);
   for (int k = 0; k < 4; ++k) {
-    const __m512i w_lo = _mm512_permutex2var_epi64(b[k], lo_lanes, b[4 + k]);  // raw dword k
-    const __m512i w_hi = _mm512_permutex2var_epi64(b[k], hi_lanes, b[4 + k]);  // raw dword 4 + k
-    t[k] = _mm512_and_si512(w_lo, mask);
-    t[8 + k] = _mm512_and_si512(_mm512_srli_epi16(w_lo, 4), mask);
-    t[4 + k] = _mm512_and_si512(w_hi, mask);
-    t[12 + k] = _mm512_and_si512(_mm512_srli_epi16(w_hi, 4), mask);
+    t[k] = _mm512_and_si512(w[k], mask);
+    t[8 + k] = _mm512_and_si512(_mm512_srli_epi16(w[k], 4), mask);
+    t[4 + k] = _mm512_and_si512(w[4 + k], mask);
+    t[12 + k] = _mm512_and_si512(_mm512_srli_epi16(w[4 + k], 4), mask);
   }
 }
 
