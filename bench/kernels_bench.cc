@@ -204,6 +204,18 @@ void BenchQuantMatMul(ThreadPool& pool, std::mt19937& rng) {
                     static_cast<long long>(n), int8 ? "int8" : "f32", tp * 1e3,
                     2048.0 * cols * n / tp / 1e9);
       }
+      // A wide matrix (Llama-3.2-1B's FFN down projection has 8192 columns): the buffer's blocks
+      // read as rows of 8192 values (1408 rows); a token's activation codes are 8 KiB.
+      if (int8) {
+        const int64_t wide = 8192, wide_rows = rows * rb / cachet::DTypeRowBytes(dtype, wide);
+        const Matrix m{copies.base, dtype, std::min<int64_t>(wide_rows, 2048), wide};
+        std::vector<float> xw = RandomVec(512 * wide, rng), yw(512 * m.rows);
+        const double tp = SecondsPerCall(
+            [&] { cpu::QuantMatMul(xw.data(), 512, m, nullptr, yw.data(), m.rows, pool); }, 1.0);
+        std::printf("  prefill %-4s %4lldx%-5lld n=512  int8  %9.3f ms %7.1f GMAC/s\n",
+                    cachet::DTypeName(dtype), static_cast<long long>(m.rows),
+                    static_cast<long long>(wide), tp * 1e3, m.rows * wide * 512.0 / tp / 1e9);
+      }
     }
   }
 }
