@@ -65,22 +65,6 @@ CACHET_INT8_TARGET inline __m512i UnpackBlocks(const uint8_t* blk, bool pair) {
   }
 }
 
-// r[t] = dword row of key t -> r[j] = dword j of keys 0..15.
-CACHET_INT8_TARGET inline void Transpose16(__m512i* r) {
-  __m512i b[16];
-  TransposeLanes4(r, 16, b);
-  for (int k = 0; k < 4; ++k) {
-    const __m512i s0 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0x88);
-    const __m512i s1 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0xDD);
-    const __m512i s2 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0x88);
-    const __m512i s3 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0xDD);
-    r[k] = _mm512_shuffle_i32x4(s0, s2, 0x88);
-    r[8 + k] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
-    r[4 + k] = _mm512_shuffle_i32x4(s1, s3, 0x88);
-    r[12 + k] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
-  }
-}
-
 // A pair of q4_0 blocks (b, b + 1) of 16 keys, straight into the transposed form Transpose16
 // gives UnpackBlocks' registers (t[j]: dword j of keys 0..15): the raw code bytes are transposed
 // first (8 dwords a key, keys t and t + 8 sharing a register) and the nibbles split after, half

@@ -23,6 +23,22 @@ CACHET_INT8_TARGET inline void TransposeLanes4(const __m512i* r, int n, __m512i*
   }
 }
 
+// A 16 x 16 dword transpose: r[i] = dword row i -> r[j] = dword j of rows 0..15.
+CACHET_INT8_TARGET inline void Transpose16(__m512i* r) {
+  __m512i b[16];
+  TransposeLanes4(r, 16, b);
+  for (int k = 0; k < 4; ++k) {
+    const __m512i s0 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0x88);
+    const __m512i s1 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0xDD);
+    const __m512i s2 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0x88);
+    const __m512i s3 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0xDD);
+    r[k] = _mm512_shuffle_i32x4(s0, s2, 0x88);
+    r[8 + k] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
+    r[4 + k] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+    r[12 + k] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
+  }
+}
+
 // An 8 x 8 dword transpose in each 256-bit half: z[i] holds 8 dwords of row i (low half) and of row
 // i + 8 (high half); t[k] gets dword k of rows 0..15 in lane = row.
 CACHET_INT8_TARGET inline void Transpose8x8Halves(const __m512i* z, __m512i* t) {

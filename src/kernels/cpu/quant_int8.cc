@@ -385,9 +385,17 @@ CACHET_INT8_TARGET void PackTile(const uint8_t* base, int64_t row_bytes, int64_t
     Transpose8x8Halves(z, t);
     for (int k = 0; k < 8; ++k) _mm512_store_si512(blk + k * 64, t[k]);
   }
-  for (int64_t f = 0; f < kFields * nb; ++f) {
-    for (int i = 0; i < kTileRows; ++i)
-      scales[f * kTileRows + i] = row_scales[i * kFields * nb + f];
+  // The scales likewise, 16 fields at a time.
+  const int64_t fields = kFields * nb;
+  int64_t f = 0;
+  for (; f + 16 <= fields; f += 16) {
+    __m512i r[kTileRows];
+    for (int i = 0; i < kTileRows; ++i) r[i] = _mm512_loadu_si512(row_scales + i * fields + f);
+    Transpose16(r);
+    for (int j = 0; j < 16; ++j) _mm512_store_si512(scales + (f + j) * kTileRows, r[j]);
+  }
+  for (; f < fields; ++f) {
+    for (int i = 0; i < kTileRows; ++i) scales[f * kTileRows + i] = row_scales[i * fields + f];
   }
 }
 
