@@ -337,15 +337,16 @@ template <DType kType>
 constexpr bool kIntOffset = !HasHalfScales(kType) && !HasBlockMin(kType) && !kScaleMinK<kType>;
 
 // Activations of n tokens, padded with zero tokens to whole tiles: token t's codes at q + t *
-// stride, its block scales dx at d + t * nb and sums sx at s + t * nb, and for the types with half
-// scales off[(t * nb + b) * 2 + h], the codes of half h of block b summed times the half's offset
-// (q2_K: times 1, for its minimums).
+// stride, its block scales dx at d + t * nb and sums sx at s + t * nb, and integer offsets at
+// off[(t * nb + b) * 2 + h]: for the types with half scales the codes of half h of block b summed
+// times the half's offset (q2_K: times 1, for its minimums); for kIntOffset types, at h = 0,
+// -Int8Offset times the block's codes summed (the start of its integer sum).
 struct PrefillActs {
   const int8_t* q;
   const float* d;
   const float* s;
   const int32_t* off;
-  int64_t cols, nb;
+  int64_t nb;
   int64_t stride;  // cols and a line more: codes a multiple of 4 KiB apart would share L1 sets
 };
 
@@ -500,7 +501,7 @@ CACHET_INT8_TARGET void Prefill(const float* x, int64_t n, const Matrix& w, cons
   float* adx = buf + code_floats;
   float* as = adx + n_pad * nb;
   int32_t* aoff = reinterpret_cast<int32_t*>(as + n_pad * nb);
-  const PrefillActs a{aq, adx, as, aoff, cols, nb, stride};
+  const PrefillActs a{aq, adx, as, aoff, nb, stride};
   RunTasks(pool, n_pad / kTileTokens, n * cols >= kMinParallelWeights, [&](int64_t g) {
     for (int64_t t = g * kTileTokens; t < (g + 1) * kTileTokens; ++t) {
       int8_t* q = aq + t * stride;
