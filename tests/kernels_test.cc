@@ -256,6 +256,40 @@ void CheckMatMul(const TestMatrix& w, const std::vector<float>& x, int64_t n,
   }
 }
 
+// Decode over a matrix past kDecodeStreamBytes (8 MiB), which the kernel reads one row at a time
+// as a DRAM stream: the reference's values, and each row's bits those of the same row read from a
+// cache-resident matrix (rows in groups of eight), on 1 and 3 threads and every target.
+TEST(KernelsCpu, StreamedMatVecRowsMatchResident) {
+  std::mt19937 rng(41);
+  ThreadPool pool1(1), pool3(3);
+  for (DType dtype : {DType::kF32, DType::kF16, DType::kBF16}) {
+    const int64_t cols = 2048, rows = (int64_t{9} << 20) / (cols * DTypeSize(dtype)) + 3;
+    TestMatrix w = MakeMatrix(rows, cols, dtype, rng);
+    const std::vector<float> x = RandomVec(cols, rng), bias = RandomVec(rows, rng);
+    std::vector<float> expect(rows);
+    ref::MatMul(x.data(), 1, w.m, bias.data(), expect.data(), rows, pool1);
+    for (int64_t target : KernelTargets()) {
+      ScopedTarget scoped(target);
+      for (ThreadPool* pool : {&pool1, &pool3}) {
+        const std::string what = std::string(DTypeName(dtype)) +
+                                 " threads=" + std::to_string(pool->size()) + TargetString(target);
+        std::vector<float> got(rows);
+        cpu::MatMul(x.data(), 1, w.m, bias.data(), got.data(), rows, *pool);
+        EXPECT_LT(NormErr(got, expect), 1e-5) << what;
+        // A resident matrix of 67 of the same rows (from row 1000): the same bits per row.
+        Matrix part = w.m;
+        part.data = static_cast<const uint8_t*>(w.m.data) + 1000 * cols * DTypeSize(dtype);
+        part.rows = 67;
+        std::vector<float> alone(part.rows);
+        cpu::MatMul(x.data(), 1, part, bias.data() + 1000, alone.data(), part.rows, *pool);
+        for (int64_t r = 0; r < part.rows; ++r) {
+          ASSERT_EQ(alone[r], got[1000 + r]) << what << " row " << 1000 + r;
+        }
+      }
+    }
+  }
+}
+
 TEST(KernelsCpu, MatMulMatchesRef) {
   std::mt19937 rng(4);
   ThreadPool pool1(1), pool3(3);

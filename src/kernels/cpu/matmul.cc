@@ -240,6 +240,7 @@ void MatVecRows(const float* HWY_RESTRICT xd, const Matrix& w, const float* HWY_
       VF w0, w1;
       LoadPair<kType>(rows[0], c, w0, w1);
       a0 = hn::MulAdd(w1, x1, hn::MulAdd(w0, x0, a0));
+      if constexpr (kDecodeRows == 1) return;
       LoadPair<kType>(rows[1], c, w0, w1);
       a1 = hn::MulAdd(w1, x1, hn::MulAdd(w0, x0, a1));
       LoadPair<kType>(rows[2], c, w0, w1);
@@ -308,16 +309,18 @@ void MatVec(const float* x, const Matrix& w, const float* bias, float* y, Thread
   const int64_t tasks_wanted = parallel ? 4 * static_cast<int64_t>(pool.size()) : 1;
   const int64_t block = RoundUp(std::max<int64_t>(CeilDiv(w.rows, tasks_wanted), 16), 8);
   const int64_t n_tasks = CeilDiv(w.rows, block);
-  // Rows in groups of eight (eight FMA chains) while the matrix is cache resident, of four when it
-  // streams from DRAM (four streams kept f16 decode 10% faster there). A row's result does not
-  // depend on its group.
+  // Rows in groups of eight (eight FMA chains) while the matrix is cache resident, one at a time
+  // when it streams from DRAM: one sequential stream, as the int8 kernels read theirs. On the Zen 5
+  // VM a TinyLlama-shaped f16 model decoded 1.20x faster so than four rows at a time on one thread
+  // (docs/BENCHMARKS.md, "Decode streams"; four had been 10% faster than eight on the Intel VM). A
+  // row's result does not depend on its group.
   const bool streams = w.rows * w.cols * DTypeSize(kType) > kDecodeStreamBytes;
   RunTasks(pool, n_tasks, parallel, [&](int64_t task) {
     const int64_t r0 = task * block, r1 = std::min(w.rows, r0 + block);
     if (cols_pad != w.cols) {
       MatVecRows<kType, 4, true>(xd, w, bias, r0, r1, y);
     } else if (streams) {
-      MatVecRows<kType, 4, false>(xd, w, bias, r0, r1, y);
+      MatVecRows<kType, 1, false>(xd, w, bias, r0, r1, y);
     } else {
       MatVecRows<kType, 8, false>(xd, w, bias, r0, r1, y);
     }

@@ -41,8 +41,8 @@ constexpr int64_t kMinParallelWeights = 1 << 16;
 // How far ahead of its reads decode prefetches a row: DRAM latency times one core's bandwidth.
 // `kernels_bench 1 quant` on the Intel VM, q4_0 from DRAM: 1 KiB 10.0-10.8 GB/s, 2 KiB 10.2-12.3,
 // 4 KiB 12.5-13.3, 8-16 KiB no better. On the AMD EPYC Zen 5 VM 8 KiB beats 4 by 4-5% there (q4_0,
-// q4_K, q6_K) and Llama-3.2-1B Q4_K_M decodes 3% faster (docs/BENCHMARKS.md, "Decode prefetch
-// distance").
+// q4_K, q6_K) and Llama-3.2-1B Q4_K_M decodes 3% faster (docs/BENCHMARKS.md, "Decode
+// streams").
 constexpr int64_t kPrefetchBytes = 8192;
 // kInt8MaxDecodeTokens (kernels.h) goes by `kernels_bench 1 quant` (q4_0 5632x2048 from DRAM, 1
 // thread, AMD EPYC Zen 5): decode 240-250 us for one token, 330 for two, 470-540 for four (one
