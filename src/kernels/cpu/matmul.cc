@@ -311,9 +311,10 @@ void MatVec(const float* x, const Matrix& w, const float* bias, float* y, Thread
   const int64_t n_tasks = CeilDiv(w.rows, block);
   // Rows in groups of eight (eight FMA chains) while the matrix is cache resident, one at a time
   // when it streams from DRAM: one sequential stream, as the int8 kernels read theirs. On the Zen 5
-  // VM a TinyLlama-shaped f16 model decoded 1.20x faster so than four rows at a time on one thread
-  // (docs/BENCHMARKS.md, "Decode streams"; four had been 10% faster than eight on the Intel VM). A
-  // row's result does not depend on its group.
+  // VM a TinyLlama-shaped f16 model decoded 1.20x faster this way than four rows at a time on one
+  // thread (docs/BENCHMARKS.md, "Decode streams"; four had been 10% faster than eight on the Intel
+  // VM). Rows ending in a partial block still go four at a time, streamed or not (not measured).
+  // A row's result does not depend on its group.
   const bool streams = w.rows * w.cols * DTypeSize(kType) > kDecodeStreamBytes;
   RunTasks(pool, n_tasks, parallel, [&](int64_t task) {
     const int64_t r0 = task * block, r1 = std::min(w.rows, r0 + block);
