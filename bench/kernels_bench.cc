@@ -262,6 +262,9 @@ void BenchCodecAttention(std::mt19937& rng, int heads, const std::string& only_c
   using cachet::PagedSequence;
   using cachet::PagePool;
   const int n = 4096, hd = 64;
+  // TABLES=N: N tables (layers) of n keys each, attended in turn by a timed call, so that the
+  // pages stream from DRAM once N tables outgrow the last-level cache (q4_0: 290 KiB a table).
+  const int tables = std::getenv("TABLES") ? std::max(1, std::atoi(std::getenv("TABLES"))) : 1;
   std::vector<std::string> names = {"f32",   "f16",  "q8_0", "q4_0",       "int8",
                                     "kivi4", "rot4", "rot3", "kivi4:q4_0", "q4_0:rot3"};
   if (!only_codec.empty()) names = {"f16", only_codec};
@@ -271,7 +274,8 @@ void BenchCodecAttention(std::mt19937& rng, int heads, const std::string& only_c
   std::vector<float> k(hd), v(hd);
   for (const std::string& name : names) {  // K[:V]
     KvLayout lay;
-    lay.n_layers = lay.n_kv_heads = 1;
+    lay.n_layers = tables;
+    lay.n_kv_heads = 1;
     lay.head_dim = hd;
     if (const char* pt = std::getenv("PT")) lay.page_tokens = std::atoi(pt);
     // Positions in 16 bits, as an engine whose context fits them stores them; WIDE_POSITIONS=1:
@@ -282,13 +286,13 @@ void BenchCodecAttention(std::mt19937& rng, int heads, const std::string& only_c
     auto codec_v = cachet::codecs::ParseCodec(v_name);
     lay.codec_k = *codec_k;
     lay.codec_v = *codec_v;
-    pools.push_back(std::make_unique<PagePool>(lay, size_t{64} << 20));
+    pools.push_back(std::make_unique<PagePool>(lay, size_t(tables) * (2 << 20) + (64 << 20)));
     seqs.push_back(std::make_unique<PagedSequence>(*pools.back()));
     if (!seqs.back()->Reserve(n).ok()) std::abort();
     for (int t = 0; t < n; ++t) {
       for (float& x : k) x = nd(rng);
       for (float& x : v) x = nd(rng);
-      seqs.back()->Append(0, 0, k.data(), v.data(), t);
+      for (int l = 0; l < tables; ++l) seqs.back()->Append(l, 0, k.data(), v.data(), t);
     }
     seqs.back()->CommitTokens(n);
   }
@@ -297,11 +301,12 @@ void BenchCodecAttention(std::mt19937& rng, int heads, const std::string& only_c
   const AttnBatch b{q.data(), heads * hd, out.data(), heads * hd, &q_pos, 1, heads, 0.125f};
   std::vector<double> best(seqs.size(), 1e9);
   using Clock = std::chrono::steady_clock;
-  for (int round = 0; round < 100; ++round) {
+  const int calls = std::max(32, tables);  // per timing, cycling through the tables
+  for (int round = 0; round < (tables > 1 ? 10 : 100); ++round) {
     for (size_t i = 0; i < seqs.size(); ++i) {
       const auto t0 = Clock::now();
-      for (int it = 0; it < 32; ++it) seqs[i]->Attend(0, 0, b);
-      best[i] = std::min(best[i], std::chrono::duration<double>(Clock::now() - t0).count() / 32);
+      for (int it = 0; it < calls; ++it) seqs[i]->Attend(it % tables, 0, b);
+      best[i] = std::min(best[i], std::chrono::duration<double>(Clock::now() - t0).count() / calls);
     }
   }
   const size_t f16 = std::find(names.begin(), names.end(), "f16") - names.begin();

@@ -97,7 +97,9 @@ class PageRows {
   virtual PageData Rows(int page, float* k_buf, float* v_buf) const = 0;
   // A hint, called before the kernel works on the page before: start fetching the page's rows.
   // Pages a subset selects (Quest, a cold fetch) are scattered, so the prefetchers cannot guess.
-  virtual void Prefetch(int /*page*/) const {}
+  // light: the kernel's tile has so few query rows that a page takes less time to score than to
+  // arrive from DRAM, so pages further ahead may be worth fetching too.
+  virtual void Prefetch(int /*page*/, bool /*light*/) const {}
 
  protected:
   ~PageRows() = default;

@@ -57,6 +57,9 @@ constexpr int kMaxTileRows = 32;
 // Score lanes of a chunk of pages that share one online-softmax step (AttendPages): the per-step
 // work (max, rescale, sums) is paid once per chunk rather than once per small page.
 constexpr int kChunkKeys = 64;
+// Tiles of at most this many query rows (an MHA decode step) tell the page source that they are
+// light (PageRows::Prefetch): a GQA group's eight rows score a page longer than it takes to load.
+constexpr int kLightRows = 2;
 constexpr int kMaxSlots = kChunkKeys / 4;  // pages of a chunk: s_stride >= 4
 // The most a call keeps of pages decoded for later tiles (AttendPages): 16k keys of head_dim 128
 // (per thread; a longer context decodes the pages past them per tile, as before).
@@ -606,7 +609,7 @@ void AttendPages(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys
       int n_slots = 0;
       for (; page < n_pages && n_slots < max_slots; ++page) {
         if constexpr (std::is_base_of_v<PageRows, Pages>) {
-          if (page + 1 < n_pages) pages.Prefetch(page + 1);
+          if (page + 1 < n_pages) pages.Prefetch(page + 1, rows <= kLightRows);
         }
         Slot& sl = slots[n_slots];
         const PagePositions pp = pages.Positions(page, &sl.cnt);
