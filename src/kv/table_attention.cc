@@ -46,9 +46,9 @@ struct RefRows final : kernels::PageRows {
       : refs_(refs), layout_(layout), table_(table), hot_(&hot) {
     SetBytes(hot, bytes_[0]);
     if (cold != nullptr) SetBytes(*cold, bytes_[1]);
-    size_t pass_bytes = 0;
-    for (int p = 0; p < n_pages(); ++p) pass_bytes += PageBytes(p);
-    far_ = pass_bytes >= kFarMinPassBytes;
+    // The pass's bytes as its first page's times its count: summed page by page they would cost a
+    // walk of a thousand pages per table and step at 16k tokens.
+    far_ = !refs_.empty() && refs_.size() * PageBytes(0) >= kFarMinPassBytes;
   }
   int n_pages() const override { return static_cast<int>(refs_.size()); }
   int n_keys() const override {
