@@ -42,13 +42,13 @@ void AddRefs(const TablePages& read, std::vector<PageRef>* refs) {
 struct RefRows final : kernels::PageRows {
   // Each ref's pages are hot's or cold's (null: no cold pool).
   RefRows(std::span<const PageRef> refs, const KvLayout& layout, int table, const PagePool& hot,
-          const PagePool* cold)
+          const PagePool* cold, int table_pages)
       : refs_(refs), layout_(layout), table_(table), hot_(&hot) {
     SetBytes(hot, bytes_[0]);
     if (cold != nullptr) SetBytes(*cold, bytes_[1]);
-    // The pass's bytes as its first page's times its count: summed page by page they would cost a
-    // walk of a thousand pages per table and step at 16k tokens.
-    far_ = !refs_.empty() && refs_.size() * PageBytes(0) >= kFarMinPassBytes;
+    // The table's bytes as its first page's times its count (whether the pass reads every page or
+    // a selection: Quest's are scattered over all of them).
+    far_ = !refs_.empty() && size_t(table_pages) * PageBytes(0) >= kFarMinTableBytes;
   }
   int n_pages() const override { return static_cast<int>(refs_.size()); }
   int n_keys() const override {
@@ -79,14 +79,15 @@ struct RefRows final : kernels::PageRows {
     d.v = Rows(pool, id, Role::kValue, refs_[page].cnt, v_buf, &d.v_type);
     return d;
   }
-  // The page into L1 and, for a light tile in a long pass over pages of kFarMinBytes or more, the
-  // one kFarPages after it into L2. With only the next page in flight, MHA decode attention over
-  // f16 pages streamed from DRAM at 15 GB/s on one Zen 5 core and took 1.15x as long (kernels_bench
-  // TABLES=384 MHA_ONLY=1 ... codecs). Where a page takes longer to score than to arrive the far
-  // prefetches are only more instructions: in cache (f16 1.1x slower, q4_0 1.07x), over q4_0's
-  // 1.2 KB pages from DRAM (no gain), and for a GQA group's eight rows (TinyLlama-shaped f16 KV at
-  // 4096 tokens 4% slower). A pass of kFarMinPassBytes is one table of a model of dozens: the
-  // step's cache outgrows the L3.
+  // The page into L1 and, for a light tile over a table of kFarMinTableBytes or more in pages of
+  // kFarMinBytes or more, the one kFarPages after it into L2. With only the next page in flight,
+  // MHA decode attention over f16 pages streamed from DRAM at 15 GB/s on one Zen 5 core and took
+  // 1.15x as long (kernels_bench TABLES=384 MHA_ONLY=1 ... codecs); Quest's scattered selection
+  // at 16k tokens decoded 1.07x faster with it. Where a page takes longer to score than to arrive
+  // the far prefetches are only more instructions: in cache (f16 1.1x slower, q4_0 1.07x), over
+  // q4_0's 1.2 KB pages from DRAM (no gain), and for a GQA group's eight rows (TinyLlama-shaped
+  // f16 KV at 4096 tokens 4% slower). A table of kFarMinTableBytes is one of a model of dozens:
+  // the step's cache outgrows the L3.
   void Prefetch(int page, bool light) const override {
     FetchPage<3>(page);
     const int far = page + kFarPages;
@@ -96,7 +97,7 @@ struct RefRows final : kernels::PageRows {
  private:
   static constexpr int kFarPages = 4;
   static constexpr size_t kFarMinBytes = 2048;
-  static constexpr size_t kFarMinPassBytes = size_t{1} << 20;
+  static constexpr size_t kFarMinTableBytes = size_t{1} << 20;
 
   size_t PageBytes(int page) const {
     const int32_t id = refs_[page].page;
@@ -230,8 +231,11 @@ void AttendRows(const kernels::AttnBatch& batch, const TablePages& hot, const Ta
     b.out = out_rot.data();
     b.out_stride = q_dim;
   }
+  const int pt = lay.page_tokens;
+  const int table_pages =
+      (hot.table->n_tokens + pt - 1) / pt + (cold ? (cold->table->n_tokens + pt - 1) / pt : 0);
   kernels::PagedAttentionRows(
-      b, RefRows(refs, lay, hot.index, *hot.pool, cold ? cold->pool : nullptr));
+      b, RefRows(refs, lay, hot.index, *hot.pool, cold ? cold->pool : nullptr, table_pages));
   if (turn_v) {  // the weights sum to 1: the centered values' mean comes back once
     for (int i = 0; i < b.n_tok; ++i) {
       for (int h = 0; h < b.n_heads; ++h) {
