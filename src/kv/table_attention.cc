@@ -17,7 +17,8 @@ struct PageRef {
   int32_t first_key;  // index of its first key among the pass's keys
 };
 
-void AddRefs(const TablePages& read, std::vector<PageRef>* refs) {
+// Appends the pages a pass reads of one table; returns the table's page count (selected or not).
+int AddRefs(const TablePages& read, std::vector<PageRef>* refs) {
   const BlockTable& t = *read.table;
   const int pt = read.pool->layout().page_tokens;
   const int n_pages = (t.n_tokens + pt - 1) / pt;
@@ -32,6 +33,7 @@ void AddRefs(const TablePages& read, std::vector<PageRef>* refs) {
   } else {
     for (int p = 0; p < n_pages; ++p) add(p);
   }
+  return n_pages;
 }
 
 // Pages of the hot and the cold pool as the attention kernels read them. Each role (K, V) is read
@@ -99,11 +101,11 @@ struct RefRows final : kernels::PageRows {
   static constexpr size_t kFarMinBytes = 2048;
   static constexpr size_t kFarMinTableBytes = size_t{1} << 20;
 
-  size_t PageBytes(int page) const {
-    const int32_t id = refs_[page].page;
-    const size_t* bytes = bytes_[refs_[page].pool != hot_][IsCodecPage(id)];
-    return bytes[0] + bytes[1];
+  // A page's K and V byte counts (bytes_ by its pool and kind).
+  const size_t* Bytes(int page) const {
+    return bytes_[refs_[page].pool != hot_][IsCodecPage(refs_[page].page)];
   }
+  size_t PageBytes(int page) const { return Bytes(page)[0] + Bytes(page)[1]; }
 
   // Inlined where it is used: GCC 12 dropped the prefetches of a helper lambda it had not inlined
   // (a call with no other effect), leaving Prefetch empty.
@@ -111,7 +113,7 @@ struct RefRows final : kernels::PageRows {
   __attribute__((always_inline)) inline void FetchPage(int page) const {
     PagePool& pool = *refs_[page].pool;
     const int32_t id = refs_[page].page;
-    const size_t* bytes = bytes_[&pool != hot_][IsCodecPage(id)];
+    const size_t* bytes = Bytes(page);
     auto fetch = [](const void* p, size_t n) __attribute__((always_inline)) {
       for (size_t off = 0; off < n; off += 64) {
         __builtin_prefetch(static_cast<const char*>(p) + off, 0, kLocality);
@@ -202,8 +204,8 @@ void AttendPlain(const kernels::AttnBatch& batch, const TablePages& hot) {
 void AttendRows(const kernels::AttnBatch& batch, const TablePages& hot, const TablePages* cold) {
   thread_local std::vector<PageRef> refs;
   refs.clear();
-  AddRefs(hot, &refs);
-  if (cold) AddRefs(*cold, &refs);
+  int table_pages = AddRefs(hot, &refs);
+  if (cold) table_pages += AddRefs(*cold, &refs);
   // The basis of each role: the hot pool's (a cold pool of another basis is converted).
   const KvLayout& lay = hot.pool->layout();
   const codecs::Codec ck = lay.codec_k, cv = lay.codec_v;
@@ -231,9 +233,6 @@ void AttendRows(const kernels::AttnBatch& batch, const TablePages& hot, const Ta
     b.out = out_rot.data();
     b.out_stride = q_dim;
   }
-  const int pt = lay.page_tokens;
-  const int table_pages =
-      (hot.table->n_tokens + pt - 1) / pt + (cold ? (cold->table->n_tokens + pt - 1) / pt : 0);
   kernels::PagedAttentionRows(
       b, RefRows(refs, lay, hot.index, *hot.pool, cold ? cold->pool : nullptr, table_pages));
   if (turn_v) {  // the weights sum to 1: the centered values' mean comes back once
