@@ -402,7 +402,9 @@ int main(int argc, char** argv) {
   if (only.empty() || only == "attention" || only == "codecs") {
     const std::string codec = only == "codecs" && argc > 3 ? argv[3] : "";
     std::printf("attention over codec pages (single-threaded):\n");
-    if (!std::getenv("MHA_ONLY")) BenchCodecAttention(rng, 3, codec);
+    // GQA=N: the grouped call's query heads (3, kvtiny's group, unless set; TinyLlama's is 8).
+    const int group = std::getenv("GQA") ? std::max(2, std::atoi(std::getenv("GQA"))) : 3;
+    if (!std::getenv("MHA_ONLY")) BenchCodecAttention(rng, group, codec);
     BenchCodecAttention(rng, 1, codec);
   }
   std::vector<int> thread_counts;
