@@ -6,12 +6,8 @@
 // time), masking keys whose position is past the row's query position; then per row one rescale of
 // the running sum and accumulator to the new running max, exp of the scores, and acc += p . V.
 // Positions are read per key: they need not be contiguous or sorted. Single-threaded; scratch is
-// per thread and reused.
-//
-// AttnObserve: the final softmax weights are known only once a tile has walked every page, so for
-// the observed rows each page's exp(s - m) terms and the running max m they were taken against are
-// kept (per row, per key / per page), and at the end of the tile folded into
-// weight_j = p_j * exp(m_page - m_final) / sum_final.
+// per thread and reused. This file walks the pages (PageWalk; AttnObserve's terms: ObservedRows);
+// what is done with one page's rows is in kernels/cpu/attention_page-inl.h.
 
 // clang-format off
 #include "kernels/cpu/hwy_targets.h"  // must precede every Highway header
@@ -22,6 +18,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <new>
 #include <type_traits>
 #include <vector>
 
@@ -37,6 +34,7 @@
 #include "hwy/contrib/math/math-inl.h"
 #include "kernels/cpu/hwy_util-inl.h"
 #include "kernels/cpu/attention_rows-inl.h"
+#include "kernels/cpu/attention_page-inl.h"
 // clang-format on
 
 HWY_BEFORE_NAMESPACE();
@@ -54,706 +52,92 @@ namespace {
 // Query rows (token, head) of a tile; a group with more heads than this still forms one tile per
 // token.
 constexpr int kMaxTileRows = 32;
-// Score lanes of a chunk of pages that share one online-softmax step (AttendPages): the per-step
+// Score lanes of a chunk of pages that share one online-softmax step (PageWalk): the per-step
 // work (max, rescale, sums) is paid once per chunk rather than once per small page.
 constexpr int kChunkKeys = 64;
 // Tiles of at most this many query rows (an MHA decode step) tell the page source that they are
 // light (PageRows::Prefetch): a GQA group's eight rows score a page longer than it takes to load.
 constexpr int kLightRows = 2;
 constexpr int kMaxSlots = kChunkKeys / 4;  // pages of a chunk: s_stride >= 4
-// The most a call keeps of pages decoded for later tiles (AttendPages): 16k keys of head_dim 128
+// The most a call keeps of pages decoded for later tiles (PageWalk): 16k keys of head_dim 128
 // (per thread; a longer context decodes the pages past them per tile, as before).
 constexpr size_t kMaxKeptBytes = size_t{17} << 20;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Scores (times scale) of a page's cnt keys for R query rows, four keys at a time; a last partial
-// group repeats its last key. R * 4 accumulators stay in registers while each key vector is
-// loaded (and widened) once for all R rows.
-template <int R, class Rows>
-HWY_INLINE void ScoreBlock(const Rows& k, int cnt, int hd, const float* const* q, float scale,
-                           float* scores, int s_stride, const float* bias) {
-  const DF df;
-  const D4 d4;
-  constexpr int N = kMaxLanes;
-  const V4 vscale = hn::Set(d4, scale);
-  for (int j = 0; j < cnt; j += 4) {
-    int t[4];
-    for (int i = 0; i < 4; ++i) t[i] = std::min(j + i, cnt - 1);
-    VF a[R][4];
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) a[r][i] = hn::Zero(df);
-    }
-    auto fma_rows = [&](int d, const VF* kv) HWY_ATTR {
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const VF qv = hn::LoadU(df, q[r] + d);
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; ++i) a[r][i] = hn::MulAdd(qv, kv[i], a[r][i]);
-      }
-    };
-    // Block-quantized keys never come here: BlockKeyScores scores them.
-    static_assert(!Rows::kBlocks);
-    int d = 0;
-    for (; d + N <= hd; d += N) {
-      VF kv[4];
-#pragma GCC unroll 4
-      for (int i = 0; i < 4; ++i) kv[i] = k.Load(t[i], d);
-      fma_rows(d, kv);
-    }
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      V4 s = Reduce4(a[r][0], a[r][1], a[r][2], a[r][3]);
-      if (d < hd) {
-        float tail[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-        for (int e = d; e < hd; ++e) {
-          for (int i = 0; i < 4; ++i) tail[i] += q[r][e] * k.Elem(t[i], e);
-        }
-        s = hn::Add(s, hn::LoadU(d4, tail));
-      }
-      if (bias != nullptr) s = hn::Add(s, hn::Set(d4, bias[r]));
-      hn::StoreU(hn::Mul(s, vscale), d4, scores + static_cast<int64_t>(r) * s_stride + j);
-    }
-  }
-}
+// One page of a chunk: its keys' positions and rows.
+struct Slot {
+  int page, cnt;
+  const int32_t* pos;
+  int64_t j0;  // the page's first key, among all keys
+  bool all_visible;
+  PageData rows;
+};
 
-// Whether a row reader gives two vectors per load (q4_0: a block's low and high nibbles).
-template <class Rows>
-constexpr int kVecsPerLoad = [] {
-  if constexpr (Rows::kBlocks) return Rows::kNibbles ? 2 : 1;
-  return 1;
-}();
-
-// acc_r += sum_j p_r[j] * v_j over lanes of a page's cnt values for R rows (p_r at p + r *
-// s_stride, acc_r at acc + r * hd): U loads of each value row starting at load u0 (a load is N
-// lanes of a plain row at u * N, or one Values call of a block row: block u / per_block, codes
-// (u % per_block) * N on). The U * R sums are independent FMA chains walked together, key by
-// key: walked one after the other, a decode step (one to four rows) waited on the FMA latency at
-// every key (kernels_bench's decode attention over f32 / f16 / q8_0 pages: 5-14% slower). Each
-// lane still adds its keys in order, so the bits do not depend on U or R.
-template <int R, int U, class Rows>
-HWY_INLINE void AccumulateLoads(const Rows& v, int cnt, int hd, const float* p, int s_stride,
-                                float* acc, int u0) {
-  const DF df;
-  constexpr int N = kMaxLanes;
-  constexpr int kV = kVecsPerLoad<Rows>;
-  int lane[U][kV];  // each sum's first lane within the row
-  for (int u = 0; u < U; ++u) {
-    if constexpr (Rows::kBlocks) {
-      constexpr int kPerBlock = kCodeSpan<Rows> / N;
-      const int at = (u0 + u) / kPerBlock * 32 + (u0 + u) % kPerBlock * N;
-      lane[u][0] = at;
-      if constexpr (kV == 2) lane[u][1] = at + 16;
-    } else {
-      lane[u][0] = (u0 + u) * N;
-    }
-  }
-  VF a[R][U][kV];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 16
-    for (int u = 0; u < U; ++u) {
-#pragma GCC unroll 2
-      for (int i = 0; i < kV; ++i) {
-        a[r][u][i] = hn::LoadU(df, acc + static_cast<int64_t>(r) * hd + lane[u][i]);
-      }
-    }
-  }
-  if constexpr (Rows::kBlocks) {
-    constexpr int kPerBlock = kCodeSpan<Rows> / N;
-    for (int j = 0; j < cnt; ++j) {
-#pragma GCC unroll 16
-      for (int u = 0; u < U; ++u) {
-        const int blk = (u0 + u) / kPerBlock;
-        VF x[2];
-        v.Values(j, blk, (u0 + u) % kPerBlock * N, &x[0], &x[1]);
-        const float scale = v.Scale(j, blk);
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-          // The row's weight times the block's scale, then times the code: the same steps
-          // whether the block is read in place or unpacked (ScaledRows).
-          const VF w = hn::Set(df, p[static_cast<int64_t>(r) * s_stride + j] * scale);
-#pragma GCC unroll 2
-          for (int i = 0; i < kV; ++i) a[r][u][i] = hn::MulAdd(w, x[i], a[r][u][i]);
-        }
-      }
-    }
-  } else {
-    for (int j = 0; j < cnt; ++j) {
-#pragma GCC unroll 16
-      for (int u = 0; u < U; ++u) {
-        const VF x = v.Load(j, lane[u][0]);
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-          a[r][u][0] =
-              hn::MulAdd(hn::Set(df, p[static_cast<int64_t>(r) * s_stride + j]), x, a[r][u][0]);
-        }
-      }
-    }
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 16
-    for (int u = 0; u < U; ++u) {
-#pragma GCC unroll 2
-      for (int i = 0; i < kV; ++i) {
-        hn::StoreU(a[r][u][i], df, acc + static_cast<int64_t>(r) * hd + lane[u][i]);
-      }
-    }
-  }
-}
-
-// acc_r += sum_j p_r[j] * v_j over a page's cnt values for R rows: as many loads walked together
-// as the accumulators' registers allow, each value vector loaded (and unpacked) once for all R
-// rows.
-template <int R, class Rows>
-HWY_INLINE void AccumulateBlock(const Rows& v, int cnt, int hd, const float* p, int s_stride,
-                                float* acc) {
-  constexpr int N = kMaxLanes;
-  // Half the vector registers (16 of AVX-512's 32) hold sums; the loads, weights and addresses
-  // take the rest.
-  constexpr int kSumRegs = N >= 16 ? 16 : 8;
-  constexpr int kU = std::max(1, std::min(4, kSumRegs / (R * kVecsPerLoad<Rows>)));
-  int n_loads = hd / N;
-  if constexpr (Rows::kBlocks) n_loads = hd / 32 * (kCodeSpan<Rows> / N);  // hd % 32 == 0
-  int u = 0;
-  if constexpr (kU >= 4) {
-    for (; u + 4 <= n_loads; u += 4) AccumulateLoads<R, 4>(v, cnt, hd, p, s_stride, acc, u);
-  }
-  if constexpr (kU >= 2) {
-    for (; u + 2 <= n_loads; u += 2) AccumulateLoads<R, 2>(v, cnt, hd, p, s_stride, acc, u);
-  }
-  for (; u < n_loads; ++u) AccumulateLoads<R, 1>(v, cnt, hd, p, s_stride, acc, u);
-  if constexpr (!Rows::kBlocks) {
-    for (int d = n_loads * N; d < hd; ++d) {
-      for (int j = 0; j < cnt; ++j) {
-        const float x = v.Elem(j, d);
-        for (int r = 0; r < R; ++r) {
-          acc[static_cast<int64_t>(r) * hd + d] += p[static_cast<int64_t>(r) * s_stride + j] * x;
-        }
-      }
-    }
-  }
-}
-
-// Rows in blocks of at most kRowBlock share each loaded key and value vector. ScorePage and
-// AccumulatePage switch on the block's size themselves: dispatching through a generic lambda made
-// a decode step about 5% slower (kernels_bench, GCC 12).
-constexpr int kRowBlock = 4;
-
-// q_row(r) is row r's query; a bias, when given, is added to row r's dot products (bias(r0, n,
-// q, b) may also replace the block's queries, as KIVI keys' folded scales do).
-template <class Rows, class QRow, class Bias>
-HWY_INLINE void ScorePage(const Rows& k, int cnt, int hd, int rows, const QRow& q_row, float scale,
-                          float* scores, int s_stride, const Bias& bias_of) {
-  for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
-    const float* q[kRowBlock];
-    const int n = std::min(kRowBlock, rows - r0);
-    for (int r = 0; r < n; ++r) q[r] = q_row(r0 + r);
-    const float* bias = bias_of(r0, n, q);
-    float* s = scores + static_cast<int64_t>(r0) * s_stride;
-    switch (n) {
-      case 1:
-        ScoreBlock<1>(k, cnt, hd, q, scale, s, s_stride, bias);
-        break;
-      case 2:
-        ScoreBlock<2>(k, cnt, hd, q, scale, s, s_stride, bias);
-        break;
-      case 3:
-        ScoreBlock<3>(k, cnt, hd, q, scale, s, s_stride, bias);
-        break;
-      default:
-        ScoreBlock<4>(k, cnt, hd, q, scale, s, s_stride, bias);
-        break;
-    }
-  }
-}
-
-template <class Rows>
-HWY_INLINE void AccumulatePage(const Rows& v, int cnt, int hd, int rows, const float* p,
-                               int s_stride, float* acc) {
-  for (int r0 = 0; r0 < rows; r0 += kRowBlock) {
-    const float* pr = p + static_cast<int64_t>(r0) * s_stride;
-    float* ar = acc + static_cast<int64_t>(r0) * hd;
-    switch (std::min(kRowBlock, rows - r0)) {
-      case 1:
-        AccumulateBlock<1>(v, cnt, hd, pr, s_stride, ar);
-        break;
-      case 2:
-        AccumulateBlock<2>(v, cnt, hd, pr, s_stride, ar);
-        break;
-      case 3:
-        AccumulateBlock<3>(v, cnt, hd, pr, s_stride, ar);
-        break;
-      default:
-        AccumulateBlock<4>(v, cnt, hd, pr, s_stride, ar);
-        break;
-    }
-  }
-}
-
-// Block rows [0, cnt) of a page unpacked into buf (cnt * hd codes, then cnt * hd / 32 scales), for
-// a tile of more rows than one row block.
-template <DType kType>
-HWY_INLINE ScaledRows UnpackScaled(const BlockRows<kType>& rows, int cnt, int hd, float* buf) {
-  const DF df;
-  constexpr int N = kMaxLanes;
-  const int nb = hd / 32;
-  float* u = buf;
-  float* s = buf + static_cast<int64_t>(cnt) * hd;
-  for (int t = 0; t < cnt; ++t) {
-    for (int blk = 0; blk < nb; ++blk) {
-      s[t * nb + blk] = rows.Scale(t, blk);
-      float* ub = u + static_cast<int64_t>(t) * hd + blk * 32;
-      for (int o = 0; o < kCodeSpan<BlockRows<kType> >; o += N) {
-        VF lo, hi;
-        rows.Values(t, blk, o, &lo, &hi);
-        hn::StoreU(lo, df, ub + o);
-        if constexpr (BlockRows<kType>::kNibbles) hn::StoreU(hi, df, ub + 16 + o);
-      }
-    }
-  }
-  return ScaledRows{u, s, hd};
-}
-
-// Rows [0, cnt) of a page as f32, for a tile of more rows than one row block.
-template <class Rows>
-HWY_INLINE PlainRows<float> UnpackRows(const Rows& rows, int cnt, int hd, float* buf) {
-  const DF df;
-  const int N = static_cast<int>(hn::Lanes(df));
-  for (int t = 0; t < cnt; ++t) {
-    for (int d = 0; d < hd; d += N) {
-      hn::StoreU(rows.Load(t, d), df, buf + static_cast<int64_t>(t) * hd + d);
-    }
-  }
-  return PlainRows<float>{buf, hd};
-}
-
-// Row blocks' scores without a bias.
-inline const float* NoBias(int, int, const float**) { return nullptr; }
-
-// KIVI keys: q . (min + scale * c) = q . min + (q * scale) . c, so each row block's queries are
-// scaled once per page and scored against the codes as they are: read fused, or for a larger
-// tile unpacked once into buf (as f32 codes, so that both give the same bits).
-// chan: 2 + kRowBlock rows of hd floats.
-template <class QRow>
-HWY_INLINE void ScoreChannelPage(const PageData& pd, int cnt, int hd, int rows, const QRow& q_row,
-                                 float scale, float* scores, int s_stride, float* buf,
-                                 float* chan) {
-  const DF df;
-  const int N = static_cast<int>(hn::Lanes(df));
-  float* mins = chan;
-  float* scales = chan + hd;
-  float* qs = chan + 2 * hd;
-  ChannelMeta(pd.k_channels, hd, mins, scales);
-  float bias[kRowBlock];
-  auto fold = [&](int, int n, const float** q) -> const float* {
-    for (int r = 0; r < n; ++r) {
-      float* out = qs + static_cast<int64_t>(r) * hd;
-      VF acc = hn::Zero(df);
-      for (int d = 0; d < hd; d += N) {
-        const VF qv = hn::LoadU(df, q[r] + d);
-        hn::StoreU(hn::Mul(qv, hn::LoadU(df, scales + d)), df, out + d);
-        acc = hn::MulAdd(qv, hn::LoadU(df, mins + d), acc);
-      }
-      bias[r] = ReduceSum(acc);
-      q[r] = out;
-    }
-    return bias;
-  };
-  auto with_codes = [&](const auto& codes) {
-    if (rows <= kRowBlock) {
-      ScorePage(codes, cnt, hd, rows, q_row, scale, scores, s_stride, fold);
-    } else {
-      ScorePage(UnpackRows(codes, cnt, hd, buf), cnt, hd, rows, q_row, scale, scores, s_stride,
-                fold);
-    }
-  };
-  const uint8_t* codes = static_cast<const uint8_t*>(pd.k);
-  if (pd.k_bits == 4) {
-    with_codes(ChannelRows<4>{codes, hd});
-  } else {
-    with_codes(ChannelRows<2>{codes, hd});
-  }
-}
-
-// Calls f with a row reader for f32, f16 or bf16 rows.
-template <class F>
-HWY_INLINE void WithPlainRows(const void* rows, DType t, int hd, const F& f) {
-  switch (t) {
-    case DType::kF16:
-      return f(PlainRows<hwy::float16_t>{static_cast<const hwy::float16_t*>(rows), hd});
-    case DType::kBF16:
-      return f(PlainRows<hwy::bfloat16_t>{static_cast<const hwy::bfloat16_t*>(rows), hd});
-    default:
-      return f(PlainRows<float>{static_cast<const float*>(rows), hd});
-  }
-}
-
-// Calls f with a row reader for a page's V rows. Block-quantized rows are read fused (unpacked in
-// registers as they are loaded) when one row block shares them; a larger tile unpacks them once
-// into buf instead. (Block-quantized K rows are scored by BlockKeyScores.)
-template <class F>
-HWY_INLINE void WithValueRows(const void* rows, DType t, int cnt, int hd, int n_rows, float* buf,
-                              const F& f) {
-  auto blocks = [&](const auto& b) {
-    return n_rows <= kRowBlock ? f(b) : f(UnpackScaled(b, cnt, hd, buf));
-  };
-  const auto row_bytes = static_cast<int64_t>(DTypeRowBytes(t, hd));
-  const auto* bytes = static_cast<const uint8_t*>(rows);
-  switch (t) {
-    case DType::kQ4_0:
-      return blocks(BlockRows<DType::kQ4_0>{bytes, row_bytes});
-    case DType::kQ8_0:
-      return blocks(BlockRows<DType::kQ8_0>{bytes, row_bytes});
-    default:
-      return WithPlainRows(rows, t, hd, f);
-  }
-}
-
-// The least and greatest of n >= 1 positions, a vector at a time (a page's keys: 16 in a vector on
-// AVX-512; std::min_element and max_element were two scalar passes per page and tile).
-HWY_INLINE void PositionBounds(const int32_t* pos, int n, int32_t* lo, int32_t* hi) {
-  const hn::ScalableTag<int32_t> di;
-  const int N = static_cast<int>(hn::Lanes(di));
-  auto vlo = hn::Set(di, std::numeric_limits<int32_t>::max());
-  auto vhi = hn::Set(di, std::numeric_limits<int32_t>::min());
-  int i = 0;
-  for (; i + N <= n; i += N) {
-    const auto p = hn::LoadU(di, pos + i);
-    vlo = hn::Min(vlo, p), vhi = hn::Max(vhi, p);
-  }
-  if (i < n && n >= N) {  // the tail: the last vector, overlapping the one before
-    const auto p = hn::LoadU(di, pos + n - N);
-    vlo = hn::Min(vlo, p), vhi = hn::Max(vhi, p);
-    i = n;
-  }
-  int32_t a = hn::GetLane(hn::MinOfLanes(di, vlo)), b = hn::GetLane(hn::MaxOfLanes(di, vhi));
-  for (; i < n; ++i) a = std::min(a, pos[i]), b = std::max(b, pos[i]);
-  *lo = a, *hi = b;
-}
-
-// 16-bit positions widened into buf (whole vectors: buf has room for n rounded up to them), with
-// their bounds, in one pass: widened apart, the wide load of the bounds waited on narrow stores.
-HWY_INLINE void WidenPositions(const uint16_t* pos, int n, int32_t* buf, int32_t* lo, int32_t* hi) {
-  const hn::ScalableTag<int32_t> di;
-  const hn::Rebind<uint16_t, decltype(di)> du;
-  const int N = static_cast<int>(hn::Lanes(di));
-  auto vlo = hn::Set(di, std::numeric_limits<int32_t>::max());
-  auto vhi = hn::Set(di, std::numeric_limits<int32_t>::min());
-  int i = 0;
-  for (; i + N <= n; i += N) {
-    const auto p = hn::PromoteTo(di, hn::LoadU(du, pos + i));
-    hn::StoreU(p, di, buf + i);
-    vlo = hn::Min(vlo, p), vhi = hn::Max(vhi, p);
-  }
-  if (i < n) {  // a part vector (a table's last page): nothing past the page is read
-    uint16_t tail[64] = {};
-    std::copy_n(pos + i, n - i, tail);
-    const auto p = hn::PromoteTo(di, hn::LoadU(du, tail));
-    hn::StoreU(p, di, buf + i);
-    const auto in = hn::FirstN(di, n - i);
-    vlo = hn::IfThenElse(in, hn::Min(vlo, p), vlo);
-    vhi = hn::IfThenElse(in, hn::Max(vhi, p), vhi);
-  }
-  *lo = hn::GetLane(hn::MinOfLanes(di, vlo));
-  *hi = hn::GetLane(hn::MaxOfLanes(di, vhi));
-}
-
-// y += c * x.
-HWY_INLINE void AxpyRow(float c, const float* HWY_RESTRICT x, int n, float* HWY_RESTRICT y) {
-  const DF df;
-  const int N = static_cast<int>(hn::Lanes(df));
-  const VF vc = hn::Set(df, c);
-  int i = 0;
-  for (; i + N <= n; i += N) {
-    hn::StoreU(hn::MulAdd(vc, hn::LoadU(df, x + i), hn::LoadU(df, y + i)), df, y + i);
-  }
-  for (; i < n; ++i) y[i] += c * x[i];
-}
-
-HWY_INLINE void ScaleRow(float* HWY_RESTRICT x, int n, float s) {
-  const DF df;
-  const int N = static_cast<int>(hn::Lanes(df));
-  const VF vs = hn::Set(df, s);
-  int i = 0;
-  for (; i + N <= n; i += N) hn::StoreU(hn::Mul(hn::LoadU(df, x + i), vs), df, x + i);
-  for (; i < n; ++i) x[i] *= s;
-}
-
-// The kernel over any page source: `pages` gives logical page i's positions and key count
-// (Positions) and its f32 K/V rows (Rows, which may decode into the two page-sized buffers it is
-// passed). Page i's keys are numbered from the sum of the earlier pages' counts.
-template <class Pages>
-void AttendPages(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys, int pt, int hd) {
-  const DF df;
-  const int N = static_cast<int>(hn::Lanes(df));
-  const int n_heads = b.n_heads;
-  if (b.n_tok <= 0 || n_heads <= 0 || hd <= 0) return;
-
-  const int tile_tok = std::max(1, kMaxTileRows / n_heads);
-  const int max_rows = std::min(tile_tok, b.n_tok) * n_heads;
-  // Score rows hold a page's keys padded with -inf to whole vectors, hence to groups of four keys
-  // (N >= 4 on every SIMD target).
-  const int s_stride = (pt + N - 1) / N * N;
-
-  // A chunk: as many pages as fit kChunkKeys score lanes, at least one.
-  const int max_slots = std::max(1, kChunkKeys / s_stride);
-  const int c_stride = max_slots * s_stride;  // a score row: the chunk's pages side by side
-
-  const size_t acc_floats = static_cast<size_t>(max_rows) * hd;
-  const size_t score_floats = static_cast<size_t>(max_rows) * c_stride;
-  // A page's rows as f32, and for UnpackScaled the blocks' scales after them.
-  const size_t page_floats = static_cast<size_t>(pt) * (hd + hd / 32);
-  const size_t chan_floats = static_cast<size_t>(2 + kRowBlock) * hd;  // ScoreChannelPage
-  float* scratch = ThreadScratch(kScratchAttention, acc_floats + score_floats + 2 * max_rows +
-                                                        2 * max_slots * page_floats + chan_floats +
-                                                        max_slots * s_stride);
-  float* acc = scratch;
-  float* scores = acc + acc_floats;
-  float* run_max = scores + score_floats;
-  float* run_sum = run_max + max_rows;
-  // A decoded page per slot, for sources that store pages encoded: K pages, then V pages.
-  float* k_buf = run_sum + max_rows;
-  float* v_buf = k_buf + max_slots * page_floats;
-  float* chan = v_buf + max_slots * page_floats;
-  // 16-bit positions widened: a page's per slot, in whole vectors (s_stride).
-  int32_t* pos_buf = reinterpret_cast<int32_t*>(chan + chan_floats);
-  struct Slot {
-    int page, cnt;
-    const int32_t* pos;
-    int64_t j0;  // the page's first key, among all keys
-    bool all_visible;
-    PageData rows;
-  };
-  Slot slots[kMaxSlots];
-  // A prompt's tiles each walk the pages: pages the source decodes (codec pages) are decoded by
-  // the first tile that sees them into a buffer of their own and read from there by the others
-  // (a 512-token chunk is 52 tiles of a GQA-3 group): the first n_keep pages, kMaxKeptBytes.
-  const int n_keep = std::is_base_of_v<PageRows, Pages> && b.n_tok > tile_tok
-                         ? static_cast<int>(std::min<size_t>(
-                               n_pages, kMaxKeptBytes / (2 * page_floats * sizeof(float))))
-                         : 0;
-  float* kept_buf = nullptr;
-  thread_local std::vector<PageData> kept_rows;
-  thread_local std::vector<uint8_t> kept;  // page i decoded (or read in place): kept_rows[i]
-  if (n_keep > 0) {
-    kept_buf = ThreadScratch(kScratchAttentionKept, size_t(n_keep) * 2 * page_floats);
-    kept_rows.resize(n_keep);
-    kept.assign(n_keep, 0);
-  }
-  // The tile's query rows quantized, once a block-quantized key page needs them.
-  const int nb = std::max(1, hd / 32);
-  int8_t* q8 = reinterpret_cast<int8_t*>(
-      ThreadScratch(kScratchAttentionQ8, static_cast<size_t>(max_rows) * (hd / 4 + 2 * nb)));
-  float* q8_d = reinterpret_cast<float*>(q8 + static_cast<size_t>(max_rows) * hd);
-  int32_t* q8_sum = reinterpret_cast<int32_t*>(q8_d + static_cast<size_t>(max_rows) * nb);
-  QueryQ8 q8_rows[kMaxTileRows];
-
-  // Observed rows: those of tokens with q_pos >= the smallest min_pos. For each, obs_p holds the
-  // exp(s - m) of every key ([row][n_tokens], page-table order) and obs_m the m of each page
-  // ([row][n_pages], -inf where the row saw nothing of the page). Rows are indexed by the
-  // token's slot among the observed tokens of the tile.
-  float* obs_p = nullptr;
-  float* obs_m = nullptr;
-  int32_t obs_min_pos = 0;
-  int obs_slot[kMaxTileRows];  // tile token -> its slot among observed tokens, or -1
-  // Observed passes: the first key of each page (and the total last), for folding the kept terms.
-  thread_local std::vector<int64_t> page_first;
-  if (b.n_observe > 0 && n_pages > 0) {
-    obs_min_pos = b.observe[0].min_pos;
-    for (int i = 1; i < b.n_observe; ++i) obs_min_pos = std::min(obs_min_pos, b.observe[i].min_pos);
+// AttnObserve's terms: the final softmax weights are known only once a tile has walked every page,
+// so for the observed rows (those of tokens with q_pos >= the smallest min_pos) each page's
+// exp(s - m) terms and the running max m they were taken against are kept (per row, per key / per
+// page), and at the end of the tile folded into weight_j = p_j * exp(m_page - m_final) /
+// sum_final. Rows are indexed by their token's slot among the observed tokens of the tile.
+class ObservedRows {
+ public:
+  template <class Pages>
+  ObservedRows(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys, int tile_tok)
+      : b_(b), n_pages_(n_pages), n_keys_(n_keys) {
+    if (b.n_observe <= 0 || n_pages <= 0) return;
+    min_pos_ = b.observe[0].min_pos;
+    for (int i = 1; i < b.n_observe; ++i) min_pos_ = std::min(min_pos_, b.observe[i].min_pos);
     int n_obs_tok = 0;
-    for (int t = 0; t < b.n_tok; ++t) n_obs_tok += b.q_pos[t] >= obs_min_pos;
-    if (n_obs_tok > 0) {
-      const size_t obs_rows = static_cast<size_t>(std::min(tile_tok, n_obs_tok)) * n_heads;
-      obs_p = ThreadScratch(kScratchAttentionObserve,
-                            obs_rows * (static_cast<size_t>(n_keys) + n_pages));
-      obs_m = obs_p + obs_rows * n_keys;
-      page_first.assign(n_pages + 1, 0);
-      for (int page = 0; page < n_pages; ++page) {
-        int cnt = 0;
-        pages.Positions(page, &cnt);
-        page_first[page + 1] = page_first[page] + cnt;
-      }
+    for (int t = 0; t < b.n_tok; ++t) n_obs_tok += b.q_pos[t] >= min_pos_;
+    if (n_obs_tok == 0) return;
+    const size_t rows = static_cast<size_t>(std::min(tile_tok, n_obs_tok)) * b.n_heads;
+    p_ = ThreadScratch(kScratchAttentionObserve, rows * (static_cast<size_t>(n_keys) + n_pages));
+    m_ = p_ + rows * n_keys;
+    thread_local std::vector<int64_t> page_first;
+    page_first.assign(n_pages + 1, 0);
+    for (int page = 0; page < n_pages; ++page) {
+      int cnt = 0;
+      pages.Positions(page, &cnt);
+      page_first[page + 1] = page_first[page] + cnt;
+    }
+    page_first_ = page_first.data();
+  }
+
+  // The tile's observed tokens take their slots; their terms start empty.
+  void BeginTile(const int32_t* q_pos, int nt) {
+    tok_ = 0;
+    if (p_ == nullptr) return;
+    for (int t = 0; t < nt; ++t) slot_[t] = q_pos[t] >= min_pos_ ? tok_++ : -1;
+    std::fill(m_, m_ + static_cast<size_t>(tok_) * b_.n_heads * n_pages_, kNegInf);
+  }
+
+  // Row r's terms of a chunk (its score row s after the softmax step against max m), if observed.
+  void Keep(int r, const float* s, const Slot* slots, int n_slots, int s_stride, float m) {
+    const int64_t o = Row(r);
+    if (o < 0) return;
+    for (int i = 0; i < n_slots; ++i) {
+      std::copy_n(s + i * s_stride, slots[i].cnt, p_ + o * n_keys_ + slots[i].j0);
+      m_[o * n_pages_ + slots[i].page] = m;
     }
   }
 
-  for (int t0 = 0; t0 < b.n_tok; t0 += tile_tok) {
-    const int nt = std::min(tile_tok, b.n_tok - t0);
-    const int rows = nt * n_heads;
-    const int32_t* q_pos = b.q_pos + t0;
-    const int32_t q_min = *std::min_element(q_pos, q_pos + nt);
-    const int32_t q_max = *std::max_element(q_pos, q_pos + nt);
-    auto q_row = [&](int r) {
-      return b.q + (t0 + r / n_heads) * b.q_stride + static_cast<int64_t>(r % n_heads) * hd;
-    };
-
-    bool q8_ready = false;
-    std::fill(acc, acc + static_cast<size_t>(rows) * hd, 0.0f);
-    std::fill(run_max, run_max + rows, kNegInf);
-    std::fill(run_sum, run_sum + rows, 0.0f);
-    int obs_tok = 0;  // observed tokens in this tile
-    if (obs_p != nullptr) {
-      for (int t = 0; t < nt; ++t) obs_slot[t] = q_pos[t] >= obs_min_pos ? obs_tok++ : -1;
-      std::fill(obs_m, obs_m + static_cast<size_t>(obs_tok) * n_heads * n_pages, kNegInf);
-    }
-
-    // Pages go by chunks of up to max_slots: each page's scores land in its slot of the score
-    // rows, then every row takes one online-softmax step over the whole chunk, then each page's
-    // values are added. Fewer, wider softmax steps; the same bits whether rows are read fused or
-    // unpacked.
-    int64_t first_key = 0;  // of the page, among all keys
-    for (int page = 0; page < n_pages;) {
-      int n_slots = 0;
-      for (; page < n_pages && n_slots < max_slots; ++page) {
-        if constexpr (std::is_base_of_v<PageRows, Pages>) {
-          if (page + 1 < n_pages) pages.Prefetch(page + 1, rows <= kLightRows);
-        }
-        Slot& sl = slots[n_slots];
-        const PagePositions pp = pages.Positions(page, &sl.cnt);
-        sl.page = page;
-        sl.j0 = first_key;
-        first_key += sl.cnt;
-        int32_t p_min, p_max;
-        if (pp.wide != nullptr) {
-          sl.pos = pp.wide;
-          PositionBounds(sl.pos, sl.cnt, &p_min, &p_max);
-        } else {
-          int32_t* buf = pos_buf + n_slots * s_stride;
-          WidenPositions(pp.narrow, sl.cnt, buf, &p_min, &p_max);
-          sl.pos = buf;
-        }
-        if (p_min > q_max) continue;  // no key of the page is visible to the tile
-        sl.all_visible = p_max <= q_min;
-        float* kb = k_buf + n_slots * page_floats;
-        if (page >= n_keep) {
-          // Built in place: assigning the returned struct copied it with one wide load of the
-          // callee's field-by-field stores, a store-forwarding stall on every page (15% of an MHA
-          // decode step's attention in cache).
-          ::new (static_cast<void*>(&sl.rows))
-              PageData(pages.Rows(page, kb, v_buf + n_slots * page_floats));
-        } else if (kept[page]) {
-          sl.rows = kept_rows[page];
-        } else {
-          float* own = kept_buf + size_t(page) * 2 * page_floats;
-          sl.rows = kept_rows[page] = pages.Rows(page, own, own + page_floats);
-          kept[page] = 1;
-        }
-        float* s0 = scores + n_slots * s_stride;
-        if (sl.rows.k_channels != nullptr) {
-          ScoreChannelPage(sl.rows, sl.cnt, hd, rows, q_row, b.scale, s0, c_stride, kb, chan);
-        } else if (IsBlockKeyType(sl.rows.k_type)) {
-          if (!q8_ready) {
-            for (int r = 0; r < rows; ++r) {
-              q8_rows[r] = {q8 + r * hd, q8_d + r * (hd / 32), q8_sum + r * (hd / 32)};
-              cpu::QuantizeQuery(q_row(r), hd, q8 + r * hd, q8_d + r * (hd / 32),
-                                 q8_sum + r * (hd / 32));
-            }
-            q8_ready = true;
-          }
-          cpu::BlockKeyScores(static_cast<const uint8_t*>(sl.rows.k), sl.rows.k_type, sl.cnt, hd,
-                              q8_rows, rows, b.scale, s0, c_stride);
-        } else {
-          WithPlainRows(sl.rows.k, sl.rows.k_type, hd, [&](const auto& k_rows) {
-            ScorePage(k_rows, sl.cnt, hd, rows, q_row, b.scale, s0, c_stride, NoBias);
-          });
-        }
-        ++n_slots;
-      }
-      if (n_slots == 0) break;
-      const int width = n_slots * s_stride;
-
-      for (int r = 0; r < rows; ++r) {
-        float* s = scores + static_cast<int64_t>(r) * c_stride;
-        for (int i = 0; i < n_slots; ++i) {
-          const Slot& sl = slots[i];
-          float* si = s + i * s_stride;
-          if (!sl.all_visible) {
-            const int32_t qp = q_pos[r / n_heads];
-            for (int j = 0; j < sl.cnt; ++j) {
-              if (sl.pos[j] > qp) si[j] = kNegInf;
-            }
-          }
-          std::fill(si + sl.cnt, si + s_stride, kNegInf);
-        }
-
-        VF vmax = hn::Set(df, kNegInf);
-        for (int j = 0; j < width; j += N) vmax = hn::Max(vmax, hn::LoadU(df, s + j));
-        const float chunk_max = hn::GetLane(hn::MaxOfLanes(df, vmax));
-        if (chunk_max == kNegInf) {  // nothing visible to this row in this chunk
-          std::fill(s, s + width, 0.0f);
-          continue;
-        }
-
-        float* acc_r = acc + static_cast<int64_t>(r) * hd;
-        const float m_new = std::max(run_max[r], chunk_max);
-        if (run_max[r] != kNegInf && m_new > run_max[r]) {
-          const float correction = std::exp(run_max[r] - m_new);
-          run_sum[r] *= correction;
-          ScaleRow(acc_r, hd, correction);
-        }
-        run_max[r] = m_new;
-
-        const VF vm = hn::Set(df, m_new);
-        VF vsum = hn::Zero(df);
-        for (int j = 0; j < width; j += N) {
-          const VF p = hn::Exp(df, hn::Sub(hn::LoadU(df, s + j), vm));  // exp(-inf) = 0
-          hn::StoreU(p, df, s + j);
-          vsum = hn::Add(vsum, p);
-        }
-        run_sum[r] += ReduceSum(vsum);
-        if (obs_tok > 0 && obs_slot[r / n_heads] >= 0) {
-          const int64_t o = static_cast<int64_t>(obs_slot[r / n_heads]) * n_heads + r % n_heads;
-          for (int i = 0; i < n_slots; ++i) {
-            std::copy_n(s + i * s_stride, slots[i].cnt, obs_p + o * n_keys + slots[i].j0);
-            obs_m[o * n_pages + slots[i].page] = m_new;
-          }
-        }
-      }
-      for (int i = 0; i < n_slots; ++i) {
-        const Slot& sl = slots[i];
-        WithValueRows(sl.rows.v, sl.rows.v_type, sl.cnt, hd, rows, v_buf + i * page_floats,
-                      [&](const auto& v_rows) {
-                        AccumulatePage(v_rows, sl.cnt, hd, rows, scores + i * s_stride, c_stride,
-                                       acc);
-                      });
-      }
-    }
-
+  // The tile's kept terms folded into the observers' key weights.
+  void Fold(const int32_t* q_pos, int rows, const float* run_max, const float* run_sum) const {
     for (int r = 0; r < rows; ++r) {
-      float* out =
-          b.out + (t0 + r / n_heads) * b.out_stride + static_cast<int64_t>(r % n_heads) * hd;
-      const float* acc_r = acc + static_cast<int64_t>(r) * hd;
-      if (run_sum[r] == 0.0f) {
-        std::fill(out, out + hd, 0.0f);  // no key visible
-        continue;
-      }
+      const int64_t o = Row(r);
+      if (o < 0 || run_sum[r] == 0.0f) continue;
+      const int32_t qp = q_pos[r / b_.n_heads];
+      const float* p_row = p_ + o * n_keys_;
+      const float* m_row = m_ + o * n_pages_;
       const float inv = 1.0f / run_sum[r];
-      const VF vinv = hn::Set(df, inv);
-      int d = 0;
-      for (; d + N <= hd; d += N) hn::StoreU(hn::Mul(hn::LoadU(df, acc_r + d), vinv), df, out + d);
-      for (; d < hd; ++d) out[d] = acc_r[d] * inv;
-    }
-
-    // Fold the kept terms of the observed rows into their final weights.
-    for (int r = 0; r < rows && obs_tok > 0; ++r) {
-      const int32_t qp = q_pos[r / n_heads];
-      if (obs_slot[r / n_heads] < 0 || run_sum[r] == 0.0f) continue;
-      const int64_t o = static_cast<int64_t>(obs_slot[r / n_heads]) * n_heads + r % n_heads;
-      const float* p_row = obs_p + o * n_keys;
-      const float* m_row = obs_m + o * n_pages;
-      const float inv = 1.0f / run_sum[r];
-      for (int page = 0; page < n_pages; ++page) {
-        const int64_t j0 = page_first[page];
-        const int cnt = static_cast<int>(page_first[page + 1] - j0);
+      for (int page = 0; page < n_pages_; ++page) {
+        const int64_t j0 = page_first_[page];
+        const int cnt = static_cast<int>(page_first_[page + 1] - j0);
         if (m_row[page] == kNegInf) continue;  // nothing of the page visible to the row
         const float c = std::exp(m_row[page] - run_max[r]) * inv;
-        for (int i = 0; i < b.n_observe; ++i) {
-          if (qp < b.observe[i].min_pos) continue;
-          float* w = b.observe[i].key_weight + j0;
-          if (b.observe[i].max) {
+        for (int i = 0; i < b_.n_observe; ++i) {
+          if (qp < b_.observe[i].min_pos) continue;
+          float* w = b_.observe[i].key_weight + j0;
+          if (b_.observe[i].max) {
             for (int j = 0; j < cnt; ++j) w[j] = std::max(w[j], c * p_row[j0 + j]);
           } else {
             AxpyRow(c, p_row + j0, cnt, w);
@@ -762,6 +146,306 @@ void AttendPages(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys
       }
     }
   }
+
+ private:
+  // Row r's index among the tile's observed rows, or -1.
+  int64_t Row(int r) const {
+    if (tok_ == 0 || slot_[r / b_.n_heads] < 0) return -1;
+    return static_cast<int64_t>(slot_[r / b_.n_heads]) * b_.n_heads + r % b_.n_heads;
+  }
+
+  const AttnBatch& b_;
+  int n_pages_, n_keys_;
+  float* p_ = nullptr;  // [row][n_keys]: exp(s - m) of every key, page-table order
+  float* m_ = nullptr;  // [row][n_pages]: the m of each page, -inf where the row saw nothing of it
+  int32_t min_pos_ = 0;
+  int tok_ = 0;                          // observed tokens in this tile
+  int slot_[kMaxTileRows];               // tile token -> its slot among the observed tokens, or -1
+  const int64_t* page_first_ = nullptr;  // each page's first key, and the total last
+};
+
+// Row r's scores of a chunk's pages (slots side by side, s_stride apart): keys past the row's
+// position qp masked, each page's lanes past its keys padded, with -inf.
+HWY_INLINE void MaskChunkRow(float* s, const Slot* slots, int n_slots, int s_stride, int32_t qp) {
+  for (int i = 0; i < n_slots; ++i) {
+    const Slot& sl = slots[i];
+    float* si = s + i * s_stride;
+    if (!sl.all_visible) {
+      for (int j = 0; j < sl.cnt; ++j) {
+        if (sl.pos[j] > qp) si[j] = kNegInf;
+      }
+    }
+    std::fill(si + sl.cnt, si + s_stride, kNegInf);
+  }
+}
+
+// A row's online-softmax step over a chunk's masked score row s (width lanes): the running max m
+// moves to the chunk's if larger (the running sum and the row's accumulator rescaled), and s
+// becomes exp(s - m), added to the sum. Returns m, or -inf when no key of the chunk is visible to
+// the row (s is then zeroed and nothing else changes).
+HWY_INLINE float SoftmaxStep(float* s, int width, float* run_max, float* run_sum, float* acc_r,
+                             int hd) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  VF vmax = hn::Set(df, kNegInf);
+  for (int j = 0; j < width; j += N) vmax = hn::Max(vmax, hn::LoadU(df, s + j));
+  const float chunk_max = hn::GetLane(hn::MaxOfLanes(df, vmax));
+  if (chunk_max == kNegInf) {
+    std::fill(s, s + width, 0.0f);
+    return kNegInf;
+  }
+  const float m_new = std::max(*run_max, chunk_max);
+  if (*run_max != kNegInf && m_new > *run_max) {
+    const float correction = std::exp(*run_max - m_new);
+    *run_sum *= correction;
+    ScaleRow(acc_r, hd, correction);
+  }
+  *run_max = m_new;
+  const VF vm = hn::Set(df, m_new);
+  VF vsum = hn::Zero(df);
+  for (int j = 0; j < width; j += N) {
+    const VF p = hn::Exp(df, hn::Sub(hn::LoadU(df, s + j), vm));  // exp(-inf) = 0
+    hn::StoreU(p, df, s + j);
+    vsum = hn::Add(vsum, p);
+  }
+  *run_sum += ReduceSum(vsum);
+  return m_new;
+}
+
+// The kernel over any page source: `pages` gives logical page i's positions and key count
+// (Positions) and its f32 K/V rows (Rows, which may decode into the two page-sized buffers it is
+// passed). Page i's keys are numbered from the sum of the earlier pages' counts.
+//
+// Pages go by chunks of up to max_slots: each page's scores land in its slot of the score rows,
+// then every row takes one online-softmax step over the whole chunk, then each page's values are
+// added. Fewer, wider softmax steps; the same bits whether rows are read fused or unpacked.
+template <class Pages>
+class PageWalk {
+ public:
+  PageWalk(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys, int pt, int hd)
+      : b_(b),
+        pages_(pages),
+        n_pages_(n_pages),
+        hd_(hd),
+        n_heads_(b.n_heads),
+        tile_tok_(std::max(1, kMaxTileRows / b.n_heads)),
+        // Score rows hold a page's keys padded with -inf to whole vectors, hence to groups of
+        // four keys (N >= 4 on every SIMD target).
+        s_stride_((pt + kLanes - 1) / kLanes * kLanes),
+        // A chunk: as many pages as fit kChunkKeys score lanes, at least one.
+        max_slots_(std::max(1, kChunkKeys / s_stride_)),
+        c_stride_(max_slots_ * s_stride_),
+        // A page's rows as f32, and for UnpackScaled the blocks' scales after them.
+        page_floats_(static_cast<size_t>(pt) * (hd + hd / 32)),
+        observed_(b, pages, n_pages, n_keys, tile_tok_) {
+    const int max_rows = std::min(tile_tok_, b.n_tok) * n_heads_;
+    const size_t acc_floats = static_cast<size_t>(max_rows) * hd;
+    const size_t score_floats = static_cast<size_t>(max_rows) * c_stride_;
+    const size_t chan_floats = static_cast<size_t>(2 + kRowBlock) * hd;  // ScoreChannelPage
+    acc_ = ThreadScratch(kScratchAttention, acc_floats + score_floats + 2 * max_rows +
+                                                2 * max_slots_ * page_floats_ + chan_floats +
+                                                max_slots_ * s_stride_);
+    scores_ = acc_ + acc_floats;
+    run_max_ = scores_ + score_floats;
+    run_sum_ = run_max_ + max_rows;
+    k_buf_ = run_sum_ + max_rows;
+    v_buf_ = k_buf_ + max_slots_ * page_floats_;
+    chan_ = v_buf_ + max_slots_ * page_floats_;
+    pos_buf_ = reinterpret_cast<int32_t*>(chan_ + chan_floats);
+    // A prompt's tiles each walk the pages: pages the source decodes (codec pages) are decoded by
+    // the first tile that sees them into a buffer of their own and read from there by the others
+    // (a 512-token chunk is 52 tiles of a GQA-3 group): the first n_keep_ pages, kMaxKeptBytes.
+    if (std::is_base_of_v<PageRows, Pages> && b.n_tok > tile_tok_) {
+      n_keep_ = static_cast<int>(
+          std::min<size_t>(n_pages, kMaxKeptBytes / (2 * page_floats_ * sizeof(float))));
+    }
+    if (n_keep_ > 0) {
+      kept_buf_ = ThreadScratch(kScratchAttentionKept, size_t(n_keep_) * 2 * page_floats_);
+      KeptRows().resize(n_keep_);
+      Kept().assign(n_keep_, 0);
+    }
+    const int nb = std::max(1, hd / 32);
+    q8_ = reinterpret_cast<int8_t*>(
+        ThreadScratch(kScratchAttentionQ8, static_cast<size_t>(max_rows) * (hd / 4 + 2 * nb)));
+    q8_d_ = reinterpret_cast<float*>(q8_ + static_cast<size_t>(max_rows) * hd);
+    q8_sum_ = reinterpret_cast<int32_t*>(q8_d_ + static_cast<size_t>(max_rows) * nb);
+  }
+
+  void Run() {
+    for (int t0 = 0; t0 < b_.n_tok; t0 += tile_tok_) Tile(t0);
+  }
+
+ private:
+  static constexpr int kLanes = kMaxLanes;
+
+  // The pages decoded by a prompt's first tile (kept_buf_), and which are.
+  static std::vector<PageData>& KeptRows() {
+    thread_local std::vector<PageData> rows;
+    return rows;
+  }
+  static std::vector<uint8_t>& Kept() {
+    thread_local std::vector<uint8_t> kept;
+    return kept;
+  }
+
+  const float* QueryRow(int t0, int r) const {
+    return b_.q + (t0 + r / n_heads_) * b_.q_stride + static_cast<int64_t>(r % n_heads_) * hd_;
+  }
+
+  void Tile(int t0) {
+    const int nt = std::min(tile_tok_, b_.n_tok - t0);
+    const int rows = nt * n_heads_;
+    const int32_t* q_pos = b_.q_pos + t0;
+    const int32_t q_min = *std::min_element(q_pos, q_pos + nt);
+    const int32_t q_max = *std::max_element(q_pos, q_pos + nt);
+    q8_ready_ = false;
+    first_key_ = 0;
+    std::fill(acc_, acc_ + static_cast<size_t>(rows) * hd_, 0.0f);
+    std::fill(run_max_, run_max_ + rows, kNegInf);
+    std::fill(run_sum_, run_sum_ + rows, 0.0f);
+    observed_.BeginTile(q_pos, nt);
+    for (int page = 0; page < n_pages_;) {
+      const int n_slots = ScoreChunk(t0, rows, q_min, q_max, &page);
+      if (n_slots == 0) break;
+      for (int r = 0; r < rows; ++r) {
+        float* s = scores_ + static_cast<int64_t>(r) * c_stride_;
+        MaskChunkRow(s, slots_, n_slots, s_stride_, q_pos[r / n_heads_]);
+        const float m = SoftmaxStep(s, n_slots * s_stride_, run_max_ + r, run_sum_ + r,
+                                    acc_ + static_cast<int64_t>(r) * hd_, hd_);
+        if (m != kNegInf) observed_.Keep(r, s, slots_, n_slots, s_stride_, m);
+      }
+      for (int i = 0; i < n_slots; ++i) {
+        const Slot& sl = slots_[i];
+        WithValueRows(sl.rows.v, sl.rows.v_type, sl.cnt, hd_, rows, v_buf_ + i * page_floats_,
+                      [&](const auto& v_rows) {
+                        AccumulatePage(v_rows, sl.cnt, hd_, rows, scores_ + i * s_stride_,
+                                       c_stride_, acc_);
+                      });
+      }
+    }
+    WriteRows(t0, rows);
+    observed_.Fold(q_pos, rows, run_max_, run_sum_);
+  }
+
+  // Fills the chunk's slots with pages from *page on, each scored for the tile's rows (a page
+  // none of whose keys the tile sees is passed over); returns how many.
+  int ScoreChunk(int t0, int rows, int32_t q_min, int32_t q_max, int* page) {
+    int n_slots = 0;
+    for (; *page < n_pages_ && n_slots < max_slots_; ++*page) {
+      if constexpr (std::is_base_of_v<PageRows, Pages>) {
+        if (*page + 1 < n_pages_) pages_.Prefetch(*page + 1, rows <= kLightRows);
+      }
+      Slot& sl = slots_[n_slots];
+      const PagePositions pp = pages_.Positions(*page, &sl.cnt);
+      sl.page = *page;
+      sl.j0 = first_key_;
+      first_key_ += sl.cnt;
+      int32_t p_min, p_max;
+      if (pp.wide != nullptr) {
+        sl.pos = pp.wide;
+        PositionBounds(sl.pos, sl.cnt, &p_min, &p_max);
+      } else {
+        int32_t* buf = pos_buf_ + n_slots * s_stride_;
+        WidenPositions(pp.narrow, sl.cnt, buf, &p_min, &p_max);
+        sl.pos = buf;
+      }
+      if (p_min > q_max) continue;  // no key of the page is visible to the tile
+      sl.all_visible = p_max <= q_min;
+      float* kb = k_buf_ + n_slots * page_floats_;
+      FetchRows(*page, kb, v_buf_ + n_slots * page_floats_, &sl.rows);
+      ScoreKeys(sl, t0, rows, scores_ + n_slots * s_stride_, kb);
+      ++n_slots;
+    }
+    return n_slots;
+  }
+
+  // A page's rows: from the source (decoded into k_buf / v_buf if it must), or kept by the
+  // tile that decoded it first.
+  void FetchRows(int page, float* k_buf, float* v_buf, PageData* rows) {
+    if (page >= n_keep_) {
+      // Built in place: assigning the returned struct copied it with one wide load of the
+      // callee's field-by-field stores, a store-forwarding stall on every page (15% of an MHA
+      // decode step's attention in cache).
+      ::new (static_cast<void*>(rows)) PageData(pages_.Rows(page, k_buf, v_buf));
+    } else if (Kept()[page]) {
+      *rows = KeptRows()[page];
+    } else {
+      float* own = kept_buf_ + size_t(page) * 2 * page_floats_;
+      *rows = KeptRows()[page] = pages_.Rows(page, own, own + page_floats_);
+      Kept()[page] = 1;
+    }
+  }
+
+  // A page's key scores for the tile's rows, into its slot s0 of the score rows.
+  void ScoreKeys(const Slot& sl, int t0, int rows, float* s0, float* k_buf) {
+    auto q_row = [&](int r) { return QueryRow(t0, r); };
+    if (sl.rows.k_channels != nullptr) {
+      ScoreChannelPage(sl.rows, sl.cnt, hd_, rows, q_row, b_.scale, s0, c_stride_, k_buf, chan_);
+    } else if (IsBlockKeyType(sl.rows.k_type)) {
+      if (!q8_ready_) {  // the tile's query rows quantized, once a page of block keys needs them
+        for (int r = 0; r < rows; ++r) {
+          q8_rows_[r] = {q8_ + r * hd_, q8_d_ + r * (hd_ / 32), q8_sum_ + r * (hd_ / 32)};
+          cpu::QuantizeQuery(q_row(r), hd_, q8_ + r * hd_, q8_d_ + r * (hd_ / 32),
+                             q8_sum_ + r * (hd_ / 32));
+        }
+        q8_ready_ = true;
+      }
+      cpu::BlockKeyScores(static_cast<const uint8_t*>(sl.rows.k), sl.rows.k_type, sl.cnt, hd_,
+                          q8_rows_, rows, b_.scale, s0, c_stride_);
+    } else {
+      WithPlainRows(sl.rows.k, sl.rows.k_type, hd_, [&](const auto& k_rows) {
+        ScorePage(k_rows, sl.cnt, hd_, rows, q_row, b_.scale, s0, c_stride_, NoBias);
+      });
+    }
+  }
+
+  // The tile's outputs: each row's accumulator over its sum (zero where no key was visible).
+  void WriteRows(int t0, int rows) const {
+    const DF df;
+    for (int r = 0; r < rows; ++r) {
+      float* out =
+          b_.out + (t0 + r / n_heads_) * b_.out_stride + static_cast<int64_t>(r % n_heads_) * hd_;
+      const float* acc_r = acc_ + static_cast<int64_t>(r) * hd_;
+      if (run_sum_[r] == 0.0f) {
+        std::fill(out, out + hd_, 0.0f);
+        continue;
+      }
+      const float inv = 1.0f / run_sum_[r];
+      const VF vinv = hn::Set(df, inv);
+      int d = 0;
+      for (; d + kLanes <= hd_; d += kLanes) {
+        hn::StoreU(hn::Mul(hn::LoadU(df, acc_r + d), vinv), df, out + d);
+      }
+      for (; d < hd_; ++d) out[d] = acc_r[d] * inv;
+    }
+  }
+
+  const AttnBatch& b_;
+  const Pages& pages_;
+  const int n_pages_, hd_, n_heads_, tile_tok_;
+  const int s_stride_, max_slots_, c_stride_;
+  const size_t page_floats_;
+  ObservedRows observed_;
+  // Carved from the thread's scratch: per tile row its accumulator, score row (a chunk's pages
+  // side by side), running max and sum; a decoded page per slot (K, then V) for sources that
+  // store pages encoded; ScoreChannelPage's rows; 16-bit positions widened, per slot.
+  float *acc_, *scores_, *run_max_, *run_sum_, *k_buf_, *v_buf_, *chan_;
+  int32_t* pos_buf_;
+  int n_keep_ = 0;
+  float* kept_buf_ = nullptr;
+  int8_t* q8_;  // the tile's query rows quantized for block keys (q8_ready_), their scales, sums
+  float* q8_d_;
+  int32_t* q8_sum_;
+  QueryQ8 q8_rows_[kMaxTileRows];
+  bool q8_ready_ = false;
+  Slot slots_[kMaxSlots];
+  int64_t first_key_ = 0;  // of the tile's next page, among all keys
+};
+
+template <class Pages>
+void AttendPages(const AttnBatch& b, const Pages& pages, int n_pages, int n_keys, int pt, int hd) {
+  if (b.n_tok <= 0 || b.n_heads <= 0 || hd <= 0) return;
+  PageWalk<Pages>(b, pages, n_pages, n_keys, pt, hd).Run();
 }
 
 // A plain page table of raw f32 pages.
