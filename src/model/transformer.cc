@@ -66,11 +66,9 @@ Status Transformer::Forward(std::span<const int32_t> tokens, std::span<const int
   return ForwardBatch(std::span<const SeqChunk>(&one, 1), pool);
 }
 
-Status Transformer::ForwardBatch(std::span<const SeqChunk> seqs, ThreadPool& pool,
-                                 const LayerRange& layers) {
+Status Transformer::ValidateBatch(std::span<const SeqChunk> seqs, int64_t* total) {
   const ModelConfig& c = config_;
-  // Validate everything before anything changes.
-  int64_t total = 0;
+  *total = 0;
   for (size_t e = 0; e < seqs.size(); ++e) {
     const SeqChunk& s = seqs[e];
     if (s.kv == nullptr) return InvalidArgument(Entry(e) + "no KV sequence");
@@ -85,9 +83,9 @@ Status Transformer::ForwardBatch(std::span<const SeqChunk> seqs, ThreadPool& poo
                                std::to_string(c.vocab_size) + ")");
       }
     }
-    total += static_cast<int64_t>(s.tokens.size());
-    if (total > max_batch_) {
-      return InvalidArgument(Entry(e) + "brings the step to " + std::to_string(total) +
+    *total += static_cast<int64_t>(s.tokens.size());
+    if (*total > max_batch_) {
+      return InvalidArgument(Entry(e) + "brings the step to " + std::to_string(*total) +
                              " tokens, over the batch of " + std::to_string(max_batch_) +
                              " (max_batch)");
     }
@@ -110,8 +108,21 @@ Status Transformer::ForwardBatch(std::span<const SeqChunk> seqs, ThreadPool& poo
     return InvalidArgument(Entry(repeat) + "its KV sequence is also entry " +
                            std::to_string(first) + "'s (one entry per sequence in a step)");
   }
+  return OkStatus();
+}
+
+Status Transformer::ForwardBatch(std::span<const SeqChunk> seqs, ThreadPool& pool,
+                                 const LayerRange& layers) {
+  const ModelConfig& c = config_;
+  // Validate everything before anything changes.
+  int64_t total = 0;
+  CACHET_RETURN_IF_ERROR(ValidateBatch(seqs, &total));
   const int n = static_cast<int>(total);
   if (n == 0) return OkStatus();
+  if (layers.first > 0 && layers.x_in == nullptr) {
+    return InvalidArgument("ForwardBatch: starting at layer " + std::to_string(layers.first) +
+                           " needs the hidden states entering it");
+  }
   // Room for every entry's tokens before any K/V is written (see the header for a failure).
   for (size_t e = 0; e < seqs.size(); ++e) {
     if (seqs[e].tokens.empty()) continue;
@@ -132,93 +143,112 @@ Status Transformer::ForwardBatch(std::span<const SeqChunk> seqs, ThreadPool& poo
   entry_begin_[seqs.size()] = n;
   PlanAttention(seqs, pool.size());
 
-  const int d = c.hidden_size, hd = c.head_dim, half = hd / 2;
-  const int q_dim = c.n_heads * hd, kv_dim = c.n_kv_heads * hd, f = c.intermediate_size;
+  const int d = c.hidden_size, hd = c.head_dim;
   float* x = x_.data();
-  float* xn = xn_.data();
-
-  if (layers.first > 0 && layers.x_in == nullptr) {
-    return InvalidArgument("ForwardBatch: starting at layer " + std::to_string(layers.first) +
-                           " needs the hidden states entering it");
-  }
   ForEachToken(n, pool, [&](int i) {
     if (layers.first > 0) {
       std::copy_n(layers.x_in + static_cast<size_t>(i) * d, d, x + static_cast<size_t>(i) * d);
     } else {
       kernels::DequantRow(weights_.embed, tokens_[i], x + static_cast<size_t>(i) * d);
     }
-    kernels::RopeAngles(inv_freq_.data(), half, positions_[i],
+    kernels::RopeAngles(inv_freq_.data(), hd / 2, positions_[i],
                         rope_.data() + static_cast<size_t>(i) * hd);
   });
-
   for (int l = layers.first; l < c.n_layers; ++l) {
-    const LayerWeights& L = weights_.layers[l];
-    if (l == layers.kv_only && layers.x_out != nullptr) std::copy_n(x, size_t(n) * d, layers.x_out);
-    ForEachToken(n, pool, [&](int i) {
-      kernels::RmsNorm(x + size_t(i) * d, L.attn_norm.data(), d, c.rms_norm_eps,
-                       xn + size_t(i) * d);
-    });
-    const float* bq = L.bq.empty() ? nullptr : L.bq.data();
-    const float* bk = L.bk.empty() ? nullptr : L.bk.data();
-    const float* bv = L.bv.empty() ? nullptr : L.bv.data();
-    const bool kv_only = l == layers.kv_only;
-    if (!kv_only) kernels::MatMul(xn, n, L.wq, bq, q_.data(), q_dim, pool);
-    kernels::MatMul(xn, n, L.wk, bk, k_.data(), kv_dim, pool);
-    kernels::MatMul(xn, n, L.wv, bv, v_.data(), kv_dim, pool);
-    ForEachToken(n, pool, [&](int i) {
-      float* qi = q_.data() + size_t(i) * q_dim;
-      float* ki = k_.data() + size_t(i) * kv_dim;
-      if (c.qk_norm && !kv_only) {
-        for (int h = 0; h < c.n_heads; ++h) {
-          kernels::RmsNorm(qi + h * hd, L.q_norm.data(), hd, c.rms_norm_eps, qi + h * hd);
-        }
-      }
-      if (c.qk_norm) {
-        for (int h = 0; h < c.n_kv_heads; ++h) {
-          kernels::RmsNorm(ki + h * hd, L.k_norm.data(), hd, c.rms_norm_eps, ki + h * hd);
-        }
-      }
-      const float* cs = rope_.data() + size_t(i) * hd;
-      if (!kv_only) kernels::RopeRotateHalf(qi, c.n_heads, hd, cs, cs + half);
-      kernels::RopeRotateHalf(ki, c.n_kv_heads, hd, cs, cs + half);
-    });
-    for (size_t e = 0; e < seqs.size(); ++e) {
-      KvSequence& kv = *seqs[e].kv;
-      for (int i = entry_begin_[e]; i < entry_begin_[e + 1]; ++i) {
-        for (int h = 0; h < c.n_kv_heads; ++h) {
-          kv.Append(l, h, k_.data() + size_t(i) * kv_dim + h * hd,
-                    v_.data() + size_t(i) * kv_dim + h * hd, positions_[i]);
-        }
-      }
+    if (l == layers.kv_only) {
+      if (layers.x_out != nullptr) std::copy_n(x, size_t(n) * d, layers.x_out);
+      LayerKv(l, seqs, n, true, pool);
+      return OkStatus();
     }
-    if (kv_only) return OkStatus();
-    Attention(l, seqs, pool);
-    for (const SeqChunk& s : seqs) s.kv->SealAged(l);
-    kernels::MatMul(attn_.data(), n, L.wo, nullptr, xn, d, pool);
-    ForEachToken(n, pool, [&](int i) {
-      float* xi = x + size_t(i) * d;
-      const float* oi = xn + size_t(i) * d;
-      for (int j = 0; j < d; ++j) xi[j] += oi[j];
-      kernels::RmsNorm(xi, L.ffn_norm.data(), d, c.rms_norm_eps, xn + size_t(i) * d);
-    });
-    kernels::MatMul(xn, n, L.w_gate, nullptr, gate_.data(), f, pool);
-    kernels::MatMul(xn, n, L.w_up, nullptr, up_.data(), f, pool);
-    ForEachToken(n, pool, [&](int i) {
-      kernels::SiluMul(gate_.data() + size_t(i) * f, up_.data() + size_t(i) * f,
-                       gate_.data() + size_t(i) * f, f);
-    });
-    kernels::MatMul(gate_.data(), n, L.w_down, nullptr, xn, d, pool);
-    ForEachToken(n, pool, [&](int i) {
-      float* xi = x + size_t(i) * d;
-      const float* oi = xn + size_t(i) * d;
-      for (int j = 0; j < d; ++j) xi[j] += oi[j];
-    });
+    LayerKv(l, seqs, n, false, pool);
+    LayerRest(l, seqs, n, pool);
   }
   for (size_t e = 0; e < seqs.size(); ++e) {
     if (!seqs[e].tokens.empty()) seqs[e].kv->CommitTokens(static_cast<int>(seqs[e].tokens.size()));
   }
+  LmHead(seqs, pool);
+  return OkStatus();
+}
 
-  // The LM head, over the rows whose logits are wanted only.
+void Transformer::LayerKv(int l, std::span<const SeqChunk> seqs, int n, bool kv_only,
+                          ThreadPool& pool) {
+  const ModelConfig& c = config_;
+  const LayerWeights& L = weights_.layers[l];
+  const int d = c.hidden_size, hd = c.head_dim, half = hd / 2;
+  const int q_dim = c.n_heads * hd, kv_dim = c.n_kv_heads * hd;
+  float* x = x_.data();
+  float* xn = xn_.data();
+  ForEachToken(n, pool, [&](int i) {
+    kernels::RmsNorm(x + size_t(i) * d, L.attn_norm.data(), d, c.rms_norm_eps, xn + size_t(i) * d);
+  });
+  const float* bq = L.bq.empty() ? nullptr : L.bq.data();
+  const float* bk = L.bk.empty() ? nullptr : L.bk.data();
+  const float* bv = L.bv.empty() ? nullptr : L.bv.data();
+  if (!kv_only) kernels::MatMul(xn, n, L.wq, bq, q_.data(), q_dim, pool);
+  kernels::MatMul(xn, n, L.wk, bk, k_.data(), kv_dim, pool);
+  kernels::MatMul(xn, n, L.wv, bv, v_.data(), kv_dim, pool);
+  ForEachToken(n, pool, [&](int i) {
+    float* qi = q_.data() + size_t(i) * q_dim;
+    float* ki = k_.data() + size_t(i) * kv_dim;
+    if (c.qk_norm && !kv_only) {
+      for (int h = 0; h < c.n_heads; ++h) {
+        kernels::RmsNorm(qi + h * hd, L.q_norm.data(), hd, c.rms_norm_eps, qi + h * hd);
+      }
+    }
+    if (c.qk_norm) {
+      for (int h = 0; h < c.n_kv_heads; ++h) {
+        kernels::RmsNorm(ki + h * hd, L.k_norm.data(), hd, c.rms_norm_eps, ki + h * hd);
+      }
+    }
+    const float* cs = rope_.data() + size_t(i) * hd;
+    if (!kv_only) kernels::RopeRotateHalf(qi, c.n_heads, hd, cs, cs + half);
+    kernels::RopeRotateHalf(ki, c.n_kv_heads, hd, cs, cs + half);
+  });
+  for (size_t e = 0; e < seqs.size(); ++e) {
+    KvSequence& kv = *seqs[e].kv;
+    for (int i = entry_begin_[e]; i < entry_begin_[e + 1]; ++i) {
+      for (int h = 0; h < c.n_kv_heads; ++h) {
+        kv.Append(l, h, k_.data() + size_t(i) * kv_dim + h * hd,
+                  v_.data() + size_t(i) * kv_dim + h * hd, positions_[i]);
+      }
+    }
+  }
+}
+
+void Transformer::LayerRest(int l, std::span<const SeqChunk> seqs, int n, ThreadPool& pool) {
+  const ModelConfig& c = config_;
+  const LayerWeights& L = weights_.layers[l];
+  const int d = c.hidden_size, f = c.intermediate_size;
+  float* x = x_.data();
+  float* xn = xn_.data();
+  Attention(l, seqs, pool);
+  for (const SeqChunk& s : seqs) s.kv->SealAged(l);
+  kernels::MatMul(attn_.data(), n, L.wo, nullptr, xn, d, pool);
+  ForEachToken(n, pool, [&](int i) {
+    float* xi = x + size_t(i) * d;
+    const float* oi = xn + size_t(i) * d;
+    for (int j = 0; j < d; ++j) xi[j] += oi[j];
+    kernels::RmsNorm(xi, L.ffn_norm.data(), d, c.rms_norm_eps, xn + size_t(i) * d);
+  });
+  kernels::MatMul(xn, n, L.w_gate, nullptr, gate_.data(), f, pool);
+  kernels::MatMul(xn, n, L.w_up, nullptr, up_.data(), f, pool);
+  ForEachToken(n, pool, [&](int i) {
+    kernels::SiluMul(gate_.data() + size_t(i) * f, up_.data() + size_t(i) * f,
+                     gate_.data() + size_t(i) * f, f);
+  });
+  kernels::MatMul(gate_.data(), n, L.w_down, nullptr, xn, d, pool);
+  ForEachToken(n, pool, [&](int i) {
+    float* xi = x + size_t(i) * d;
+    const float* oi = xn + size_t(i) * d;
+    for (int j = 0; j < d; ++j) xi[j] += oi[j];
+  });
+}
+
+void Transformer::LmHead(std::span<const SeqChunk> seqs, ThreadPool& pool) {
+  const ModelConfig& c = config_;
+  const int d = c.hidden_size;
+  float* x = x_.data();
+  float* xn = xn_.data();
   out_rows_.clear();
   int wanting = 0;  // entries that want logits
   for (size_t e = 0; e < seqs.size(); ++e) {
@@ -230,7 +260,7 @@ Status Transformer::ForwardBatch(std::span<const SeqChunk> seqs, ThreadPool& poo
     }
   }
   const int n_out = static_cast<int>(out_rows_.size());
-  if (n_out == 0) return OkStatus();
+  if (n_out == 0) return;
   ForEachToken(n_out, pool, [&](int k) {
     kernels::RmsNorm(x + size_t(out_rows_[k]) * d, weights_.final_norm.data(), d, c.rms_norm_eps,
                      xn + size_t(k) * d);
@@ -242,7 +272,7 @@ Status Transformer::ForwardBatch(std::span<const SeqChunk> seqs, ThreadPool& poo
       if (s.logits != nullptr && !s.tokens.empty()) out = s.logits;
     }
     kernels::MatMul(xn, n_out, weights_.lm_head, nullptr, out, c.vocab_size, pool);
-    return OkStatus();
+    return;
   }
   logits_.resize(size_t(n_out) * vocab);
   kernels::MatMul(xn, n_out, weights_.lm_head, nullptr, logits_.data(), c.vocab_size, pool);
@@ -253,7 +283,6 @@ Status Transformer::ForwardBatch(std::span<const SeqChunk> seqs, ThreadPool& poo
     std::copy(row, row + rows * vocab, s.logits);
     row += rows * vocab;
   }
-  return OkStatus();
 }
 
 void Transformer::PlanAttention(std::span<const SeqChunk> seqs, int threads) {

@@ -89,6 +89,14 @@ class Transformer {
   int max_batch() const { return max_batch_; }
 
  private:
+  // ForwardBatch's checks of the step (its errors), and its token count.
+  Status ValidateBatch(std::span<const SeqChunk> seqs, int64_t* total);
+  // Layer l up to its K/V rows, appended to each entry's sequence (kv_only: no queries).
+  void LayerKv(int l, std::span<const SeqChunk> seqs, int n, bool kv_only, ThreadPool& pool);
+  // The rest of layer l: attention, its output projection, the FFN, both residuals.
+  void LayerRest(int l, std::span<const SeqChunk> seqs, int n, ThreadPool& pool);
+  // The final norm and LM head over the rows whose logits are wanted, into the entries' buffers.
+  void LmHead(std::span<const SeqChunk> seqs, ThreadPool& pool);
   // Attention of every entry's tokens over its own sequence, as the tasks of PlanAttention.
   void Attention(int layer, std::span<const SeqChunk> seqs, ThreadPool& pool);
   // Splits each entry's tokens into blocks, about 4 per thread in all, in proportion to their
