@@ -256,6 +256,140 @@ std::vector<TaskSpec> TaskCells(const SweepOptions& o) {
   return cells;
 }
 
+namespace {
+
+// A sample prefilled once per codec pair (up to its context, or all of it), which the pair's
+// methods fork.
+struct PrefilledSample {
+  const TaskSample& sample;
+  TaskKind kind;
+  CompressAt at;
+  std::span<const int32_t> prefix;
+  Session& session;
+  const std::vector<float>& logits;
+  double seconds;
+  size_t kv_bytes;
+};
+
+// Where a method's run on a sample is written: its accumulator, and --predictions.
+struct SampleOut {
+  TaskAcc& acc;
+  std::ofstream& preds;
+};
+
+// Method m on a prefilled sample: its cache (a fork of the prefill, pressed, or its own prefill
+// pressed chunk by chunk; through a file with --reuse-cache), then every question answered.
+Status RunSampleMethod(const Method& m, Engine& ge, const PrefilledSample& p, const SweepOptions& o,
+                       const Decoder& decoder, const Tokenizer& tok, std::vector<float>& logits,
+                       SampleOut out) {
+  const TaskSample& sample = p.sample;
+  const std::span<const int32_t> ids(sample.ids);
+  std::unique_ptr<Session> session;
+  size_t own_peak = p.kv_bytes;
+  auto t1 = Clock::now();
+  if (CompressesDuringPrefill(m)) {  // its own prefill, pressed chunk by chunk
+    session = ge.NewSession();
+    CACHET_RETURN_IF_ERROR(PrefillCompressing(m, p.prefix, *session, &logits, &own_peak));
+  } else {
+    session = p.session.Fork();
+    const int32_t segments[2] = {0, sample.context_tokens};
+    CACHET_RETURN_IF_ERROR(ApplyMethod(
+        m, *session, std::span(segments, p.at == CompressAt::kPrompt ? 2 : 1), &own_peak));
+    logits = p.logits;
+  }
+  const double apply_s = SecondsSince(t1);
+  double question_s = 0;
+  TaskAcc& a = out.acc;
+  const bool reuse = p.at == CompressAt::kContext && !o.reuse_cache_dir.empty();
+  if (reuse) {  // through a file, as a later request would reuse it
+    const std::string path = o.reuse_cache_dir + "/context.ckv";
+    CACHET_RETURN_IF_ERROR(session->Save(path, m.Label()));
+    a.cache_file_bytes += double(std::filesystem::file_size(path));
+    session.reset();  // its pages back to the pool: the loaded copy shares none
+    auto t2 = Clock::now();
+    CACHET_ASSIGN_OR_RETURN(session, ge.LoadSession(path));
+    question_s += SecondsSince(t2);
+  }
+  if (p.at == CompressAt::kContext) {
+    auto t2 = Clock::now();
+    CACHET_RETURN_IF_ERROR(session->Eval(ids.subspan(sample.context_tokens), &logits));
+    question_s = SecondsSince(t2);
+  }
+  const size_t start_bytes = session->kv_bytes();
+  size_t peak_bytes = std::max(own_peak, start_bytes);
+  // multiq asks every question of the cache as it was compressed: kept aside.
+  std::unique_ptr<Session> compressed;
+  if (p.kind == TaskKind::kMultiq && sample.questions.size() > 1) {
+    compressed = session->Fork();
+    CACHET_RETURN_IF_ERROR(compressed->Truncate(sample.context_tokens));
+  }
+  a.n += 1;
+  a.prompt_tokens += static_cast<double>(ids.size());
+  a.prefill_s += p.seconds + question_s;
+  // Reused: a later request pays the load and its question, not the prefill.
+  a.ttft_ms += 1e3 * (reuse ? question_s : p.seconds + apply_s + question_s);
+  a.kv_prefill += double(start_bytes);
+  a.correct_by_question.resize(std::max(a.correct_by_question.size(), sample.questions.size()));
+  for (size_t q = 0; q < sample.questions.size(); ++q) {
+    CACHET_ASSIGN_OR_RETURN(const Answer answer,
+                            DecodeAnswer(decoder, *session, &logits, &peak_bytes));
+    const bool correct = answer.prediction == sample.answers[q];
+    a.asked += 1;
+    a.correct += correct;
+    a.correct_by_question[q] += correct;
+    a.decode_s += answer.seconds;
+    a.decode_tokens += answer.evals;
+    if (out.preds.is_open()) {
+      nlohmann::ordered_json j = {{"id", sample.id},
+                                  {"method", m.Label()},
+                                  {"compress_at", CompressAtName(m.compress_at)},
+                                  {"question", q},
+                                  {"prediction", answer.prediction},
+                                  {"answer", sample.answers[q]},
+                                  {"correct", correct},
+                                  {"needle_depth", sample.depth},
+                                  {"prompt_tokens", ids.size()},
+                                  {"ttft_ms", 1e3 * (p.seconds + apply_s + question_s)}};
+      out.preds << j.dump() << '\n';
+    }
+    if (q + 1 == sample.questions.size()) break;
+    CACHET_ASSIGN_OR_RETURN(session, AskNext(sample, p.kind, q + 1, compressed.get(),
+                                             std::move(session), answer, tok, &logits));
+    peak_bytes = std::max(peak_bytes, session->kv_bytes());
+  }
+  a.kv_peak = std::max(a.kv_peak, double(peak_bytes));
+  return OkStatus();
+}
+
+// A method's row of a task cell from what its samples accumulated.
+ResultRow TaskRow(const ResultRow& base, const Method& m, const TaskAcc& a, const TaskSpec& spec,
+                  const SweepOptions& o, Engine& engine, const EngineCache& engines) {
+  ResultRow r = base;
+  r.method = m;
+  r.bits_per_value = StoredBitsPerValue(r.method, engine);
+  r.samples = a.n;
+  r.correct = a.correct;
+  r.accuracy = double(a.correct) / a.asked;
+  if (AsksSeveral(spec.kind)) {
+    for (int c : a.correct_by_question) r.question_accuracy.push_back(double(c) / a.n);
+  }
+  r.prompt_tokens = a.prompt_tokens / a.n;
+  r.kv_bytes_prefill = a.kv_prefill / a.n;
+  r.kv_bytes_peak = a.kv_peak;
+  r.kv_pool_high_water_bytes = PoolHighWater(engine, engines);
+  r.peak_rss_bytes = PeakRssBytes();
+  r.prefill_tok_s = a.prompt_tokens / a.prefill_s;
+  if (a.decode_tokens > 0) r.decode_tok_s = a.decode_tokens / a.decode_s;
+  r.ttft_ms = a.ttft_ms / a.n;
+  if (r.method.compress_at == CompressAt::kContext && !o.reuse_cache_dir.empty()) {
+    r.reused_cache = true;
+    r.cache_file_bytes = a.cache_file_bytes / a.n;
+  }
+  return r;
+}
+
+}  // namespace
+
 Result<std::vector<ResultRow>> RunTaskSweep(Engine& engine, TaskGenerator& gen,
                                             const SweepOptions& o) {
   CACHET_ASSIGN_OR_RETURN(MethodSet methods, SortMethods(o.methods));
@@ -316,88 +450,19 @@ Result<std::vector<ResultRow>> RunTaskSweep(Engine& engine, TaskGenerator& gen,
           ObserveIfNeeded(methods.runnable, group, static_cast<int32_t>(prefix.size()), *prefilled);
           auto t0 = Clock::now();
           CACHET_RETURN_IF_ERROR(prefilled->Eval(prefix, &prefill_logits));
-          const double prefill_s = SecondsSince(t0);
-          const size_t prefill_bytes = prefilled->kv_bytes();
-
+          const PrefilledSample p{sample,
+                                  spec.kind,
+                                  at,
+                                  prefix,
+                                  *prefilled,
+                                  prefill_logits,
+                                  SecondsSince(t0),
+                                  prefilled->kv_bytes()};
           for (size_t mi = 0; mi < methods.runnable.size(); ++mi) {
             const Method& m = methods.runnable[mi];
             if (m.compress_at != at || !SameCodecs(m, group)) continue;
-            std::unique_ptr<Session> session;
-            size_t own_peak = prefill_bytes;
-            auto t1 = Clock::now();
-            if (CompressesDuringPrefill(m)) {  // its own prefill, pressed chunk by chunk
-              session = ge->NewSession();
-              CACHET_RETURN_IF_ERROR(PrefillCompressing(m, prefix, *session, &logits, &own_peak));
-            } else {
-              session = prefilled->Fork();
-              const int32_t segments[2] = {0, sample.context_tokens};
-              CACHET_RETURN_IF_ERROR(ApplyMethod(
-                  m, *session, std::span(segments, at == CompressAt::kPrompt ? 2 : 1), &own_peak));
-              logits = prefill_logits;
-            }
-            const double apply_s = SecondsSince(t1);
-            double question_s = 0;
-            const bool reuse = at == CompressAt::kContext && !o.reuse_cache_dir.empty();
-            if (reuse) {  // through a file, as a later request would reuse it
-              const std::string path = o.reuse_cache_dir + "/context.ckv";
-              CACHET_RETURN_IF_ERROR(session->Save(path, m.Label()));
-              acc[mi].cache_file_bytes += double(std::filesystem::file_size(path));
-              session.reset();  // its pages back to the pool: the loaded copy shares none
-              auto t2 = Clock::now();
-              CACHET_ASSIGN_OR_RETURN(session, ge->LoadSession(path));
-              question_s += SecondsSince(t2);
-            }
-            if (at == CompressAt::kContext) {
-              auto t2 = Clock::now();
-              CACHET_RETURN_IF_ERROR(session->Eval(ids.subspan(sample.context_tokens), &logits));
-              question_s = SecondsSince(t2);
-            }
-            const size_t start_bytes = session->kv_bytes();
-            size_t peak_bytes = std::max(own_peak, start_bytes);
-            // multiq asks every question of the cache as it was compressed: kept aside.
-            std::unique_ptr<Session> compressed;
-            if (spec.kind == TaskKind::kMultiq && sample.questions.size() > 1) {
-              compressed = session->Fork();
-              CACHET_RETURN_IF_ERROR(compressed->Truncate(sample.context_tokens));
-            }
-
-            TaskAcc& a = acc[mi];
-            a.n += 1;
-            a.prompt_tokens += static_cast<double>(ids.size());
-            a.prefill_s += prefill_s + question_s;
-            // Reused: a later request pays the load and its question, not the prefill.
-            a.ttft_ms += 1e3 * (reuse ? question_s : prefill_s + apply_s + question_s);
-            a.kv_prefill += double(start_bytes);
-            a.correct_by_question.resize(
-                std::max(a.correct_by_question.size(), sample.questions.size()));
-            for (size_t q = 0; q < sample.questions.size(); ++q) {
-              CACHET_ASSIGN_OR_RETURN(const Answer answer,
-                                      DecodeAnswer(decoder, *session, &logits, &peak_bytes));
-              const bool correct = answer.prediction == sample.answers[q];
-              a.asked += 1;
-              a.correct += correct;
-              a.correct_by_question[q] += correct;
-              a.decode_s += answer.seconds;
-              a.decode_tokens += answer.evals;
-              if (preds.is_open()) {
-                nlohmann::ordered_json j = {{"id", sample.id},
-                                            {"method", m.Label()},
-                                            {"compress_at", CompressAtName(m.compress_at)},
-                                            {"question", q},
-                                            {"prediction", answer.prediction},
-                                            {"answer", sample.answers[q]},
-                                            {"correct", correct},
-                                            {"needle_depth", sample.depth},
-                                            {"prompt_tokens", ids.size()},
-                                            {"ttft_ms", 1e3 * (prefill_s + apply_s + question_s)}};
-                preds << j.dump() << '\n';
-              }
-              if (q + 1 == sample.questions.size()) break;
-              CACHET_ASSIGN_OR_RETURN(session, AskNext(sample, spec.kind, q + 1, compressed.get(),
-                                                       std::move(session), answer, tok, &logits));
-              peak_bytes = std::max(peak_bytes, session->kv_bytes());
-            }
-            a.kv_peak = std::max(a.kv_peak, double(peak_bytes));
+            CACHET_RETURN_IF_ERROR(
+                RunSampleMethod(m, *ge, p, o, decoder, tok, logits, SampleOut{acc[mi], preds}));
           }
         }
       }
@@ -406,30 +471,8 @@ Result<std::vector<ResultRow>> RunTaskSweep(Engine& engine, TaskGenerator& gen,
 
     const double cell_s = SecondsSince(cell_start);
     for (size_t mi = 0; mi < methods.runnable.size(); ++mi) {
-      const TaskAcc& a = acc[mi];
-      ResultRow r = base;
-      r.method = methods.runnable[mi];
-      r.bits_per_value = StoredBitsPerValue(r.method, engine);
-      r.samples = a.n;
-      r.correct = a.correct;
-      r.accuracy = double(a.correct) / a.asked;
-      if (AsksSeveral(spec.kind)) {
-        for (int c : a.correct_by_question) r.question_accuracy.push_back(double(c) / a.n);
-      }
-      r.prompt_tokens = a.prompt_tokens / a.n;
-      r.kv_bytes_prefill = a.kv_prefill / a.n;
-      r.kv_bytes_peak = a.kv_peak;
-      r.kv_pool_high_water_bytes = PoolHighWater(engine, engines);
-      r.peak_rss_bytes = PeakRssBytes();
-      r.prefill_tok_s = a.prompt_tokens / a.prefill_s;
-      if (a.decode_tokens > 0) r.decode_tok_s = a.decode_tokens / a.decode_s;
-      r.ttft_ms = a.ttft_ms / a.n;
-      if (r.method.compress_at == CompressAt::kContext && !o.reuse_cache_dir.empty()) {
-        r.reused_cache = true;
-        r.cache_file_bytes = a.cache_file_bytes / a.n;
-      }
-      r.wall_s = cell_s;
-      rows.push_back(std::move(r));
+      rows.push_back(TaskRow(base, methods.runnable[mi], acc[mi], spec, o, engine, engines));
+      rows.back().wall_s = cell_s;
     }
     for (const auto& [m, reason] : methods.unavailable) {
       rows.push_back(UnavailableRow(base, m, reason));
@@ -491,6 +534,64 @@ struct KlRun {
 
 }  // namespace
 
+namespace {
+
+// The scored half of a KL window: the logits of every position of its second half, in one
+// batch or (decode) one token at a time; a run counts the bits held before and after each step.
+struct SecondHalf {
+  std::span<const int32_t> ids;
+  int half;
+  bool decode;
+  int vocab;
+  double values_per_token;
+
+  Status Score(Session& session, std::vector<float>* out, KlRun* run,
+               std::vector<float>* step_logits) const {
+    auto held = [&] {
+      if (!run) return;
+      run->held_bytes += double(session.kv_bytes());
+      run->held_values += double(session.n_tokens()) * values_per_token;
+    };
+    held();
+    if (!decode) {
+      CACHET_RETURN_IF_ERROR(session.Eval(ids.subspan(half), out, /*all_logits=*/true));
+      held();
+      return OkStatus();
+    }
+    out->resize((ids.size() - half) * size_t(vocab));
+    for (size_t i = half; i < ids.size(); ++i) {
+      CACHET_RETURN_IF_ERROR(session.Eval(ids.subspan(i, 1), step_logits));
+      std::copy(step_logits->begin(), step_logits->end(), out->begin() + (i - half) * vocab);
+      held();
+    }
+    return OkStatus();
+  }
+};
+
+// A method's row of the KL sweep from what its windows accumulated.
+ResultRow KlRow(const ResultRow& base, const Method& m, const KlRun& run, int windows,
+                Engine& engine, const EngineCache& engines) {
+  const KlSummary s = run.kl.Summary();
+  ResultRow r = base;
+  r.method = m;
+  r.bits_per_value = StoredBitsPerValue(r.method, engine);
+  r.scored_tokens = s.positions;
+  r.mean_kl = s.mean_kl;
+  r.p99_kl = s.p99_kl;
+  r.top1_agree = s.top1_agree;
+  r.ppl_ref = s.ppl_ref;
+  r.ppl = s.ppl;
+  r.kv_bytes_prefill = run.kv_prefill / windows;
+  r.kv_bytes_peak = run.kv_peak;
+  r.kv_bits_held = 8 * run.held_bytes / run.held_values;
+  r.kv_pool_high_water_bytes = PoolHighWater(engine, engines);
+  r.peak_rss_bytes = PeakRssBytes();
+  r.prefill_tok_s = run.tokens / run.prefill_s;
+  return r;
+}
+
+}  // namespace
+
 Result<std::vector<ResultRow>> RunKlSweep(Engine& engine, const KlOptions& o) {
   if (o.windows < 1) return InvalidArgument("--windows must be >= 1");
   if (o.window_len < 8) return InvalidArgument("--window-len must be >= 8");
@@ -533,27 +634,7 @@ Result<std::vector<ResultRow>> RunKlSweep(Engine& engine, const KlOptions& o) {
     window.insert(window.end(), text.begin() + size_t(w) * text_per_window,
                   text.begin() + size_t(w + 1) * text_per_window);
     const std::span<const int32_t> ids(window);
-    // Logits of every position of the second half.
-    auto score = [&](Session& session, std::vector<float>* out, KlRun* run) -> Status {
-      auto held = [&] {
-        if (!run) return;
-        run->held_bytes += double(session.kv_bytes());
-        run->held_values += double(session.n_tokens()) * values_per_token;
-      };
-      held();
-      if (!o.decode) {
-        CACHET_RETURN_IF_ERROR(session.Eval(ids.subspan(half), out, /*all_logits=*/true));
-        held();
-        return OkStatus();
-      }
-      out->resize((ids.size() - half) * size_t(vocab));
-      for (size_t i = half; i < ids.size(); ++i) {
-        CACHET_RETURN_IF_ERROR(session.Eval(ids.subspan(i, 1), &step_logits));
-        std::copy(step_logits.begin(), step_logits.end(), out->begin() + (i - half) * vocab);
-        held();
-      }
-      return OkStatus();
-    };
+    const SecondHalf half_of{ids, half, o.decode, vocab, values_per_token};
     if (dump.is_open()) {
       dump << nlohmann::json{{"window", w}, {"score_from", half}, {"ids", window}}.dump() << '\n';
     }
@@ -563,7 +644,7 @@ Result<std::vector<ResultRow>> RunKlSweep(Engine& engine, const KlOptions& o) {
       ObserveIfNeeded({o.reference}, o.reference, static_cast<int32_t>(half), *reference);
       CACHET_RETURN_IF_ERROR(reference->Eval(ids.first(half), nullptr));
       CACHET_RETURN_IF_ERROR(ApplyMethod(o.reference, *reference));
-      CACHET_RETURN_IF_ERROR(score(*reference, &ref_logits, nullptr));
+      CACHET_RETURN_IF_ERROR(half_of.Score(*reference, &ref_logits, nullptr, &step_logits));
     }
     for (const Method& group : CodecGroups(methods.runnable)) {
       CACHET_ASSIGN_OR_RETURN(Engine * ge, EngineFor(engine, group, engines));
@@ -590,7 +671,7 @@ Result<std::vector<ResultRow>> RunKlSweep(Engine& engine, const KlOptions& o) {
           CACHET_RETURN_IF_ERROR(ApplyMethod(m, *session, {}, &own_peak));
         }
         const size_t start_bytes = session->kv_bytes();
-        CACHET_RETURN_IF_ERROR(score(*session, &logits, &run));
+        CACHET_RETURN_IF_ERROR(half_of.Score(*session, &logits, &run, &step_logits));
         run.prefill_s += prefill_s + SecondsSince(t1);
         run.tokens += L;
         run.kv_prefill += double(start_bytes);
@@ -619,23 +700,7 @@ Result<std::vector<ResultRow>> RunKlSweep(Engine& engine, const KlOptions& o) {
   base.depth = "";
   std::vector<ResultRow> rows;
   for (size_t mi = 0; mi < methods.runnable.size(); ++mi) {
-    const KlRun& run = runs[mi];
-    const KlSummary s = run.kl.Summary();
-    ResultRow r = base;
-    r.method = methods.runnable[mi];
-    r.bits_per_value = StoredBitsPerValue(r.method, engine);
-    r.scored_tokens = s.positions;
-    r.mean_kl = s.mean_kl;
-    r.p99_kl = s.p99_kl;
-    r.top1_agree = s.top1_agree;
-    r.ppl_ref = s.ppl_ref;
-    r.ppl = s.ppl;
-    r.kv_bytes_prefill = run.kv_prefill / o.windows;
-    r.kv_bytes_peak = run.kv_peak;
-    r.kv_bits_held = 8 * run.held_bytes / run.held_values;
-    r.kv_pool_high_water_bytes = PoolHighWater(engine, engines);
-    r.peak_rss_bytes = PeakRssBytes();
-    r.prefill_tok_s = run.tokens / run.prefill_s;
+    ResultRow r = KlRow(base, methods.runnable[mi], runs[mi], o.windows, engine, engines);
     r.wall_s = SecondsSince(start);
     rows.push_back(std::move(r));
   }
