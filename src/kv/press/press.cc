@@ -431,6 +431,64 @@ std::vector<int> AllocateBudgets(const PressOptions& o, int n_layers, int n_kv_h
   return FitToTotal(want, lo, hi, total);
 }
 
+namespace {
+
+// Low key norm ~ high attention.
+void KNormScores(const std::vector<float>& k, int n, float* s) {
+  const int d = n > 0 ? static_cast<int>(k.size() / n) : 0;
+  for (int j = 0; j < n; ++j) {
+    const float* kj = k.data() + size_t(j) * d;
+    s[j] = -float(std::sqrt(Dot(kj, kj, d)));
+  }
+}
+
+// Distinctive keys: far (in angle) from the mean key.
+void KeyDiffScores(const std::vector<float>& k, int n, float* s) {
+  const int d = n > 0 ? static_cast<int>(k.size() / n) : 0;
+  std::vector<double> mk(d, 0.0);
+  for (int j = 0; j < n; ++j)
+    for (int i = 0; i < d; ++i) mk[i] += k[size_t(j) * d + i];
+  double mn = 0;
+  for (double x : mk) mn += x * x;
+  mn = std::sqrt(mn) + 1e-30;
+  for (int j = 0; j < n; ++j) {
+    const float* kj = k.data() + size_t(j) * d;
+    double dot = 0;
+    for (int i = 0; i < d; ++i) dot += mk[i] * kj[i];
+    s[j] = -float(dot / (mn * (std::sqrt(Dot(kj, kj, d)) + 1e-30)));
+  }
+}
+
+// Expected attention of future queries ~ N(mean, cov) of the window's queries:
+// E[exp(q.k / sqrt d)] = exp(mean.k / sqrt d + k' cov k / 2d), weighted by |v|; normalized to
+// sum 1 over the head's keys.
+void ExpectedScores(const std::vector<float>& k, const std::vector<float>& v, int n,
+                    const std::vector<double>& mean, const std::vector<double>& cov, float* s) {
+  const int d = n > 0 ? static_cast<int>(k.size() / n) : 0;
+  const double rd = 1.0 / std::sqrt(double(d));
+  std::vector<double> ls(n);
+  double mx = -1e300;
+  for (int j = 0; j < n; ++j) {
+    const float* kj = k.data() + size_t(j) * d;
+    const float* vj = v.data() + size_t(j) * d;
+    double mu = 0, quad = 0, vn = 0;
+    for (int i = 0; i < d; ++i) {
+      mu += mean[i] * kj[i];
+      vn += double(vj[i]) * vj[i];
+      double row = 0;
+      for (int c = 0; c < d; ++c) row += cov[size_t(i) * d + c] * kj[c];
+      quad += kj[i] * row;
+    }
+    ls[j] = mu * rd + quad / (2.0 * d) + 0.5 * std::log(vn + 1e-30);
+    mx = std::max(mx, ls[j]);
+  }
+  double sum = 0;
+  for (int j = 0; j < n; ++j) sum += (ls[j] = std::exp(ls[j] - mx));
+  for (int j = 0; j < n; ++j) s[j] = float(ls[j] / sum);
+}
+
+}  // namespace
+
 Status ScoreTokens(const PressOptions& o, const PagedSequence& seq, int n_layers, int n_kv_heads,
                    const PressObserver* observer, std::vector<std::vector<float>>* scores) {
   if (o.NeedsAttention() && observer == nullptr) {
@@ -503,56 +561,18 @@ Status ScoreTokens(const PressOptions& o, const PagedSequence& seq, int n_layers
           break;
         }
         case Scorer::kKNorm:
-        case Scorer::kKeyDiff:
-        case Scorer::kExpected: {
           seq.Gather(l, h, &k, &v, &pos);
-          const int d = n > 0 ? static_cast<int>(k.size() / n) : 0;
-          if (o.scorer == Scorer::kKNorm) {  // low key norm ~ high attention
-            for (int j = 0; j < n; ++j) {
-              const float* kj = k.data() + size_t(j) * d;
-              s[j] = -float(std::sqrt(Dot(kj, kj, d)));
-            }
-          } else if (o.scorer == Scorer::kKeyDiff) {  // distinctive keys: far from the mean key
-            std::vector<double> mk(d, 0.0);
-            for (int j = 0; j < n; ++j)
-              for (int i = 0; i < d; ++i) mk[i] += k[size_t(j) * d + i];
-            double mn = 0;
-            for (double x : mk) mn += x * x;
-            mn = std::sqrt(mn) + 1e-30;
-            for (int j = 0; j < n; ++j) {
-              const float* kj = k.data() + size_t(j) * d;
-              double dot = 0;
-              for (int i = 0; i < d; ++i) dot += mk[i] * kj[i];
-              s[j] = -float(dot / (mn * (std::sqrt(Dot(kj, kj, d)) + 1e-30)));
-            }
-          } else {
-            // Expected attention of future queries ~ N(mean, cov) of the window's queries:
-            // E[exp(q.k / sqrt d)] = exp(mean.k / sqrt d + k' cov k / 2d), weighted by |v|;
-            // normalized to sum 1 over the head's keys.
-            observer->QueryStats(l, h, o.expected_future, &mean, &cov);
-            const double rd = 1.0 / std::sqrt(double(d));
-            std::vector<double> ls(n);
-            double mx = -1e300;
-            for (int j = 0; j < n; ++j) {
-              const float* kj = k.data() + size_t(j) * d;
-              const float* vj = v.data() + size_t(j) * d;
-              double mu = 0, quad = 0, vn = 0;
-              for (int i = 0; i < d; ++i) {
-                mu += mean[i] * kj[i];
-                vn += double(vj[i]) * vj[i];
-                double row = 0;
-                for (int c = 0; c < d; ++c) row += cov[size_t(i) * d + c] * kj[c];
-                quad += kj[i] * row;
-              }
-              ls[j] = mu * rd + quad / (2.0 * d) + 0.5 * std::log(vn + 1e-30);
-              mx = std::max(mx, ls[j]);
-            }
-            double sum = 0;
-            for (int j = 0; j < n; ++j) sum += (ls[j] = std::exp(ls[j] - mx));
-            for (int j = 0; j < n; ++j) s[j] = float(ls[j] / sum);
-          }
+          KNormScores(k, n, s.data());
           break;
-        }
+        case Scorer::kKeyDiff:
+          seq.Gather(l, h, &k, &v, &pos);
+          KeyDiffScores(k, n, s.data());
+          break;
+        case Scorer::kExpected:
+          seq.Gather(l, h, &k, &v, &pos);
+          observer->QueryStats(l, h, o.expected_future, &mean, &cov);
+          ExpectedScores(k, v, n, mean, cov, s.data());
+          break;
       }
     }
   }
@@ -629,6 +649,113 @@ void PrepareQuest(const PressOptions& o, PagedSequence& seq) {
   seq.set_quest(pages, 1.0 - o.ratio);
 }
 
+namespace {
+
+// Which tokens of each (layer, KV head) no press removes: sinks (by original position), the
+// observation window for the scorers that use one, and with protect_boundaries the edge tokens
+// at each end of every segment (a share of the mean budget mean_b). Returns the most protected
+// in one head.
+int ProtectTokens(const PressOptions& o, const PagedSequence& seq, int n_layers, int n_kv_heads,
+                  const PressObserver* observer, int64_t mean_b,
+                  std::vector<std::vector<uint8_t>>* prot) {
+  const bool keeps_window = o.scorer == Scorer::kSnapKV || o.scorer == Scorer::kExpected;
+  const int32_t window_from = observer ? observer->end() - o.window : 0;
+  std::vector<int32_t> starts = o.segment_starts;
+  if (starts.empty()) starts.push_back(0);
+  std::sort(starts.begin(), starts.end());
+  const int32_t edge = std::max<int32_t>(
+      1, static_cast<int32_t>(o.boundary_share * double(mean_b) / (2.0 * starts.size())));
+  std::vector<int32_t> pos;
+  int protected_max = 0;
+  prot->assign(size_t(n_layers) * n_kv_heads, {});
+  for (size_t ti = 0; ti < prot->size(); ++ti) {
+    seq.Positions(int(ti) / n_kv_heads, int(ti) % n_kv_heads, &pos);
+    std::vector<uint8_t>& p = (*prot)[ti];
+    p.assign(pos.size(), 0);
+    const int32_t end = pos.empty() ? 0 : *std::max_element(pos.begin(), pos.end()) + 1;
+    int count = 0;
+    for (size_t j = 0; j < pos.size(); ++j) {
+      bool keep = pos[j] < o.sinks || (keeps_window && observer && pos[j] >= window_from);
+      if (o.protect_boundaries) {
+        // The segment holding pos[j]: the last start <= pos[j].
+        const auto it = std::upper_bound(starts.begin(), starts.end(), pos[j]);
+        if (it != starts.begin()) {
+          const int32_t s0 = *(it - 1), s1 = it == starts.end() ? end : *it;
+          keep |= pos[j] < s0 + edge || pos[j] >= s1 - edge;
+        }
+      }
+      p[j] = keep;
+      count += keep;
+    }
+    protected_max = std::max(protected_max, count);
+  }
+  return protected_max;
+}
+
+// The scores Ada-KV pools and cross-layer selection combine: attention weights divided by their
+// layer's sum, other scores min-max scaled per head; protected tokens infinite.
+std::vector<std::vector<float>> PooledScores(const PressOptions& o,
+                                             const std::vector<std::vector<float>>& scores,
+                                             const std::vector<std::vector<uint8_t>>& prot,
+                                             int n_layers, int n_kv_heads) {
+  std::vector<std::vector<float>> norm = scores;
+  for (int l = 0; l < n_layers; ++l) {
+    if (AttentionLike(o.scorer)) {
+      double sum = 0;
+      for (int h = 0; h < n_kv_heads; ++h)
+        for (float x : norm[l * n_kv_heads + h]) sum += x;
+      const float inv = sum > 0 ? float(1.0 / sum) : 0.0f;
+      for (int h = 0; h < n_kv_heads; ++h)
+        for (float& x : norm[l * n_kv_heads + h]) x *= inv;
+    } else {
+      for (int h = 0; h < n_kv_heads; ++h) {
+        auto& s = norm[l * n_kv_heads + h];
+        if (s.empty()) continue;
+        const auto [lo, hi] = std::minmax_element(s.begin(), s.end());
+        const float a = *lo, span = *hi - *lo;
+        for (float& x : s) x = span > 0 ? (x - a) / span : 1.0f;
+      }
+    }
+  }
+  for (size_t ti = 0; ti < norm.size(); ++ti) {
+    for (size_t j = 0; j < norm[ti].size(); ++j) {
+      if (prot[ti][j]) norm[ti][j] = kInf;
+    }
+  }
+  return norm;
+}
+
+// Cross-layer selection: one set of tokens for every (layer, KV head), by their pooled scores
+// combined (max or mean); every head must hold the same tokens.
+Status SharedKeep(const PressOptions& o, const PagedSequence& seq, int n_kv_heads,
+                  const std::vector<std::vector<float>>& norm, int budget,
+                  std::vector<std::vector<int32_t>>* keep) {
+  const int T = static_cast<int>(norm.size());
+  std::vector<int32_t> pos0, pos;
+  seq.Positions(0, 0, &pos0);
+  for (int ti = 1; ti < T; ++ti) {
+    seq.Positions(ti / n_kv_heads, ti % n_kv_heads, &pos);
+    if (pos != pos0) {
+      return FailedPrecondition(
+          "cross-layer selection needs every (layer, KV head) to hold the same tokens; this "
+          "cache was already compressed per head");
+    }
+  }
+  std::vector<float> combined(pos0.size(), o.share == ShareLayers::kMax ? -kInf : 0.0f);
+  for (int ti = 0; ti < T; ++ti) {
+    for (size_t j = 0; j < combined.size(); ++j) {
+      combined[j] = o.share == ShareLayers::kMax ? std::max(combined[j], norm[ti][j])
+                                                 : combined[j] + norm[ti][j] / T;
+    }
+  }
+  if (o.scorer == Scorer::kH2O) ProtectRecentHalf(combined, budget);
+  const std::vector<int32_t> shared = TopIndices(combined, budget);
+  for (auto& k : *keep) k = shared;
+  return OkStatus();
+}
+
+}  // namespace
+
 Result<PressResult> Compress(const PressOptions& o, PagedSequence& seq, int n_layers,
                              int n_kv_heads, const PressObserver* observer,
                              PressObserver* compact_observer) {
@@ -661,101 +788,25 @@ Result<PressResult> Compress(const PressOptions& o, PagedSequence& seq, int n_la
   // Merge weights: attention scores as they came (protection overwrites scores below).
   const std::vector<std::vector<float>> merge_w =
       o.merge && AttentionLike(o.scorer) ? scores : std::vector<std::vector<float>>{};
-
-  // Protection: sinks (by original position), the observation window for the scorers that use
-  // one, then everything else by score.
-  std::vector<int32_t> pos;
-  int protected_max = 0;
-  const bool keeps_window = o.scorer == Scorer::kSnapKV || o.scorer == Scorer::kExpected;
-  const int32_t window_from = observer ? observer->end() - o.window : 0;
   const int64_t mean_b =
       o.budget > 0 ? o.budget : std::llround((1.0 - o.ratio) * static_cast<double>(n_max));
-  // Boundary protection: k tokens at each end of every segment.
-  std::vector<int32_t> starts = o.segment_starts;
-  if (starts.empty()) starts.push_back(0);
-  std::sort(starts.begin(), starts.end());
-  const int32_t edge = std::max<int32_t>(
-      1, static_cast<int32_t>(o.boundary_share * double(mean_b) / (2.0 * starts.size())));
-  std::vector<std::vector<uint8_t>> prot(T);
-  for (int ti = 0; ti < T; ++ti) {
-    seq.Positions(ti / n_kv_heads, ti % n_kv_heads, &pos);
-    prot[ti].assign(pos.size(), 0);
-    const int32_t end = pos.empty() ? 0 : *std::max_element(pos.begin(), pos.end()) + 1;
-    int count = 0;
-    for (size_t j = 0; j < pos.size(); ++j) {
-      bool keep = pos[j] < o.sinks || (keeps_window && observer && pos[j] >= window_from);
-      if (o.protect_boundaries) {
-        // The segment holding pos[j]: the last start <= pos[j].
-        const auto it = std::upper_bound(starts.begin(), starts.end(), pos[j]);
-        if (it != starts.begin()) {
-          const int32_t s0 = *(it - 1), s1 = it == starts.end() ? end : *it;
-          keep |= pos[j] < s0 + edge || pos[j] >= s1 - edge;
-        }
-      }
-      prot[ti][j] = keep;
-      count += keep;
-    }
-    protected_max = std::max(protected_max, count);
-  }
-
-  // Normalized scores (what Ada-KV pools and cross-layer selection combines): attention weights
-  // divided by their layer's sum; other scores min-max scaled per head.
+  std::vector<std::vector<uint8_t>> prot;
+  const int protected_max = ProtectTokens(o, seq, n_layers, n_kv_heads, observer, mean_b, &prot);
   const bool pooled = o.share != ShareLayers::kNone || o.allocator == Allocator::kAda;
-  std::vector<std::vector<float>> norm = pooled ? scores : std::vector<std::vector<float>>{};
-  for (int l = 0; l < n_layers && pooled; ++l) {
-    if (AttentionLike(o.scorer)) {
-      double sum = 0;
-      for (int h = 0; h < n_kv_heads; ++h)
-        for (float x : norm[l * n_kv_heads + h]) sum += x;
-      const float inv = sum > 0 ? float(1.0 / sum) : 0.0f;
-      for (int h = 0; h < n_kv_heads; ++h)
-        for (float& x : norm[l * n_kv_heads + h]) x *= inv;
-    } else {
-      for (int h = 0; h < n_kv_heads; ++h) {
-        auto& s = norm[l * n_kv_heads + h];
-        if (s.empty()) continue;
-        const auto [lo, hi] = std::minmax_element(s.begin(), s.end());
-        const float a = *lo, span = *hi - *lo;
-        for (float& x : s) x = span > 0 ? (x - a) / span : 1.0f;
-      }
-    }
-  }
-  for (int ti = 0; ti < T && pooled; ++ti) {
-    for (size_t j = 0; j < norm[ti].size(); ++j) {
-      if (prot[ti][j]) norm[ti][j] = kInf;
-    }
-  }
+  const std::vector<std::vector<float>> norm =
+      pooled ? PooledScores(o, scores, prot, n_layers, n_kv_heads)
+             : std::vector<std::vector<float>>{};
 
-  // Budgets.
+  // Budgets, then the tokens each (layer, KV head) keeps.
   std::vector<int> budgets;
   if (o.share != ShareLayers::kNone) {
     budgets.assign(T, static_cast<int>(std::clamp<int64_t>(mean_b, protected_max, n_max)));
   } else {
     budgets = AllocateBudgets(o, n_layers, n_kv_heads, n_max, mean_b * T, protected_max, norm);
   }
-
   std::vector<std::vector<int32_t>> keep(T);
   if (o.share != ShareLayers::kNone) {
-    std::vector<int32_t> pos0;
-    seq.Positions(0, 0, &pos0);
-    for (int ti = 1; ti < T; ++ti) {
-      seq.Positions(ti / n_kv_heads, ti % n_kv_heads, &pos);
-      if (pos != pos0) {
-        return FailedPrecondition(
-            "cross-layer selection needs every (layer, KV head) to hold the same tokens; this "
-            "cache was already compressed per head");
-      }
-    }
-    std::vector<float> combined(pos0.size(), o.share == ShareLayers::kMax ? -kInf : 0.0f);
-    for (int ti = 0; ti < T; ++ti) {
-      for (size_t j = 0; j < combined.size(); ++j) {
-        combined[j] = o.share == ShareLayers::kMax ? std::max(combined[j], norm[ti][j])
-                                                   : combined[j] + norm[ti][j] / T;
-      }
-    }
-    if (o.scorer == Scorer::kH2O) ProtectRecentHalf(combined, budgets[0]);
-    const std::vector<int32_t> shared = TopIndices(combined, budgets[0]);
-    for (auto& k : keep) k = shared;
+    CACHET_RETURN_IF_ERROR(SharedKeep(o, seq, n_kv_heads, norm, budgets[0], &keep));
   } else {
     for (int ti = 0; ti < T; ++ti) {
       std::vector<float>& s = scores[ti];
