@@ -193,6 +193,91 @@ Status ReadScalar(Reader& r, GgufType t, GgufValue* v, double* num, const std::s
   }
 }
 
+// A metadata value of the given type (its key and the error prefix what name it).
+Status ReadValue(Reader& r, uint32_t type, const std::string& key, const std::string& what,
+                 GgufValue* v) {
+  v->type = static_cast<GgufType>(type);
+  if (v->type == GgufType::kString) return r.ReadString(&v->str, "metadata '" + key + "'");
+  if (v->type != GgufType::kArray) {
+    if (ScalarSize(v->type) == 0) {
+      return DataLoss(what + ": unknown value type " + std::to_string(type));
+    }
+    return ReadScalar(r, v->type, v, nullptr, what);
+  }
+  uint32_t et = 0;
+  uint64_t count = 0;
+  CACHET_RETURN_IF_ERROR(r.Read(&et, "element type of metadata '" + key + "'"));
+  CACHET_RETURN_IF_ERROR(r.Read(&count, "element count of metadata '" + key + "'"));
+  v->elem_type = static_cast<GgufType>(et);
+  if (v->elem_type == GgufType::kArray) {
+    return Unimplemented(what + ": arrays of arrays are not supported");
+  }
+  const size_t min_size = v->elem_type == GgufType::kString ? 8 : ScalarSize(v->elem_type);
+  if (min_size == 0) return DataLoss(what + ": unknown array element type " + std::to_string(et));
+  if (count > r.remaining() / min_size) {
+    return DataLoss(what + ": array count " + std::to_string(count) + " of " +
+                    GgufTypeName(v->elem_type) + " exceeds the " + std::to_string(r.remaining()) +
+                    " bytes left in the file");
+  }
+  if (v->elem_type == GgufType::kString) {
+    v->strs.resize(count);
+    for (uint64_t i = 0; i < count; ++i) {
+      CACHET_RETURN_IF_ERROR(
+          r.ReadString(&v->strs[i], "metadata '" + key + "'[" + std::to_string(i) + "]"));
+    }
+  } else {
+    v->nums.resize(count);
+    for (uint64_t i = 0; i < count; ++i) {
+      CACHET_RETURN_IF_ERROR(ReadScalar(r, v->elem_type, nullptr, &v->nums[i], what));
+    }
+  }
+  return OkStatus();
+}
+
+// Tensor info #k of file `name`: its name, shape, type, offset (a multiple of alignment) and
+// byte count.
+Status ReadTensorInfo(Reader& r, uint64_t k, const std::string& name, uint64_t alignment,
+                      GgufTensor* t) {
+  CACHET_RETURN_IF_ERROR(r.ReadString(&t->name, "name of tensor #" + std::to_string(k)));
+  const std::string what = name + ": tensor '" + t->name + "'";
+  uint32_t n_dims = 0;
+  CACHET_RETURN_IF_ERROR(r.Read(&n_dims, "dimension count of tensor '" + t->name + "'"));
+  if (n_dims == 0 || n_dims > kMaxDims) {
+    return DataLoss(what + ": " + std::to_string(n_dims) + " dimensions (expected 1 to 4)");
+  }
+  uint64_t numel = 1;
+  for (uint32_t d = 0; d < n_dims; ++d) {
+    uint64_t ne = 0;
+    CACHET_RETURN_IF_ERROR(r.Read(&ne, "dimensions of tensor '" + t->name + "'"));
+    if (ne == 0 || ne > kMaxElems || numel > kMaxElems / ne) {
+      return DataLoss(what + ": dimension " + std::to_string(ne) +
+                      " is zero or makes the element count overflow");
+    }
+    numel *= ne;
+    t->ne.push_back(static_cast<int64_t>(ne));
+  }
+  t->shape.assign(t->ne.rbegin(), t->ne.rend());
+  CACHET_RETURN_IF_ERROR(r.Read(&t->ggml_type, "type of tensor '" + t->name + "'"));
+  CACHET_RETURN_IF_ERROR(r.Read(&t->offset, "offset of tensor '" + t->name + "'"));
+  if (!ToDType(t->ggml_type, &t->dtype)) {
+    return Unimplemented(what + ": tensor type " + std::to_string(t->ggml_type) + " (" +
+                         GgmlTypeName(t->ggml_type) +
+                         ") is not supported (supported: " + SupportedTypes() + ")");
+  }
+  const int64_t row_bytes = DTypeRowBytes(t->dtype, t->ne[0]);
+  if (row_bytes < 0) {
+    return DataLoss(what + ": row length " + std::to_string(t->ne[0]) +
+                    " is not a multiple of the " + DTypeName(t->dtype) + " block size " +
+                    std::to_string(DTypeBlockElems(t->dtype)));
+  }
+  t->n_bytes = static_cast<uint64_t>(row_bytes) * (numel / static_cast<uint64_t>(t->ne[0]));
+  if (t->offset % alignment != 0) {
+    return DataLoss(what + ": offset " + std::to_string(t->offset) +
+                    " is not a multiple of the alignment " + std::to_string(alignment));
+  }
+  return OkStatus();
+}
+
 }  // namespace
 
 Result<GgufFile> GgufFile::Open(const std::string& path) {
@@ -241,45 +326,7 @@ Result<GgufFile> GgufFile::Parse(const uint8_t* data, size_t size, const std::st
     uint32_t type = 0;
     CACHET_RETURN_IF_ERROR(r.Read(&type, "type of metadata '" + key + "'"));
     GgufValue v;
-    v.type = static_cast<GgufType>(type);
-    if (v.type == GgufType::kString) {
-      CACHET_RETURN_IF_ERROR(r.ReadString(&v.str, "metadata '" + key + "'"));
-    } else if (v.type == GgufType::kArray) {
-      uint32_t et = 0;
-      uint64_t count = 0;
-      CACHET_RETURN_IF_ERROR(r.Read(&et, "element type of metadata '" + key + "'"));
-      CACHET_RETURN_IF_ERROR(r.Read(&count, "element count of metadata '" + key + "'"));
-      v.elem_type = static_cast<GgufType>(et);
-      if (v.elem_type == GgufType::kArray) {
-        return Unimplemented(what + ": arrays of arrays are not supported");
-      }
-      const size_t min_size = v.elem_type == GgufType::kString ? 8 : ScalarSize(v.elem_type);
-      if (min_size == 0) {
-        return DataLoss(what + ": unknown array element type " + std::to_string(et));
-      }
-      if (count > r.remaining() / min_size) {
-        return DataLoss(what + ": array count " + std::to_string(count) + " of " +
-                        GgufTypeName(v.elem_type) + " exceeds the " +
-                        std::to_string(r.remaining()) + " bytes left in the file");
-      }
-      if (v.elem_type == GgufType::kString) {
-        v.strs.resize(count);
-        for (uint64_t i = 0; i < count; ++i) {
-          CACHET_RETURN_IF_ERROR(
-              r.ReadString(&v.strs[i], "metadata '" + key + "'[" + std::to_string(i) + "]"));
-        }
-      } else {
-        v.nums.resize(count);
-        for (uint64_t i = 0; i < count; ++i) {
-          CACHET_RETURN_IF_ERROR(ReadScalar(r, v.elem_type, nullptr, &v.nums[i], what));
-        }
-      }
-    } else {
-      if (ScalarSize(v.type) == 0) {
-        return DataLoss(what + ": unknown value type " + std::to_string(type));
-      }
-      CACHET_RETURN_IF_ERROR(ReadScalar(r, v.type, &v, nullptr, what));
-    }
+    CACHET_RETURN_IF_ERROR(ReadValue(r, type, key, what, &v));
     if (!g.kv_.emplace(key, std::move(v)).second) {
       return DataLoss(what + ": duplicate key");
     }
@@ -296,43 +343,8 @@ Result<GgufFile> GgufFile::Parse(const uint8_t* data, size_t size, const std::st
   g.tensors_.resize(n_tensors);
   for (uint64_t k = 0; k < n_tensors; ++k) {
     GgufTensor& t = g.tensors_[k];
-    CACHET_RETURN_IF_ERROR(r.ReadString(&t.name, "name of tensor #" + std::to_string(k)));
+    CACHET_RETURN_IF_ERROR(ReadTensorInfo(r, k, name, g.alignment_, &t));
     const std::string what = name + ": tensor '" + t.name + "'";
-    uint32_t n_dims = 0;
-    CACHET_RETURN_IF_ERROR(r.Read(&n_dims, "dimension count of tensor '" + t.name + "'"));
-    if (n_dims == 0 || n_dims > kMaxDims) {
-      return DataLoss(what + ": " + std::to_string(n_dims) + " dimensions (expected 1 to 4)");
-    }
-    uint64_t numel = 1;
-    for (uint32_t d = 0; d < n_dims; ++d) {
-      uint64_t ne = 0;
-      CACHET_RETURN_IF_ERROR(r.Read(&ne, "dimensions of tensor '" + t.name + "'"));
-      if (ne == 0 || ne > kMaxElems || numel > kMaxElems / ne) {
-        return DataLoss(what + ": dimension " + std::to_string(ne) +
-                        " is zero or makes the element count overflow");
-      }
-      numel *= ne;
-      t.ne.push_back(static_cast<int64_t>(ne));
-    }
-    t.shape.assign(t.ne.rbegin(), t.ne.rend());
-    CACHET_RETURN_IF_ERROR(r.Read(&t.ggml_type, "type of tensor '" + t.name + "'"));
-    CACHET_RETURN_IF_ERROR(r.Read(&t.offset, "offset of tensor '" + t.name + "'"));
-    if (!ToDType(t.ggml_type, &t.dtype)) {
-      return Unimplemented(what + ": tensor type " + std::to_string(t.ggml_type) + " (" +
-                           GgmlTypeName(t.ggml_type) +
-                           ") is not supported (supported: " + SupportedTypes() + ")");
-    }
-    const int64_t row_bytes = DTypeRowBytes(t.dtype, t.ne[0]);
-    if (row_bytes < 0) {
-      return DataLoss(what + ": row length " + std::to_string(t.ne[0]) +
-                      " is not a multiple of the " + DTypeName(t.dtype) + " block size " +
-                      std::to_string(DTypeBlockElems(t.dtype)));
-    }
-    t.n_bytes = static_cast<uint64_t>(row_bytes) * (numel / static_cast<uint64_t>(t.ne[0]));
-    if (t.offset % g.alignment_ != 0) {
-      return DataLoss(what + ": offset " + std::to_string(t.offset) +
-                      " is not a multiple of the alignment " + std::to_string(g.alignment_));
-    }
     if (!g.tensor_index_.emplace(t.name, k).second) return DataLoss(what + ": duplicate name");
   }
 
