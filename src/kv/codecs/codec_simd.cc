@@ -457,6 +457,59 @@ void DecodeCalImpl(const CalPlan& p, Codec c, const uint8_t* page, int n, int di
   }
 }
 
+// A KIVI key page: per-channel f16 (min, scale), then each token's codes packed.
+void DecodeKiviKeys(const uint8_t* page, int n, int dim, int bits, float* rows) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  uint8_t codes[512];
+  const uint16_t* meta = reinterpret_cast<const uint16_t*>(page);
+  const uint8_t* packed = page + 4 * size_t(dim);
+  const size_t row_bytes = size_t(dim) * bits / 8;
+  float mins[512], scales[512];
+  for (int ch = 0; ch < dim; ++ch)
+    mins[ch] = F16ToF32(meta[2 * ch]), scales[ch] = F16ToF32(meta[2 * ch + 1]);
+  const hn::Rebind<int32_t, DF> di;
+  const hn::Rebind<uint8_t, DF> d8;
+  for (int t = 0; t < n; ++t) {
+    Unpack(packed + t * row_bytes, dim, bits, codes);
+    float* x = rows + size_t(t) * dim;
+    int ch = 0;
+    for (; ch + N <= dim; ch += N) {
+      const auto cv = hn::ConvertTo(df, hn::BitCast(di, hn::PromoteTo(hn::Rebind<uint32_t, DF>(),
+                                                                      hn::LoadU(d8, codes + ch))));
+      hn::StoreU(hn::MulAdd(hn::LoadU(df, scales + ch), cv, hn::LoadU(df, mins + ch)), df, x + ch);
+    }
+    for (; ch < dim; ++ch) x[ch] = mins[ch] + scales[ch] * codes[ch];
+  }
+}
+
+// A rotation codec's row (rot4, rot3, rot2): scale * level[code], the levels looked up in a
+// vector (codes: room for dim unpacked codes).
+void DecodeRotRow(Codec c, const LevelLookup& level, const uint8_t* in, int dim, uint8_t* codes,
+                  float* x) {
+  const DF df;
+  const int N = static_cast<int>(hn::Lanes(df));
+  uint16_t h;
+  std::memcpy(&h, in, 2);
+  const float scale = F16ToF32(h);
+  const auto vs = hn::Set(df, scale);
+  int i = 0;
+#if HWY_TARGET != HWY_SCALAR
+  if (c == Codec::kRot4) {
+    for (; i + N <= dim; i += N) hn::StoreU(hn::Mul(level(Nibbles(in + 2 + i / 2)), vs), df, x + i);
+  }
+#endif
+  if (i < dim) {
+    Unpack(in + 2, dim, RotBits(c), codes);
+    const hn::Rebind<int32_t, DF> di;
+    const hn::Rebind<uint8_t, DF> d8;
+    for (; i + N <= dim; i += N) {
+      hn::StoreU(hn::Mul(level(hn::PromoteTo(di, hn::LoadU(d8, codes + i))), vs), df, x + i);
+    }
+    for (; i < dim; ++i) x[i] = scale * RotLevels(c)[codes[i]];
+  }
+}
+
 void DecodeStoredImpl(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim,
                       float* rows, const CalPlan* plan, const RopeTable* rope,
                       const int32_t* positions) {
@@ -467,30 +520,7 @@ void DecodeStoredImpl(Codec c, Role role, const uint8_t* page, int n, int tokens
   uint8_t codes[512];
   const bool kivi = c == Codec::kKivi4 || c == Codec::kKivi2;
   const int kivi_bits = c == Codec::kKivi4 ? 4 : 2;
-  if (kivi && role == Role::kKey) {  // per-channel min/scale, token-major codes
-    const uint16_t* meta = reinterpret_cast<const uint16_t*>(page);
-    const uint8_t* packed = page + 4 * size_t(dim);
-    const size_t row_bytes = size_t(dim) * kivi_bits / 8;
-    float mins[512], scales[512];
-    for (int ch = 0; ch < dim; ++ch)
-      mins[ch] = F16ToF32(meta[2 * ch]), scales[ch] = F16ToF32(meta[2 * ch + 1]);
-    const hn::Rebind<int32_t, DF> di;
-    const hn::Rebind<uint8_t, DF> d8;
-    for (int t = 0; t < n; ++t) {
-      Unpack(packed + t * row_bytes, dim, kivi_bits, codes);
-      float* x = rows + size_t(t) * dim;
-      int ch = 0;
-      for (; ch + N <= dim; ch += N) {
-        const auto cv = hn::ConvertTo(
-            df,
-            hn::BitCast(di, hn::PromoteTo(hn::Rebind<uint32_t, DF>(), hn::LoadU(d8, codes + ch))));
-        hn::StoreU(hn::MulAdd(hn::LoadU(df, scales + ch), cv, hn::LoadU(df, mins + ch)), df,
-                   x + ch);
-      }
-      for (; ch < dim; ++ch) x[ch] = mins[ch] + scales[ch] * codes[ch];
-    }
-    return;
-  }
+  if (kivi && role == Role::kKey) return DecodeKiviKeys(page, n, dim, kivi_bits, rows);
   const size_t stride = RowStride(c, dim);
   // Made once per page: the levels copied into a vector per row stalled every row's first lookup
   // (a wide load waiting on the copy's narrow stores; a third of a rot4 decode step).
@@ -560,30 +590,9 @@ void DecodeStoredImpl(Codec c, Role role, const uint8_t* page, int n, int tokens
       }
       case Codec::kRot4:
       case Codec::kRot3:
-      case Codec::kRot2: {  // scale * level[code], the levels looked up in a vector
-        uint16_t h;
-        std::memcpy(&h, in, 2);
-        const float scale = F16ToF32(h);
-        const auto vs = hn::Set(df, scale);
-        int i = 0;
-#if HWY_TARGET != HWY_SCALAR
-        if (c == Codec::kRot4) {
-          for (; i + N <= dim; i += N) {
-            hn::StoreU(hn::Mul(level(Nibbles(in + 2 + i / 2)), vs), df, x + i);
-          }
-        }
-#endif
-        if (i < dim) {
-          Unpack(in + 2, dim, RotBits(c), codes);
-          const hn::Rebind<int32_t, DF> di;
-          const hn::Rebind<uint8_t, DF> d8;
-          for (; i + N <= dim; i += N) {
-            hn::StoreU(hn::Mul(level(hn::PromoteTo(di, hn::LoadU(d8, codes + i))), vs), df, x + i);
-          }
-          for (; i < dim; ++i) x[i] = scale * RotLevels(c)[codes[i]];
-        }
+      case Codec::kRot2:
+        DecodeRotRow(c, level, in, dim, codes, x);
         break;
-      }
       default:  // rotation codecs with QJL (a Hadamard transform per row): the scalar path
         codecs::DecodeStored(c, role, in, 1, 1, dim, x);
         break;
