@@ -67,6 +67,165 @@ struct DecodeActs {
   const float* s16;     // q2_K, per half block: dx_b * the sum of the half's codes
 };
 
+#define CACHET_INT8_INLINE CACHET_INT8_TARGET inline __attribute__((always_inline))
+
+// Pair p of a row's blocks for kT tokens: codes times activations, scaled by scale(t), into acc.
+template <DType kType, int kT, class Scale>
+CACHET_INT8_INLINE void PairProducts(const uint8_t* row, int64_t p, const DecodeActs* a,
+                                     const Scale& scale, __m512* acc) {
+  const int64_t b = 2 * p;
+  _mm_prefetch(reinterpret_cast<const char*>(row + BlockStart<kType>(b) + kPrefetchBytes),
+               _MM_HINT_T0);
+  const __m512i codes = CodePair<kType>(row, b);
+#pragma GCC unroll 8
+  for (int t = 0; t < kT; ++t) {
+    const __m512i start = kScaleMinK<kType> || kType == DType::kQ2_K
+                              ? _mm512_setzero_si512()
+                              : _mm512_load_si512(a[t].off2 + p * 16);
+    const __m512i z = _mm512_dpbusd_epi32(start, codes, _mm512_loadu_si512(a[t].q + b * 32));
+    acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(z), scale(t), acc[t]);
+  }
+}
+
+// A row of q4_K / q5_K: per super-block its scales once, times the activations' (dw dx of its
+// eight sub-blocks in one product), four pairs, and the minimums' share sum_j o_j sx_j.
+template <DType kType, int kT>
+CACHET_INT8_INLINE void RowScaleMinK(const uint8_t* row, int64_t nb, const DecodeActs* a,
+                                     __m512* acc0, __m512* acc1, float* v) {
+  const __m512i lo = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m512i step = _mm512_set1_epi32(2);
+  __m256 corr[kT];
+#pragma GCC unroll 8
+  for (int t = 0; t < kT; ++t) corr[t] = _mm256_setzero_ps();
+  for (int64_t sb = 0; sb < nb / 8; ++sb) {
+    __m256 dw8, o8;
+    Q4KScales(row + sb * DTypeBlockBytes(kType), &dw8, &o8);
+    // q4_K's odd sub-blocks' codes come 16 times too large (CodePair).
+    const __m256 sixteenth = kType == DType::kQ4_K
+                                 ? _mm256_setr_ps(1, 0.0625f, 1, 0.0625f, 1, 0.0625f, 1, 0.0625f)
+                                 : _mm256_set1_ps(1.0f);
+    __m512 dw[kT];
+#pragma GCC unroll 8
+    for (int t = 0; t < kT; ++t) {
+      corr[t] = _mm256_fmadd_ps(o8, _mm256_loadu_ps(a[t].s + sb * 8), corr[t]);
+      dw[t] = _mm512_castps256_ps512(
+          _mm256_mul_ps(_mm256_mul_ps(dw8, _mm256_loadu_ps(a[t].d + sb * 8)), sixteenth));
+    }
+    __m512i idx = lo;
+    auto sub = [&](int t) CACHET_INT8_TARGET { return _mm512_permutexvar_ps(idx, dw[t]); };
+    PairProducts<kType, kT>(row, 4 * sb, a, sub, acc0);
+    idx = _mm512_add_epi32(idx, step);
+    PairProducts<kType, kT>(row, 4 * sb + 1, a, sub, acc1);
+    idx = _mm512_add_epi32(idx, step);
+    PairProducts<kType, kT>(row, 4 * sb + 2, a, sub, acc0);
+    idx = _mm512_add_epi32(idx, step);
+    PairProducts<kType, kT>(row, 4 * sb + 3, a, sub, acc1);
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < kT; ++t) {
+    v[t] = HorizontalSum(_mm512_add_ps(acc0[t], acc1[t])) - HorizontalSum(corr[t]);
+  }
+}
+
+// A row of q6_K, q3_K, q2_K (sixteen scales per super-block, one per 16 values: pair p's lanes
+// take scales 4p .. 4p + 3, four lanes each) or iq4_xs (eight: pair p's take 2p and 2p + 1,
+// eight lanes each): per super-block its scales once, times the activations' dx; q2_K's
+// minimums' share sum_h o_h s16_h.
+template <DType kType, int kT>
+CACHET_INT8_INLINE void RowHalfScales(const uint8_t* row, int64_t nb, const DecodeActs* a,
+                                      __m512* acc0, __m512* acc1, float* v) {
+  constexpr bool kQ6 = HasHalfScales(kType);
+  const __m512i lanes = kQ6 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                            : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  __m512 corr[kT];
+#pragma GCC unroll 8
+  for (int t = 0; t < kT; ++t) corr[t] = _mm512_setzero_ps();
+  for (int64_t sb = 0; sb < nb / 8; ++sb) {
+    const uint8_t* blk = row + sb * DTypeBlockBytes(kType);
+    __m512 sc;
+    if constexpr (kQ6) {
+      __m512 mins;
+      sc = HalfScaleVec<kType>(blk, &mins);
+      if constexpr (kType == DType::kQ2_K) {
+#pragma GCC unroll 8
+        for (int t = 0; t < kT; ++t) {
+          corr[t] = _mm512_fmadd_ps(mins, _mm512_loadu_ps(a[t].s16 + sb * 16), corr[t]);
+        }
+      }
+    } else {
+      sc = _mm512_castps256_ps512(IQ4XSScales(blk));
+    }
+#pragma GCC unroll 4
+    for (int64_t i = 0; i < 4; ++i) {
+      const int64_t p = 4 * sb + i;
+      const __m512 w = _mm512_permutexvar_ps(
+          _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>((kQ6 ? 4 : 2) * i))), sc);
+      PairProducts<kType, kT>(
+          row, p, a,
+          [&](int t)
+              CACHET_INT8_TARGET { return _mm512_mul_ps(w, _mm512_load_ps(a[t].dx2 + p * 16)); },
+          i % 2 == 0 ? acc0 : acc1);
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < kT; ++t) {
+    v[t] = HorizontalSum(_mm512_add_ps(acc0[t], acc1[t]));
+    if constexpr (kType == DType::kQ2_K) v[t] -= HorizontalSum(corr[t]);
+  }
+}
+
+// A row of blocks with one scale each (q4_0, q8_0, q5_0, iq4_nl; q4_1 / q5_1 also a minimum:
+// their share sum_b m_b sx_b, one lane per block), an odd last block on its own.
+template <DType kType, int kT>
+CACHET_INT8_INLINE void RowBlocks(const uint8_t* row, int64_t nb, const DecodeActs* a, __m512* acc0,
+                                  __m512* acc1, float* v) {
+  __m512 corr[kT];
+#pragma GCC unroll 8
+  for (int t = 0; t < kT; ++t) corr[t] = _mm512_setzero_ps();
+  auto pair_at = [&](int64_t p, __m512* acc) CACHET_INT8_TARGET {
+    const __m512 w = ScalePair<kType>(row, 2 * p);
+    PairProducts<kType, kT>(
+        row, p, a,
+        [&](int t)
+            CACHET_INT8_TARGET { return _mm512_mul_ps(w, _mm512_load_ps(a[t].dx2 + p * 16)); },
+        acc);
+    if constexpr (HasBlockMin(kType)) {
+      const __m512 m = ScalePair<kType, 2>(row, 2 * p);
+#pragma GCC unroll 8
+      for (int t = 0; t < kT; ++t) {
+        corr[t] = _mm512_fmadd_ps(m, _mm512_load_ps(a[t].s2 + p * 16), corr[t]);
+      }
+    }
+  };
+  const int64_t pairs = nb / 2;
+  int64_t p = 0;
+  for (; p + 2 <= pairs; p += 2) {
+    pair_at(p, acc0);
+    pair_at(p + 1, acc1);
+  }
+  if (p < pairs) pair_at(p, acc0);
+#pragma GCC unroll 8
+  for (int t = 0; t < kT; ++t) {
+    v[t] = HorizontalSum(_mm512_add_ps(acc0[t], acc1[t]));
+    if constexpr (HasBlockMin(kType)) v[t] += HorizontalSum(corr[t]);
+  }
+  if (nb % 2 != 0) {  // the last, unpaired block
+    const int64_t b = nb - 1;
+    const __m256i codes = Codes<kType>(row, b);
+    const float dw = HardF16::Load(row + b * BlockBytes<kType>());
+#pragma GCC unroll 8
+    for (int t = 0; t < kT; ++t) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[t].q + b * 32));
+      const __m256i start = _mm256_castsi128_si256(_mm_cvtsi32_si128(a[t].off2[(b / 2) * 16]));
+      const __m256i z = _mm256_dpbusd_epi32(start, codes, x);
+      v[t] += HorizontalSum(_mm256_cvtepi32_ps(z)) * (dw * a[t].dx2[(b / 2) * 16]);
+      if constexpr (HasBlockMin(kType)) {
+        v[t] += HardF16::Load(row + b * BlockBytes<kType>() + 2) * a[t].s2[(b / 2) * 16];
+      }
+    }
+  }
+}
+
 // y_t[r] (y_t = y + t * y_stride) for rows [r0, r1) of a matrix of nb blocks per row and kT
 // tokens. One row at a time, so that a task reads one sequential stream (several rows at once
 // measured up to 2x slower: the prefetchers lose track), with two accumulators per token to hide
@@ -77,23 +236,6 @@ template <DType kType, int kT>
 CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64_t nb, int64_t r0,
                                    int64_t r1, const DecodeActs* a, const float* bias, float* y,
                                    int64_t y_stride) {
-  // Pair p of blocks for every token: codes times activations, scaled by scale(t).
-  auto pair = [&](const uint8_t* row, int64_t p, const auto& scale,
-                  __m512* acc) CACHET_INT8_TARGET {
-    const int64_t b = 2 * p;
-    _mm_prefetch(reinterpret_cast<const char*>(row + BlockStart<kType>(b) + kPrefetchBytes),
-                 _MM_HINT_T0);
-    const __m512i codes = CodePair<kType>(row, b);
-#pragma GCC unroll 8
-    for (int t = 0; t < kT; ++t) {
-      const __m512i start = kScaleMinK<kType> || kType == DType::kQ2_K
-                                ? _mm512_setzero_si512()
-                                : _mm512_load_si512(a[t].off2 + p * 16);
-      const __m512i z = _mm512_dpbusd_epi32(start, codes, _mm512_loadu_si512(a[t].q + b * 32));
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(z), scale(t), acc[t]);
-    }
-  };
-  const int64_t pairs = nb / 2;
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = base + r * row_bytes;
     __m512 acc0[kT], acc1[kT];
@@ -101,132 +243,11 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
 #pragma GCC unroll 8
     for (int t = 0; t < kT; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
     if constexpr (kScaleMinK<kType>) {
-      // Per super-block: its scales once, times the activations' (dw dx of its eight sub-blocks
-      // in one product), four pairs, and the minimums' share sum_j o_j sx_j.
-      const __m512i lo = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-      const __m512i step = _mm512_set1_epi32(2);
-      __m256 corr[kT];
-#pragma GCC unroll 8
-      for (int t = 0; t < kT; ++t) corr[t] = _mm256_setzero_ps();
-      for (int64_t sb = 0; sb < nb / 8; ++sb) {
-        __m256 dw8, o8;
-        Q4KScales(row + sb * DTypeBlockBytes(kType), &dw8, &o8);
-        // q4_K's odd sub-blocks' codes come 16 times too large (CodePair).
-        const __m256 sixteenth =
-            kType == DType::kQ4_K ? _mm256_setr_ps(1, 0.0625f, 1, 0.0625f, 1, 0.0625f, 1, 0.0625f)
-                                  : _mm256_set1_ps(1.0f);
-        __m512 dw[kT];
-#pragma GCC unroll 8
-        for (int t = 0; t < kT; ++t) {
-          corr[t] = _mm256_fmadd_ps(o8, _mm256_loadu_ps(a[t].s + sb * 8), corr[t]);
-          dw[t] = _mm512_castps256_ps512(
-              _mm256_mul_ps(_mm256_mul_ps(dw8, _mm256_loadu_ps(a[t].d + sb * 8)), sixteenth));
-        }
-        __m512i idx = lo;
-        auto sub = [&](int t) CACHET_INT8_TARGET { return _mm512_permutexvar_ps(idx, dw[t]); };
-        pair(row, 4 * sb, sub, acc0);
-        idx = _mm512_add_epi32(idx, step);
-        pair(row, 4 * sb + 1, sub, acc1);
-        idx = _mm512_add_epi32(idx, step);
-        pair(row, 4 * sb + 2, sub, acc0);
-        idx = _mm512_add_epi32(idx, step);
-        pair(row, 4 * sb + 3, sub, acc1);
-      }
-#pragma GCC unroll 8
-      for (int t = 0; t < kT; ++t) {
-        v[t] = HorizontalSum(_mm512_add_ps(acc0[t], acc1[t])) - HorizontalSum(corr[t]);
-      }
+      RowScaleMinK<kType, kT>(row, nb, a, acc0, acc1, v);
     } else if constexpr (HasHalfScales(kType) || kType == DType::kIQ4_XS) {
-      // Per super-block: its scales once, sixteen of q6_K, q3_K, q2_K (one per 16 values: pair p's
-      // lanes take scales 4p .. 4p + 3, four lanes each) or iq4_xs's eight (pair p's take 2p and
-      // 2p + 1, eight lanes each), times the activations' dx; q2_K's minimums' share sum_h o_h
-      // s16_h.
-      constexpr bool kQ6 = HasHalfScales(kType);
-      const __m512i lanes = kQ6 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
-                                : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-      __m512 corr[kT];
-#pragma GCC unroll 8
-      for (int t = 0; t < kT; ++t) corr[t] = _mm512_setzero_ps();
-      for (int64_t sb = 0; sb < nb / 8; ++sb) {
-        const uint8_t* blk = row + sb * DTypeBlockBytes(kType);
-        __m512 sc;
-        if constexpr (kQ6) {
-          __m512 mins;
-          sc = HalfScaleVec<kType>(blk, &mins);
-          if constexpr (kType == DType::kQ2_K) {
-#pragma GCC unroll 8
-            for (int t = 0; t < kT; ++t) {
-              corr[t] = _mm512_fmadd_ps(mins, _mm512_loadu_ps(a[t].s16 + sb * 16), corr[t]);
-            }
-          }
-        } else {
-          sc = _mm512_castps256_ps512(IQ4XSScales(blk));
-        }
-#pragma GCC unroll 4
-        for (int64_t i = 0; i < 4; ++i) {
-          const int64_t p = 4 * sb + i;
-          const __m512 w = _mm512_permutexvar_ps(
-              _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>((kQ6 ? 4 : 2) * i))),
-              sc);
-          pair(
-              row, p,
-              [&](int t) CACHET_INT8_TARGET {
-                return _mm512_mul_ps(w, _mm512_load_ps(a[t].dx2 + p * 16));
-              },
-              i % 2 == 0 ? acc0 : acc1);
-        }
-      }
-#pragma GCC unroll 8
-      for (int t = 0; t < kT; ++t) {
-        v[t] = HorizontalSum(_mm512_add_ps(acc0[t], acc1[t]));
-        if constexpr (kType == DType::kQ2_K) v[t] -= HorizontalSum(corr[t]);
-      }
+      RowHalfScales<kType, kT>(row, nb, a, acc0, acc1, v);
     } else {
-      // q4_1 / q5_1: the minimums' share sum_b m_b sx_b, one lane per block.
-      __m512 corr[kT];
-#pragma GCC unroll 8
-      for (int t = 0; t < kT; ++t) corr[t] = _mm512_setzero_ps();
-      auto pair_at = [&](int64_t p, __m512* acc) CACHET_INT8_TARGET {
-        const __m512 w = ScalePair<kType>(row, 2 * p);
-        pair(
-            row, p,
-            [&](int t)
-                CACHET_INT8_TARGET { return _mm512_mul_ps(w, _mm512_load_ps(a[t].dx2 + p * 16)); },
-            acc);
-        if constexpr (HasBlockMin(kType)) {
-          const __m512 m = ScalePair<kType, 2>(row, 2 * p);
-#pragma GCC unroll 8
-          for (int t = 0; t < kT; ++t) {
-            corr[t] = _mm512_fmadd_ps(m, _mm512_load_ps(a[t].s2 + p * 16), corr[t]);
-          }
-        }
-      };
-      int64_t p = 0;
-      for (; p + 2 <= pairs; p += 2) {
-        pair_at(p, acc0);
-        pair_at(p + 1, acc1);
-      }
-      if (p < pairs) pair_at(p, acc0);
-#pragma GCC unroll 8
-      for (int t = 0; t < kT; ++t) {
-        v[t] = HorizontalSum(_mm512_add_ps(acc0[t], acc1[t]));
-        if constexpr (HasBlockMin(kType)) v[t] += HorizontalSum(corr[t]);
-      }
-      if (nb % 2 != 0) {  // the last, unpaired block
-        const int64_t b = nb - 1;
-        const __m256i codes = Codes<kType>(row, b);
-        const float dw = HardF16::Load(row + b * BlockBytes<kType>());
-#pragma GCC unroll 8
-        for (int t = 0; t < kT; ++t) {
-          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a[t].q + b * 32));
-          const __m256i start = _mm256_castsi128_si256(_mm_cvtsi32_si128(a[t].off2[(b / 2) * 16]));
-          const __m256i z = _mm256_dpbusd_epi32(start, codes, x);
-          v[t] += HorizontalSum(_mm256_cvtepi32_ps(z)) * (dw * a[t].dx2[(b / 2) * 16]);
-          if constexpr (HasBlockMin(kType)) {
-            v[t] += HardF16::Load(row + b * BlockBytes<kType>() + 2) * a[t].s2[(b / 2) * 16];
-          }
-        }
-      }
+      RowBlocks<kType, kT>(row, nb, a, acc0, acc1, v);
     }
 #pragma GCC unroll 8
     for (int t = 0; t < kT; ++t) y[t * y_stride + r] = v[t] + (bias != nullptr ? bias[r] : 0.0f);
