@@ -92,6 +92,12 @@ struct DramCopies {
   const uint8_t* Next() { return base + (next++ % n) * bytes; }
 };
 
+// An environment variable's integer value (the benchmarks' knobs), or fallback when it is unset.
+int EnvInt(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr ? std::atoi(v) : fallback;
+}
+
 std::vector<float> RandomVec(size_t n, std::mt19937& rng) {
   std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
   std::vector<float> v(n);
@@ -264,7 +270,7 @@ void BenchCodecAttention(std::mt19937& rng, int heads, const std::string& only_c
   const int n = 4096, hd = 64;
   // TABLES=N: N tables (layers) of n keys each, attended in turn by a timed call, so that the
   // pages stream from DRAM once N tables outgrow the last-level cache (q4_0: 290 KiB a table).
-  const int tables = std::getenv("TABLES") ? std::max(1, std::atoi(std::getenv("TABLES"))) : 1;
+  const int tables = std::max(1, EnvInt("TABLES", 1));
   std::vector<std::string> names = {"f32",   "f16",  "q8_0", "q4_0",       "int8",
                                     "kivi4", "rot4", "rot3", "kivi4:q4_0", "q4_0:rot3"};
   if (!only_codec.empty()) names = {"f16", only_codec};
@@ -277,7 +283,7 @@ void BenchCodecAttention(std::mt19937& rng, int heads, const std::string& only_c
     lay.n_layers = tables;
     lay.n_kv_heads = 1;
     lay.head_dim = hd;
-    if (const char* pt = std::getenv("PT")) lay.page_tokens = std::atoi(pt);
+    lay.page_tokens = EnvInt("PT", lay.page_tokens);
     // Positions in 16 bits, as an engine whose context fits them stores them; WIDE_POSITIONS=1:
     // in 32.
     if (std::getenv("WIDE_POSITIONS") == nullptr) lay.max_tokens = n;
@@ -328,7 +334,7 @@ void BenchCalibratedDecode(const std::string& path, std::mt19937& rng) {
     std::fprintf(stderr, "%s\n", cal.status().ToString().c_str());
     std::exit(1);
   }
-  const int d = cal->head_dim, n = 4096, pt = std::getenv("PT") ? std::atoi(std::getenv("PT")) : 16;
+  const int d = cal->head_dim, n = 4096, pt = EnvInt("PT", 16);
   const int tables = cal->n_layers * cal->n_kv_heads;
   std::vector<float> inv(d / 2);
   for (int j = 0; j < d / 2; ++j) inv[j] = 1.0f / std::pow(10000.0f, 2.0f * j / d);
@@ -403,7 +409,7 @@ int main(int argc, char** argv) {
     const std::string codec = only == "codecs" && argc > 3 ? argv[3] : "";
     std::printf("attention over codec pages (single-threaded):\n");
     // GQA=N: the grouped call's query heads (3, kvtiny's group, unless set; TinyLlama's is 8).
-    const int group = std::getenv("GQA") ? std::max(2, std::atoi(std::getenv("GQA"))) : 3;
+    const int group = std::max(2, EnvInt("GQA", 3));
     if (!std::getenv("MHA_ONLY")) BenchCodecAttention(rng, group, codec);
     BenchCodecAttention(rng, 1, codec);
   }

@@ -231,7 +231,7 @@ class PageWalk {
         tile_tok_(std::max(1, kMaxTileRows / b.n_heads)),
         // Score rows hold a page's keys padded with -inf to whole vectors, hence to groups of
         // four keys (N >= 4 on every SIMD target).
-        s_stride_((pt + kLanes - 1) / kLanes * kLanes),
+        s_stride_((pt + kMaxLanes - 1) / kMaxLanes * kMaxLanes),
         // A chunk: as many pages as fit kChunkKeys score lanes, at least one.
         max_slots_(std::max(1, kChunkKeys / s_stride_)),
         c_stride_(max_slots_ * s_stride_),
@@ -276,8 +276,6 @@ class PageWalk {
   }
 
  private:
-  static constexpr int kLanes = kMaxLanes;
-
   // The pages decoded by a prompt's first tile (kept_buf_), and which are.
   static std::vector<PageData>& KeptRows() {
     thread_local std::vector<PageData> rows;
@@ -413,7 +411,7 @@ class PageWalk {
       const float inv = 1.0f / run_sum_[r];
       const VF vinv = hn::Set(df, inv);
       int d = 0;
-      for (; d + kLanes <= hd_; d += kLanes) {
+      for (; d + kMaxLanes <= hd_; d += kMaxLanes) {
         hn::StoreU(hn::Mul(hn::LoadU(df, acc_r + d), vinv), df, out + d);
       }
       for (; d < hd_; ++d) out[d] = acc_r[d] * inv;
