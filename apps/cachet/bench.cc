@@ -536,9 +536,10 @@ void AddBench(CLI::App& app) {
           std::printf("%8s  %10.1f  %16.3f  %8.3f  %10s\n", k.c_str(), v.get<double>(), ratio, r,
                       per_r);
         }
-        std::printf("KV bytes/token measured by the pool %.1f, theoretical (f32) %lld\n",
+        std::printf("KV bytes/token measured by the pool %.1f, rows alone in f32 %lld, f16 %lld\n",
                     out["kv_bytes_per_token"].get<double>(),
-                    static_cast<long long>(c.KvBytesPerToken(4)));
+                    static_cast<long long>(c.KvBytesPerToken(4)),
+                    static_cast<long long>(c.KvBytesPerToken(2)));
       }
       return;
     }

@@ -53,7 +53,7 @@ const CLI::Validator& NonNegative() {
   return v;
 }
 
-void AddEngineFlags(CLI::App& app, EngineOptions& o) {
+void AddEngineFlags(CLI::App& app, EngineOptions& o, const char* default_codec) {
   app.add_option("-m,--model", o.model_dir,
                  "HF model directory (config.json, *.safetensors, tokenizer.json or "
                  "tokenizer.model); default: the embedded kvtiny")
@@ -73,10 +73,10 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o) {
       ->default_val(16)
       ->check(CLI::Range(1, 256));
   app.add_option("--cache-type-k,--ctk", o.kv_codec_k, "KV codec of keys: " + codecs::CodecNames())
-      ->default_val("f32");
+      ->default_val(default_codec);
   app.add_option("--cache-type-v,--ctv", o.kv_codec_v,
                  "KV codec of values: " + codecs::CodecNames())
-      ->default_val("f32");
+      ->default_val(default_codec);
   app.add_option("--kv-calibration", o.kv_calibration,
                  "The .kvcal file `cachet calibrate` made for this model: needed by the "
                  "calibrated codecs (pca4, pca3, pca2, kvq4, kvq3, kvq2); stored caches coded with "
@@ -292,7 +292,7 @@ std::unique_ptr<Engine> LoadEngine(const EngineOptions& o) {
     std::fprintf(stderr, "cachet: --tier-zstd is ignored without --disk-cache or --redis\n");
   }
   for (const std::string& flag : (*engine)->IgnoredKvOptions()) {
-    std::fprintf(stderr, "cachet: %s is ignored in the f32 layout (give --ctk/--ctv)\n",
+    std::fprintf(stderr, "cachet: %s is ignored in the plain f32 layout (--ctk/--ctv f32)\n",
                  flag.c_str());
   }
   return std::move(engine).value();

@@ -21,7 +21,9 @@ struct CommonOptions {
 const CLI::Validator& Positive();     // > 0
 const CLI::Validator& NonNegative();  // >= 0
 
-void AddEngineFlags(CLI::App& app, EngineOptions& o);
+// The KV codec defaults to f16, llama.cpp's default and half the bytes of f32; eval defaults to
+// f32, the golden-exact reference its KL and accuracy are measured against.
+void AddEngineFlags(CLI::App& app, EngineOptions& o, const char* default_codec = "f16");
 // -n, --temp, --top-k, --top-p, --min-p, --repeat-penalty, --repeat-last-n, --seed.
 void AddSamplingFlags(CLI::App& app, GenerateOptions& o);
 // --press, --ratio, --budget, --window, --sinks: evict after the prompt (kv/press).

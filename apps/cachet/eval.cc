@@ -291,7 +291,7 @@ void AddEval(CLI::App& app) {
       "or KL divergence / perplexity on text (--kl), with KV bytes, peak RSS, tok/s and TTFT of "
       "each configuration. Methods the build cannot run give 'unavailable' rows");
   auto o = std::make_shared<EvalOpts>();
-  AddEngineFlags(*cmd, o->engine);
+  AddEngineFlags(*cmd, o->engine, "f32");
   cmd->add_option("--task", o->tasks,
                   "Tasks: passkey, niah, kv, vt, multiq (--questions against one cache, each "
                   "dropped before the next), multiturn (each question and answer kept, as a "
