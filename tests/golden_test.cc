@@ -5,6 +5,7 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <span>
 
 #include "cachet/engine.h"
 #include "cachet/model_config.h"
@@ -85,6 +86,38 @@ TEST(Golden, ChunkingAndPageSizeDoNotChangeLogits) {
       den += double(base[i]) * base[i];
     }
     EXPECT_LT(std::sqrt(num / den), 1e-5) << "ubatch " << ubatch << " page_tokens " << page;
+  }
+}
+
+// Past PagedSequence::kKeysPerPart * 2 keys a decode step's attention runs in parts, merged
+// (flash decoding); a prompt's last row is computed in one pass. Both layouts: the plain f32 page
+// table and f16 pages through the codec path.
+TEST(Golden, LongContextDecodeInPartsEqualsPrefill) {
+  const auto cases = LoadGolden();
+  std::vector<int32_t> ids;
+  while (ids.size() < 2600) ids.insert(ids.end(), cases.back().ids.begin(), cases.back().ids.end());
+  ids.resize(2600);
+  for (const char* codec : {"f32", "f16"}) {
+    EngineOptions o;
+    o.model_dir = ModelDir();
+    o.threads = 2;
+    o.kv_codec_k = o.kv_codec_v = codec;
+    auto e = Engine::Create(o);
+    ASSERT_TRUE(e.ok()) << e.status().ToString();
+    const int vocab = (*e)->config().vocab_size;
+    std::vector<float> prefill, decode;
+    ASSERT_TRUE((*e)->NewSession()->Eval(ids, &prefill).ok());
+    auto session = (*e)->NewSession();
+    ASSERT_TRUE(session->Eval(std::span(ids).first(ids.size() - 1), &decode).ok());
+    ASSERT_TRUE(session->Eval(std::span(ids).last(1), &decode).ok());
+    ASSERT_EQ(decode.size(), size_t(vocab));
+    double num = 0, den = 0;
+    for (int i = 0; i < vocab; ++i) {
+      num += (decode[i] - prefill[i]) * double(decode[i] - prefill[i]);
+      den += double(prefill[i]) * prefill[i];
+    }
+    EXPECT_LT(std::sqrt(num / den), 1e-5) << codec;
+    EXPECT_EQ(ArgMax(decode), ArgMax(prefill)) << codec;
   }
 }
 

@@ -60,7 +60,24 @@ struct AttnBatch {
   // chunk split among threads). Sequences may then read a subset of their pages (Quest, the
   // fetched part of demoted pages).
   bool decode = false;
+  // Part `part` of a pass split over its pages (flash decoding: a decode step's keys shared out
+  // among threads). The page source gives the kernel the pass's logical pages [n * part / n_parts,
+  // n * (part + 1) / n_parts) only (kv/table_attention.cc); the kernels read whatever pages they
+  // are given. Not with observers.
+  int part = 0, n_parts = 1;
+  // When set, each output row's softmax statistics: its largest visible score (times scale; -inf
+  // where it sees no key) and the sum of exp(score - that maximum) (0 there), row t * n_heads + h.
+  // The row itself is normalized by that sum, as always: MergeAttnParts combines the parts.
+  float* row_max = nullptr;
+  float* row_sum = nullptr;
 };
+
+// The rows of a pass split into n_parts (AttnBatch::part), merged into b.out's rows (its n_tok,
+// n_heads, out, out_stride): part p's row r (r = t * n_heads + h) at parts_out + (p * n_rows + r)
+// * head_dim, its statistics at row_max / row_sum[p * n_rows + r], n_rows = n_tok * n_heads.
+// Each part weighs sum_p * exp(max_p - max), max over the parts; a row no part sees is zero.
+void MergeAttnParts(const float* parts_out, const float* row_max, const float* row_sum, int n_parts,
+                    int head_dim, const AttnBatch& b);
 
 // One page's K and V rows for the attention kernels: f32, f16 or bf16 (row i at i * head_dim
 // values), or q8_0 / q4_0 blocks (head_dim a multiple of 32, row i at i * DTypeRowBytes).

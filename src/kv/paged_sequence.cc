@@ -432,6 +432,21 @@ void PagedSequence::Attend(int layer, int kv_head, const kernels::AttnBatch& bat
   if (observer_ != nullptr) observer_->Merge(layer, kv_head);
 }
 
+int PagedSequence::DecodeParts(int threads) const {
+  if (threads <= 1 || observer_ != nullptr || quest() ||
+      (cold_pool_ != nullptr && cold_fetch_ < 1.0)) {
+    return 1;
+  }
+  const int heads = pool_.layout().n_kv_heads;
+  const int balance = (4 * threads + heads - 1) / heads;
+  int keys = 0;
+  for (size_t i = 0; i < tables_.size(); ++i) {
+    keys =
+        std::max(keys, tables_[i].n_tokens + (cold_tables_.empty() ? 0 : cold_tables_[i].n_tokens));
+  }
+  return std::clamp(std::min(keys / kKeysPerPart, balance), 1, kMaxParts);
+}
+
 void PagedSequence::Gather(int layer, int kv_head, std::vector<float>* k, std::vector<float>* v,
                            std::vector<int32_t>* positions) const {
   GatherTable(pool_, layer * pool_.layout().n_kv_heads + kv_head, table(layer, kv_head), k, v,

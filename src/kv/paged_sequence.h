@@ -53,6 +53,13 @@ class PagedSequence final : public KvSequence {
   void SealAged(int layer) override;
   void CommitTokens(int n) override;
   void Attend(int layer, int kv_head, const kernels::AttnBatch& batch) const override;
+  // A part per kKeysPerPart keys of the longest table (hot and cold), no more than give the
+  // threads four tasks each over the KV heads (parts cost a merge and a cold start of the page
+  // prefetch: mha-85m's 12 heads at 16k on two threads decoded 5-10% slower in 16 parts) nor
+  // kMaxParts; one where a pass must see every key at once (an observer) or picks its pages
+  // (Quest, a partial cold fetch).
+  int DecodeParts(int threads) const override;
+  static constexpr int kKeysPerPart = 1024, kMaxParts = 16;
 
   // The page-table view of a plain (f32) layout, as the kernels take it.
   kernels::PagedKv View(int layer, int kv_head) const;

@@ -17,23 +17,32 @@ struct PageRef {
   int32_t first_key;  // index of its first key among the pass's keys
 };
 
-// Appends the pages a pass reads of one table; returns the table's page count (selected or not).
-int AddRefs(const TablePages& read, std::vector<PageRef>* refs) {
+// How many pages a pass reads of one table: its selection, or every page.
+int PagesRead(const TablePages& read) {
+  const int pt = read.pool->layout().page_tokens;
+  return read.subset ? static_cast<int>(read.subset->size()) : (read.table->n_tokens + pt - 1) / pt;
+}
+
+// Appends the pages [begin, end) (clamped) of those a pass reads of one table; returns the table's
+// page count (selected or not).
+int AddRefs(const TablePages& read, int begin, int end, std::vector<PageRef>* refs) {
   const BlockTable& t = *read.table;
   const int pt = read.pool->layout().page_tokens;
-  const int n_pages = (t.n_tokens + pt - 1) / pt;
   int32_t first = refs->empty() ? 0 : refs->back().first_key + refs->back().cnt;
-  auto add = [&](int p) {
+  end = std::min(end, PagesRead(read));
+  for (int i = std::max(begin, 0); i < end; ++i) {
+    const int p = read.subset ? (*read.subset)[i] : i;
     const int32_t cnt = std::min(pt, t.n_tokens - p * pt);
     refs->push_back({read.pool, t.pages[p], cnt, first});
     first += cnt;
-  };
-  if (read.subset) {
-    for (int32_t p : *read.subset) add(p);
-  } else {
-    for (int p = 0; p < n_pages; ++p) add(p);
   }
-  return n_pages;
+  return (t.n_tokens + pt - 1) / pt;
+}
+
+// The logical pages [*begin, *end) of n that part b.part of b.n_parts reads (AttnBatch::part).
+void PartPages(const kernels::AttnBatch& b, int n, int* begin, int* end) {
+  *begin = static_cast<int>(int64_t{n} * b.part / b.n_parts);
+  *end = static_cast<int>(int64_t{n} * (b.part + 1) / b.n_parts);
 }
 
 // Pages of the hot and the cold pool as the attention kernels read them. Each role (K, V) is read
@@ -53,8 +62,8 @@ struct RefRows final : kernels::PageRows {
     far_ = !refs_.empty() && size_t(table_pages) * PageBytes(0) >= kFarMinTableBytes;
   }
   int n_pages() const override { return static_cast<int>(refs_.size()); }
-  int n_keys() const override {
-    return refs_.empty() ? 0 : refs_.back().first_key + refs_.back().cnt;
+  int n_keys() const override {  // a part's refs start past the pass's first key
+    return refs_.empty() ? 0 : refs_.back().first_key + refs_.back().cnt - refs_.front().first_key;
   }
   int page_tokens() const override { return layout_.page_tokens; }
   int head_dim() const override { return layout_.head_dim; }
@@ -198,14 +207,25 @@ void AttendPlain(const kernels::AttnBatch& batch, const TablePages& hot) {
     v.n_tokens =
         static_cast<int>((ids.size() - 1) * pt + (t.n_tokens - (t.n_tokens - 1) / pt * pt));
   }
+  if (batch.n_parts > 1) {  // every page but the last is full
+    const int pt = v.page_tokens, n = (v.n_tokens + pt - 1) / pt;
+    int begin = 0, end = 0;
+    PartPages(batch, n, &begin, &end);
+    v.page_ids += begin;
+    v.n_tokens = end == n ? std::max(0, v.n_tokens - begin * pt) : (end - begin) * pt;
+  }
   kernels::PagedAttention(batch, v);
 }
 
 void AttendRows(const kernels::AttnBatch& batch, const TablePages& hot, const TablePages* cold) {
+  // The pages of the pass (hot, then cold), or of its part: only those are listed.
+  const int n_hot = PagesRead(hot), n_read = n_hot + (cold ? PagesRead(*cold) : 0);
+  int begin = 0, end = n_read;
+  if (batch.n_parts > 1) PartPages(batch, n_read, &begin, &end);
   thread_local std::vector<PageRef> refs;
   refs.clear();
-  int table_pages = AddRefs(hot, &refs);
-  if (cold) table_pages += AddRefs(*cold, &refs);
+  int table_pages = AddRefs(hot, begin, end, &refs);
+  if (cold) table_pages += AddRefs(*cold, begin - n_hot, end - n_hot, &refs);
   // The basis of each role: the hot pool's (a cold pool of another basis is converted).
   const KvLayout& lay = hot.pool->layout();
   const codecs::Codec ck = lay.codec_k, cv = lay.codec_v;

@@ -27,6 +27,11 @@ class KvSequence {
   // Attention of a GQA group's queries over the cached K/V of (layer, kv_head), whatever codec
   // stores it.
   virtual void Attend(int layer, int kv_head, const kernels::AttnBatch& batch) const = 0;
+  // Into how many parts (AttnBatch::part) a decode step's Attend may split each (layer, KV head)'s
+  // pages, so that `threads` threads share a long context's keys; 1: one pass. Asked once per
+  // step; the answer may not depend on what else the step computes (a sequence gets the same bits
+  // alone as in a batch).
+  virtual int DecodeParts(int /*threads*/) const { return 1; }
 };
 
 }  // namespace cachet

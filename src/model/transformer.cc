@@ -306,21 +306,39 @@ void Transformer::PlanAttention(std::span<const SeqChunk> seqs, int threads) {
       if (lo == hi) continue;
       double cost = 0.0;
       for (int i = lo; i < hi; ++i) cost += double(positions_[i]) + 1.0;
-      attn_blocks_.push_back({static_cast<int>(e), lo, hi, cost});
+      // A decode step over a long context: its keys shared out among the threads too.
+      const int parts = n == 1 ? seqs[e].kv->DecodeParts(threads) : 1;
+      attn_blocks_.push_back({static_cast<int>(e), lo, hi, cost / parts, parts});
     }
   }
   std::stable_sort(attn_blocks_.begin(), attn_blocks_.end(),
                    [](const AttnBlock& a, const AttnBlock& b) { return a.cost > b.cost; });
+  attn_tasks_.clear();
+  attn_merges_.clear();
+  int part_groups = 0;
+  for (int b = 0; b < static_cast<int>(attn_blocks_.size()); ++b) {
+    AttnBlock& blk = attn_blocks_[b];
+    for (int h = 0; h < config_.n_kv_heads; ++h) {
+      for (int p = 0; p < blk.parts; ++p) attn_tasks_.push_back({b, h, p});
+      if (blk.parts > 1) attn_merges_.push_back({b, h});
+    }
+    if (blk.parts > 1) {
+      blk.part_base = part_groups;
+      part_groups += config_.n_kv_heads * blk.parts;
+    }
+  }
+  const size_t group = config_.n_heads / config_.n_kv_heads;
+  parts_out_.resize(size_t(part_groups) * group * config_.head_dim);
+  parts_max_.resize(size_t(part_groups) * group);
+  parts_sum_.resize(size_t(part_groups) * group);
 }
 
 void Transformer::Attention(int layer, std::span<const SeqChunk> seqs, ThreadPool& pool) {
   const ModelConfig& c = config_;
   const int hd = c.head_dim, group = c.n_heads / c.n_kv_heads, q_dim = c.n_heads * hd;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const int64_t n_tasks = int64_t(attn_blocks_.size()) * c.n_kv_heads;
-  pool.Run(n_tasks, [&](int64_t task, int) {
-    const AttnBlock& blk = attn_blocks_[task / c.n_kv_heads];
-    const int h = static_cast<int>(task % c.n_kv_heads);
+  // The batch of block b's KV head h, writing into attn_.
+  auto batch_of = [&](const AttnBlock& blk, int h) {
     kernels::AttnBatch batch;
     batch.q = q_.data() + size_t(blk.begin) * q_dim + size_t(h) * group * hd;
     batch.q_stride = q_dim;
@@ -331,7 +349,29 @@ void Transformer::Attention(int layer, std::span<const SeqChunk> seqs, ThreadPoo
     batch.n_heads = group;
     batch.scale = scale;
     batch.decode = seqs[blk.entry].tokens.size() == 1;
-    seqs[blk.entry].kv->Attend(layer, h, batch);
+    return batch;
+  };
+  pool.Run(static_cast<int64_t>(attn_tasks_.size()), [&](int64_t task, int) {
+    const AttnTask& t = attn_tasks_[task];
+    const AttnBlock& blk = attn_blocks_[t.block];
+    kernels::AttnBatch batch = batch_of(blk, t.kv_head);
+    if (blk.parts > 1) {  // one token's rows: a group of them per part
+      const size_t g = size_t(blk.part_base) + size_t(t.kv_head) * blk.parts + t.part;
+      batch.out = parts_out_.data() + g * group * hd;
+      batch.row_max = parts_max_.data() + g * group;
+      batch.row_sum = parts_sum_.data() + g * group;
+      batch.part = t.part;
+      batch.n_parts = blk.parts;
+    }
+    seqs[blk.entry].kv->Attend(layer, t.kv_head, batch);
+  });
+  if (attn_merges_.empty()) return;
+  pool.Run(static_cast<int64_t>(attn_merges_.size()), [&](int64_t task, int) {
+    const auto [b, h] = attn_merges_[task];
+    const AttnBlock& blk = attn_blocks_[b];
+    const size_t g = size_t(blk.part_base) + size_t(h) * blk.parts;
+    kernels::MergeAttnParts(parts_out_.data() + g * group * hd, parts_max_.data() + g * group,
+                            parts_sum_.data() + g * group, blk.parts, hd, batch_of(blk, h));
   });
 }
 

@@ -103,10 +103,16 @@ class Transformer {
   // attention work; heaviest blocks first, so that the pool balances them.
   void PlanAttention(std::span<const SeqChunk> seqs, int threads);
 
-  // A block of one entry's tokens [begin, end) (indices into the step), attended per KV head.
+  // A block of one entry's tokens [begin, end) (indices into the step), attended per KV head, in
+  // `parts` parts (a decode step over a long context: KvSequence::DecodeParts) whose rows wait in
+  // parts_out_ from part row group `part_base` on (KV head h's part p: part_base + h * parts + p).
   struct AttnBlock {
     int entry, begin, end;
     double cost;
+    int parts = 1, part_base = 0;
+  };
+  struct AttnTask {
+    int block, kv_head, part;
   };
 
   ModelConfig config_;
@@ -118,6 +124,11 @@ class Transformer {
   // The step's tokens and positions, concatenated; where each entry starts in them.
   std::vector<int32_t> tokens_, positions_, entry_begin_;
   std::vector<AttnBlock> attn_blocks_;
+  std::vector<AttnTask> attn_tasks_;              // heaviest first
+  std::vector<std::pair<int, int>> attn_merges_;  // (block, KV head) of split blocks
+  // Split blocks' rows, one group of n_heads / n_kv_heads rows per (KV head, part), and their
+  // softmax statistics (AttnBatch::row_max, row_sum).
+  std::vector<float> parts_out_, parts_max_, parts_sum_;
   std::vector<std::pair<const KvSequence*, int>> kv_order_;  // (sequence, entry), sorted
   // LM head: the step's rows whose logits are wanted, and their logits when they go to more than
   // one entry's buffer.

@@ -404,6 +404,10 @@ class PageWalk {
       float* out =
           b_.out + (t0 + r / n_heads_) * b_.out_stride + static_cast<int64_t>(r % n_heads_) * hd_;
       const float* acc_r = acc_ + static_cast<int64_t>(r) * hd_;
+      if (b_.row_max != nullptr) {
+        b_.row_max[t0 * n_heads_ + r] = run_max_[r];
+        b_.row_sum[t0 * n_heads_ + r] = run_sum_[r];
+      }
       if (run_sum_[r] == 0.0f) {
         std::fill(out, out + hd_, 0.0f);
         continue;

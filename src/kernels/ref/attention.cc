@@ -37,6 +37,10 @@ void AttendScored(const AttnBatch& b, const float* scores, const float* v, const
       }
 
       std::fill(acc.begin(), acc.end(), 0.0f);
+      if (b.row_max != nullptr) {  // no visible key, unless overwritten below
+        b.row_max[t * b.n_heads + h] = max_score;
+        b.row_sum[t * b.n_heads + h] = 0.0f;
+      }
       if (max_score != -std::numeric_limits<float>::infinity()) {  // some key is visible
         float sum = 0.0f;
         for (int j = 0; j < n_keys; ++j) {
@@ -50,6 +54,10 @@ void AttendScored(const AttnBatch& b, const float* scores, const float* v, const
           for (int d = 0; d < head_dim; ++d) acc[d] += probs[j] * v_j[d];
         }
         for (int d = 0; d < head_dim; ++d) acc[d] /= sum;
+        if (b.row_max != nullptr) {
+          b.row_max[t * b.n_heads + h] = max_score;
+          b.row_sum[t * b.n_heads + h] = sum;
+        }
         for (int i = 0; i < b.n_observe; ++i) {
           const AttnObserve& o = b.observe[i];
           if (b.q_pos[t] < o.min_pos) continue;
