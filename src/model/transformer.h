@@ -100,7 +100,8 @@ class Transformer {
   // Attention of every entry's tokens over its own sequence, as the tasks of PlanAttention.
   void Attention(int layer, std::span<const SeqChunk> seqs, ThreadPool& pool);
   // Splits each entry's tokens into blocks, about 4 per thread in all, in proportion to their
-  // attention work; heaviest blocks first, so that the pool balances them.
+  // attention work, and a long decode step's pages into parts; heaviest tasks first, so that the
+  // pool balances them.
   void PlanAttention(std::span<const SeqChunk> seqs, int threads);
 
   // A block of one entry's tokens [begin, end) (indices into the step), attended per KV head, in
