@@ -15,14 +15,14 @@ out=build-fuzz
 # Each target: tests/fuzz/<target>_fuzz.cc and the sources it needs.
 declare -A srcs=(
   [gguf]="src/model/gguf.cc src/model/gguf_model.cc src/model/gguf_tokenizer.cc src/model/config.cc
-          src/model/bpe_tokenizer.cc src/model/tokenizer.cc src/model/sp_tokenizer.cc
-          src/util/dtype.cc src/util/status.cc src/util/mmap_file.cc"
+          src/model/bpe_tokenizer.cc src/model/bpe_encode.cc src/model/tokenizer.cc
+          src/model/sp_tokenizer.cc src/util/dtype.cc src/util/status.cc src/util/mmap_file.cc"
   [chat_template]="src/runtime/chat_template.cc src/util/status.cc"
   [server_request]="src/server/request.cc src/server/response.cc src/runtime/chat_template.cc
           src/runtime/blend.cc src/kv/press/press.cc src/kv/codecs/codec.cc src/util/dtype.cc src/util/status.cc"
   [safetensors]="src/model/safetensors.cc src/util/mmap_file.cc src/util/dtype.cc src/util/status.cc"
-  [tokenizer_json]="src/model/bpe_tokenizer.cc src/model/tokenizer.cc src/model/sp_tokenizer.cc
-          src/model/gguf.cc src/model/gguf_model.cc src/model/gguf_tokenizer.cc src/model/config.cc
+  [tokenizer_json]="src/model/bpe_tokenizer.cc src/model/bpe_encode.cc src/model/tokenizer.cc
+          src/model/sp_tokenizer.cc src/model/gguf.cc src/model/gguf_model.cc src/model/gguf_tokenizer.cc src/model/config.cc
           src/util/dtype.cc src/util/status.cc src/util/mmap_file.cc"
 )
 # Link flags of a target. press.cc holds the press parser next to the presses, which need the

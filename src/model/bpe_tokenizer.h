@@ -69,6 +69,19 @@ class PieceSink {
   void (*call_)(const void*, std::string_view);
 };
 
+inline const unsigned char* U(std::string_view s) {
+  return reinterpret_cast<const unsigned char*>(s.data());
+}
+
+// A merge's key: the pair of token ids.
+inline uint64_t PairKey(int32_t a, int32_t b) {
+  return (static_cast<uint64_t>(static_cast<uint32_t>(a)) << 32) | static_cast<uint32_t>(b);
+}
+
+// Oniguruma allows concurrent searches on one regex, but not compiling or freeing regexes (even
+// different ones) on several threads at once: both take this lock.
+std::mutex& OnigMutex();
+
 // Heterogeneous lookup so that string_view keys do not allocate.
 struct StringHash {
   using is_transparent = void;
