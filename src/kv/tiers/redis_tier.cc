@@ -8,15 +8,11 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <charconv>
-#include <climits>
 #include <ctime>
 
 namespace cachet::tiers {
 namespace {
 
-constexpr int kSlots = 16384;
-constexpr uint16_t kNoOwner = 0xffff;
 // A writer batch: enough runs to amortize a round trip, few enough bytes that one batch does not
 // hold the queue's memory long after its replies.
 constexpr size_t kWriteBatchRuns = 64;
@@ -64,32 +60,9 @@ class SigpipeGuard {
   bool was_pending_ = false;
 };
 
-bool ParseInt(std::string_view s, int64_t lo, int64_t hi, int64_t* out) {
-  if (s.empty()) return false;
-  int64_t v = 0;
-  const auto [end, ec] = std::from_chars(s.data(), s.data() + s.size(), v);
-  if (ec != std::errc() || end != s.data() + s.size() || v < lo || v > hi) return false;
-  *out = v;
-  return true;
-}
+}  // namespace
 
-// "host:port" as a redirect names it (MOVED 3999 127.0.0.1:6381); an empty host is the one that
-// replied.
-bool ParseHostPort(std::string_view s, const RedisNode& from, RedisNode* out) {
-  const size_t colon = s.rfind(':');
-  if (colon == std::string_view::npos) return false;
-  int64_t port = 0;
-  if (!ParseInt(s.substr(colon + 1), 1, 65535, &port)) return false;
-  std::string_view host = s.substr(0, colon);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
-  out->host = host.empty() ? from.host : std::string(host);
-  out->port = static_cast<int>(port);
-  return true;
-}
-
-std::string ReplyText(const redisReply* r) {
+std::string RedisReplyText(const redisReply* r) {
   if (r == nullptr) return "no reply";
   if (r->type == REDIS_REPLY_ERROR || r->type == REDIS_REPLY_STATUS ||
       r->type == REDIS_REPLY_STRING) {
@@ -97,21 +70,6 @@ std::string ReplyText(const redisReply* r) {
   }
   return "reply of type " + std::to_string(r->type);
 }
-
-uint16_t Crc16(std::string_view s) {
-  // CRC-16/XMODEM (polynomial 0x1021, initial value 0), as Redis Cluster hashes keys.
-  uint16_t crc = 0;
-  for (const char ch : s) {
-    crc ^= static_cast<uint16_t>(static_cast<uint8_t>(ch)) << 8;
-    for (int b = 0; b < 8; ++b) {
-      crc = (crc & 0x8000) ? static_cast<uint16_t>((crc << 1) ^ 0x1021)
-                           : static_cast<uint16_t>(crc << 1);
-    }
-  }
-  return crc;
-}
-
-}  // namespace
 
 void RedisTier::FreeReply::operator()(redisReply* r) const {
   if (r != nullptr) freeReplyObject(r);
@@ -123,119 +81,6 @@ struct RedisTier::Conns {
     for (auto& [addr, c] : by_addr) redisFree(c);
   }
 };
-
-std::string RedisNode::Address() const {
-  const bool v6 = host.find(':') != std::string::npos;
-  return (v6 ? "[" + host + "]" : host) + ":" + std::to_string(port);
-}
-
-Result<RedisUrl> ParseRedisUrl(std::string_view text) {
-  const std::string expected = "expected redis://host[:port][/db], comma-separated for a cluster";
-  if (text.empty()) return InvalidArgument("--redis: empty URL; " + expected);
-  RedisUrl url;
-  bool have_db = false;
-  size_t start = 0;
-  while (start <= text.size()) {
-    size_t comma = text.find(',', start);
-    if (comma == std::string_view::npos) comma = text.size();
-    std::string_view item = text.substr(start, comma - start);
-    start = comma + 1;
-    while (!item.empty() && item.front() == ' ') item.remove_prefix(1);
-    while (!item.empty() && item.back() == ' ') item.remove_suffix(1);
-    const std::string where = "--redis \"" + std::string(item) + "\": ";
-    if (item.empty()) return InvalidArgument("--redis \"" + std::string(text) + "\": empty node");
-    constexpr std::string_view kScheme = "redis://";
-    if (!item.starts_with(kScheme)) {
-      const size_t sep = item.find("://");
-      return InvalidArgument(where + (sep == std::string_view::npos
-                                          ? "no scheme; " + expected
-                                          : "scheme \"" + std::string(item.substr(0, sep)) +
-                                                "\" is not supported (TLS and "
-                                                "unix sockets are not); " +
-                                                expected));
-    }
-    std::string_view rest = item.substr(kScheme.size());
-    if (rest.find('@') != std::string_view::npos) {
-      return InvalidArgument(where + "credentials (user:password@) are not supported");
-    }
-    if (rest.find('?') != std::string_view::npos || rest.find('#') != std::string_view::npos) {
-      return InvalidArgument(where + "URL options (?...) are not supported");
-    }
-    std::string_view hostport = rest, db_text;
-    bool has_db = false;
-    if (const size_t slash = rest.find('/'); slash != std::string_view::npos) {
-      hostport = rest.substr(0, slash);
-      db_text = rest.substr(slash + 1);
-      has_db = true;
-    }
-    RedisNode node;
-    std::string_view port_text;
-    bool has_port = false;
-    if (hostport.starts_with('[')) {
-      const size_t close = hostport.find(']');
-      if (close == std::string_view::npos) {
-        return InvalidArgument(where + "IPv6 host without its closing ']'");
-      }
-      node.host = std::string(hostport.substr(1, close - 1));
-      std::string_view after = hostport.substr(close + 1);
-      if (!after.empty()) {
-        if (after.front() != ':') {
-          return InvalidArgument(where + "unexpected \"" + std::string(after) +
-                                 "\" after the host");
-        }
-        port_text = after.substr(1);
-        has_port = true;
-      }
-    } else {
-      const size_t colon = hostport.find(':');
-      if (colon != std::string_view::npos && hostport.find(':', colon + 1) != std::string::npos) {
-        return InvalidArgument(where + "an IPv6 host must be in brackets: redis://[::1]:6379");
-      }
-      node.host = std::string(hostport.substr(0, colon));
-      if (colon != std::string_view::npos) {
-        port_text = hostport.substr(colon + 1);
-        has_port = true;
-      }
-    }
-    if (node.host.empty()) return InvalidArgument(where + "no host");
-    if (has_port) {
-      int64_t port = 0;
-      if (!ParseInt(port_text, 1, 65535, &port)) {
-        return InvalidArgument(where + "port \"" + std::string(port_text) +
-                               "\" is not a number from 1 to 65535");
-      }
-      node.port = static_cast<int>(port);
-    }
-    int64_t db = 0;
-    if (has_db && !db_text.empty() && !ParseInt(db_text, 0, INT_MAX, &db)) {
-      return InvalidArgument(where + "database \"" + std::string(db_text) +
-                             "\" is not a non-negative number");
-    }
-    if (have_db && db != url.db) {
-      return InvalidArgument("--redis \"" + std::string(text) + "\": the nodes name different " +
-                             "databases (" + std::to_string(url.db) + " and " + std::to_string(db) +
-                             ")");
-    }
-    url.db = static_cast<int>(db);
-    have_db = true;
-    if (std::find(url.nodes.begin(), url.nodes.end(), node) == url.nodes.end()) {
-      url.nodes.push_back(std::move(node));
-    }
-    if (comma == text.size()) break;
-  }
-  return url;
-}
-
-int RedisTier::SlotOf(std::string_view key) {
-  // A hash tag: the text between the first '{' and the first '}' after it, if not empty.
-  if (const size_t open = key.find('{'); open != std::string_view::npos) {
-    const size_t close = key.find('}', open + 1);
-    if (close != std::string_view::npos && close > open + 1) {
-      key = key.substr(open + 1, close - open - 1);
-    }
-  }
-  return Crc16(key) % kSlots;
-}
 
 RedisTier::RedisTier(const RedisTierOptions& options)
     : options_(options),
@@ -299,7 +144,7 @@ Status RedisTier::Init() {
       continue;
     }
     if (r->type == REDIS_REPLY_ERROR) {
-      const std::string err = ReplyText(r.get());
+      const std::string err = RedisReplyText(r.get());
       if (err.find("cluster support disabled") == std::string::npos) {
         return FailedPrecondition("redis " + seed.Address() + ": CLUSTER SLOTS: " + err);
       }
@@ -369,7 +214,8 @@ redisContext* RedisTier::Connect(Conns& conns, const RedisNode& node, std::strin
   if (!probing_ && !cluster_ && options_.db != 0) {
     Reply r(static_cast<redisReply*>(redisCommand(c, "SELECT %d", options_.db)));
     if (!r || r->type == REDIS_REPLY_ERROR) {
-      *why = "SELECT " + std::to_string(options_.db) + ": " + (r ? ReplyText(r.get()) : c->errstr);
+      *why = "SELECT " + std::to_string(options_.db) + ": " +
+             (r ? RedisReplyText(r.get()) : c->errstr);
       redisFree(c);
       return nullptr;
     }
@@ -383,94 +229,6 @@ void RedisTier::Disconnect(Conns& conns, const RedisNode& node) {
     redisFree(it->second);
     conns.by_addr.erase(it);
   }
-}
-
-bool RedisTier::ParseSlots(const redisReply* r, const RedisNode& from, std::string* why) {
-  if (r->type != REDIS_REPLY_ARRAY) {
-    *why = "CLUSTER SLOTS: " + ReplyText(r);
-    return false;
-  }
-  std::vector<RedisNode> owners;
-  std::vector<uint16_t> slot_owner(kSlots, kNoOwner);
-  for (size_t i = 0; i < r->elements; ++i) {
-    const redisReply* e = r->element[i];
-    if (e->type != REDIS_REPLY_ARRAY || e->elements < 3 ||
-        e->element[0]->type != REDIS_REPLY_INTEGER || e->element[1]->type != REDIS_REPLY_INTEGER ||
-        e->element[2]->type != REDIS_REPLY_ARRAY || e->element[2]->elements < 2 ||
-        e->element[2]->element[0]->type != REDIS_REPLY_STRING ||
-        e->element[2]->element[1]->type != REDIS_REPLY_INTEGER) {
-      *why = "CLUSTER SLOTS: entry " + std::to_string(i) + " is not [start, end, [host, port]]";
-      return false;
-    }
-    const long long lo = e->element[0]->integer, hi = e->element[1]->integer;
-    const long long port = e->element[2]->element[1]->integer;
-    if (lo < 0 || hi >= kSlots || lo > hi || port < 1 || port > 65535) {
-      *why = "CLUSTER SLOTS: entry " + std::to_string(i) + " has slots " + std::to_string(lo) +
-             "-" + std::to_string(hi) + " at port " + std::to_string(port);
-      return false;
-    }
-    RedisNode node;
-    node.host = std::string(e->element[2]->element[0]->str, e->element[2]->element[0]->len);
-    // An empty or "?" endpoint means the node's address is not known to the one asked: reach it
-    // where the one asked is reached.
-    if (node.host.empty() || node.host == "?") node.host = from.host;
-    node.port = static_cast<int>(port);
-    auto it = std::find(owners.begin(), owners.end(), node);
-    const size_t index = static_cast<size_t>(it - owners.begin());
-    if (it == owners.end()) owners.push_back(node);
-    std::fill(slot_owner.begin() + lo, slot_owner.begin() + hi + 1, static_cast<uint16_t>(index));
-  }
-  if (owners.empty()) {
-    *why = "no hash slot is assigned to any node (the cluster is not set up)";
-    return false;
-  }
-  std::lock_guard<std::mutex> lock(map_mu_);
-  owners_ = std::move(owners);
-  slot_owner_ = std::move(slot_owner);
-  return true;
-}
-
-bool RedisTier::RefreshSlots(Conns& conns, std::string* why) {
-  std::vector<RedisNode> candidates;
-  {
-    std::lock_guard<std::mutex> lock(map_mu_);
-    candidates = owners_;
-    for (const RedisNode& s : seeds_) {
-      if (std::find(candidates.begin(), candidates.end(), s) == candidates.end()) {
-        candidates.push_back(s);
-      }
-    }
-  }
-  for (const RedisNode& node : candidates) {
-    if (!Allowed(node)) continue;
-    redisContext* c = Connect(conns, node, why);
-    if (c == nullptr) {
-      Failed(node);
-      continue;
-    }
-    Reply r(static_cast<redisReply*>(redisCommand(c, "CLUSTER SLOTS")));
-    if (!r) {
-      *why = c->errstr;
-      Disconnect(conns, node);
-      Failed(node);
-      continue;
-    }
-    Succeeded(node);
-    if (ParseSlots(r.get(), node, why)) {
-      std::lock_guard<std::mutex> lock(stats_mu_);
-      ++counters_.slot_refreshes;
-      return true;
-    }
-  }
-  return false;
-}
-
-RedisNode RedisTier::NodeOfKey(std::string_view key) const {
-  std::lock_guard<std::mutex> lock(map_mu_);
-  if (!cluster_) return owners_.front();
-  const uint16_t owner = slot_owner_[SlotOf(key)];
-  // A slot no node owns: ask a seed, whose MOVED or CLUSTERDOWN reply says what is going on.
-  return owner == kNoOwner ? seeds_.front() : owners_[owner];
 }
 
 bool RedisTier::Allowed(const RedisNode& node) {

@@ -67,6 +67,11 @@ struct RedisUrl {
 };
 // Errors name the URL item and the part that is wrong (scheme, host, port, db, credentials).
 Result<RedisUrl> ParseRedisUrl(std::string_view text);
+// "host:port" as a cluster's redirect names it (MOVED 3999 127.0.0.1:6381); an empty host is
+// `from`'s. False if it is not one.
+bool ParseHostPort(std::string_view s, const RedisNode& from, RedisNode* out);
+// A reply's text for an error message (an error, a status or a string; else its type).
+std::string RedisReplyText(const redisReply* r);
 
 struct RedisTierOptions {
   std::vector<RedisNode> nodes;  // one server, or any nodes of a cluster
