@@ -19,15 +19,15 @@ declare -A srcs=(
           src/model/sp_tokenizer.cc src/util/dtype.cc src/util/status.cc src/util/mmap_file.cc"
   [chat_template]="src/runtime/chat_template.cc src/util/status.cc"
   [server_request]="src/server/request.cc src/server/response.cc src/runtime/chat_template.cc
-          src/runtime/blend.cc src/kv/press/press.cc src/kv/codecs/codec.cc src/util/dtype.cc src/util/status.cc"
+          src/runtime/blend.cc src/kv/press/press_spec.cc src/kv/codecs/codec.cc src/util/dtype.cc src/util/status.cc"
   [safetensors]="src/model/safetensors.cc src/util/mmap_file.cc src/util/dtype.cc src/util/status.cc"
   [tokenizer_json]="src/model/bpe_tokenizer.cc src/model/bpe_encode.cc src/model/tokenizer.cc
           src/model/sp_tokenizer.cc src/model/gguf.cc src/model/gguf_model.cc src/model/gguf_tokenizer.cc src/model/config.cc
           src/util/dtype.cc src/util/status.cc src/util/mmap_file.cc"
 )
-# Link flags of a target. press.cc holds the press parser next to the presses, which need the
-# whole KV cache: lld drops the functions nothing reaches, and what only they need (GNU ld keeps
-# them all: libFuzzer's coverage tables point at every function).
+# Link flags of a target. codec.cc holds the codec-name parser next to the codecs, which need the
+# calibrated decoders and more: lld drops the functions nothing reaches, and what only they need
+# (GNU ld keeps them all: libFuzzer's coverage tables point at every function).
 declare -A ldflags=(
   [server_request]="-fuse-ld=lld -Wl,--gc-sections"
 )

@@ -73,6 +73,8 @@ class PressObserver final : public AttentionObserver {
   std::vector<float> inv_freq_;
 };
 
+// The observer gatherings (1 << PressObserver::Gathering) a scorer reads; 0: none.
+uint32_t ScorerGatherings(Scorer s);
 // The gatherings (PressObserver mask) o's scorer reads.
 uint32_t GatheringsFor(const PressOptions& o);
 
