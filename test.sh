@@ -21,7 +21,8 @@ if [ "${CACHET_SANITIZE:-0}" = "1" ]; then
     'PressEngine\.(EveryPressFrees.*|CompressDuringPrefill.*|ProbeScorers.*|DecodeEvery.*)'
     'CodecEngine\.(CompressedCaches.*|PrefixReuseFork.*|RecentWindow.*)'  # (RoundTrip.. stays)
     'Golden\.ChunkingAndPageSize.*' 'Threads/GoldenTest\..*'  # (GgufRoundTrip's replay stays)
-    'Golden\.LongContextDecodeInParts.*'  # 2600-token prompts (AttentionParts.* stays)
+    'Golden\.LongContextDecodeInParts.*' 'BatchForward\.LongDecodeInParts.*'  # 2-3k-token
+    # prompts (AttentionParts.* stays)
     'PrefixCache\.(SaltsIsolateTenants|EvictsLeastRecentlyUsed.*)'  # (ReusedPrefix.. stays)
     'TierEngine\.(RestartedEngine.*|DamageOtherLayouts.*)'          # (SharedPrefix.. stays)
     'KvTruncate\.(EvalAfterTruncate.*|ForksAndPrefixCache.*|QuestSelection.*|PressedSequences.*)'

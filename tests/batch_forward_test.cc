@@ -473,6 +473,63 @@ TEST_F(BatchForward, TogetherEqualsAloneBf16) {
   }
 }
 
+// Past 2048 keys a decode step's attention runs in parts (KvSequence::DecodeParts): how many
+// depends on the sequence and the threads, not on its batch, so a long sequence decoded beside
+// another (a short one and a long one of another length) gets the bits it gets alone.
+TEST_F(BatchForward, LongDecodeInPartsTogetherEqualsAlone) {
+  Transformer& model = Model(DType::kBF16);
+  ThreadPool threads(2);
+  const int vocab = model.config().vocab_size;
+  std::vector<int32_t> base;
+  for (const auto& p : Prompts()) base.insert(base.end(), p.begin(), p.end());
+  const int lengths[3] = {2300, 40, 3100};
+  for (const char* codec : {"f32", "f16"}) {
+    const KvLayout layout = Layout(model, codec);
+    PagePool pool(layout, size_t{256} << 20);
+    std::vector<std::unique_ptr<PagedSequence>> seqs;
+    std::vector<std::vector<float>> logits(3, std::vector<float>(vocab));
+    for (int i = 0; i < 3; ++i) {
+      seqs.push_back(std::make_unique<PagedSequence>(pool));
+      std::vector<int32_t> ids(lengths[i]), pos(lengths[i]);
+      for (int j = 0; j < lengths[i]; ++j) ids[j] = base[(j * 7 + i) % base.size()], pos[j] = j;
+      for (int j = 0; j < lengths[i]; j += kMaxBatch) {  // the model's steps hold kMaxBatch
+        const int n = std::min(kMaxBatch, lengths[i] - j);
+        const Status st = model.Forward(std::span(ids).subspan(j, n), std::span(pos).subspan(j, n),
+                                        *seqs.back(), threads, logits[i].data(), false);
+        ASSERT_TRUE(st.ok()) << st.ToString();
+      }
+    }
+    EXPECT_GT(seqs[0]->DecodeParts(threads.size()), 1);
+    EXPECT_EQ(seqs[1]->DecodeParts(threads.size()), 1);
+    // Forks of the prefilled sequences: one decode step each alone, then all three together.
+    const int32_t tok[3] = {11, 12, 13};
+    const int32_t pos[3] = {lengths[0], lengths[1], lengths[2]};
+    std::vector<std::vector<float>> alone(3, std::vector<float>(vocab)), together = alone;
+    for (int i = 0; i < 3; ++i) {
+      auto fork = seqs[i]->Fork();
+      ASSERT_TRUE(model
+                      .Forward(std::span(tok + i, 1), std::span(pos + i, 1), *fork, threads,
+                               alone[i].data(), false)
+                      .ok());
+    }
+    std::vector<std::unique_ptr<PagedSequence>> forks;
+    std::vector<SeqChunk> entries(3);
+    for (int i = 0; i < 3; ++i) {
+      forks.push_back(seqs[i]->Fork());
+      entries[i].kv = forks.back().get();
+      entries[i].tokens = std::span(tok + i, 1);
+      entries[i].positions = std::span(pos + i, 1);
+      entries[i].logits = together[i].data();
+    }
+    ASSERT_TRUE(model.ForwardBatch(entries, threads).ok());
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_TRUE(SameBits(alone[i].data(), together[i].data(), vocab))
+          << codec << " sequence " << i << ": max diff "
+          << MaxDiff(alone[i].data(), together[i].data(), vocab);
+    }
+  }
+}
+
 // f16 weights: bit for bit too.
 TEST_F(BatchForward, TogetherEqualsAloneF16) {
   ExpectTogetherEqualsAlone(Model(DType::kF16), "f16", false, "f16, KV f16");
