@@ -172,7 +172,7 @@ namespace ref {
 void QuantDequantRow(const Matrix& w, int64_t r, float* out);  // kernels/ref/quant.cc
 // Reference quantizer of one row of n values (n a multiple of the block size) into
 // DTypeRowBytes(t, n) bytes at out, in llama.cpp's block layout.
-void QuantizeRow(DType t, const float* x, int64_t n, void* out);
+void QuantizeRow(DType t, const float* x, int64_t n, void* out);  // kernels/ref/quantize.cc
 }  // namespace ref
 // The int8 path (kernels/int8_dot.h): activations quantized to 8 bits per block of 32, integer
 // dot products with q4_0 / q8_0 / q4_K blocks. QuantizeQ8 quantizes one row of cols values.
