@@ -76,15 +76,18 @@ Result<ModelWeights> ModelWeights::Load(const ModelConfig& c, TensorStore store)
       // Undo llama.cpp's Q/K row permutation (see model/gguf_model.h) in private copies.
       for (kernels::Matrix* m : {&L.wq, &L.wk}) {
         const int64_t row_bytes = DTypeRowBytes(m->dtype, m->cols);
-        std::vector<uint8_t>& buf = w.owned.emplace_back(m->rows * row_bytes);
+        // Not zeroed first: every byte is copied in below.
+        uint8_t* buf =
+            w.owned.emplace_back(std::make_unique_for_overwrite<uint8_t[]>(m->rows * row_bytes))
+                .get();
         const uint8_t* src = static_cast<const uint8_t*>(m->data);
         for (int64_t r = 0; r < m->rows; ++r) {
-          std::memcpy(buf.data() + r * row_bytes, src + GgufRopeRow(r, hd) * row_bytes, row_bytes);
+          std::memcpy(buf + r * row_bytes, src + GgufRopeRow(r, hd) * row_bytes, row_bytes);
         }
         // The copy replaces the mapped rows: drop those from RSS.
         if (w.store.IsMapped(src, m->rows * row_bytes))
           ReleaseMappedRange(src, m->rows * row_bytes);
-        m->data = buf.data();
+        m->data = buf;
       }
       for (std::vector<float>* b : {&L.bq, &L.bk}) {
         const std::vector<float> g = *b;

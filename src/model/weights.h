@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "cachet/model_config.h"
@@ -25,7 +26,7 @@ struct ModelWeights {
   std::vector<float> final_norm;
   std::vector<LayerWeights> layers;
   // Matrices that are not views of the files: llama GGUF Q/K rows put back in HF order.
-  std::vector<std::vector<uint8_t>> owned;
+  std::vector<std::unique_ptr<uint8_t[]>> owned;
 
   static Result<ModelWeights> Load(const ModelConfig& config, TensorStore store);
 };
