@@ -22,8 +22,9 @@ declare -A srcs=(
           src/runtime/blend.cc src/kv/press/press_spec.cc src/kv/codecs/codec.cc src/util/dtype.cc src/util/status.cc"
   [safetensors]="src/model/safetensors.cc src/util/mmap_file.cc src/util/dtype.cc src/util/status.cc"
   [tokenizer_json]="src/model/bpe_tokenizer.cc src/model/bpe_encode.cc src/model/tokenizer.cc
-          src/model/sp_tokenizer.cc src/model/gguf.cc src/model/gguf_model.cc src/model/gguf_tokenizer.cc src/model/config.cc
-          src/util/dtype.cc src/util/status.cc src/util/mmap_file.cc"
+          src/model/sp_tokenizer.cc src/model/gguf.cc src/model/gguf_model.cc
+          src/model/gguf_tokenizer.cc src/model/config.cc src/util/dtype.cc src/util/status.cc
+          src/util/mmap_file.cc"
 )
 # Link flags of a target. codec.cc holds the codec-name parser next to the codecs, which need the
 # calibrated decoders and more: lld drops the functions nothing reaches, and what only they need

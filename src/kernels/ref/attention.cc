@@ -37,12 +37,8 @@ void AttendScored(const AttnBatch& b, const float* scores, const float* v, const
       }
 
       std::fill(acc.begin(), acc.end(), 0.0f);
-      if (b.row_max != nullptr) {  // no visible key, unless overwritten below
-        b.row_max[t * b.n_heads + h] = max_score;
-        b.row_sum[t * b.n_heads + h] = 0.0f;
-      }
+      float sum = 0.0f;  // stays 0 where no key is visible
       if (max_score != -std::numeric_limits<float>::infinity()) {  // some key is visible
-        float sum = 0.0f;
         for (int j = 0; j < n_keys; ++j) {
           if (k_pos[j] > b.q_pos[t]) continue;
           probs[j] = std::exp(probs[j] - max_score);
@@ -54,10 +50,6 @@ void AttendScored(const AttnBatch& b, const float* scores, const float* v, const
           for (int d = 0; d < head_dim; ++d) acc[d] += probs[j] * v_j[d];
         }
         for (int d = 0; d < head_dim; ++d) acc[d] /= sum;
-        if (b.row_max != nullptr) {
-          b.row_max[t * b.n_heads + h] = max_score;
-          b.row_sum[t * b.n_heads + h] = sum;
-        }
         for (int i = 0; i < b.n_observe; ++i) {
           const AttnObserve& o = b.observe[i];
           if (b.q_pos[t] < o.min_pos) continue;
@@ -67,6 +59,10 @@ void AttendScored(const AttnBatch& b, const float* scores, const float* v, const
             w = o.max ? std::max(w, probs[j] / sum) : w + probs[j] / sum;
           }
         }
+      }
+      if (b.row_max != nullptr) {
+        b.row_max[t * b.n_heads + h] = max_score;
+        b.row_sum[t * b.n_heads + h] = sum;
       }
       std::memcpy(out, acc.data(), sizeof(float) * head_dim);
     }
