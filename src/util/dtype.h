@@ -10,7 +10,7 @@
 
 namespace cachet {
 
-inline bool DTypeIsQuantized(DType t) { return t >= DType::kQ8_0; }
+constexpr bool DTypeIsQuantized(DType t) { return t >= DType::kQ8_0; }
 // Bytes of one element: f32/f16/bf16 only.
 constexpr size_t DTypeSize(DType t) { return t == DType::kF32 ? 4 : 2; }
 // One row per type, in DType's order: what every layer needs to know of a type. Adding a weight
@@ -51,14 +51,17 @@ inline constexpr DTypeInfo kDTypes[] = {
     {DType::kQ2_K, "q2_k", 256, 84, 10, 10, 10},      // 16 bytes of 4-bit scales/mins, 64 bytes of
                                                       // 2-bit codes, f16 d, f16 dmin
 };
-static_assert(std::size(kDTypes) == static_cast<size_t>(DType::kCount), "a DType has no row");
-constexpr bool DTypesInOrder() {
-  for (size_t i = 0; i < std::size(kDTypes); ++i) {
-    if (static_cast<size_t>(kDTypes[i].type) != i) return false;
+// A table with one row per DType (a `type` member), in DType's order: what the tables keyed by
+// type (this one, the reference kernels' block quantizers) static_assert.
+template <typename Row, size_t N>
+constexpr bool OneRowPerDType(const Row (&rows)[N]) {
+  if (N != static_cast<size_t>(DType::kCount)) return false;
+  for (size_t i = 0; i < N; ++i) {
+    if (static_cast<size_t>(rows[i].type) != i) return false;
   }
   return true;
 }
-static_assert(DTypesInOrder(), "kDTypes' rows are not in DType's order");
+static_assert(OneRowPerDType(kDTypes), "kDTypes needs one row per DType, in DType's order");
 constexpr const DTypeInfo& Info(DType t) { return kDTypes[static_cast<size_t>(t)]; }
 
 constexpr int64_t DTypeBlockElems(DType t) { return Info(t).block_elems; }

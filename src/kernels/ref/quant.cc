@@ -161,56 +161,44 @@ void DequantQ2_K(const uint8_t* b, float* y) {
   }
 }
 
+// Template instances by name: GCC cannot compare their addresses with nullptr in a constant
+// expression under -fsanitize=address.
+void DequantQ4_K(const uint8_t* b, float* y) { DequantScaled<DType::kQ4_K>(b, y); }
+void DequantQ5_K(const uint8_t* b, float* y) { DequantScaled<DType::kQ5_K>(b, y); }
+void DequantQ4_1(const uint8_t* b, float* y) { DequantScaled<DType::kQ4_1>(b, y); }
+void DequantQ5_1(const uint8_t* b, float* y) { DequantScaled<DType::kQ5_1>(b, y); }
+void DequantIQ4_NL(const uint8_t* b, float* y) { DequantIQ4<DType::kIQ4_NL>(b, y); }
+void DequantIQ4_XS(const uint8_t* b, float* y) { DequantIQ4<DType::kIQ4_XS>(b, y); }
+
+// One block's dequantizer per type (nullptr: the float types, which are not read here).
+struct BlockDequantizer {
+  DType type;
+  void (*dequant)(const uint8_t* block, float* y);
+};
+constexpr BlockDequantizer kDequantizers[] = {
+    {DType::kF32, nullptr},          {DType::kF16, nullptr},      {DType::kBF16, nullptr},
+    {DType::kQ8_0, DequantQ8_0},     {DType::kQ4_0, DequantQ4_0}, {DType::kQ4_K, DequantQ4_K},
+    {DType::kQ6_K, DequantQ6_K},     {DType::kQ5_0, DequantQ5_0}, {DType::kQ5_K, DequantQ5_K},
+    {DType::kQ4_1, DequantQ4_1},     {DType::kQ5_1, DequantQ5_1}, {DType::kIQ4_NL, DequantIQ4_NL},
+    {DType::kIQ4_XS, DequantIQ4_XS}, {DType::kQ3_K, DequantQ3_K}, {DType::kQ2_K, DequantQ2_K},
+};
+static_assert(OneRowPerDType(kDequantizers), "kDequantizers needs one row per DType, in its order");
+constexpr bool EveryBlockTypeHasItsDequantizer() {
+  for (const BlockDequantizer& d : kDequantizers) {
+    if ((d.dequant != nullptr) != DTypeIsQuantized(d.type)) return false;
+  }
+  return true;
+}
+static_assert(EveryBlockTypeHasItsDequantizer());
+
 }  // namespace
 
 void QuantDequantRow(const Matrix& w, int64_t r, float* out) {
+  const auto dequant = kDequantizers[static_cast<size_t>(w.dtype)].dequant;
   const int64_t be = DTypeBlockElems(w.dtype), bb = DTypeBlockBytes(w.dtype);
   const int64_t n_blocks = w.cols / be;
   const uint8_t* row = static_cast<const uint8_t*>(w.data) + r * n_blocks * bb;
-  for (int64_t i = 0; i < n_blocks; ++i) {
-    const uint8_t* b = row + i * bb;
-    float* y = out + i * be;
-    switch (w.dtype) {
-      case DType::kQ8_0:
-        DequantQ8_0(b, y);
-        break;
-      case DType::kQ4_0:
-        DequantQ4_0(b, y);
-        break;
-      case DType::kQ5_0:
-        DequantQ5_0(b, y);
-        break;
-      case DType::kQ4_K:
-        DequantScaled<DType::kQ4_K>(b, y);
-        break;
-      case DType::kQ5_K:
-        DequantScaled<DType::kQ5_K>(b, y);
-        break;
-      case DType::kQ4_1:
-        DequantScaled<DType::kQ4_1>(b, y);
-        break;
-      case DType::kQ5_1:
-        DequantScaled<DType::kQ5_1>(b, y);
-        break;
-      case DType::kIQ4_NL:
-        DequantIQ4<DType::kIQ4_NL>(b, y);
-        break;
-      case DType::kIQ4_XS:
-        DequantIQ4<DType::kIQ4_XS>(b, y);
-        break;
-      case DType::kQ6_K:
-        DequantQ6_K(b, y);
-        break;
-      case DType::kQ3_K:
-        DequantQ3_K(b, y);
-        break;
-      case DType::kQ2_K:
-        DequantQ2_K(b, y);
-        break;
-      default:
-        std::fill(y, y + be, 0.0f);
-    }
-  }
+  for (int64_t i = 0; i < n_blocks; ++i) dequant(row + i * bb, out + i * be);
 }
 
 namespace {

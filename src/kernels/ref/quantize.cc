@@ -481,10 +481,38 @@ void QuantizeQ2_K(const float* x, uint8_t* b) {
   PackTwoBitCodes(L, b + 16, nullptr);
 }
 
+void QuantizeQ4_1(const float* x, uint8_t* b) { QuantizeMin(x, 15, b); }
+void QuantizeQ5_1(const float* x, uint8_t* b) { QuantizeMin(x, 31, b); }
+
+// One block's quantizer per type (nullptr: the float types, converted element by element).
+struct BlockQuantizer {
+  DType type;
+  void (*quantize)(const float* x, uint8_t* block);
+};
+constexpr BlockQuantizer kQuantizers[] = {
+    {DType::kF32, nullptr},           {DType::kF16, nullptr},
+    {DType::kBF16, nullptr},          {DType::kQ8_0, QuantizeQ8_0},
+    {DType::kQ4_0, QuantizeQ4_0},     {DType::kQ4_K, QuantizeQ4_K},
+    {DType::kQ6_K, QuantizeQ6_K},     {DType::kQ5_0, QuantizeQ5_0},
+    {DType::kQ5_K, QuantizeQ5_K},     {DType::kQ4_1, QuantizeQ4_1},
+    {DType::kQ5_1, QuantizeQ5_1},     {DType::kIQ4_NL, QuantizeIQ4_NL},
+    {DType::kIQ4_XS, QuantizeIQ4_XS}, {DType::kQ3_K, QuantizeQ3_K},
+    {DType::kQ2_K, QuantizeQ2_K},
+};
+static_assert(OneRowPerDType(kQuantizers), "kQuantizers needs one row per DType, in its order");
+constexpr bool EveryBlockTypeHasItsQuantizer() {
+  for (const BlockQuantizer& q : kQuantizers) {
+    if ((q.quantize != nullptr) != DTypeIsQuantized(q.type)) return false;
+  }
+  return true;
+}
+static_assert(EveryBlockTypeHasItsQuantizer());
+
 }  // namespace
 
 void QuantizeRow(DType t, const float* x, int64_t n, void* out) {
-  if (!DTypeIsQuantized(t)) {
+  const auto quantize = kQuantizers[static_cast<size_t>(t)].quantize;
+  if (quantize == nullptr) {
     for (int64_t i = 0; i < n; ++i) {
       if (t == DType::kF32) {
         std::memcpy(static_cast<float*>(out) + i, x + i, 4);
@@ -497,48 +525,7 @@ void QuantizeRow(DType t, const float* x, int64_t n, void* out) {
   }
   const int64_t be = DTypeBlockElems(t), bb = DTypeBlockBytes(t);
   uint8_t* o = static_cast<uint8_t*>(out);
-  for (int64_t i = 0; i < n / be; ++i) {
-    switch (t) {
-      case DType::kQ8_0:
-        QuantizeQ8_0(x + i * be, o + i * bb);
-        break;
-      case DType::kQ4_0:
-        QuantizeQ4_0(x + i * be, o + i * bb);
-        break;
-      case DType::kQ5_0:
-        QuantizeQ5_0(x + i * be, o + i * bb);
-        break;
-      case DType::kQ4_K:
-        QuantizeQ4_K(x + i * be, o + i * bb);
-        break;
-      case DType::kQ5_K:
-        QuantizeQ5_K(x + i * be, o + i * bb);
-        break;
-      case DType::kQ4_1:
-        QuantizeMin(x + i * be, 15, o + i * bb);
-        break;
-      case DType::kQ5_1:
-        QuantizeMin(x + i * be, 31, o + i * bb);
-        break;
-      case DType::kIQ4_NL:
-        QuantizeIQ4_NL(x + i * be, o + i * bb);
-        break;
-      case DType::kIQ4_XS:
-        QuantizeIQ4_XS(x + i * be, o + i * bb);
-        break;
-      case DType::kQ6_K:
-        QuantizeQ6_K(x + i * be, o + i * bb);
-        break;
-      case DType::kQ3_K:
-        QuantizeQ3_K(x + i * be, o + i * bb);
-        break;
-      case DType::kQ2_K:
-        QuantizeQ2_K(x + i * be, o + i * bb);
-        break;
-      default:
-        break;
-    }
-  }
+  for (int64_t i = 0; i < n / be; ++i) quantize(x + i * be, o + i * bb);
 }
 
 // ------------------------------------------------------------------------------------------------
