@@ -38,16 +38,43 @@ for t in "${targets[@]}"; do
   [ -n "${srcs[$t]:-}" ] || { echo "fuzz: unknown target $t (known: ${!srcs[*]})" >&2; exit 2; }
 done
 
-# Builds and runs one target; its output goes to $out/$t.log (the fuzzer's) and $out/$t.build.
+# Every distinct source (the targets share most of theirs) is compiled once, as many at once as
+# there are cores, then each target is linked: compiling each target's list in one clang call
+# built the shared files twice and one after the other (gguf and tokenizer_json: 63 s each).
+cflags=(-std=c++20 -O1 -g1 -fsanitize=address,undefined -fno-sanitize-recover=undefined
+        -fno-omit-frame-pointer -ffunction-sections -fdata-sections -Isrc -Iinclude)
+# shellcheck disable=SC2207
+cflags+=($(pkg-config --cflags oniguruma sentencepiece))
+mkdir -p "$out/obj"
+obj_of() { local f=${1//\//_}; echo "$out/obj/${f%.cc}.o"; }
+compile() {  # source, extra flags...: one object, its errors in the object's .log
+  local src=$1 o
+  o=$(obj_of "$src")
+  shift
+  clang++ "${cflags[@]}" "$@" -c "$src" -o "$o" >"$o.log" 2>&1 || { cat "$o.log" >&2; return 1; }
+}
+export -f compile obj_of
+export out
+declare -A all_srcs=()
+for t in "${targets[@]}"; do
+  for f in ${srcs[$t]}; do all_srcs[$f]=1; done
+done
+echo "fuzz: compiling ${#all_srcs[@]} sources and ${#targets[@]} targets" >&2
+{
+  printf '%s\n' "${!all_srcs[@]}" | sed 's/$/ -fsanitize=fuzzer-no-link/'
+  for t in "${targets[@]}"; do echo "tests/fuzz/${t}_fuzz.cc -fsanitize=fuzzer"; done
+} | CFLAGS_LIST="${cflags[*]}" xargs -P "$(nproc)" -L 1 bash -c \
+  'cflags=($CFLAGS_LIST); compile "$@"' _ || { echo "fuzz: build FAILED" >&2; exit 1; }
+
+# Links and runs one target; its output goes to $out/$t.log (the fuzzer's) and $out/$t.build.
 fuzz_one() {
-  local t=$1
+  local t=$1 objs=() f
   mkdir -p "$out/corpus-$t"
+  for f in "tests/fuzz/${t}_fuzz.cc" ${srcs[$t]}; do objs+=("$(obj_of "$f")"); done
   # shellcheck disable=SC2046,SC2086
-  clang++ -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined \
-    -fno-omit-frame-pointer -ffunction-sections -fdata-sections -Isrc -Iinclude \
-    $(pkg-config --cflags oniguruma sentencepiece) \
-    "tests/fuzz/${t}_fuzz.cc" ${srcs[$t]} $(pkg-config --libs oniguruma sentencepiece) \
-    ${ldflags[$t]:-} -o "$out/${t}_fuzz" >"$out/$t.build" 2>&1 || return 1
+  clang++ -fsanitize=fuzzer,address,undefined "${objs[@]}" \
+    $(pkg-config --libs oniguruma sentencepiece) ${ldflags[$t]:-} -o "$out/${t}_fuzz" \
+    >"$out/$t.build" 2>&1 || return 1
   CACHET_FUZZ_SEED_DIR="$out/corpus-$t" "$out/${t}_fuzz" -max_total_time="$secs" -max_len=16384 \
     -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 "$out/corpus-$t" 2>"$out/$t.log"
 }
@@ -73,7 +100,7 @@ reap() {  # waits for whichever target ends first and reports it
 }
 for t in "${targets[@]}"; do
   [ ${#target_of[@]} -lt "$jobs" ] || reap
-  echo "fuzz: building and running ${t}_fuzz for ${secs}s" >&2
+  echo "fuzz: linking and running ${t}_fuzz for ${secs}s" >&2
   rm -f "$out/$t.log"
   fuzz_one "$t" &
   target_of[$!]=$t
