@@ -17,8 +17,9 @@ major="$(node -p 'process.versions.node.split(".")[0]')"
 [ "$major" -ge 18 ] || die "node $(node --version) is too old: the openai client needs >= 18"
 command -v flock >/dev/null || die "flock is missing (Debian package util-linux)"
 
-mkdir -p "$here/node_modules"
-exec 9>"$here/node_modules/.setup.lock"
+# The lock lives beside node_modules, not in it: npm ci removes node_modules first, and with it a
+# lock file there, which let a second test in parallel take a fresh lock and install at once.
+exec 9>"$here/.setup.lock"
 flock 9
 if [ ! -f "$here/node_modules/openai/package.json" ]; then
   echo "tests/server/setup.sh: npm ci (openai, into $here/node_modules)" >&2
