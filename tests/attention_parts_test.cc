@@ -52,7 +52,9 @@ void ExpectPartsMerge(const PagedSequence& seq, int n_heads, int hd, int32_t q_p
   }
   for (size_t i = 0; i < sums.size(); ++i) {
     ASSERT_GE(sums[i], 0.0f) << "row statistics written for every row of every part";
-    if (sums[i] == 0.0f) EXPECT_EQ(maxes[i], -std::numeric_limits<float>::infinity());
+    if (sums[i] == 0.0f) {
+      EXPECT_EQ(maxes[i], -std::numeric_limits<float>::infinity());
+    }
   }
   b.out = merged.data();
   kernels::MergeAttnParts(outs.data(), maxes.data(), sums.data(), n_parts, hd, b);
@@ -99,7 +101,9 @@ TEST(AttentionParts, MergedPartsEqualOnePass) {
         seq.SealAged(0);
         seq.CommitTokens(1);
       }
-      if (c.cold && n_keys == 333) ASSERT_GT(seq.cold_length(0, 0), 0);
+      if (c.cold && n_keys == 333) {
+        ASSERT_GT(seq.cold_length(0, 0), 0);
+      }
       for (int n_parts : {2, 3, 7, 40}) {
         ExpectPartsMerge(seq, n_heads, hd, n_keys - 1, n_parts, 100 + n_parts);
         // Early keys only: the later parts see none.
@@ -141,7 +145,9 @@ TEST(AttentionParts, ReferenceStatisticsMerge) {
       kernels::ref::ContiguousAttention(part, k.data() + begin[p] * hd, v.data() + begin[p] * hd,
                                         pos.data() + begin[p], count[p], hd);
     }
-    if (q_pos < cut) EXPECT_EQ(sums[n_heads], 0.0f);
+    if (q_pos < cut) {
+      EXPECT_EQ(sums[n_heads], 0.0f);
+    }
     b.out = merged.data();
     kernels::MergeAttnParts(outs.data(), maxes.data(), sums.data(), 2, hd, b);
     for (size_t i = 0; i < q.size(); ++i) EXPECT_NEAR(merged[i], whole[i], 1e-5f) << i;

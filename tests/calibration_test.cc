@@ -1,18 +1,12 @@
 // Calibrated KV codecs (issue 18): the statistics `cachet calibrate` fits (eigenvectors, Lloyd-Max
-// levels, the bit allotment), the .kvcal file and its checks, the pca codecs against their own
-// decoded rows, and inside the engine: attention on pca pages equals attention on the decoded
-// rows, the cache is closer to f32 than q4_0's at fewer bytes, saved caches and presses compose,
-// and a missing or mismatched calibration is a clear error.
+// levels, the bit allotment), the .kvcal file and its checks, and the pca, kvq and cq4 codecs
+// against their own decoded rows and the SIMD decoders against the scalar ones. Inside the
+// engine: tests/calibrated_engine_test.cc.
 #include "kv/codecs/calibration.h"
 
-#include <fcntl.h>
 #include <gtest/gtest.h>
-#include <signal.h>
-#include <sys/file.h>
-#include <unistd.h>
 #include <xxhash.h>
 
-#include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -20,16 +14,11 @@
 #include <fstream>
 #include <random>
 
-#include "cachet/calibrate.h"
-#include "cachet/engine.h"
-#include "cachet/eval/tasks.h"
-#include "codec_check.h"
+#include "calibration_fixture.h"
 #include "kernels/kernels.h"
 #include "kv/codecs/codec.h"
 #include "kv/codecs/codec_simd.h"
 #include "kv/codecs/rope_table.h"
-#include "kv/paged_sequence.h"
-#include "runtime/engine_access.h"
 #include "simd_targets.h"
 #include "test_util.h"
 #include "util/dtype.h"
@@ -39,6 +28,8 @@ namespace {
 
 using codecs::Codec;
 using codecs::Role;
+using testing::AnisotropicRows;
+using testing::BuildSynthetic;
 using testing::KernelTargets;
 using testing::ScopedTarget;
 using testing::TargetString;
@@ -86,37 +77,6 @@ TEST(Calibration, FitLevelsOnGaussianSamplesGivesLloydMax) {
   EXPECT_NEAR(lv[3], 1.5104, 0.02);
   EXPECT_NEAR(codecs::FitLevels(z, 4, lv), 0.009497, 5e-4);
   for (int i = 1; i < 16; ++i) EXPECT_LT(lv[i - 1], lv[i]);
-}
-
-// Rows of a known anisotropic distribution: a mean, three strong directions, a weak rest and one
-// channel of large spread.
-std::vector<float> AnisotropicRows(int n, int d, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> g;
-  std::vector<float> rows(size_t(n) * d);
-  for (int t = 0; t < n; ++t) {
-    float* x = rows.data() + size_t(t) * d;
-    const float a = 4 * g(rng), b = 2 * g(rng), c = g(rng);
-    for (int i = 0; i < d; ++i) {
-      x[i] = 0.5f + a * std::cos(0.3f * i) / std::sqrt(d / 2.0f) +
-             b * std::sin(0.7f * i) / std::sqrt(d / 2.0f) + c * (i % 2 ? 1 : -1) / std::sqrt(d) +
-             0.05f * g(rng);
-    }
-    x[5] += 3 * g(rng);
-  }
-  return rows;
-}
-
-codecs::Calibration BuildSynthetic(int d, uint64_t hash = 7) {
-  codecs::CalibrationBuilder b(1, 1, d, 2048);
-  const auto k = AnisotropicRows(6000, d, 11), v = AnisotropicRows(6000, d, 12);
-  b.AddRows(0, Role::kKey, k);
-  b.AddRows(0, Role::kValue, v);
-  b.AddChannelRows(0, Role::kKey, k);
-  b.AddChannelRows(0, Role::kValue, v);
-  auto c = b.Finish(/*outliers=*/2, hash, "synthetic");
-  EXPECT_TRUE(c.ok()) << c.status().ToString();
-  return std::move(c).value();
 }
 
 TEST(Calibration, StatisticsAndBitsFollowTheVariance) {
@@ -170,7 +130,7 @@ TEST(Calibration, PcaCodecsBeatTheRandomRotationOnAnisotropicRows) {
     std::vector<float> q(d), qb(d), p(n), dots(n), acc(d, 0.0f), want(d, 0.0f);
     for (int i = 0; i < d; ++i) q[i] = std::sin(0.9f * i);
     qb = q;
-    codecs::IntoBasis(pca, plan, qb.data(), d, false);
+    codecs::IntoBasis(pca, plan, qb.data(), d, codecs::BasisVec::kQuery);
     codecs::DotKeys(pca, page.data(), n, n, d, qb.data(), dots.data(), plan);
     const codecs::HeadStats& h = c.head(0, Role::kValue);
     for (int t = 0; t < n; ++t) {
@@ -190,10 +150,75 @@ TEST(Calibration, PcaCodecsBeatTheRandomRotationOnAnisotropicRows) {
     EXPECT_EQ(simd, stored);
     // Into and out of the basis are inverses.
     std::vector<float> x(rows.begin(), rows.begin() + d), y = x;
-    codecs::IntoBasis(pca, plan, y.data(), d, true);
+    codecs::IntoBasis(pca, plan, y.data(), d, codecs::BasisVec::kRow);
     codecs::OutOfBasis(pca, plan, y.data(), d, true);
     for (int i = 0; i < d; ++i) EXPECT_NEAR(y[i], x[i], 1e-4);
   }
+}
+
+// cq4: each channel less its mean, over the root of its deviation, in q4_0 blocks. The page holds
+// q4_0's encoding of those rows (attention reads it as q4_0), at q4_0's bytes; on rows with a mean
+// and a channel of large spread it comes back closer than q4_0; a query turned into the basis
+// scores the centered rows, and the weighted sum turned back is the weighted rows.
+TEST(Calibration, Cq4IsQ4_0OfTheCenteredScaledChannels) {
+  const int d = 64, n = 16;
+  const codecs::Calibration c = BuildSynthetic(d);
+  const auto rows = AnisotropicRows(n, d, 99);  // held out
+  const Codec cq4 = Codec::kCq4;
+  const codecs::CalPlan* plan = &c.plan(0, Role::kKey, cq4);
+  ASSERT_EQ(codecs::PageBytes(cq4, Role::kKey, n, d),
+            codecs::PageBytes(Codec::kQ4_0, Role::kKey, n, d));
+  std::vector<uint8_t> page(codecs::PageBytes(cq4, Role::kKey, n, d)), q4(page.size());
+  codecs::EncodePage(cq4, Role::kKey, rows.data(), n, n, d, page.data(), plan);
+  std::vector<float> basis = rows;
+  for (int t = 0; t < n; ++t) {
+    codecs::IntoBasis(cq4, plan, basis.data() + t * d, d, codecs::BasisVec::kRow);
+  }
+  codecs::EncodePage(Codec::kQ4_0, Role::kKey, basis.data(), n, n, d, q4.data());
+  EXPECT_EQ(page, q4);
+  const codecs::HeadStats& h = c.head(0, Role::kKey);
+  for (int i = 0; i < d; ++i) {
+    std::vector<float> unit(d, 0.0f);
+    unit[i] = 1.0f;
+    codecs::IntoBasis(cq4, plan, unit.data(), d, codecs::BasisVec::kQuery);
+    EXPECT_NEAR(unit[i], std::sqrt(h.channel_std[i]), 1e-6);
+  }
+  auto mse = [&](Codec codec, const codecs::CalPlan* pl, std::vector<float>* back) {
+    std::vector<uint8_t> pg(codecs::PageBytes(codec, Role::kKey, n, d));
+    back->resize(rows.size());
+    codecs::EncodePage(codec, Role::kKey, rows.data(), n, n, d, pg.data(), pl);
+    codecs::DecodePage(codec, Role::kKey, pg.data(), n, n, d, back->data(), pl);
+    double e = 0;
+    for (size_t i = 0; i < rows.size(); ++i)
+      e += ((*back)[i] - rows[i]) * double((*back)[i] - rows[i]);
+    return e / double(rows.size());
+  };
+  std::vector<float> dec, plain;
+  EXPECT_LT(mse(cq4, plan, &dec), 0.5 * mse(Codec::kQ4_0, nullptr, &plain));
+  std::vector<float> q(d), qb(d), p(n), dots(n), acc(d, 0.0f), want(d, 0.0f);
+  for (int i = 0; i < d; ++i) q[i] = std::sin(0.9f * i);
+  qb = q;
+  codecs::IntoBasis(cq4, plan, qb.data(), d, codecs::BasisVec::kQuery);
+  codecs::DotKeys(cq4, page.data(), n, n, d, qb.data(), dots.data(), plan);
+  for (int t = 0; t < n; ++t) {
+    double s = 0;
+    for (int i = 0; i < d; ++i) s += q[i] * (dec[t * d + i] - h.mean[i]);
+    EXPECT_NEAR(dots[t], s, 1e-4 * (1 + std::fabs(s)));
+    p[t] = 1.0f / n;
+  }
+  codecs::AccumulateValues(cq4, page.data(), n, n, d, p.data(), acc.data(), plan);
+  codecs::OutOfBasis(cq4, plan, acc.data(), d, true);
+  for (int t = 0; t < n; ++t)
+    for (int i = 0; i < d; ++i) want[i] += dec[t * d + i] / n;
+  for (int i = 0; i < d; ++i) EXPECT_NEAR(acc[i], want[i], 1e-4 * (1 + std::fabs(want[i])));
+  std::vector<float> stored(rows.size()), simd(rows.size());
+  codecs::DecodeStored(cq4, Role::kKey, page.data(), n, n, d, stored.data(), plan);
+  codecs::simd::DecodeStored(cq4, Role::kKey, page.data(), n, n, d, simd.data(), plan);
+  EXPECT_EQ(simd, stored);
+  std::vector<float> y(rows.begin(), rows.begin() + d);
+  codecs::IntoBasis(cq4, plan, y.data(), d, codecs::BasisVec::kRow);
+  codecs::OutOfBasis(cq4, plan, y.data(), d, true);
+  for (int i = 0; i < d; ++i) EXPECT_NEAR(y[i], rows[i], 1e-5 * (1 + std::fabs(rows[i])));
 }
 
 TEST(Calibration, SimdDecodingMatchesTheReferenceOnAwkwardShapes) {
@@ -489,379 +514,6 @@ TEST(Calibration, FileRoundTripsAndDamageIsNamed) {
       write(old).message().find("version 2, this build reads 3 (run `cachet calibrate` again)"),
       std::string::npos)
       << write(old).ToString();
-}
-
-// Removes the shared calibrations of ctest runs that have ended (their parent pid is gone), so
-// repeated runs leave at most the live ones' files in the temporary directory.
-void RemoveEndedRunsCalibrations() {
-  std::error_code ec;
-  for (const auto& f : std::filesystem::directory_iterator(::testing::TempDir(), ec)) {
-    const std::string name = f.path().filename().string();
-    int pid = 0;
-    if (std::sscanf(name.c_str(), "kvtiny_test_%d.kvcal", &pid) == 1 && pid > 1 &&
-        ::kill(pid, 0) != 0 && errno == ESRCH) {
-      std::filesystem::remove(f.path(), ec);
-    }
-  }
-}
-
-// kvtiny calibrated on a slice of the haystack (pydocs, the first quarter as `cachet calibrate`
-// takes it), shared by the engine tests below: made once per process, or read back from an
-// earlier test process of the same ctest run (each test runs in its own, ctest is their parent),
-// which is checked first.
-const std::string& KvtinyCalibration() {
-  static const std::string path = [] {
-    EngineOptions o;
-    o.model_dir = testing::ModelDir();
-    o.threads = 2;
-    auto e = Engine::Create(o);
-    EXPECT_TRUE(e.ok());
-    const std::string p =
-        ::testing::TempDir() + "/kvtiny_test_" + std::to_string(::getppid()) + ".kvcal";
-    // Tests that start together wait for the first one's calibration instead of each making
-    // their own (45 s apiece under ASan). The lock goes with the process.
-    struct Lock {
-      int fd;
-      ~Lock() {
-        if (fd >= 0) ::close(fd);
-      }
-    } lock{::open((p + ".lock").c_str(), O_CREAT | O_RDWR | O_CLOEXEC, 0600)};
-    if (lock.fd >= 0) ::flock(lock.fd, LOCK_EX);
-    if (auto c = codecs::LoadCalibration(p);
-        c.ok() && c->model_hash == EngineAccess::model_hash(**e) && c->tokens == 2048) {
-      return p;
-    }
-    RemoveEndedRunsCalibrations();
-    std::string text = testing::ReadFile(eval::DefaultHaystackDir() + "/pydocs.txt");
-    text.resize(text.size() / 4);
-    std::vector<int32_t> ids = (*e)->tokenizer().Encode(text);
-    ids.resize(2046);
-    CalibrateOptions co;
-    co.window = 1024;
-    co.progress = false;
-    auto r = Calibrate(**e, ids, co, p);  // written atomically: parallel tests never see half
-    EXPECT_TRUE(r.ok()) << r.status().ToString();
-    EXPECT_EQ(r->windows, 2);  // 2 x (BOS + 1023 tokens)
-    EXPECT_EQ(r->tokens, 2048);
-    EXPECT_GT(r->key_top_share, 0.2);  // keys are far from isotropic (1/8 would be)
-    return p;
-  }();
-  return path;
-}
-
-std::unique_ptr<Engine> PcaEngine(const std::string& k, const std::string& v, int sinks = 0,
-                                  const std::string& cal = KvtinyCalibration()) {
-  EngineOptions o;
-  o.model_dir = testing::ModelDir();
-  o.threads = 2;
-  o.kv_codec_k = k;
-  o.kv_codec_v = v;
-  o.kv_sinks = sinks;
-  o.kv_calibration = cal;
-  auto e = Engine::Create(o);
-  EXPECT_TRUE(e.ok()) << e.status().ToString();
-  return e.ok() ? std::move(e).value() : nullptr;
-}
-
-TEST(CalibratedEngine, AttentionOnPcaPagesEqualsAttentionOnDecodedRows) {
-  const auto prompt = testing::LoadGolden().back().ids;
-  for (const auto& [k, v] : {std::pair{"pca4", "pca3"}, {"f16", "pca2"}, {"pca3", "q4_0"}}) {
-    auto e = PcaEngine(k, v, /*sinks=*/4);  // the sink pages (f16) turned into the basis
-    ASSERT_NE(e, nullptr);
-    auto s = e->NewSession();
-    ASSERT_TRUE(s->Eval(std::span(prompt).first(203), nullptr).ok());
-    const PagedSequence& kv = EngineAccess::kv(*s);
-    SCOPED_TRACE(std::string(k) + ":" + v);
-    EXPECT_LT(testing::AttendVsDecoded(*e, kv, 5, 1, {150, 201, 202}), 1e-5);
-  }
-}
-
-using testing::MeanKl;
-
-// A calibration on a repetitive text never sees the model's rows move along most axes; rows that
-// do move along them still give finite logits (their scale over the axes' zero deviation was
-// infinite: every logit NaN, exit 0).
-TEST(CalibratedEngine, RepetitiveCalibrationTextGivesFiniteLogits) {
-  testing::TempDir dir;
-  const std::string cal = dir.path() + "/flat.kvcal";
-  {
-    EngineOptions o;
-    o.model_dir = testing::ModelDir();
-    o.threads = 2;
-    auto e = Engine::Create(o);
-    ASSERT_TRUE(e.ok());
-    std::string text;
-    for (int i = 0; i < 60; ++i) text += "The Lord said unto Moses. ";
-    CalibrateOptions co;
-    co.progress = false;
-    auto r = Calibrate(**e, (*e)->tokenizer().EncodePrompt(text), co, cal);
-    ASSERT_TRUE(r.ok()) << r.status().ToString();
-  }
-  for (const char* codec : {"pca4", "pca2"}) {
-    auto e = PcaEngine("f32", codec, 0, cal);
-    ASSERT_NE(e, nullptr);
-    std::vector<float> logits;
-    auto s = e->NewSession();
-    ASSERT_TRUE(
-        s->Eval(e->tokenizer().EncodePrompt("In the beginning God created the heaven"), &logits)
-            .ok());
-    for (float x : logits) ASSERT_TRUE(std::isfinite(x)) << codec;
-  }
-}
-
-TEST(CalibratedEngine, PcaKeysAreCloserToF32ThanQ4_0AtFewerBytes) {
-  const auto prompt = testing::LoadGolden().back().ids;
-  auto f32 = PcaEngine("f32", "f32");
-  std::vector<float> ref;
-  ASSERT_TRUE(f32->NewSession()->Eval(prompt, &ref, true).ok());
-  const int vocab = f32->config().vocab_size;
-  auto kl = [&](const std::string& k, const std::string& v, int64_t* bytes) {
-    auto e = PcaEngine(k, v);
-    std::vector<float> got;
-    EXPECT_TRUE(e->NewSession()->Eval(prompt, &got, true).ok());
-    *bytes = e->kv_stats().bytes_high_water;
-    return MeanKl(ref, got, vocab);
-  };
-  int64_t pca_bytes = 0, q4_bytes = 0;
-  const double pca = kl("pca4", "f16", &pca_bytes), q4 = kl("q4_0", "f16", &q4_bytes);
-  EXPECT_GT(pca, 0.0);
-  EXPECT_LT(pca, 0.7 * q4) << "pca4 keys " << pca << ", q4_0 keys " << q4;
-  EXPECT_LT(pca_bytes, q4_bytes);
-}
-
-TEST(CalibratedEngine, KvqKeysStoredBeforeRopeAttendAsDecoded) {
-  const auto prompt = testing::LoadGolden().back().ids;
-  // Sinks (f16 pages beside kvq ones) are read alike. (q4_0 keys are left out: their fused
-  // kernel quantizes the query, 8e-4 from the decoded rows by design.)
-  for (const auto& [k, v] : {std::pair{"kvq4", "kvq3"}, {"kvq2", "f16"}, {"rot4", "kvq4"}}) {
-    auto e = PcaEngine(k, v, /*sinks=*/4);
-    ASSERT_NE(e, nullptr);
-    auto s = e->NewSession();
-    ASSERT_TRUE(s->Eval(std::span(prompt).first(203), nullptr).ok());
-    SCOPED_TRACE(std::string(k) + ":" + v);
-    EXPECT_LT(testing::AttendVsDecoded(*e, EngineAccess::kv(*s), 5, 1, {150, 201, 202}), 1e-5);
-  }
-}
-
-TEST(CalibratedEngine, KvqKeysAreCloserToF32ThanQ4_0) {
-  // Keys turned back by the wrong angles would be noise: the KL would be far above q4_0's.
-  const auto prompt = testing::LoadGolden().back().ids;
-  auto f32 = PcaEngine("f32", "f32");
-  std::vector<float> ref;
-  ASSERT_TRUE(f32->NewSession()->Eval(prompt, &ref, true).ok());
-  auto kl = [&](const std::string& k) {
-    auto e = PcaEngine(k, "f16");
-    std::vector<float> got;
-    EXPECT_TRUE(e->NewSession()->Eval(prompt, &got, true).ok());
-    return MeanKl(ref, got, f32->config().vocab_size);
-  };
-  const double kvq = kl("kvq4"), q4 = kl("q4_0");
-  EXPECT_GT(kvq, 0.0);
-  EXPECT_LT(kvq, 0.6 * q4) << "kvq4 keys " << kvq << ", q4_0 keys " << q4;
-}
-
-TEST(CalibratedEngine, KvqKeysFollowTheirTokensToNewPositions) {
-  // Shift re-rotates kept keys: kvq decodes them at their old position and stores them back at
-  // the new one, so they stay what an f32 cache holds there (to the codec's error).
-  const auto prompt = testing::LoadGolden().back().ids;
-  auto kvq = PcaEngine("kvq4", "f16");
-  auto f32 = PcaEngine("f32", "f32");
-  auto a = kvq->NewSession(), b = f32->NewSession();
-  for (auto* s : {a.get(), b.get()}) {
-    ASSERT_TRUE(s->Eval(std::span(prompt).first(120), nullptr).ok());
-    ASSERT_TRUE(s->Shift(10, 50).ok());
-  }
-  for (int l : {0, 7}) {
-    std::vector<float> ka, va, kb, vb;
-    std::vector<int32_t> pa, pb;
-    EngineAccess::kv(*a).Gather(l, 0, &ka, &va, &pa);
-    EngineAccess::kv(*b).Gather(l, 0, &kb, &vb, &pb);
-    ASSERT_EQ(pa, pb);
-    ASSERT_EQ(pa[50], 50);
-    double num = 0, den = 0;
-    for (size_t i = 0; i < kb.size(); ++i) {
-      num += (ka[i] - kb[i]) * double(ka[i] - kb[i]);
-      den += double(kb[i]) * kb[i];
-    }
-    EXPECT_LT(std::sqrt(num / den), 0.15) << "layer " << l;
-  }
-}
-
-// keydiff keeping half the tokens, the evicted ones demoted into a cold pool of `codec`.
-press::PressOptions HalfDemotedInto(const std::string& codec) {
-  press::PressOptions p;
-  EXPECT_TRUE(press::ParsePressSpec("keydiff", &p).ok());
-  p.ratio = 0.5;
-  p.demote = codec;
-  return p;
-}
-
-// Saves a session holding the prompt, loads it back, and checks the two decode alike.
-void ExpectSavedCacheReloads(Engine& e, const std::vector<int32_t>& prompt,
-                             const std::string& path) {
-  auto s = e.NewSession();
-  ASSERT_TRUE(s->Eval(prompt, nullptr).ok());
-  ASSERT_TRUE(s->Save(path).ok());
-  auto loaded = e.LoadSession(path);
-  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
-  std::vector<float> a, b;
-  const std::vector<int32_t> next = {prompt[5], prompt[6]};
-  ASSERT_TRUE(s->Eval(next, &a).ok());
-  ASSERT_TRUE((*loaded)->Eval(next, &b).ok());
-  EXPECT_EQ(a, b);
-}
-
-TEST(CalibratedEngine, KvqCachesSaveLoadAndDemote) {
-  // A saved kvq cache holds keys before RoPE with their positions: loaded, it decodes alike.
-  const auto prompt = testing::LoadGolden().back().ids;
-  auto e = PcaEngine("kvq4", "kvq3", /*sinks=*/4);
-  ExpectSavedCacheReloads(*e, prompt, ::testing::TempDir() + "/kvq_cache.ckv");
-  // Evicted tokens demoted into kvq2 from an f16 cache: the cold pool turns its keys by RoPE too.
-  auto hot = PcaEngine("f16", "f16");
-  auto h = hot->NewSession();
-  const press::PressOptions p = HalfDemotedInto("kvq2");
-  ASSERT_TRUE(h->EvalPressed(std::span(prompt).first(200), p, nullptr).ok());
-  EXPECT_GT(hot->kv_stats().cold_bytes_used, 0);
-  std::vector<float> logits, ref;
-  ASSERT_TRUE(h->Eval(std::vector<int32_t>{prompt[200]}, &logits).ok());
-  // Against the same press demoting into f16 (the cold rows exact): close, not noise.
-  auto exact = PcaEngine("f16", "f16");
-  auto x = exact->NewSession();
-  ASSERT_TRUE(x->EvalPressed(std::span(prompt).first(200), HalfDemotedInto("f16"), nullptr).ok());
-  ASSERT_TRUE(x->Eval(std::vector<int32_t>{prompt[200]}, &ref).ok());
-  EXPECT_LT(MeanKl(ref, logits, hot->config().vocab_size), 0.1);  // 0.03; unturned keys: 0.33
-}
-
-TEST(CalibratedEngine, SavedCachesNeedTheirCalibration) {
-  const auto prompt = testing::LoadGolden().back().ids;
-  auto e = PcaEngine("pca4", "pca3");
-  const std::string path = ::testing::TempDir() + "/pca_cache.ckv";
-  ExpectSavedCacheReloads(*e, prompt, path);
-  auto info = ReadSavedCacheInfo(path);
-  ASSERT_TRUE(info.ok()) << info.status().ToString();
-  EXPECT_EQ(info->codec_k, "pca4");
-  EXPECT_EQ(info->calibration.size(), 16u);
-
-  // Another calibration (the same statistics, another model hash, so another file hash).
-  auto cal = codecs::LoadCalibration(KvtinyCalibration());
-  ASSERT_TRUE(cal.ok());
-  const std::string other = ::testing::TempDir() + "/other.kvcal";
-  cal->source = "other";
-  cal->heads[0].mean[0] += 1e-3f;
-  ASSERT_TRUE(codecs::SaveCalibration(*cal, other).ok());
-  auto e2 = PcaEngine("pca4", "pca3", 0, other);
-  ASSERT_NE(e2, nullptr);
-  auto refused = e2->LoadSession(path);
-  ASSERT_FALSE(refused.ok());
-  EXPECT_NE(refused.status().message().find("KV calibration (--kv-calibration) " +
-                                            info->calibration + " (this engine: "),
-            std::string::npos)
-      << refused.status().ToString();
-  std::filesystem::remove(other);
-}
-
-TEST(CalibratedEngine, MissingOrMismatchedCalibrationIsAClearError) {
-  EngineOptions o;
-  o.model_dir = testing::ModelDir();
-  o.kv_codec_k = "pca4";
-  auto e = Engine::Create(o);
-  ASSERT_FALSE(e.ok());
-  EXPECT_NE(e.status().message().find("--kv-calibration"), std::string::npos);
-
-  auto cal = codecs::LoadCalibration(KvtinyCalibration());
-  ASSERT_TRUE(cal.ok());
-  cal->model_hash ^= 1;
-  const std::string wrong = ::testing::TempDir() + "/wrong_model.kvcal";
-  ASSERT_TRUE(codecs::SaveCalibration(*cal, wrong).ok());
-  o.kv_calibration = wrong;
-  e = Engine::Create(o);
-  ASSERT_FALSE(e.ok());
-  EXPECT_NE(e.status().message().find("other weights"), std::string::npos);
-
-  o.kv_codec_k = "f16";
-  o.kv_codec_v = "kvq3";
-  o.kv_calibration.clear();
-  e = Engine::Create(o);
-  ASSERT_FALSE(e.ok());
-  EXPECT_NE(e.status().message().find("KV codec kvq3 needs a calibration of this model: "
-                                      "--kv-calibration FILE"),
-            std::string::npos)
-      << e.status().ToString();
-  o.kv_codec_k = o.kv_codec_v = "pca4";
-  EXPECT_FALSE(codecs::CheckDim(Codec::kKvq4, 20).ok());  // codes pack whole bytes: head_dim % 8
-
-  codecs::Calibration small = BuildSynthetic(32);
-  const std::string shape = ::testing::TempDir() + "/wrong_shape.kvcal";
-  ASSERT_TRUE(codecs::SaveCalibration(small, shape).ok());
-  o.kv_calibration = shape;
-  e = Engine::Create(o);
-  ASSERT_FALSE(e.ok());
-  EXPECT_NE(e.status().message().find("head_dim 32"), std::string::npos);
-  std::filesystem::remove(wrong);
-  std::filesystem::remove(shape);
-}
-
-TEST(CalibratedEngine, PressesDemoteIntoAPcaCodec) {
-  const auto prompt = testing::LoadGolden().back().ids;
-  auto e = PcaEngine("pca4", "pca4");
-  auto s = e->NewSession();
-  const press::PressOptions p = HalfDemotedInto("pca2");
-  std::vector<float> logits;
-  ASSERT_TRUE(s->EvalPressed(prompt, p, &logits).ok());
-  EXPECT_GT(e->kv_stats().cold_bytes_used, 0);
-  std::vector<float> next;
-  ASSERT_TRUE(s->Eval(std::vector<int32_t>{prompt[3]}, &next).ok());
-  for (float x : next) ASSERT_TRUE(std::isfinite(x));
-  // Demoting into a pca codec without a calibration is refused.
-  EngineOptions o;
-  o.model_dir = testing::ModelDir();
-  o.kv_codec_k = o.kv_codec_v = "q4_0";
-  auto plain = Engine::Create(o);
-  ASSERT_TRUE(plain.ok());
-  auto s2 = (*plain)->NewSession();
-  const Status st = s2->EvalPressed(prompt, p, &logits);
-  EXPECT_FALSE(st.ok());
-  EXPECT_NE(st.message().find("--kv-calibration"), std::string::npos);
-}
-
-TEST(CalibratedEngine, RecentWindowAndQuestCompose) {
-  const auto prompt = testing::LoadGolden().back().ids;
-  EngineOptions o;
-  o.model_dir = testing::ModelDir();
-  o.threads = 2;
-  o.kv_codec_k = "pca4";
-  o.kv_codec_v = "pca3";
-  o.kv_window = 32;  // staged pages: f16 until 32 newer tokens follow, then coded whole
-  o.kv_calibration = KvtinyCalibration();
-  auto e = Engine::Create(o);
-  ASSERT_TRUE(e.ok()) << e.status().ToString();
-  auto s = (*e)->NewSession();
-  press::PressOptions p;
-  ASSERT_TRUE(press::ParsePressSpec("quest", &p).ok());
-  p.ratio = 0.5;
-  std::vector<float> logits;
-  ASSERT_TRUE(s->EvalPressed(std::span(prompt).first(200), p, &logits).ok());
-  const PagedSequence& kv = EngineAccess::kv(*s);
-  EXPECT_LT(testing::AttendVsDecoded(**e, kv, 2, 0, {120, 199}), 1e-5);
-  ASSERT_TRUE(s->Eval(std::vector<int32_t>{prompt[200]}, &logits).ok());  // a Quest decode step
-  // Quest's bounds, built from the keys turned back out of the pca basis, bound the keys.
-  const int hd = (*e)->config().head_dim, pt = 16;
-  for (int l = 0; l < (*e)->config().n_layers; ++l) {
-    std::vector<float> k, v;
-    std::vector<int32_t> pos;
-    kv.Gather(l, 1, &k, &v, &pos);
-    const auto bounds = kv.key_bounds(l, 1);
-    ASSERT_GE(bounds.size(), size_t(2 * hd * 10)) << "layer " << l;
-    for (size_t page = 0; page < bounds.size() / (2 * hd); ++page) {
-      for (int r = 0; r < pt; ++r) {
-        for (int i = 0; i < hd; ++i) {
-          const float x = k[(page * pt + r) * hd + i];
-          ASSERT_LE(F16ToF32(bounds[page * 2 * hd + i]), x) << l << " " << page << " " << i;
-          ASSERT_GE(F16ToF32(bounds[page * 2 * hd + hd + i]), x) << l << " " << page << " " << i;
-        }
-      }
-    }
-  }
 }
 
 }  // namespace

@@ -72,6 +72,7 @@ double Bound(Codec c) {
     case Codec::kKvq4:
     case Codec::kKvq3:
     case Codec::kKvq2:
+    case Codec::kCq4:
       return 0;
   }
   return 0;

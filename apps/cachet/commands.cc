@@ -79,8 +79,8 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o, const char* default_codec) 
       ->default_val(default_codec);
   app.add_option("--kv-calibration", o.kv_calibration,
                  "The .kvcal file `cachet calibrate` made for this model: needed by the "
-                 "calibrated codecs (pca4, pca3, pca2, kvq4, kvq3, kvq2); stored caches coded with "
-                 "it are only read with it");
+                 "calibrated codecs (pca4, pca3, pca2, kvq4, kvq3, kvq2, cq4); stored caches coded "
+                 "with it are only read with it");
   app.add_option("--kv-sinks", o.kv_sinks,
                  "Keep the pages holding the first N tokens in f16 (attention sinks)")
       ->check(NonNegative());

@@ -159,7 +159,7 @@ struct RefRows final : kernels::PageRows {
       DecodeStoredRows(pool, table_, id, role, cnt, buf);
       for (int t = 0; t < cnt; ++t) {
         codecs::OutOfBasis(c, plan, buf + size_t(t) * hd, hd, true);
-        codecs::IntoBasis(basis, to, buf + size_t(t) * hd, hd, true);
+        codecs::IntoBasis(basis, to, buf + size_t(t) * hd, hd, codecs::BasisVec::kRow);
       }
       *type = DType::kF32;
       return buf;
@@ -178,6 +178,7 @@ struct RefRows final : kernels::PageRows {
         *type = DType::kQ8_0;
         return data;
       case codecs::Codec::kQ4_0:
+      case codecs::Codec::kCq4:  // q4_0 blocks in the basis the queries were turned into
         *type = DType::kQ4_0;
         return data;
       default:
@@ -242,7 +243,7 @@ void AttendRows(const kernels::AttnBatch& batch, const TablePages& hot, const Ta
       for (int h = 0; h < b.n_heads; ++h) {
         float* q = q_rot.data() + size_t(i) * q_dim + size_t(h) * hd;
         std::copy_n(batch.q + i * batch.q_stride + h * hd, hd, q);
-        codecs::IntoBasis(ck, plan_k, q, hd, false);
+        codecs::IntoBasis(ck, plan_k, q, hd, codecs::BasisVec::kQuery);
       }
     }
     b.q = q_rot.data();

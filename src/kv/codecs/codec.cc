@@ -27,7 +27,7 @@ constexpr Info kCodecs[] = {
     {Codec::kRot3, "rot3"},        {Codec::kRot2, "rot2"},   {Codec::kRot3Qjl, "rot3+qjl"},
     {Codec::kRot2Qjl, "rot2+qjl"}, {Codec::kPca4, "pca4"},   {Codec::kPca3, "pca3"},
     {Codec::kPca2, "pca2"},        {Codec::kKvq4, "kvq4"},   {Codec::kKvq3, "kvq3"},
-    {Codec::kKvq2, "kvq2"},
+    {Codec::kKvq2, "kvq2"},        {Codec::kCq4, "cq4"},
 };
 
 int KiviBits(Codec c) { return c == Codec::kKivi4 ? 4 : 2; }
@@ -119,6 +119,15 @@ void Fwht(float* x, int n) {
   for (int i = 0; i < n; ++i) x[i] *= s;
 }
 
+// cq4's factor of channel i: the square root of its calibrated standard deviation (floored: a
+// channel the calibration never saw move). Of the powers of the deviation 0, 0.25, 0.4, 0.5, 0.75,
+// 1 and 1.25, 0.5 gave the least KL (kvtiny's held-out windows, docs/BENCHMARKS.md): not dividing
+// leaves a block's range to its widest channels; dividing by the deviation itself gives every
+// channel an equal share, the narrow ones the queries hardly read included.
+float ChannelFactor(const HeadStats& h, int i) {
+  return std::sqrt(std::max(h.channel_std[i], 1e-6f));
+}
+
 const CalPlan& NeedPlan(Codec c, const CalPlan* plan) {
   if (plan == nullptr) {  // a call site that does not know its table: a bug, not bad input
     std::fprintf(stderr, "cachet: codec %s used without its calibration plan\n", CodecName(c));
@@ -146,6 +155,25 @@ void QuantizeMinMax(const float* x, int n, int stride, int bits, uint16_t* min_h
   }
 }
 
+// llama.cpp's block_q4_0 rows: per 32 values an f16 d = max / -8 (max: the value of largest
+// magnitude) and the nibbles x / d + 8, rounded.
+void EncodeQ4_0(const float* x, int dim, uint8_t* out) {
+  for (int b = 0; b < dim / kBlock; ++b, x += kBlock, out += 2 + kBlock / 2) {
+    float amax = 0, max = 0;
+    for (int i = 0; i < kBlock; ++i) {
+      if (std::fabs(x[i]) > amax) amax = std::fabs(x[i]), max = x[i];
+    }
+    const float d = max / -8.0f, id = d != 0 ? 1.0f / d : 0.0f;
+    const uint16_t dh = H(d);
+    std::memcpy(out, &dh, 2);
+    for (int j = 0; j < kBlock / 2; ++j) {
+      const int q0 = std::min(15, static_cast<int>(x[j] * id + 8.5f));
+      const int q1 = std::min(15, static_cast<int>(x[j + kBlock / 2] * id + 8.5f));
+      out[2 + j] = static_cast<uint8_t>(q0 | (q1 << 4));
+    }
+  }
+}
+
 // Per-token row layout of the row-wise codecs (everything but KIVI keys).
 // Rotation codecs: each row starts with its f16 scale (the least-squares fit of the levels).
 constexpr size_t kRotScaleBytes = 2;
@@ -162,6 +190,7 @@ size_t RowBytes(Codec c, int dim) {
     case Codec::kQ8_0:
       return size_t(dim / kBlock) * (2 + kBlock);
     case Codec::kQ4_0:
+    case Codec::kCq4:
       return size_t(dim / kBlock) * (2 + kBlock / 2);
     case Codec::kKivi4:
     case Codec::kKivi2:
@@ -219,21 +248,13 @@ void EncodeRow(Codec c, const CalPlan* plan, const float* x, int dim, uint8_t* o
       }
       return;
     case Codec::kQ4_0:
-      for (int b = 0; b < dim / kBlock; ++b, x += kBlock, out += 2 + kBlock / 2) {
-        float amax = 0, max = 0;
-        for (int i = 0; i < kBlock; ++i) {
-          if (std::fabs(x[i]) > amax) amax = std::fabs(x[i]), max = x[i];
-        }
-        const float d = max / -8.0f, id = d != 0 ? 1.0f / d : 0.0f;
-        const uint16_t dh = H(d);
-        std::memcpy(out, &dh, 2);
-        for (int j = 0; j < kBlock / 2; ++j) {
-          const int q0 = std::min(15, static_cast<int>(x[j] * id + 8.5f));
-          const int q1 = std::min(15, static_cast<int>(x[j + kBlock / 2] * id + 8.5f));
-          out[2 + j] = static_cast<uint8_t>(q0 | (q1 << 4));
-        }
-      }
-      return;
+      return EncodeQ4_0(x, dim, out);
+    case Codec::kCq4: {
+      float z[kMaxDim];
+      std::copy_n(x, dim, z);
+      IntoBasis(c, plan, z, dim, BasisVec::kRow);
+      return EncodeQ4_0(z, dim, out);
+    }
     case Codec::kKivi4:
     case Codec::kKivi2: {  // a value row: groups of 32 channels
       const int bits = KiviBits(c), groups = dim / kBlock;
@@ -332,6 +353,7 @@ void DecodeRowStored(Codec c, const CalPlan* plan, const uint8_t* in, int dim, f
       }
       return;
     case Codec::kQ4_0:
+    case Codec::kCq4:  // its scaled channels: the basis attention reads it in
       for (int b = 0; b < dim / kBlock; ++b, x += kBlock, in += 2 + kBlock / 2) {
         uint16_t dh;
         std::memcpy(&dh, in, 2);
@@ -442,7 +464,7 @@ Status CheckDim(Codec c, int dim) {
   if (dim <= 0 || dim > kMaxDim) {
     return InvalidArgument("head_dim " + std::to_string(dim) + " outside [1, 512]");
   }
-  const bool block = c == Codec::kQ8_0 || c == Codec::kQ4_0 || IsKivi(c);
+  const bool block = c == Codec::kQ8_0 || c == Codec::kQ4_0 || c == Codec::kCq4 || IsKivi(c);
   if (block && dim % kBlock != 0) {
     return InvalidArgument(std::string("codec ") + CodecName(c) +
                            " needs head_dim % 32 == 0, got " + std::to_string(dim));
@@ -482,26 +504,48 @@ bool IsRotated(Codec c) {
 
 bool IsPca(Codec c) { return c == Codec::kPca4 || c == Codec::kPca3 || c == Codec::kPca2; }
 bool IsKvq(Codec c) { return c == Codec::kKvq4 || c == Codec::kKvq3 || c == Codec::kKvq2; }
-bool IsCalibrated(Codec c) { return IsPca(c) || IsKvq(c); }
+bool IsCalibrated(Codec c) { return IsPca(c) || IsKvq(c) || c == Codec::kCq4; }
 int CalBits(Codec c) {
-  return c == Codec::kPca4 || c == Codec::kKvq4   ? 4
-         : c == Codec::kPca3 || c == Codec::kKvq3 ? 3
-                                                  : 2;
+  return c == Codec::kPca4 || c == Codec::kKvq4 || c == Codec::kCq4 ? 4
+         : c == Codec::kPca3 || c == Codec::kKvq3                   ? 3
+                                                                    : 2;
 }
 int KvqOutliers(int dim) { return std::max(1, dim / 64); }
 bool StoredBeforeRope(Codec c, Role role) { return IsKvq(c) && role == Role::kKey; }
 Basis BasisOf(Codec c) {
-  return IsRotated(c) ? Basis::kHadamard : IsPca(c) ? Basis::kPca : Basis::kPlain;
+  return IsRotated(c)       ? Basis::kHadamard
+         : IsPca(c)         ? Basis::kPca
+         : c == Codec::kCq4 ? Basis::kChannels
+                            : Basis::kPlain;
 }
 
-void IntoBasis(Codec c, const CalPlan* plan, float* x, int dim, bool centered) {
-  if (IsRotated(c)) return Rotate(x, dim);
-  if (!IsPca(c)) return;
-  ProjectOnAxes(*NeedPlan(c, plan).stats, x, dim, centered);
+void IntoBasis(Codec c, const CalPlan* plan, float* x, int dim, BasisVec what) {
+  const bool row = what == BasisVec::kRow;
+  switch (BasisOf(c)) {
+    case Basis::kPlain:
+      return;
+    case Basis::kHadamard:
+      return Rotate(x, dim);
+    case Basis::kPca:
+      return ProjectOnAxes(*NeedPlan(c, plan).stats, x, dim, row);
+    case Basis::kChannels: {
+      const HeadStats& h = *NeedPlan(c, plan).stats;
+      for (int i = 0; i < dim; ++i) {
+        const float f = ChannelFactor(h, i);
+        x[i] = row ? (x[i] - h.mean[i]) / f : x[i] * f;
+      }
+      return;
+    }
+  }
 }
 
 void OutOfBasis(Codec c, const CalPlan* plan, float* x, int dim, bool centered) {
   if (IsRotated(c)) return Unrotate(x, dim);
+  if (BasisOf(c) == Basis::kChannels) {
+    const HeadStats& h = *NeedPlan(c, plan).stats;
+    for (int i = 0; i < dim; ++i) x[i] = x[i] * ChannelFactor(h, i) + (centered ? h.mean[i] : 0.0f);
+    return;
+  }
   if (!IsPca(c)) return;
   const CalPlan& p = NeedPlan(c, plan);
   const HeadStats& h = *p.stats;

@@ -44,6 +44,10 @@ enum class Codec : uint8_t {
   kKvq4,
   kKvq3,
   kKvq2,
+  // Calibrated q4_0: each channel (keys after RoPE) less its calibrated mean, over the square
+  // root of its calibrated standard deviation, in llama.cpp's q4_0 blocks, which attention reads
+  // as it reads q4_0 (queries turned into that basis once: each channel times the same factor).
+  kCq4,
 };
 
 struct CalPlan;  // calibration.h: how a calibrated codec codes one (layer, KV head, role)
@@ -80,7 +84,7 @@ int KvqOutliers(int dim);
 // angles before EncodePage and forward after DecodePage / DecodeStored (RopeTable).
 bool StoredBeforeRope(Codec c, Role role);
 // The basis a codec stores rows in: attention scores rotated or projected queries against them.
-enum class Basis : uint8_t { kPlain, kHadamard, kPca };
+enum class Basis : uint8_t { kPlain, kHadamard, kPca, kChannels };
 Basis BasisOf(Codec c);
 // A KIVI key page starts with each channel's f16 (minimum, scale), this many bytes, then the
 // token-major packed codes (little-endian, 4 or 2 bits).
@@ -125,10 +129,13 @@ void AccumulateValues(Codec c, const uint8_t* page, int n, int tokens, int dim, 
 // The fixed randomized Hadamard transform: x <- H D x / sqrt(dim) (orthogonal), and its inverse.
 void Rotate(float* x, int dim);
 void Unrotate(float* x, int dim);
-// x into the basis codec c stores rows in, and back: the Hadamard rotation, or for pca codecs
-// the plan's axes, x - mean first when centered (rows; a query is not centered: q.mean is the
-// same for every key, so scores only shift).
-void IntoBasis(Codec c, const CalPlan* plan, float* x, int dim, bool centered);
+// x into the basis codec c stores rows in, and back: the Hadamard rotation, for pca codecs the
+// plan's axes, for cq4 the channels scaled; x - mean first for a row (a query is not centered:
+// q.mean is the same for every key, so scores only shift). cq4 divides a row's channels by its
+// factors and multiplies a query's by them, so that q.k keeps its value. Out of the basis,
+// centered adds the mean back (a row, or attention's output: its weights sum to 1).
+enum class BasisVec : uint8_t { kRow, kQuery };
+void IntoBasis(Codec c, const CalPlan* plan, float* x, int dim, BasisVec what);
 void OutOfBasis(Codec c, const CalPlan* plan, float* x, int dim, bool centered);
 
 }  // namespace cachet::codecs

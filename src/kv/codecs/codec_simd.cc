@@ -513,7 +513,7 @@ void DecodeRotRow(Codec c, const LevelLookup& level, const uint8_t* in, int dim,
 void DecodeStoredImpl(Codec c, Role role, const uint8_t* page, int n, int tokens, int dim,
                       float* rows, const CalPlan* plan, const RopeTable* rope,
                       const int32_t* positions) {
-  if (IsCalibrated(c)) return DecodeCalImpl(*plan, c, page, n, dim, rows, {rope, positions});
+  if (IsPca(c) || IsKvq(c)) return DecodeCalImpl(*plan, c, page, n, dim, rows, {rope, positions});
   const DF df;
   const int N = static_cast<int>(hn::Lanes(df));
   constexpr int kBlock = 32;
@@ -569,6 +569,7 @@ void DecodeStoredImpl(Codec c, Role role, const uint8_t* page, int n, int tokens
         }
         break;
       case Codec::kQ4_0:
+      case Codec::kCq4:  // in the basis it is stored in
         for (int b = 0; b < dim / kBlock; ++b) {
           const uint8_t* blk = in + b * (2 + kBlock / 2);
           uint16_t dh;
