@@ -106,6 +106,31 @@ TEST(CalibratedEngine, Cq4AttendsAsDecodedAndItsKeysBeatQ4_0s) {
   EXPECT_EQ(cq4_bytes, q4_bytes);
 }
 
+// Pages aged into a cold pool of another basis are turned into the hot pool's as they are read:
+// kvq2 pages beside cq4 ones (into the channels' basis), cq4 pages beside kvq4 ones (out of it).
+// Attention matches the decoded rows (cq4 keys hot: to the int8 kernel's query quantization).
+TEST(CalibratedEngine, Cq4BesideAColdPoolOfAnotherBasisAttendsAsDecoded) {
+  const auto prompt = testing::LoadGolden().back().ids;
+  for (const auto& [hot, cold, bound] : {std::tuple{"cq4", "kvq2", 3e-3}, {"kvq4", "cq4", 1e-5}}) {
+    EngineOptions o;
+    o.model_dir = testing::ModelDir();
+    o.threads = 2;
+    o.kv_codec_k = o.kv_codec_v = hot;
+    o.kv_cold = cold;
+    o.kv_cold_after = 64;
+    o.kv_calibration = KvtinyCalibration();
+    auto e = Engine::Create(o);
+    ASSERT_TRUE(e.ok()) << e.status().ToString();
+    auto s = (*e)->NewSession();
+    // Pages age between calls: the second chunk finds the first one's old pages moved.
+    ASSERT_TRUE(s->Eval(std::span(prompt).first(140), nullptr).ok());
+    ASSERT_TRUE(s->Eval(std::span(prompt).subspan(140, 63), nullptr).ok());
+    SCOPED_TRACE(std::string(hot) + " then " + cold);
+    EXPECT_GT(EngineAccess::kv(*s).cold_length(5, 1), 0);
+    EXPECT_LT(testing::AttendVsDecoded(**e, EngineAccess::kv(*s), 5, 1, {150, 201, 202}), bound);
+  }
+}
+
 TEST(CalibratedEngine, PcaKeysAreCloserToF32ThanQ4_0AtFewerBytes) {
   const auto prompt = testing::LoadGolden().back().ids;
   auto f32 = PcaEngine("f32", "f32");

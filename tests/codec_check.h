@@ -1,5 +1,6 @@
-// Checks shared by the codec tests (codec_engine_test.cc, calibration_test.cc): attention over a
-// sequence's encoded pages against attention over its decoded rows, and the KL between logits.
+// Checks shared by the codec tests (codec_engine_test.cc, calibrated_engine_test.cc): attention
+// over a sequence's encoded pages against attention over its decoded rows, and the KL between
+// logits.
 #pragma once
 
 #include <algorithm>
@@ -13,8 +14,8 @@
 namespace cachet::testing {
 
 // Relative L2 error of PagedSequence::Attend (the codes, read as attention reads them) against
-// the reference attention over the table's decoded rows (Gather), for a tile of query tokens at
-// qpos and a fixed pseudo-random query.
+// the reference attention over the tables' decoded rows (Gather, GatherCold), for a tile of query
+// tokens at qpos and a fixed pseudo-random query.
 inline double AttendVsDecoded(const Engine& e, const PagedSequence& kv, int layer, int kv_head,
                               const std::vector<int32_t>& qpos) {
   const int hd = e.config().head_dim, group = e.config().n_heads / e.config().n_kv_heads;
@@ -35,6 +36,12 @@ inline double AttendVsDecoded(const Engine& e, const PagedSequence& kv, int laye
   std::vector<float> k, v;
   std::vector<int32_t> pos;
   kv.Gather(layer, kv_head, &k, &v, &pos);
+  std::vector<float> ck, cv;  // a cold pool's rows too: attention reads them after the hot ones
+  std::vector<int32_t> cpos;
+  kv.GatherCold(layer, kv_head, &ck, &cv, &cpos);
+  k.insert(k.end(), ck.begin(), ck.end());
+  v.insert(v.end(), cv.begin(), cv.end());
+  pos.insert(pos.end(), cpos.begin(), cpos.end());
   b.out = want.data();
   kernels::ref::ContiguousAttention(b, k.data(), v.data(), pos.data(), static_cast<int>(pos.size()),
                                     hd);

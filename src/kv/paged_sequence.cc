@@ -453,6 +453,16 @@ void PagedSequence::Gather(int layer, int kv_head, std::vector<float>* k, std::v
               positions);
 }
 
+void PagedSequence::GatherCold(int layer, int kv_head, std::vector<float>* k, std::vector<float>* v,
+                               std::vector<int32_t>* positions) const {
+  const int ti = layer * pool_.layout().n_kv_heads + kv_head;
+  if (cold_tables_.empty() || cold_tables_[ti].n_tokens == 0) {
+    k->clear(), v->clear(), positions->clear();
+    return;
+  }
+  GatherTable(*cold_pool_, ti, cold_tables_[ti], k, v, positions);
+}
+
 const float* PagedSequence::RawKey(int layer, int kv_head, int row) const {
   const int pt = pool_.layout().page_tokens;
   const int32_t page = table(layer, kv_head).pages[row / pt];

@@ -66,6 +66,9 @@ class PagedSequence final : public KvSequence {
   // Decodes the cached K and V of (layer, kv_head) into f32 rows, with their positions.
   void Gather(int layer, int kv_head, std::vector<float>* k, std::vector<float>* v,
               std::vector<int32_t>* positions) const;
+  // The same of its cold table (--kv-cold, demoted tokens): empty without one.
+  void GatherCold(int layer, int kv_head, std::vector<float>* k, std::vector<float>* v,
+                  std::vector<int32_t>* positions) const;
 
   // Appends one full block of shared pages (one per (layer, KV head), in table order), taking a
   // reference on each. The sequence must hold whole blocks only, with equal per-head lengths.
