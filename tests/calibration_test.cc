@@ -102,6 +102,54 @@ TEST(Calibration, StatisticsAndBitsFollowTheVariance) {
   }
 }
 
+// Mean square error of n rows coded into a page and decoded.
+double RoundTripMse(Codec c, Role role, const codecs::CalPlan* plan, const std::vector<float>& rows,
+                    int n, int d) {
+  std::vector<uint8_t> page(codecs::PageBytes(c, role, n, d));
+  std::vector<float> back(rows.size());
+  codecs::EncodePage(c, role, rows.data(), n, n, d, page.data(), plan);
+  codecs::DecodePage(c, role, page.data(), n, n, d, back.data(), plan);
+  double e = 0;
+  for (size_t i = 0; i < rows.size(); ++i) e += (back[i] - rows[i]) * double(back[i] - rows[i]);
+  return e / double(rows.size());
+}
+
+// A calibrated codec's fused operations read the basis it stores rows in: a query turned into it
+// scores the page's rows less the plan's mean, the weighted sum of its rows turned back is the
+// weighted decoded rows, the SIMD decoder gives the scalar decoder's bits, and into and out of
+// the basis are inverses.
+void ExpectFusedOpsReadTheBasis(Codec c, Role role, const codecs::CalPlan* plan,
+                                const std::vector<float>& rows, int n, int d, double dot_tol) {
+  std::vector<uint8_t> page(codecs::PageBytes(c, role, n, d));
+  codecs::EncodePage(c, role, rows.data(), n, n, d, page.data(), plan);
+  std::vector<float> dec(rows.size()), stored(rows.size()), simd(rows.size());
+  codecs::DecodePage(c, role, page.data(), n, n, d, dec.data(), plan);
+  codecs::DecodeStored(c, role, page.data(), n, n, d, stored.data(), plan);
+  std::vector<float> q(d), qb(d), p(n), dots(n), acc(d, 0.0f), want(d, 0.0f);
+  for (int i = 0; i < d; ++i) q[i] = std::sin(0.9f * i);
+  qb = q;
+  codecs::IntoBasis(c, plan, qb.data(), d, codecs::BasisVec::kQuery);
+  codecs::DotKeys(c, page.data(), n, n, d, qb.data(), dots.data(), plan);
+  const std::vector<float>& mean = plan->stats->mean;
+  for (int t = 0; t < n; ++t) {
+    double s = 0;
+    for (int i = 0; i < d; ++i) s += q[i] * (dec[t * d + i] - mean[i]);
+    EXPECT_NEAR(dots[t], s, dot_tol * (1 + std::fabs(s)));
+    p[t] = 1.0f / n;
+  }
+  codecs::AccumulateValues(c, page.data(), n, n, d, p.data(), acc.data(), plan);
+  codecs::OutOfBasis(c, plan, acc.data(), d, true);
+  for (int t = 0; t < n; ++t)
+    for (int i = 0; i < d; ++i) want[i] += dec[t * d + i] / n;
+  for (int i = 0; i < d; ++i) EXPECT_NEAR(acc[i], want[i], 1e-4 * (1 + std::fabs(want[i])));
+  codecs::simd::DecodeStored(c, role, page.data(), n, n, d, simd.data(), plan);
+  EXPECT_EQ(simd, stored);
+  std::vector<float> y(rows.begin(), rows.begin() + d);
+  codecs::IntoBasis(c, plan, y.data(), d, codecs::BasisVec::kRow);
+  codecs::OutOfBasis(c, plan, y.data(), d, true);
+  for (int i = 0; i < d; ++i) EXPECT_NEAR(y[i], rows[i], 1e-4 * (1 + std::fabs(rows[i])));
+}
+
 TEST(Calibration, PcaCodecsBeatTheRandomRotationOnAnisotropicRows) {
   const int d = 64, n = 16;
   const codecs::Calibration c = BuildSynthetic(d);
@@ -109,50 +157,9 @@ TEST(Calibration, PcaCodecsBeatTheRandomRotationOnAnisotropicRows) {
   for (auto [pca, rot] : {std::pair{Codec::kPca4, Codec::kRot4}, {Codec::kPca3, Codec::kRot3}}) {
     SCOPED_TRACE(codecs::CodecName(pca));
     const codecs::CalPlan* plan = &c.plan(0, Role::kValue, pca);
-    auto mse = [&](Codec codec, const codecs::CalPlan* pl) {
-      std::vector<uint8_t> page(codecs::PageBytes(codec, Role::kValue, n, d));
-      std::vector<float> back(rows.size());
-      codecs::EncodePage(codec, Role::kValue, rows.data(), n, n, d, page.data(), pl);
-      codecs::DecodePage(codec, Role::kValue, page.data(), n, n, d, back.data(), pl);
-      double e = 0;
-      for (size_t i = 0; i < rows.size(); ++i) e += (back[i] - rows[i]) * double(back[i] - rows[i]);
-      return e / double(rows.size());
-    };
-    EXPECT_LT(mse(pca, plan), 0.25 * mse(rot, nullptr));
-
-    // The fused operations read the stored basis: q in the basis scores the centered rows, and
-    // the accumulated coordinates turned back give the weighted rows.
-    std::vector<uint8_t> page(codecs::PageBytes(pca, Role::kValue, n, d));
-    codecs::EncodePage(pca, Role::kValue, rows.data(), n, n, d, page.data(), plan);
-    std::vector<float> dec(rows.size()), stored(rows.size());
-    codecs::DecodePage(pca, Role::kValue, page.data(), n, n, d, dec.data(), plan);
-    codecs::DecodeStored(pca, Role::kValue, page.data(), n, n, d, stored.data(), plan);
-    std::vector<float> q(d), qb(d), p(n), dots(n), acc(d, 0.0f), want(d, 0.0f);
-    for (int i = 0; i < d; ++i) q[i] = std::sin(0.9f * i);
-    qb = q;
-    codecs::IntoBasis(pca, plan, qb.data(), d, codecs::BasisVec::kQuery);
-    codecs::DotKeys(pca, page.data(), n, n, d, qb.data(), dots.data(), plan);
-    const codecs::HeadStats& h = c.head(0, Role::kValue);
-    for (int t = 0; t < n; ++t) {
-      double s = 0;
-      for (int i = 0; i < d; ++i) s += q[i] * (dec[t * d + i] - h.mean[i]);
-      EXPECT_NEAR(dots[t], s, 1e-3 * (1 + std::fabs(s)));
-      p[t] = 1.0f / n;
-    }
-    codecs::AccumulateValues(pca, page.data(), n, n, d, p.data(), acc.data(), plan);
-    codecs::OutOfBasis(pca, plan, acc.data(), d, true);
-    for (int t = 0; t < n; ++t)
-      for (int i = 0; i < d; ++i) want[i] += dec[t * d + i] / n;
-    for (int i = 0; i < d; ++i) EXPECT_NEAR(acc[i], want[i], 1e-4 * (1 + std::fabs(want[i])));
-    // The SIMD decoder (gathers) gives the reference's bits.
-    std::vector<float> simd(rows.size());
-    codecs::simd::DecodeStored(pca, Role::kValue, page.data(), n, n, d, simd.data(), plan);
-    EXPECT_EQ(simd, stored);
-    // Into and out of the basis are inverses.
-    std::vector<float> x(rows.begin(), rows.begin() + d), y = x;
-    codecs::IntoBasis(pca, plan, y.data(), d, codecs::BasisVec::kRow);
-    codecs::OutOfBasis(pca, plan, y.data(), d, true);
-    for (int i = 0; i < d; ++i) EXPECT_NEAR(y[i], x[i], 1e-4);
+    EXPECT_LT(RoundTripMse(pca, Role::kValue, plan, rows, n, d),
+              0.25 * RoundTripMse(rot, Role::kValue, nullptr, rows, n, d));
+    ExpectFusedOpsReadTheBasis(pca, Role::kValue, plan, rows, n, d, 1e-3);
   }
 }
 
@@ -183,42 +190,9 @@ TEST(Calibration, Cq4IsQ4_0OfTheCenteredScaledChannels) {
     codecs::IntoBasis(cq4, plan, unit.data(), d, codecs::BasisVec::kQuery);
     EXPECT_NEAR(unit[i], std::sqrt(h.channel_std[i]), 1e-6);
   }
-  auto mse = [&](Codec codec, const codecs::CalPlan* pl, std::vector<float>* back) {
-    std::vector<uint8_t> pg(codecs::PageBytes(codec, Role::kKey, n, d));
-    back->resize(rows.size());
-    codecs::EncodePage(codec, Role::kKey, rows.data(), n, n, d, pg.data(), pl);
-    codecs::DecodePage(codec, Role::kKey, pg.data(), n, n, d, back->data(), pl);
-    double e = 0;
-    for (size_t i = 0; i < rows.size(); ++i)
-      e += ((*back)[i] - rows[i]) * double((*back)[i] - rows[i]);
-    return e / double(rows.size());
-  };
-  std::vector<float> dec, plain;
-  EXPECT_LT(mse(cq4, plan, &dec), 0.5 * mse(Codec::kQ4_0, nullptr, &plain));
-  std::vector<float> q(d), qb(d), p(n), dots(n), acc(d, 0.0f), want(d, 0.0f);
-  for (int i = 0; i < d; ++i) q[i] = std::sin(0.9f * i);
-  qb = q;
-  codecs::IntoBasis(cq4, plan, qb.data(), d, codecs::BasisVec::kQuery);
-  codecs::DotKeys(cq4, page.data(), n, n, d, qb.data(), dots.data(), plan);
-  for (int t = 0; t < n; ++t) {
-    double s = 0;
-    for (int i = 0; i < d; ++i) s += q[i] * (dec[t * d + i] - h.mean[i]);
-    EXPECT_NEAR(dots[t], s, 1e-4 * (1 + std::fabs(s)));
-    p[t] = 1.0f / n;
-  }
-  codecs::AccumulateValues(cq4, page.data(), n, n, d, p.data(), acc.data(), plan);
-  codecs::OutOfBasis(cq4, plan, acc.data(), d, true);
-  for (int t = 0; t < n; ++t)
-    for (int i = 0; i < d; ++i) want[i] += dec[t * d + i] / n;
-  for (int i = 0; i < d; ++i) EXPECT_NEAR(acc[i], want[i], 1e-4 * (1 + std::fabs(want[i])));
-  std::vector<float> stored(rows.size()), simd(rows.size());
-  codecs::DecodeStored(cq4, Role::kKey, page.data(), n, n, d, stored.data(), plan);
-  codecs::simd::DecodeStored(cq4, Role::kKey, page.data(), n, n, d, simd.data(), plan);
-  EXPECT_EQ(simd, stored);
-  std::vector<float> y(rows.begin(), rows.begin() + d);
-  codecs::IntoBasis(cq4, plan, y.data(), d, codecs::BasisVec::kRow);
-  codecs::OutOfBasis(cq4, plan, y.data(), d, true);
-  for (int i = 0; i < d; ++i) EXPECT_NEAR(y[i], rows[i], 1e-5 * (1 + std::fabs(rows[i])));
+  EXPECT_LT(RoundTripMse(cq4, Role::kKey, plan, rows, n, d),
+            0.5 * RoundTripMse(Codec::kQ4_0, Role::kKey, nullptr, rows, n, d));
+  ExpectFusedOpsReadTheBasis(cq4, Role::kKey, plan, rows, n, d, 1e-4);
 }
 
 TEST(Calibration, SimdDecodingMatchesTheReferenceOnAwkwardShapes) {
