@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "cachet/engine.h"
 
@@ -49,6 +50,17 @@ void AddCache(CLI::App& app);      // cache.cc
 nlohmann::json AgentsBench(const EngineOptions& base, int ctx, int n, int n_decode,
                            const std::optional<press::PressOptions>& press);
 void PrintAgents(const nlohmann::json& out);
+// The median and range of a measurement's reps.
+struct Summary {
+  double median = 0, min = 0, max = 0;
+};
+Summary Summarize(std::vector<double> v);
+// bench --prefix-hit, --serve-capacity, --tier-ttft (bench_scenarios.cc), as JSON.
+nlohmann::json PrefixHitBench(Engine& engine, const std::vector<int32_t>& tokens,
+                              const std::vector<double>& fractions, int reps);
+nlohmann::json ServeCapacityBench(EngineOptions eo, int ctx, int n, int n_decode, int batch_tokens,
+                                  const std::optional<press::PressOptions>& press);
+nlohmann::json TierTtftBench(const EngineOptions& eo, int ctx, int reps);
 
 // The KV layout options a saved cache needs (codecs, page size, sinks, window), where cmd's
 // flags did not set them.
