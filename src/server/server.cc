@@ -187,7 +187,12 @@ struct Server::Impl {
     live.erase(ex);
   }
 
+  // The endpoints (Routes), each registered with On.
   void Routes();
+  void On(std::string_view method, const std::string& path, httplib::Server::Handler handler);
+  void Handle(std::string_view method, const std::string& path, httplib::Server::Handler handler);
+  void RefuseOtherMethods();
+  std::vector<std::pair<std::string, std::string>> methods_of;  // path, "GET, POST": On's record
   void CreateCache(const httplib::Request& req, httplib::Response& res);
   void Generate(const httplib::Request& req, httplib::Response& res, Endpoint endpoint);
   // client_fd: the connection's socket, watched so that a client that leaves cancels the request
@@ -480,119 +485,54 @@ std::optional<ApiError> ReadBody(const httplib::Request& req, const httplib::Con
   return std::nullopt;
 }
 
-void Server::Impl::Routes() {
-  // Every route registered with its methods recorded: a known path asked with another method is
-  // then a 405 naming the ones it takes (not "no such endpoint"). POST handlers see the body
-  // ReadBody read; those that need one refuse an empty one.
-  auto add = [this](std::string_view method, const std::string& path,
-                    httplib::Server::Handler handler) {
-    if (method == "GET") http.Get(path, std::move(handler));
-    if (method == "DELETE") http.Delete(path, std::move(handler));
-    if (method == "OPTIONS") http.Options(path, std::move(handler));
-    if (method != "POST" && method != "PUT" && method != "PATCH") return;
-    const bool needs_body = method == "POST" && path != "/v1/cache/reset";
-    httplib::Server::HandlerWithContentReader with_body =
-        [this, handler = std::move(handler), needs_body](const httplib::Request& req,
-                                                         httplib::Response& res,
-                                                         const httplib::ContentReader& read) {
-          std::string body;
-          std::optional<ApiError> e = ReadBody(req, read, opt.max_body_bytes, &body);
-          if (!e && needs_body && body.empty()) {
-            e = ApiError{};
-            e->message = "a POST needs a JSON body; this one came without";
-          }
-          if (e) {  // httplib closes the connection when the request asks it to
-            auto& headers = const_cast<httplib::Headers&>(req.headers);
-            headers.erase("Connection");
-            headers.emplace("Connection", "close");
-            return SendError(res, *e);
-          }
-          const_cast<std::string&>(req.body) = std::move(body);
-          handler(req, res);
-        };
-    if (method == "POST") http.Post(path, std::move(with_body));
-    if (method == "PUT") http.Put(path, std::move(with_body));
-    if (method == "PATCH") http.Patch(path, std::move(with_body));
-  };
-  std::vector<std::pair<std::string, std::string>> methods_of;  // path, "GET, POST"
-  auto on = [&](const char* method, const char* path, httplib::Server::Handler handler) {
-    add(method, path, std::move(handler));
-    auto it = std::find_if(methods_of.begin(), methods_of.end(),
-                           [&](const auto& m) { return m.first == path; });
-    if (it == methods_of.end()) {
-      methods_of.emplace_back(path, method);
-    } else {
-      it->second += std::string(", ") + method;
-    }
-  };
-  on("POST", "/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    Generate(req, res, Endpoint::kCompletions);
-  });
-  on("POST", "/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    Generate(req, res, Endpoint::kChat);
-  });
-  on("GET", "/v1/models", [this](const httplib::Request&, httplib::Response& res) {
-    res.set_content(ModelsJson(model.name, started, model.n_ctx), kJson);
-  });
-  on("GET", R"(/v1/models/(.+))", [this](const httplib::Request& req, httplib::Response& res) {
-    const std::string id = req.matches[1];
-    if (id != model.name) {
-      return SendError(res, NotFound("model: the model '" + id +
-                                     "' does not exist; this server serves '" + model.name + "'"));
-    }
-    res.set_content(ModelJson(model.name, started, model.n_ctx), kJson);
-  });
-  on("GET", "/health", [this](const httplib::Request&, httplib::Response& res) {
-    if (stopping) {
-      res.status = 503;
-      res.set_content(R"({"status":"stopping"})", kJson);
-      return;
-    }
-    res.set_content(R"({"status":"ok"})", kJson);
-  });
-  on("GET", "/metrics", [this](const httplib::Request&, httplib::Response& res) {
-    res.set_content(MetricsText(runtime.Metrics(), runtime.kv_stats(), model.name),
-                    std::string(kMetricsContentType));
-  });
-  on("POST", "/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
-    Result<TokenizeRequest> r = ParseTokenizeRequest(req.body);
-    if (!r.ok()) return SendError(res, r.status());
-    const Tokenizer& tok = *model.tokenizer;
-    std::vector<int32_t> ids;
-    if (r->add_special && tok.add_bos() && tok.bos_id() >= 0) ids.push_back(tok.bos_id());
-    const std::vector<int32_t> text = tok.Encode(r->content, r->parse_special);
-    ids.insert(ids.end(), text.begin(), text.end());
-    res.set_content(TokenizeJson(ids, r->with_pieces, token_text()), kJson);
-  });
-  on("POST", "/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
-    Result<std::vector<int32_t>> ids = ParseDetokenizeRequest(req.body, model.vocab_size);
-    if (!ids.ok()) return SendError(res, ids.status());
-    res.set_content(DetokenizeJson(model.tokenizer->Decode(ids.value())), kJson);
-  });
-  on("POST", "/v1/caches",
-     [this](const httplib::Request& req, httplib::Response& res) { CreateCache(req, res); });
-  // Tenants name their salt as a query parameter: another salt's caches are not there for them.
-  on("GET", "/v1/caches", [this](const httplib::Request& req, httplib::Response& res) {
-    res.set_content(CacheListJson(runtime.ListCaches(req.get_param_value("cache_salt"))), kJson);
-  });
-  on("GET", R"(/v1/caches/([^/]+))", [this](const httplib::Request& req, httplib::Response& res) {
-    Result<KvCacheInfo> c = runtime.FindCache(req.matches[1], req.get_param_value("cache_salt"));
-    if (!c.ok()) return SendError(res, c.status());
-    res.set_content(CacheJson(*c), kJson);
-  });
-  on("DELETE", R"(/v1/caches/([^/]+))",
-     [this](const httplib::Request& req, httplib::Response& res) {
-       const std::string id = req.matches[1];
-       if (Status s = runtime.DeleteCache(id, req.get_param_value("cache_salt")); !s.ok()) {
-         return SendError(res, s);
-       }
-       res.set_content(CacheDeletedJson(id), kJson);
-     });
-  on("POST", "/v1/cache/reset", [this](const httplib::Request&, httplib::Response& res) {
-    runtime.ClearPrefixCache();
-    res.set_content(R"({"status":"ok"})", kJson);
-  });
-  // Registered last, so the routes above take their own methods first.
+// A route, its method recorded for RefuseOtherMethods.
+void Server::Impl::On(std::string_view method, const std::string& path,
+                      httplib::Server::Handler handler) {
+  Handle(method, path, std::move(handler));
+  auto it = std::find_if(methods_of.begin(), methods_of.end(),
+                         [&](const auto& m) { return m.first == path; });
+  if (it == methods_of.end()) {
+    methods_of.emplace_back(path, method);
+  } else {
+    it->second += ", " + std::string(method);
+  }
+}
+
+// One method of a path: POST, PUT and PATCH handlers see the body ReadBody read (a POST that
+// needs one refuses an empty one).
+void Server::Impl::Handle(std::string_view method, const std::string& path,
+                          httplib::Server::Handler handler) {
+  if (method == "GET") http.Get(path, std::move(handler));
+  if (method == "DELETE") http.Delete(path, std::move(handler));
+  if (method == "OPTIONS") http.Options(path, std::move(handler));
+  if (method != "POST" && method != "PUT" && method != "PATCH") return;
+  const bool needs_body = method == "POST" && path != "/v1/cache/reset";
+  httplib::Server::HandlerWithContentReader with_body =
+      [this, handler = std::move(handler), needs_body](
+          const httplib::Request& req, httplib::Response& res, const httplib::ContentReader& read) {
+        std::string body;
+        std::optional<ApiError> e = ReadBody(req, read, opt.max_body_bytes, &body);
+        if (!e && needs_body && body.empty()) {
+          e = ApiError{};
+          e->message = "a POST needs a JSON body; this one came without";
+        }
+        if (e) {  // httplib closes the connection when the request asks it to
+          auto& headers = const_cast<httplib::Headers&>(req.headers);
+          headers.erase("Connection");
+          headers.emplace("Connection", "close");
+          return SendError(res, *e);
+        }
+        const_cast<std::string&>(req.body) = std::move(body);
+        handler(req, res);
+      };
+  if (method == "POST") http.Post(path, std::move(with_body));
+  if (method == "PUT") http.Put(path, std::move(with_body));
+  if (method == "PATCH") http.Patch(path, std::move(with_body));
+}
+
+// A known path asked with a method it does not take is a 405 naming the ones it takes (not "no
+// such endpoint"). Registered after the routes, so that they take their own methods first.
+void Server::Impl::RefuseOtherMethods() {
   for (const auto& [path, methods] : methods_of) {
     auto refuse = [this, methods](const httplib::Request& req, httplib::Response& res) {
       ApiError e;
@@ -602,9 +542,80 @@ void Server::Impl::Routes() {
       SendError(res, e);
     };
     for (const char* method : {"GET", "POST", "DELETE", "PUT", "PATCH", "OPTIONS"}) {
-      if (methods.find(method) == std::string::npos) add(method, path, refuse);
+      if (methods.find(method) == std::string::npos) Handle(method, path, refuse);
     }
   }
+}
+
+void Server::Impl::Routes() {
+  On("POST", "/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    Generate(req, res, Endpoint::kCompletions);
+  });
+  On("POST", "/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    Generate(req, res, Endpoint::kChat);
+  });
+  On("GET", "/v1/models", [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(ModelsJson(model.name, started, model.n_ctx), kJson);
+  });
+  On("GET", R"(/v1/models/(.+))", [this](const httplib::Request& req, httplib::Response& res) {
+    const std::string id = req.matches[1];
+    if (id != model.name) {
+      return SendError(res, NotFound("model: the model '" + id +
+                                     "' does not exist; this server serves '" + model.name + "'"));
+    }
+    res.set_content(ModelJson(model.name, started, model.n_ctx), kJson);
+  });
+  On("GET", "/health", [this](const httplib::Request&, httplib::Response& res) {
+    if (stopping) {
+      res.status = 503;
+      res.set_content(R"({"status":"stopping"})", kJson);
+      return;
+    }
+    res.set_content(R"({"status":"ok"})", kJson);
+  });
+  On("GET", "/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    res.set_content(MetricsText(runtime.Metrics(), runtime.kv_stats(), model.name),
+                    std::string(kMetricsContentType));
+  });
+  On("POST", "/tokenize", [this](const httplib::Request& req, httplib::Response& res) {
+    Result<TokenizeRequest> r = ParseTokenizeRequest(req.body);
+    if (!r.ok()) return SendError(res, r.status());
+    const Tokenizer& tok = *model.tokenizer;
+    std::vector<int32_t> ids;
+    if (r->add_special && tok.add_bos() && tok.bos_id() >= 0) ids.push_back(tok.bos_id());
+    const std::vector<int32_t> text = tok.Encode(r->content, r->parse_special);
+    ids.insert(ids.end(), text.begin(), text.end());
+    res.set_content(TokenizeJson(ids, r->with_pieces, token_text()), kJson);
+  });
+  On("POST", "/detokenize", [this](const httplib::Request& req, httplib::Response& res) {
+    Result<std::vector<int32_t>> ids = ParseDetokenizeRequest(req.body, model.vocab_size);
+    if (!ids.ok()) return SendError(res, ids.status());
+    res.set_content(DetokenizeJson(model.tokenizer->Decode(ids.value())), kJson);
+  });
+  On("POST", "/v1/caches",
+     [this](const httplib::Request& req, httplib::Response& res) { CreateCache(req, res); });
+  // Tenants name their salt as a query parameter: another salt's caches are not there for them.
+  On("GET", "/v1/caches", [this](const httplib::Request& req, httplib::Response& res) {
+    res.set_content(CacheListJson(runtime.ListCaches(req.get_param_value("cache_salt"))), kJson);
+  });
+  On("GET", R"(/v1/caches/([^/]+))", [this](const httplib::Request& req, httplib::Response& res) {
+    Result<KvCacheInfo> c = runtime.FindCache(req.matches[1], req.get_param_value("cache_salt"));
+    if (!c.ok()) return SendError(res, c.status());
+    res.set_content(CacheJson(*c), kJson);
+  });
+  On("DELETE", R"(/v1/caches/([^/]+))",
+     [this](const httplib::Request& req, httplib::Response& res) {
+       const std::string id = req.matches[1];
+       if (Status s = runtime.DeleteCache(id, req.get_param_value("cache_salt")); !s.ok()) {
+         return SendError(res, s);
+       }
+       res.set_content(CacheDeletedJson(id), kJson);
+     });
+  On("POST", "/v1/cache/reset", [this](const httplib::Request&, httplib::Response& res) {
+    runtime.ClearPrefixCache();
+    res.set_content(R"({"status":"ok"})", kJson);
+  });
+  RefuseOtherMethods();
 }
 
 Server::Server(Runtime& runtime, ServerOptions options)
