@@ -1,14 +1,19 @@
-// What the task sweeps share (harness.cc, reuse_sweep.cc): timing, greedy answers, and the
-// multidoc cell, whose configurations are ways of reusing chunks rather than presses.
+// What the sweeps share (harness.cc: the task sweep, kl_sweep.cc: the KL sweep, reuse_sweep.cc):
+// timing, the methods sorted and their engines, greedy answers, and the multidoc cell, whose
+// configurations are ways of reusing chunks rather than presses.
 #pragma once
 
 #include <chrono>
 #include <fstream>
+#include <map>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "cachet/engine.h"
 #include "cachet/eval/harness.h"
+#include "cachet/eval/method.h"
 #include "cachet/progress.h"
 #include "cachet/tokenizer.h"
 
@@ -22,6 +27,29 @@ using Clock = std::chrono::steady_clock;
 double SecondsSince(Clock::time_point t0);
 std::string DepthName(double depth);
 std::string Strip(std::string_view s);
+
+// Splits methods into the runnable ones and rows for those the build cannot run.
+struct MethodSet {
+  std::vector<Method> runnable;
+  std::vector<std::pair<Method, std::string>> unavailable;
+};
+Result<MethodSet> SortMethods(const std::vector<Method>& methods);
+// Bits per value a method's K/V codecs store, metadata included (a full page).
+double StoredBitsPerValue(const Method& m, const Engine& engine);
+ResultRow UnavailableRow(ResultRow base, const Method& m, const std::string& reason);
+
+// A codec is a property of an engine's pool (pages are encoded as they are written), so each K/V
+// codec pair runs on its own engine, built once from the base engine's options.
+using EngineCache = std::map<std::string, std::unique_ptr<Engine>>;
+Result<Engine*> EngineFor(Engine& base, const Method& m, EngineCache& cache);
+// The distinct codec pairs of the methods, in first-seen order.
+std::vector<Method> CodecGroups(const std::vector<Method>& methods);
+bool SameCodecs(const Method& a, const Method& b);
+// The KV pools' high water over the base engine and the codec pairs' engines.
+int64_t PoolHighWater(Engine& base, const EngineCache& engines);
+// Makes the prefill gather attention weights when a configuration forked from it needs them.
+void ObserveIfNeeded(const std::vector<Method>& methods, const Method& group, int32_t end,
+                     Session& prefilled);
 
 // What greedy decoding needs beyond the session: which tokens end an answer.
 struct Decoder {
