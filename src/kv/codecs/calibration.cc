@@ -236,6 +236,10 @@ void MakePlans(Calibration* c) {
             // (after the row's f16 scale)
             LayOut(d, bits, sigma.data(), h.weight.data(), h.distortion.data(), h.levels.data(), 2,
                    /*prefer_uniform=*/false, &p);
+            p.channel_factor.resize(d);
+            for (int i = 0; i < d; ++i) {
+              p.channel_factor[i] = std::sqrt(std::max(h.channel_std[i], 1e-6f));
+            }
           } else {
             LayOut(d, bits, h.ch_scale.data(), h.ch_weight.data(), h.ch_distortion.data(),
                    h.ch_levels.data(), KvqCodesOffset(d), /*prefer_uniform=*/true, &p);

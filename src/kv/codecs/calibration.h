@@ -78,6 +78,13 @@ struct CalPlan {
   // Midpoints of the pooled levels the codes index, laid out as they are (width b's 1 << b levels
   // at (1 << b) - 2: their midpoints from there): the encoder's thresholds.
   std::vector<float> mids;
+  // cq4 (which reads the pca plans' statistics): [dim] each channel's factor, the square root of
+  // its calibrated standard deviation (floored: a channel the calibration never saw move). Of the
+  // powers of the deviation 0, 0.25, 0.4, 0.5, 0.75, 1 and 1.25, 0.5 gave the least KL (kvtiny's
+  // held-out windows, docs/BENCHMARKS.md): not dividing leaves a block's range to its widest
+  // channels; dividing by the deviation itself gives every channel an equal share, the narrow
+  // ones the queries hardly read included.
+  std::vector<float> channel_factor;
 };
 
 // The plans of each calibrated codec kind, in Calibration::plans.

@@ -119,15 +119,6 @@ void Fwht(float* x, int n) {
   for (int i = 0; i < n; ++i) x[i] *= s;
 }
 
-// cq4's factor of channel i: the square root of its calibrated standard deviation (floored: a
-// channel the calibration never saw move). Of the powers of the deviation 0, 0.25, 0.4, 0.5, 0.75,
-// 1 and 1.25, 0.5 gave the least KL (kvtiny's held-out windows, docs/BENCHMARKS.md): not dividing
-// leaves a block's range to its widest channels; dividing by the deviation itself gives every
-// channel an equal share, the narrow ones the queries hardly read included.
-float ChannelFactor(const HeadStats& h, int i) {
-  return std::sqrt(std::max(h.channel_std[i], 1e-6f));
-}
-
 const CalPlan& NeedPlan(Codec c, const CalPlan* plan) {
   if (plan == nullptr) {  // a call site that does not know its table: a bug, not bad input
     std::fprintf(stderr, "cachet: codec %s used without its calibration plan\n", CodecName(c));
@@ -529,11 +520,9 @@ void IntoBasis(Codec c, const CalPlan* plan, float* x, int dim, BasisVec what) {
     case Basis::kPca:
       return ProjectOnAxes(*NeedPlan(c, plan).stats, x, dim, row);
     case Basis::kChannels: {
-      const HeadStats& h = *NeedPlan(c, plan).stats;
-      for (int i = 0; i < dim; ++i) {
-        const float f = ChannelFactor(h, i);
-        x[i] = row ? (x[i] - h.mean[i]) / f : x[i] * f;
-      }
+      const CalPlan& p = NeedPlan(c, plan);
+      const float *mean = p.stats->mean.data(), *f = p.channel_factor.data();
+      for (int i = 0; i < dim; ++i) x[i] = row ? (x[i] - mean[i]) / f[i] : x[i] * f[i];
       return;
     }
   }
@@ -542,8 +531,9 @@ void IntoBasis(Codec c, const CalPlan* plan, float* x, int dim, BasisVec what) {
 void OutOfBasis(Codec c, const CalPlan* plan, float* x, int dim, bool centered) {
   if (IsRotated(c)) return Unrotate(x, dim);
   if (BasisOf(c) == Basis::kChannels) {
-    const HeadStats& h = *NeedPlan(c, plan).stats;
-    for (int i = 0; i < dim; ++i) x[i] = x[i] * ChannelFactor(h, i) + (centered ? h.mean[i] : 0.0f);
+    const CalPlan& p = NeedPlan(c, plan);
+    const float *mean = p.stats->mean.data(), *f = p.channel_factor.data();
+    for (int i = 0; i < dim; ++i) x[i] = x[i] * f[i] + (centered ? mean[i] : 0.0f);
     return;
   }
   if (!IsPca(c)) return;
