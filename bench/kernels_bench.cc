@@ -5,7 +5,8 @@
 // Build and run: cmake --build build --target kernels_bench && build/kernels_bench [max_threads
 // [attention|codecs|matmul|quant [CODEC]|calibrated FILE.kvcal]] (default: all hardware threads,
 // every section but `calibrated`; `codecs` is the codec part of `attention`, CODEC one of its
-// names; `calibrated` times the kvq / pca page decoders on a model's calibration).
+// names or a K:V pair, NO_F16=1 for it alone; `calibrated` times the kvq / pca page decoders on a
+// model's calibration).
 // Times are the best per-call time over many short batches, which filters out most interference
 // from other load on the machine.
 #include <algorithm>
@@ -274,6 +275,8 @@ void BenchCodecAttention(std::mt19937& rng, int heads, const std::string& only_c
   std::vector<std::string> names = {"f32",   "f16",  "q8_0", "q4_0",       "int8",
                                     "kivi4", "rot4", "rot3", "kivi4:q4_0", "q4_0:rot3"};
   if (!only_codec.empty()) names = {"f16", only_codec};
+  // NO_F16=1 with a CODEC: that codec alone (a profile of it alone; no ratio printed).
+  if (!only_codec.empty() && std::getenv("NO_F16") != nullptr) names = {only_codec};
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::vector<std::unique_ptr<PagePool>> pools;
   std::vector<std::unique_ptr<PagedSequence>> seqs;
@@ -290,6 +293,11 @@ void BenchCodecAttention(std::mt19937& rng, int heads, const std::string& only_c
     const auto [k_name, v_name] = cachet::codecs::SplitKv(name);
     auto codec_k = cachet::codecs::ParseCodec(k_name);
     auto codec_v = cachet::codecs::ParseCodec(v_name);
+    if (!codec_k.ok() || !codec_v.ok()) {
+      std::fprintf(stderr, "kernels_bench codecs: '%s' is not K[:V] codecs: %s\n", name.c_str(),
+                   (!codec_k.ok() ? codec_k : codec_v).status().message().c_str());
+      std::exit(2);
+    }
     lay.codec_k = *codec_k;
     lay.codec_v = *codec_v;
     pools.push_back(std::make_unique<PagePool>(lay, size_t(tables) * (2 << 20) + (64 << 20)));
@@ -317,8 +325,10 @@ void BenchCodecAttention(std::mt19937& rng, int heads, const std::string& only_c
   }
   const size_t f16 = std::find(names.begin(), names.end(), "f16") - names.begin();
   for (size_t i = 0; i < seqs.size(); ++i) {
-    std::printf("  decode attention %-10s keys=%d heads=%d head_dim=%d %8.1f us  x f16 %.2f\n",
-                names[i].c_str(), n, heads, hd, best[i] * 1e6, best[i] / best[f16]);
+    std::printf("  decode attention %-10s keys=%d heads=%d head_dim=%d %8.1f us", names[i].c_str(),
+                n, heads, hd, best[i] * 1e6);
+    if (f16 < names.size()) std::printf("  x f16 %.2f", best[i] / best[f16]);
+    std::printf("\n");
   }
 }
 
