@@ -175,6 +175,25 @@ TEST(Cli, StdoutThatCannotBeWrittenIsAFailure) {
   }
 }
 
+// More threads than CPUs would spin against each other between a step's parallel parts (-t 1000
+// on 2 cores took over a minute for 4 tokens): the engine keeps one per CPU and says so.
+TEST(Cli, MoreThreadsThanCpusAreCappedWithAWarning) {
+  const std::string run = "run -p \"In the beginning\" -n 8 --temp 0 -q ";
+  const RunResult many = RunCachet(run + "-t 1000");
+  const RunResult own = RunCachet(run + "-t 0");
+  ASSERT_EQ(many.status, 0) << many.err;
+  ASSERT_EQ(own.status, 0) << own.err;
+  EXPECT_EQ(many.out, own.out);
+  const size_t at = many.err.find("-t 1000 is more threads than the ");
+  ASSERT_NE(at, std::string::npos) << many.err;
+  int cpus = 0;
+  ASSERT_EQ(std::sscanf(many.err.c_str() + at, "-t 1000 is more threads than the %d CPUs", &cpus),
+            1);
+  EXPECT_GE(cpus, 1);
+  EXPECT_LT(cpus, 1000);
+  EXPECT_EQ(own.err.find("more threads than"), std::string::npos) << own.err;
+}
+
 // cache save / info / run --cache: a compressed context saved once answers later prompts; the
 // file's layout is adopted unless flags say otherwise, which is a clear error.
 TEST(Cli, CacheSaveInfoAndRunFromIt) {

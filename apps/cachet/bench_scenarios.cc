@@ -8,7 +8,6 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <random>
-#include <thread>
 
 #include "cachet/eval/harness.h"
 #include "cachet/model_config.h"
@@ -224,8 +223,7 @@ nlohmann::json ServeCapacityBench(EngineOptions eo, int ctx, int n, int n_decode
 
   nlohmann::json out;
   out["model"] = eo.model_dir.empty() ? DefaultModelDir() : eo.model_dir;
-  out["threads"] =
-      eo.threads > 0 ? eo.threads : static_cast<int>(std::thread::hardware_concurrency());
+  out["threads"] = rt.threads();
   out["ctx"] = ctx;
   out["prompt_tokens"] = prompt_len;
   out["n_decode"] = n_decode;

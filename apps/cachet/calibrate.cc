@@ -28,7 +28,8 @@ void AddCalibrate(CLI::App& app) {
   cmd->add_option("-m,--model", o->engine.model_dir,
                   "HF model directory or GGUF file; default: the embedded kvtiny")
       ->check(CLI::ExistingPath);
-  cmd->add_option("-t,--threads", o->engine.threads, "Worker threads (0 = one per core)")
+  cmd->add_option("-t,--threads", o->engine.threads,
+                  "Worker threads (0 = one per CPU this process may run on; at most that many)")
       ->check(NonNegative());
   cmd->add_option("--ubatch", o->engine.ubatch, "Prompt tokens per prefill chunk")
       ->default_val(512)

@@ -58,7 +58,8 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o, const char* default_codec) 
                  "HF model directory (config.json, *.safetensors, tokenizer.json or "
                  "tokenizer.model); default: the embedded kvtiny")
       ->check(CLI::ExistingPath);
-  app.add_option("-t,--threads", o.threads, "Worker threads (0 = one per core)")
+  app.add_option("-t,--threads", o.threads,
+                 "Worker threads (0 = one per CPU this process may run on; at most that many)")
       ->check(NonNegative());
   app.add_option("--ubatch", o.ubatch, "Prompt tokens per prefill chunk")
       ->default_val(512)
@@ -290,6 +291,12 @@ std::unique_ptr<Engine> LoadEngine(const EngineOptions& o) {
   }
   if (o.tier_zstd && o.disk_cache_dir.empty() && o.redis_url.empty()) {
     std::fprintf(stderr, "cachet: --tier-zstd is ignored without --disk-cache or --redis\n");
+  }
+  if (o.threads > (*engine)->threads()) {
+    std::fprintf(stderr,
+                 "cachet: -t %d is more threads than the %d CPUs this process may run on: "
+                 "using %d\n",
+                 o.threads, (*engine)->threads(), (*engine)->threads());
   }
   for (const std::string& flag : (*engine)->IgnoredKvOptions()) {
     std::fprintf(stderr, "cachet: %s is ignored in the plain f32 layout (--ctk/--ctv f32)\n",

@@ -48,7 +48,8 @@ void AddConvert(CLI::App& app) {
          "values for the k types) falls back as llama.cpp's does: q4_k to q5_0, q5_k to q5_1, "
          "q6_k to q8_0, q3_k and q2_k to q4_0, then f16")
       ->default_val("f16");
-  cmd->add_option("-t,--threads", o->threads, "Threads converting rows (0 = one per core)")
+  cmd->add_option("-t,--threads", o->threads,
+                  "Threads converting rows (0 = one per CPU this process may run on)")
       ->default_val(0)
       ->check(NonNegative());
   cmd->add_flag("!--no-progress", o->progress, "No progress bar on stderr");

@@ -158,11 +158,11 @@ void AddServe(CLI::App& app) {
     });
     std::fprintf(stderr,
                  "cachet serve: model %s (%s template, context %d, KV %s, %d pages of %d tokens), "
-                 "-np %d, --batch-tokens %d\n",
+                 "-np %d, --batch-tokens %d, %d threads\n",
                  so.model_name.c_str(),
                  std::string(ChatFamilyName(so.chat_template.family)).c_str(), rt.n_ctx(),
                  kv.codec.c_str(), kv.pages_total, kv.page_tokens, o->runtime.max_sequences,
-                 o->runtime.batch_tokens);
+                 o->runtime.batch_tokens, rt.threads());
     std::fprintf(stderr, "cachet serve: listening on http://%s:%d\n", so.host.c_str(), srv.port());
     std::fflush(stderr);
     const bool ok = srv.Run();

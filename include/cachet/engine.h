@@ -101,7 +101,7 @@ std::string DefaultModelDir();
 
 struct EngineOptions {
   std::string model_dir;           // empty: DefaultModelDir()
-  int threads = 0;                 // 0: one per core
+  int threads = 0;                 // 0 or more than the CPUs it may use: one per such CPU
   int ubatch = 512;                // tokens per prefill chunk
   int page_tokens = 16;            // tokens per KV page
   int64_t kv_mem_mib = 0;          // KV pool capacity; 0: enough for one sequence of n_ctx tokens

@@ -187,6 +187,7 @@ class Runtime {
   const Tokenizer& tokenizer() const;
   const ModelConfig& config() const;
   int n_ctx() const;
+  int threads() const;  // of the engine's thread pool
   // max_sequences + max_waiting: the most requests Submit holds at once, so the most choices one
   // request may have.
   int max_requests() const;

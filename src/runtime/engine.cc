@@ -45,7 +45,8 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
                            " tokens but the model's vocab_size is " + std::to_string(c.vocab_size));
   }
   e->n_ctx_ = o.n_ctx > 0 ? o.n_ctx : c.max_position_embeddings;
-  e->pool_ = std::make_unique<ThreadPool>(o.threads > 0 ? o.threads : ThreadPool::DefaultThreads());
+  const int cpus = ThreadPool::DefaultThreads();  // more threads than CPUs only wait on each other
+  e->pool_ = std::make_unique<ThreadPool>(o.threads > 0 ? std::min(o.threads, cpus) : cpus);
   KvLayout layout{c.n_layers, c.n_kv_heads, c.head_dim, o.page_tokens};
   layout.max_tokens = e->n_ctx_;  // positions in 16 bits where the context allows
   CACHET_ASSIGN_OR_RETURN(layout.codec_k, codecs::ParseCodec(o.kv_codec_k));

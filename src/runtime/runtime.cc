@@ -230,6 +230,7 @@ void Runtime::ClearPrefixCache() {
 const Tokenizer& Runtime::tokenizer() const { return impl_->engine->tokenizer(); }
 const ModelConfig& Runtime::config() const { return impl_->engine->config(); }
 int Runtime::n_ctx() const { return impl_->engine->n_ctx(); }
+int Runtime::threads() const { return impl_->engine->threads(); }
 int Runtime::max_requests() const { return impl_->opt.max_sequences + impl_->opt.max_waiting; }
 
 }  // namespace cachet

@@ -25,6 +25,10 @@ class ThreadPool {
   // thread is in [0, size()) and identifies per-thread scratch. Not reentrant.
   void Run(int64_t n_tasks, const std::function<void(int64_t task, int thread)>& fn);
 
+  // The CPUs this process may run on (its affinity mask: `taskset`, a container's cpuset), at
+  // least 1: one worker each. More would spin against each other for the cores: the workers wait
+  // in a spin loop between a decode step's many short parallel steps, and a task claimed by a
+  // descheduled worker holds up its step (-t 1000 on 2 cores: over a minute for 4 tokens).
   static int DefaultThreads();
 
  private:
