@@ -1,5 +1,6 @@
 // The cachet CLI as a user runs it: exit codes, what goes to stdout vs stderr, error messages.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -192,6 +193,19 @@ TEST(Cli, MoreThreadsThanCpusAreCappedWithAWarning) {
   EXPECT_GE(cpus, 1);
   EXPECT_LT(cpus, 1000);
   EXPECT_EQ(own.err.find("more threads than"), std::string::npos) << own.err;
+}
+
+// A bench point whose cache cannot fit the machine is refused before its prompt starts (it ran
+// until the OOM killer came). kvtiny's f32 KV holds 8256 bytes a token: twice the memory's worth.
+TEST(Cli, BenchRefusesAContextLargerThanMemory) {
+  const double ram = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE));
+  const long long ctx = static_cast<long long>(2 * ram / 8192);
+  ASSERT_LT(ctx, 1LL << 31) << "more memory than this test can outgrow with an int --ctx";
+  const RunResult r =
+      RunCachet("bench --ctk f32 --ctv f32 --reps 1 --n-decode 1 --ctx " + std::to_string(ctx));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.err.find("GiB of KV cache (f32), more than this machine's"), std::string::npos)
+      << r.err;
 }
 
 // cache save / info / run --cache: a compressed context saved once answers later prompts; the

@@ -1,6 +1,8 @@
 // cachet bench: prefill and decode speed at several context lengths, with the decode roofline;
 // its other scenarios (--prefix-hit, --serve-capacity, --tier-ttft: bench_scenarios.cc;
 // --agents: bench_agents.cc) are run from here.
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -188,6 +190,18 @@ void AddBench(CLI::App& app) {
                    "cachet bench: --ctx %d + --n-decode %d passes the model's trained context "
                    "of %d (max_position_embeddings): its outputs there are not meaningful\n",
                    max_ctx, o->n_decode, c.max_position_embeddings);
+    }
+    // Each point fills its context's cache: one that cannot fit this machine's memory is refused
+    // here, not by the kernel's OOM killer hours into the prompt.
+    const double kv_bytes = engine->kv_stats().bytes_per_token * (max_ctx + o->n_decode);
+    const double ram = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE));
+    if (ram > 0 && kv_bytes > ram) {
+      std::fprintf(stderr,
+                   "cachet bench: --ctx %d + --n-decode %d needs %.1f GiB of KV cache (%s), more "
+                   "than this machine's %.1f GiB of memory\n",
+                   max_ctx, o->n_decode, kv_bytes / (1 << 30), engine->kv_stats().codec.c_str(),
+                   ram / (1 << 30));
+      throw CLI::RuntimeError(1);
     }
     std::mt19937 rng(1234);
     std::uniform_int_distribution<int32_t> dist(3, c.vocab_size - 1);
