@@ -208,6 +208,31 @@ TEST(Cli, BenchRefusesAContextLargerThanMemory) {
       << r.err;
 }
 
+// --logit-bias as llama.cpp writes it: a ban changes the text, +100 repeats one token, a token
+// past the vocabulary or a malformed bias is a clear error.
+TEST(Cli, LogitBiasBansOrForcesATokenAndRefusesBadOnes) {
+  const std::string run = "run -t 1 -p \"In the beginning\" -n 8 --temp 0 -q --ignore-eos --ids ";
+  const RunResult plain = RunCachet(run);
+  ASSERT_EQ(plain.status, 0) << plain.err;
+  const auto first = nlohmann::json::parse(plain.out)["completion"][0].get<int>();
+  const RunResult banned = RunCachet(run + "--logit-bias " + std::to_string(first) + "-inf");
+  ASSERT_EQ(banned.status, 0) << banned.err;
+  EXPECT_NE(nlohmann::json::parse(banned.out)["completion"][0].get<int>(), first);
+  const RunResult forced = RunCachet(run + "--logit-bias 17+100 --logit-bias 5+3");
+  ASSERT_EQ(forced.status, 0) << forced.err;
+  EXPECT_EQ(nlohmann::json::parse(forced.out)["completion"],
+            nlohmann::json(std::vector<int>(8, 17)));
+  RunResult bad = RunCachet(run + "--logit-bias 8192+1");
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.err.find("token 8192 is past the model's vocabulary of 8192"), std::string::npos)
+      << bad.err;
+  for (const char* v : {"17", "17+101", "17*2", "-17+1", "17+-1", "17+inf"}) {
+    bad = RunCachet(run + "--logit-bias=" + v);
+    EXPECT_NE(bad.status, 0) << v;
+    EXPECT_NE(bad.err.find("is not ID+BIAS or ID-BIAS"), std::string::npos) << v << ": " << bad.err;
+  }
+}
+
 // cache save / info / run --cache: a compressed context saved once answers later prompts; the
 // file's layout is adopted unless flags say otherwise, which is a clear error.
 TEST(Cli, CacheSaveInfoAndRunFromIt) {

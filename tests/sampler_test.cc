@@ -161,5 +161,83 @@ TEST(Sampler, RepetitionPenaltyDemotesSeenTokens) {
   EXPECT_FLOAT_EQ(l[1], 1.5f);         // penalized once, not three times
 }
 
+// OpenAI's penalties as llama.cpp applies them: logit -= frequency * count + presence, for each
+// token of the last repeat_last_n, after the repeat penalty; nothing else moves.
+TEST(Sampler, PresenceAndFrequencyPenaltiesCountTheWindow) {
+  SamplingParams p;
+  p.temperature = 0;
+  p.repeat_penalty = 2.0f;
+  p.presence_penalty = 0.25f;
+  p.frequency_penalty = 0.5f;
+  p.repeat_last_n = 4;
+  Sampler s(p, 6);
+  auto l = Logits();
+  // Token 5 falls out of the 4-token window; 2 is counted three times, 3 once, 0 never.
+  const std::vector<int32_t> history = {5, 2, 3, 2, 2};
+  s.Sample(l, history);
+  const std::vector<float> base = Logits();
+  EXPECT_FLOAT_EQ(l[2], base[2] / 2.0f - 0.5f * 3 - 0.25f);
+  EXPECT_FLOAT_EQ(l[3], base[3] * 2.0f - 0.5f * 1 - 0.25f);  // a negative logit: times the penalty
+  for (int t : {0, 1, 4, 5}) EXPECT_EQ(l[t], base[t]) << t;
+  // The window's counts start afresh at every call (no state left from the last).
+  auto again = Logits();
+  s.Sample(again, history);
+  EXPECT_EQ(again, l);
+  // repeat_last_n = -1: the whole history; 0: no penalty at all.
+  p.repeat_last_n = -1;
+  Sampler all(p, 6);
+  auto la = Logits();
+  all.Sample(la, history);
+  EXPECT_FLOAT_EQ(la[5], base[5] / 2.0f - 0.5f - 0.25f);
+  p.repeat_last_n = 0;
+  Sampler none(p, 6);
+  auto ln = Logits();
+  none.Sample(ln, history);
+  EXPECT_EQ(ln, base);
+  // Negative penalties favour the seen tokens (OpenAI's range is [-2, 2]).
+  p.repeat_penalty = 1.0f;
+  p.presence_penalty = -2.0f;
+  p.frequency_penalty = 0.0f;
+  p.repeat_last_n = 64;
+  Sampler favour(p, 6);
+  auto lf = Logits();
+  EXPECT_EQ(favour.Sample(lf, std::vector<int32_t>{3}), 1);
+  EXPECT_FLOAT_EQ(lf[3], base[3] + 2.0f);
+}
+
+// logit_bias is added before anything else: +100 forces a token greedy or sampled, -100 bans it;
+// ids outside the vocabulary are passed over.
+TEST(Sampler, LogitBiasForcesOrBans) {
+  SamplingParams p;
+  p.temperature = 0;
+  p.logit_bias = {{3, 100.0f}, {99, 100.0f}, {-4, 5.0f}};
+  Sampler greedy(p, 6);
+  auto l = Logits();
+  EXPECT_EQ(greedy.Sample(l, {}), 3);
+  EXPECT_FLOAT_EQ(l[3], 99.0f);
+  p.logit_bias = {{1, -100.0f}, {2, -100.0f}};
+  p.temperature = 1.0f;
+  p.top_k = 0;
+  p.top_p = 1.0f;
+  p.min_p = 0.0f;
+  Sampler sampled(p, 6);
+  std::map<int, int> counts;
+  for (int i = 0; i < 1000; ++i) {
+    auto ls = Logits();
+    ++counts[sampled.Sample(ls, {})];
+  }
+  EXPECT_EQ(counts.count(1), 0u);
+  EXPECT_EQ(counts.count(2), 0u);
+  EXPECT_EQ(counts.size(), 4u);  // the other four all still come up
+  // The bias first, then the penalties on the biased logit.
+  p.temperature = 0;
+  p.logit_bias = {{4, 10.0f}};
+  p.frequency_penalty = 2.0f;
+  Sampler both(p, 6);
+  auto lb = Logits();
+  EXPECT_EQ(both.Sample(lb, std::vector<int32_t>{4, 4}), 4);  // 0.5 + 10 - 4 = 6.5 > 3
+  EXPECT_FLOAT_EQ(lb[4], 6.5f);
+}
+
 }  // namespace
 }  // namespace cachet

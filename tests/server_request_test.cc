@@ -102,6 +102,29 @@ TEST(ServerRequest, CompletionEveryField) {
   EXPECT_DOUBLE_EQ(r->press->ratio, 0.75);
 }
 
+// OpenAI's logit_bias (ids as strings) and presence / frequency penalties, llama.cpp's
+// repeat_last_n: typed once here, applied by the sampler.
+TEST(ServerRequest, BiasAndPenalties) {
+  Result<ParsedRequest> r = Chat(R"({"messages": [{"role": "user", "content": "Hi"}],
+    "logit_bias": {"17": -100, "8191": 2.5, "0": 100}, "presence_penalty": 0.5,
+    "frequency_penalty": -1.25, "repeat_last_n": -1})");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  std::vector<std::pair<int32_t, float>> bias;
+  for (const LogitBias& b : r->sampling.logit_bias) bias.emplace_back(b.token, b.bias);
+  std::sort(bias.begin(), bias.end());
+  EXPECT_EQ(bias,
+            (std::vector<std::pair<int32_t, float>>{{0, 100.0f}, {17, -100.0f}, {8191, 2.5f}}));
+  EXPECT_FLOAT_EQ(r->sampling.presence_penalty, 0.5f);
+  EXPECT_FLOAT_EQ(r->sampling.frequency_penalty, -1.25f);
+  EXPECT_EQ(r->sampling.repeat_last_n, -1);
+  Result<ParsedRequest> plain = Completion(R"({"prompt": "x", "logit_bias": {}})");
+  ASSERT_TRUE(plain.ok());
+  EXPECT_TRUE(plain->sampling.logit_bias.empty());
+  EXPECT_EQ(plain->sampling.presence_penalty, 0.0f);
+  EXPECT_EQ(plain->sampling.frequency_penalty, 0.0f);
+  EXPECT_EQ(plain->sampling.repeat_last_n, 64);
+}
+
 TEST(ServerRequest, PromptForms) {
   Result<ParsedRequest> ids = Completion(R"({"prompt": [0, 17, 8191]})");
   ASSERT_TRUE(ids.ok()) << ids.status().ToString();
@@ -293,12 +316,25 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{kC, R"({"prompt": "x", "kv_press": {"name": "snapkv", "window": 9}})", 400,
                 "kv_press.window", "unknown field"},
         // Fields this server cannot honour.
-        BadCase{kC, R"({"prompt": "x", "presence_penalty": 0.5})", 400, "presence_penalty",
-                "not supported"},
+        // Sampling fields out of their ranges.
+        BadCase{kC, R"({"prompt": "x", "presence_penalty": -2.5})", 400, "presence_penalty",
+                "[-2, 2]"},
         BadCase{kC, R"({"prompt": "x", "frequency_penalty": 5})", 400, "frequency_penalty",
                 "[-2, 2]"},
-        BadCase{kC, R"({"prompt": "x", "logit_bias": {"50256": -100}})", 400, "logit_bias",
-                "not supported"},
+        BadCase{kC, R"({"prompt": "x", "repeat_last_n": -2})", 400, "repeat_last_n", "[-1, "},
+        BadCase{kC, R"({"prompt": "x", "logit_bias": [5, 1]})", 400, "logit_bias",
+                "must be an object of token ids"},
+        BadCase{kC, R"({"prompt": "x", "logit_bias": {"8192": -100}})", 400, "logit_bias",
+                "key \"8192\" must be a token id in [0, 8192)"},
+        BadCase{kC, R"({"prompt": "x", "logit_bias": {"the": 5}})", 400, "logit_bias",
+                "key \"the\" must be a token id"},
+        BadCase{kC, R"({"prompt": "x", "logit_bias": {"-1": 5}})", 400, "logit_bias",
+                "key \"-1\" must be a token id"},
+        BadCase{kC, R"({"prompt": "x", "logit_bias": {"17": 101}})", 400, "logit_bias",
+                "key \"17\" must map to a number in [-100, 100], got 101"},
+        BadCase{kC, R"({"prompt": "x", "logit_bias": {"17": "ban"}})", 400, "logit_bias",
+                "must map to a number in [-100, 100]"},
+        // Fields this server cannot honour.
         BadCase{kC, R"({"prompt": "x", "echo": true})", 400, "echo", "not supported"},
         BadCase{kC, R"({"prompt": "x", "suffix": "end"})", 400, "suffix", "not supported"},
         BadCase{kC, R"({"prompt": "x", "best_of": 3})", 400, "best_of", "not supported"},

@@ -22,7 +22,6 @@
 
 namespace cachet::cli {
 
-namespace {
 CLI::Validator AtLeast(double lo, const char* bound, const char* type) {
   return CLI::Validator(
       [lo, bound](std::string& v) -> std::string {
@@ -35,6 +34,7 @@ CLI::Validator AtLeast(double lo, const char* bound, const char* type) {
       type);
 }
 
+namespace {
 // A path or address flag given as "" would silently switch its feature off.
 const CLI::Validator& NonEmpty() {
   static const CLI::Validator v(
@@ -119,73 +119,6 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o, const char* default_codec) 
                  "background and dropped rather than delaying a request; a failing server is "
                  "skipped until it recovers")
       ->check(NonEmpty());
-}
-
-void AddSamplingFlags(CLI::App& app, GenerateOptions& o) {
-  SamplingParams& s = o.sampling;
-  // A finite value in [lo, hi] (CLI::Range lets NaN through).
-  auto finite_in = [](double lo, double hi) {
-    return CLI::Validator(
-        [lo, hi](std::string& v) -> std::string {
-          const double x = std::strtod(v.c_str(), nullptr);
-          if (std::isfinite(x) && x >= lo && x <= hi) return {};
-          return "value " + v + " is not a number in [" + CLI::detail::to_string(lo) + ", " +
-                 CLI::detail::to_string(hi) + "]";
-        },
-        "FLOAT in [" + CLI::detail::to_string(lo) + " - " + CLI::detail::to_string(hi) + "]");
-  };
-  app.add_option("-n,--n-predict", o.max_tokens, "Max tokens to generate")
-      ->default_val(128)
-      ->check(NonNegative());
-  app.add_option("--temp", s.temperature, "Sampling temperature; 0 = greedy")
-      ->default_val(0.8)
-      ->check(finite_in(0, 100));
-  app.add_option("--top-k", s.top_k, "Keep the k most likely tokens (0 = off)")
-      ->default_val(40)
-      ->check(NonNegative());
-  app.add_option("--top-p", s.top_p,
-                 "Nucleus sampling: keep the smallest set with this mass, the most likely token "
-                 "at least (1 = off)")
-      ->default_val(0.95)
-      ->check(finite_in(0, 1));
-  app.add_option("--min-p", s.min_p, "Drop tokens below min_p x the top probability (0 = off)")
-      ->default_val(0.05)
-      ->check(finite_in(0, 1));
-  app.add_option("--repeat-penalty", s.repeat_penalty,
-                 "Penalize tokens seen in the last --repeat-last-n (1 = off)")
-      ->default_val(1.0)
-      ->check(finite_in(1e-3, 1e3));
-  app.add_option("--repeat-last-n", s.repeat_last_n,
-                 "Window of the repetition penalty "
-                 "(-1 = whole context)")
-      ->default_val(64)
-      ->check(AtLeast(-1, ">= -1 (-1: the whole context)", "INT"));
-  app.add_option_function<std::string>(
-         "-s,--seed",
-         [&s](const std::string& v) {
-           // -1: a random seed, as llama.cpp's; else 0 .. 2^64 - 1 (CLI11 saturated larger ones).
-           if (v == "-1") {
-             std::random_device rd;
-             s.seed = (uint64_t{rd()} << 32) ^ rd();
-             return;
-           }
-           char* end = nullptr;
-           errno = 0;
-           const unsigned long long x = std::strtoull(v.c_str(), &end, 10);
-           if (v.empty() || v[0] == '-' || *end != '\0' || errno == ERANGE) {
-             throw CLI::ValidationError("--seed",
-                                        "'" + v +
-                                            "' is not a seed: an integer from 0 to "
-                                            "18446744073709551615, or -1 for a random one");
-           }
-           s.seed = x;
-         },
-         "Random seed (-1: a random one)")
-      ->type_name("INT")
-      ->default_str(std::to_string(s.seed));
-  app.add_flag(
-      "--ignore-eos", [&o](int64_t) { o.stop_at_eos = false; },
-      "Keep generating past the end-of-sequence token");
 }
 
 void AddPressFlags(CLI::App& app, GenerateOptions& o) {
@@ -455,6 +388,7 @@ void RunFromCache(const CLI::App& cmd, const std::string& path, const CommonOpti
   ApplySavedLayout(cmd, *info, eo);
   auto engine = LoadEngine(eo);
   if (!engine) throw CLI::RuntimeError(1);
+  if (Status s = CheckLogitBias(opts.gen.sampling, engine->config().vocab_size); !s.ok()) Fail(s);
   auto session = engine->LoadSession(path, salt);
   if (!session.ok()) Fail(session.status());
   const std::vector<int32_t> ids = engine->tokenizer().Encode(ReadPrompt(prompt, prompt_file));
@@ -562,6 +496,9 @@ void AddRun(CLI::App& app) {
     const std::string text = ReadPrompt(*prompt, *prompt_file);
     auto engine = LoadEngine(opts->engine);
     if (!engine) throw CLI::RuntimeError(1);
+    if (Status s = CheckLogitBias(opts->gen.sampling, engine->config().vocab_size); !s.ok()) {
+      Fail(s);
+    }
     const bool chunked = !chunk_files->empty() || !chunk_sep->empty();
     ChunkedPrompt cp;
     std::vector<int32_t> prompt_ids;

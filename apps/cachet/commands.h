@@ -21,12 +21,17 @@ struct CommonOptions {
 // range up to DBL_MAX in full).
 const CLI::Validator& Positive();     // > 0
 const CLI::Validator& NonNegative();  // >= 0
+// A finite number >= lo; a failure says the value "must be <bound>"; type: the help's type name.
+CLI::Validator AtLeast(double lo, const char* bound, const char* type);
 
 // The KV codec defaults to f16, llama.cpp's default and half the bytes of f32; eval defaults to
 // f32, the golden-exact reference its KL and accuracy are measured against.
 void AddEngineFlags(CLI::App& app, EngineOptions& o, const char* default_codec = "f16");
-// -n, --temp, --top-k, --top-p, --min-p, --repeat-penalty, --repeat-last-n, --seed.
+// -n, --temp, --top-k, --top-p, --min-p, --repeat-penalty, --repeat-last-n, --presence-penalty,
+// --frequency-penalty, --logit-bias, --seed, --ignore-eos (sampling_flags.cc).
 void AddSamplingFlags(CLI::App& app, GenerateOptions& o);
+// The --logit-bias tokens past the model's vocabulary: an error naming the first, or OK.
+Status CheckLogitBias(const SamplingParams& s, int vocab_size);
 // --press, --ratio, --budget, --window, --sinks: evict after the prompt (kv/press).
 void AddPressFlags(CLI::App& app, GenerateOptions& o);
 // The text of -p, or of the -f file when one is given.

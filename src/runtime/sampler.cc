@@ -9,24 +9,35 @@ int32_t ArgMax(std::span<const float> logits) {
   return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
 }
 
-Sampler::Sampler(const SamplingParams& params, int vocab_size) : p_(params), rng_(params.seed) {
+Sampler::Sampler(const SamplingParams& params, int vocab_size)
+    : p_(params), rng_(params.seed), count_(vocab_size, 0) {
   cand_.reserve(vocab_size);
   probs_.reserve(vocab_size);
 }
 
 int32_t Sampler::Sample(std::span<float> logits, std::span<const int32_t> history) {
-  if (p_.repeat_penalty != 1.0f && p_.repeat_last_n != 0) {
+  const auto vocab = static_cast<int32_t>(logits.size());
+  for (const LogitBias& b : p_.logit_bias) {
+    if (b.token >= 0 && b.token < vocab) logits[b.token] += b.bias;
+  }
+  const bool penalties =
+      p_.repeat_penalty != 1.0f || p_.presence_penalty != 0.0f || p_.frequency_penalty != 0.0f;
+  if (penalties && p_.repeat_last_n != 0) {
     const size_t n =
         p_.repeat_last_n < 0 ? history.size() : std::min<size_t>(history.size(), p_.repeat_last_n);
-    // Each distinct token is penalized once, however often it repeats.
+    // Counted in one pass (a whole 4k-token context was a quadratic scan per token before), then
+    // each distinct token penalized once: the repeat penalty however often it repeats.
+    touched_.clear();
     for (size_t i = history.size() - n; i < history.size(); ++i) {
       const int32_t t = history[i];
-      if (t < 0 || t >= static_cast<int32_t>(logits.size())) continue;
-      bool seen = false;
-      for (size_t j = history.size() - n; j < i && !seen; ++j) seen = history[j] == t;
-      if (seen) continue;
+      if (t < 0 || t >= vocab || t >= static_cast<int32_t>(count_.size())) continue;
+      if (count_[t]++ == 0) touched_.push_back(t);
+    }
+    for (const int32_t t : touched_) {
       float& l = logits[t];
-      l = l > 0 ? l / p_.repeat_penalty : l * p_.repeat_penalty;
+      if (p_.repeat_penalty != 1.0f) l = l > 0 ? l / p_.repeat_penalty : l * p_.repeat_penalty;
+      l -= p_.frequency_penalty * static_cast<float>(count_[t]) + p_.presence_penalty;
+      count_[t] = 0;
     }
   }
   if (p_.temperature <= 0.0f) return ArgMax(logits);

@@ -1,6 +1,7 @@
 #include "request.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -344,19 +345,32 @@ Status ParsePress(const json& body, std::optional<press::PressOptions>* out) {
   return OkStatus();
 }
 
+// logit_bias: {"token id": bias in [-100, 100], ...}, as OpenAI's API takes it (ids as strings).
+Status ParseLogitBias(const json& body, int32_t vocab_size, std::vector<LogitBias>* out) {
+  const json* lb = Field(body, "logit_bias");
+  if (lb == nullptr) return OkStatus();
+  if (!lb->is_object()) return Bad("logit_bias", "must be an object of token ids, " + Got(*lb));
+  for (const auto& [key, value] : lb->items()) {
+    // The key is the client's text: named in the message, never in the param path.
+    const std::string what = "key \"" + key.substr(0, 32) + "\" ";
+    int64_t id = -1;
+    const auto [end, ec] = std::from_chars(key.data(), key.data() + key.size(), id);
+    if (ec != std::errc() || end != key.data() + key.size() || id < 0 ||
+        (vocab_size > 0 && id >= vocab_size) || id > std::numeric_limits<int32_t>::max()) {
+      return Bad("logit_bias",
+                 what + "must be a token id in [0, " +
+                     (vocab_size > 0 ? std::to_string(vocab_size) : std::string("vocab")) + ")");
+    }
+    if (!value.is_number() || !(value.get<double>() >= -100.0 && value.get<double>() <= 100.0)) {
+      return Bad("logit_bias", what + "must map to a number in [-100, 100], " + Got(value));
+    }
+    out->push_back({static_cast<int32_t>(id), value.get<float>()});
+  }
+  return OkStatus();
+}
+
 // OpenAI fields this server cannot honour: refused unless neutral.
 Status RejectUnsupported(const json& body, Endpoint endpoint, int n) {
-  for (const char* name : {"presence_penalty", "frequency_penalty"}) {
-    std::optional<double> v;
-    CACHET_RETURN_IF_ERROR(GetNumber(body, name, -2.0, Bound::kClosed, 2.0, &v));
-    if (v && *v != 0) {
-      return Bad(name, "not supported (repetition_penalty is: a factor > 0, 1 = off)");
-    }
-  }
-  if (const json* lb = Field(body, "logit_bias"); lb != nullptr) {
-    if (!lb->is_object()) return Bad("logit_bias", "must be an object, " + Got(*lb));
-    if (!lb->empty()) return Bad("logit_bias", "not supported");
-  }
   for (const char* name : {"tools", "functions"}) {
     if (const json* t = Field(body, name); t != nullptr && !(t->is_array() && t->empty())) {
       return Bad(name, "not supported (this server has no tool calling)");
@@ -460,7 +474,19 @@ Result<ParsedRequest> ParseRequest(std::string_view text, Endpoint endpoint,
     if (v) r.sampling.repeat_penalty = static_cast<float>(*v);
     v.reset();
   }
+  // OpenAI's presence / frequency penalties, over the tokens the repeat penalty sees.
+  CACHET_RETURN_IF_ERROR(GetNumber(body, "presence_penalty", -2.0, Bound::kClosed, 2.0, &v));
+  if (v) r.sampling.presence_penalty = static_cast<float>(*v);
+  v.reset();
+  CACHET_RETURN_IF_ERROR(GetNumber(body, "frequency_penalty", -2.0, Bound::kClosed, 2.0, &v));
+  if (v) r.sampling.frequency_penalty = static_cast<float>(*v);
+  v.reset();
+  CACHET_RETURN_IF_ERROR(ParseLogitBias(body, limits.vocab_size, &r.sampling.logit_bias));
   std::optional<int64_t> i;
+  // llama.cpp's server: how many recent tokens the penalties see (-1: all, 0: none).
+  CACHET_RETURN_IF_ERROR(GetInt(body, "repeat_last_n", -1, kMaxInt, &i));
+  if (i) r.sampling.repeat_last_n = static_cast<int>(*i);
+  i.reset();
   CACHET_RETURN_IF_ERROR(GetInt(body, "top_k", -1, kMaxInt, &i));  // -1 or 0: off
   if (i) r.sampling.top_k = static_cast<int>(std::max<int64_t>(*i, 0));
   i.reset();

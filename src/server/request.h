@@ -73,9 +73,9 @@ struct ParsedRequest {
 };
 
 // The body of POST /v1/completions or /v1/chat/completions. Unknown fields are ignored (as vLLM
-// and llama.cpp's server do); known OpenAI fields this server cannot honour (echo, suffix,
-// logit_bias, presence/frequency penalties, tools, ...) are errors when set to anything but
-// their neutral value, never silently dropped.
+// and llama.cpp's server do); known OpenAI fields this server cannot honour (echo, suffix, tools,
+// response formats other than text, ...) are errors when set to anything but their neutral
+// value, never silently dropped.
 Result<ParsedRequest> ParseRequest(std::string_view body, Endpoint endpoint,
                                    const ParseLimits& limits);
 

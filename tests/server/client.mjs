@@ -187,6 +187,33 @@ if (group === "api") {
     assert.equal(c.text, cli.replace(/\n$/, ""), "the server and `cachet run` disagree");
   });
 
+  check("logit_bias and presence / frequency penalties: as `cachet run`'s flags", async () => {
+    const plain = await greedy(PROMPT, 16, { ignore_eos: true });
+    const tok = await post("/tokenize", { content: plain.choices[0].text, add_special: false });
+    const banned = tok.json.tokens[0];
+    const sampling = { logit_bias: { [String(banned)]: -100 }, frequency_penalty: 1.5,
+                       presence_penalty: 0.5 };
+    const biased = await greedy(PROMPT, 16, { ignore_eos: true, ...sampling });
+    assert.notEqual(biased.choices[0].text, plain.choices[0].text);
+    const { stdout: cli } = await promisify(execFile)(
+      process.env.CACHET,
+      ["run", "-q", "-t", process.env.THREADS ?? "2", "--temp", "0", "-n", "16", "--ignore-eos",
+       "--logit-bias", `${banned}-100`, "--frequency-penalty", "1.5", "--presence-penalty", "0.5",
+       "-p", PROMPT],
+      { encoding: "utf8" },
+    );
+    assert.equal(biased.choices[0].text, cli.replace(/\n$/, ""), "the server and `cachet run` disagree");
+    // +100 on one token: every token of a greedy completion is that one.
+    const forced = await greedy(PROMPT, 6, { ignore_eos: true, logprobs: 1,
+                                            logit_bias: { [String(banned)]: 100 } });
+    const toks = forced.choices[0].logprobs.tokens;
+    assert.equal(toks.length, 6);
+    assert.ok(toks.every((t) => t === toks[0]), JSON.stringify(toks));
+    const bad = await post("/v1/completions", { prompt: "x", logit_bias: { "99999999": 1 } });
+    assert.equal(bad.status, 400);
+    assert.equal(bad.json.error.param, "logit_bias");
+  });
+
   check("a prompt of token ids gives the text prompt's completion", async () => {
     const tok = await post("/tokenize", { content: PROMPT, add_special: true });
     assert.equal(tok.status, 200);
