@@ -132,6 +132,12 @@ void AddServe(CLI::App& app) {
     Result<std::unique_ptr<Runtime>> runtime = Runtime::Create(o->runtime);
     if (!runtime.ok()) Fail(runtime.status().ToString());
     Runtime& rt = *runtime.value();
+    if (o->runtime.engine.threads > rt.threads()) {
+      std::fprintf(stderr,
+                   "cachet serve: -t %d is more threads than the %d CPUs this process may run on: "
+                   "using %d\n",
+                   o->runtime.engine.threads, rt.threads(), rt.threads());
+    }
 
     server::ServerOptions so = o->server;
     so.model_name = o->alias.empty() ? ModelName(path) : o->alias;
