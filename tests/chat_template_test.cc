@@ -116,6 +116,13 @@ constexpr std::string_view kZephyr =
     "{% endif %}\n"
     "{% endfor %}";
 
+// DeepSeek-R1-Distill's template (tool-call branches left out), and DeepSeek-V3's way of the
+// same: no reasoning dropped, no "<think>" opened.
+constexpr std::string_view kDeepSeekR1 =
+    R"({% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_prompt='') %}{%- for message in messages %}{%- if message['role'] == 'system' %}{% set ns.system_prompt = message['content'] %}{%- endif %}{%- endfor %}{{bos_token}}{{ns.system_prompt}}{%- for message in messages %}{%- if message['role'] == 'user' %}{%- set ns.is_tool = false -%}{{'<｜User｜>' + message['content']}}{%- endif %}{%- if message['role'] == 'assistant' and message['content'] is not none %}{%- if ns.is_tool %}{{'<｜tool▁outputs▁end｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}{%- set ns.is_tool = false -%}{%- else %}{% set content = message['content'] %}{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif %}{{'<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endif %}{%- endfor -%}{% if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}{% endif %}{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜><think>\n'}}{% endif %})";
+constexpr std::string_view kDeepSeekV3 =
+    R"({{bos_token}}{{ns.system_prompt}}{%- for message in messages %}{%- if message['role'] == 'user' %}{{'<｜User｜>' + message['content']}}{%- endif %}{%- if message['role'] == 'assistant' and message['content'] is not none %}{{'<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endfor -%}{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜>'}}{% endif %})";
+
 // Families Cachet does not render: they must be errors, not another family's prompt.
 constexpr std::string_view kGemma =
     R"({{ bos_token }}{% for message in messages %}{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %})";
@@ -253,6 +260,43 @@ TEST(ChatTemplate, ZephyrRendersThreeMessages) {
   EXPECT_EQ(Detected(kZephyr).family, ChatFamily::kZephyr);
 }
 
+// Expected strings as jinja2 3.1 renders kDeepSeekR1 (bos_token "<｜begin▁of▁sentence｜>").
+TEST(ChatTemplate, DeepSeekR1DropsTheReasoningOfPastRepliesAndOpensThink) {
+  const ChatTemplate r1 = Detected(kDeepSeekR1);
+  ASSERT_EQ(r1.family, ChatFamily::kDeepSeek);
+  EXPECT_TRUE(r1.drop_reasoning);
+  EXPECT_TRUE(r1.open_think);
+  std::vector<ChatMessage> m = kThree;
+  m[2].content = "<think>\nThe capital of France is Paris.\n</think>\n\nParis.";
+  EXPECT_EQ(Render(r1, m),
+            "<｜begin▁of▁sentence｜>You are a helpful assistant.<｜User｜>What is the capital of "
+            "France?<｜Assistant｜>\n\nParis.<｜end▁of▁sentence｜><｜Assistant｜><think>\n");
+  EXPECT_EQ(Render(r1, m, false),
+            "<｜begin▁of▁sentence｜>You are a helpful assistant.<｜User｜>What is the capital of "
+            "France?<｜Assistant｜>\n\nParis.<｜end▁of▁sentence｜>");
+  // The last system message's text goes first, wherever it stands; a reply keeps what follows
+  // its last "</think>".
+  EXPECT_EQ(
+      Render(r1, {{ChatRole::kUser, "Hi"},
+                  {ChatRole::kSystem, "S1"},
+                  {ChatRole::kAssistant, "a</think>b</think> c"},
+                  {ChatRole::kSystem, "S2"},
+                  {ChatRole::kUser, "Bye"}}),
+      "<｜begin▁of▁sentence｜>S2<｜User｜>Hi<｜Assistant｜> c<｜end▁of▁sentence｜><｜User｜>Bye"
+      "<｜Assistant｜><think>\n");
+  // By name: the R1 variant.
+  EXPECT_EQ(Render(Named("deepseek"), m), Render(r1, m));
+  // DeepSeek-V3's: the reply as given, the generation prompt alone.
+  const ChatTemplate v3 = Detected(kDeepSeekV3);
+  ASSERT_EQ(v3.family, ChatFamily::kDeepSeek);
+  EXPECT_FALSE(v3.drop_reasoning);
+  EXPECT_FALSE(v3.open_think);
+  EXPECT_EQ(Render(v3, m),
+            "<｜begin▁of▁sentence｜>You are a helpful assistant.<｜User｜>What is the capital of "
+            "France?<｜Assistant｜><think>\nThe capital of France is Paris.\n</think>\n\nParis."
+            "<｜end▁of▁sentence｜><｜Assistant｜>");
+}
+
 TEST(ChatTemplate, PlainIsTheTranscriptKvtinyContinues) {
   const ChatTemplate t = Named("plain");
   EXPECT_EQ(Render(t, {{ChatRole::kUser, "Hello there"}}), "User: Hello there\nAssistant:");
@@ -268,12 +312,13 @@ TEST(ChatTemplate, PlainIsTheTranscriptKvtinyContinues) {
 }
 
 TEST(ChatTemplate, NamesAndUnknownName) {
-  EXPECT_EQ(ChatTemplateNames(), "chatml, llama3, llama2, mistral, zephyr, plain");
+  EXPECT_EQ(ChatTemplateNames(), "chatml, llama3, llama2, mistral, zephyr, deepseek, plain");
   for (auto [name, family] : {std::pair{"chatml", ChatFamily::kChatMl},
                               {"llama3", ChatFamily::kLlama3},
                               {"llama2", ChatFamily::kLlama2},
                               {"mistral", ChatFamily::kMistral},
                               {"zephyr", ChatFamily::kZephyr},
+                              {"deepseek", ChatFamily::kDeepSeek},
                               {"plain", ChatFamily::kPlain}}) {
     EXPECT_EQ(Named(name).family, family) << name;
     EXPECT_EQ(ChatFamilyName(family), name);
@@ -283,7 +328,7 @@ TEST(ChatTemplate, NamesAndUnknownName) {
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("--chat-template"), std::string::npos);
   EXPECT_NE(bad.status().message().find("\"llama4\""), std::string::npos);
-  EXPECT_NE(bad.status().message().find("chatml, llama3, llama2, mistral, zephyr, plain"),
+  EXPECT_NE(bad.status().message().find("chatml, llama3, llama2, mistral, zephyr, deepseek, plain"),
             std::string::npos)
       << bad.status().message();
   EXPECT_FALSE(ChatTemplateByName("").ok());
@@ -297,7 +342,7 @@ TEST(ChatTemplate, UnknownTemplateTextIsAnError) {
     ASSERT_FALSE(t.ok()) << text;
     EXPECT_NE(t.status().message().find("matches no known family"), std::string::npos);
     EXPECT_NE(t.status().message().find("--chat-template"), std::string::npos);
-    EXPECT_NE(t.status().message().find("chatml, llama3, llama2, mistral, zephyr, plain"),
+    EXPECT_NE(t.status().message().find("chatml, llama3, llama2, mistral, zephyr, deepseek, plain"),
               std::string::npos);
   }
   // Two families' signatures in one text: ambiguous, also an error.
@@ -348,6 +393,7 @@ TEST(ChatTemplate, StopStringsEndTheAssistantTurn) {
   EXPECT_EQ(StopStrings(Named("llama2")), (V{"</s>", "[INST]"}));
   EXPECT_EQ(StopStrings(Named("mistral")), (V{"</s>", "[INST]"}));
   EXPECT_EQ(StopStrings(Named("zephyr")), (V{"</s>", "<|user|>"}));
+  EXPECT_EQ(StopStrings(Named("deepseek")), (V{"<｜end▁of▁sentence｜>", "<｜User｜>"}));
   EXPECT_EQ(StopStrings(Named("plain")), (V{"\nUser:", "\n\n"}));
   EXPECT_EQ(EndOfTurn(Named("chatml")), "<|im_end|>");
   EXPECT_EQ(EndOfTurn(Named("llama3")), "<|eot_id|>");
@@ -360,9 +406,13 @@ TEST(ChatTemplate, StopStringsEndTheAssistantTurn) {
 
 // Each family's render without the generation prompt is a prefix of its render with it, and
 // of the render with one more turn: what `cachet chat` relies on to prefill only the new text.
+// (DeepSeek-R1's generation prompt opens "<think>", which the history drops: its chats start
+// over each turn; V3's way grows by appending.)
 TEST(ChatTemplate, ConversationsGrowByAppending) {
-  for (std::string_view name : {"chatml", "llama3", "llama2", "mistral", "zephyr", "plain"}) {
-    const ChatTemplate t = Named(name);
+  ChatTemplate v3 = Named("deepseek");
+  v3.drop_reasoning = v3.open_think = false;
+  for (std::string_view name : {"chatml", "llama3", "llama2", "mistral", "zephyr", "v3", "plain"}) {
+    const ChatTemplate t = name == "v3" ? v3 : Named(name);
     std::vector<ChatMessage> m = {kThree[0], kThree[1]};
     const std::string first = Render(t, m);
     m.push_back(kThree[2]);
@@ -554,14 +604,31 @@ TEST(ChatTemplateCli, FlagOverridesTheTemplate) {
       << r.err;
   r = Cachet("chat --help", "");
   EXPECT_NE(r.out.find("--chat-template"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("chatml, llama3, llama2, mistral, zephyr, plain"), std::string::npos);
+  EXPECT_NE(r.out.find("chatml, llama3, llama2, mistral, zephyr, deepseek, plain"),
+            std::string::npos);
+}
+
+// DeepSeek-R1's generation prompt ("<think>\n") is no prefix of its rendering of the reply, yet
+// each turn still ends with the EOS text in the cache and the next one appends only its own text.
+TEST(ChatTemplateCli, DeepSeekTurnsCloseWithTheEosAndAppend) {
+  const CliRun r = Cachet("chat -t 1 -n 6 --temp 0 --verbose-prompt --chat-template deepseek",
+                          "Hello there\nWhat is the pass key?\n");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.err.find("--- prompt\n<|bos|><｜User｜>Hello there<｜Assistant｜><think>\n\n---"),
+            std::string::npos)
+      << r.err;
+  const size_t second =
+      r.err.find("--- prompt\n<｜User｜>What is the pass key?<｜Assistant｜><think>");
+  ASSERT_NE(second, std::string::npos) << r.err;
+  const size_t closed = r.err.find("--- end of turn\n<|eos|>\n---");
+  EXPECT_LT(closed, second) << r.err;
 }
 
 TEST(ChatTemplateCli, UnknownNameOrTemplateIsAStartupError) {
   CliRun r = Cachet("chat -t 1 --chat-template llama4", "Hello\n");
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.err.find("--chat-template: unknown chat template \"llama4\"; known: chatml, llama3, "
-                       "llama2, mistral, zephyr, plain"),
+                       "llama2, mistral, zephyr, deepseek, plain"),
             std::string::npos)
       << r.err;
   EXPECT_TRUE(r.out.empty());

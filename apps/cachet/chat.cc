@@ -238,17 +238,15 @@ int Chat::CloseTokens() const {
 }
 
 std::string Chat::CloseTurn() {
-  auto asked = RenderChat(tmpl_, std::span(messages_.data(), messages_.size() - 1),
-                          /*add_generation_prompt=*/true);
   auto closed = RenderChat(tmpl_, messages_, /*add_generation_prompt=*/false);
   const std::string eot = EndOfTurn(tmpl_);
-  if (!asked.ok() || !closed.ok() || eot.empty() || !closed->starts_with(*asked)) return {};
-  // The rendering after the generation prompt: the reply (as the template writes it), then the
-  // turn's end from the end-of-turn text on.
-  const std::string rest = closed->substr(asked->size());
-  const size_t at = rest.rfind(eot);
+  if (!closed.ok() || eot.empty()) return {};
+  // The conversation's rendering from the reply's end-of-turn text on (the reply holds none:
+  // generation stops at it). Found from the end, not after the generation prompt: DeepSeek-R1's
+  // opens "<think>", which its rendering of a past reply drops.
+  const size_t at = closed->rfind(eot);
   if (at == std::string::npos) return {};
-  const std::string tail = rest.substr(at);
+  const std::string tail = closed->substr(at);
   const std::vector<int32_t> ids = EncodeChatPrompt(tok_, tail, /*first=*/false);
   if (ids.empty() || session_->n_tokens() + static_cast<int>(ids.size()) > engine_.n_ctx()) {
     return {};

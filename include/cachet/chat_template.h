@@ -34,7 +34,9 @@ enum class ChatFamily : uint8_t {
   kLlama2,   // <s>[INST] <<SYS>>\n...\n<</SYS>>\n\n... [/INST] ... </s> (Llama 2 chat)
   kMistral,  // <s> [INST] system\n\nuser [/INST] assistant</s> (Mistral/Mixtral instruct v0.1)
   kZephyr,   // <|system|>\n...</s>\n<|user|>\n...</s>\n<|assistant|>\n (Zephyr, TinyLlama chat)
-  kCount,    // not a family: the number of families (keep last)
+  kDeepSeek,  // BOS system<｜User｜>...<｜Assistant｜>...<｜end▁of▁sentence｜> (DeepSeek-R1
+              // distills, DeepSeek-V3)
+  kCount,  // not a family: the number of families (keep last)
 };
 
 enum class ChatRole : uint8_t { kSystem, kUser, kAssistant };
@@ -53,13 +55,19 @@ struct ChatTemplate {
   // llama3: set for Llama 3.1+ templates, whose first turn is always a system turn opening with
   // "Cutting Knowledge Date: December 2023\nToday Date: <today_date>\n\n"; unset: Llama 3.0's.
   std::optional<std::string> today_date;
+  // deepseek (the R1 distills' templates): assistant turns of the history keep only the text
+  // after their last "</think>" (the reasoning is dropped), and the generation prompt opens a
+  // "<think>\n" block; DeepSeek-V3's template does neither.
+  bool drop_reasoning = false;
+  bool open_think = false;
   // The family's usual texts; UseTokenizerSpecials replaces them with the model's own.
   std::string bos_token;
   std::string eos_token;
 };
 
 std::string_view ChatFamilyName(ChatFamily family);
-// "chatml, llama3, llama2, mistral, zephyr, plain": every name ChatTemplateByName accepts.
+// "chatml, llama3, llama2, mistral, zephyr, deepseek, plain": every name ChatTemplateByName
+// accepts.
 std::string ChatTemplateNames();
 
 // A family by name (the --chat-template flag), with the family's usual variant. An unknown name

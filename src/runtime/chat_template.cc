@@ -201,6 +201,32 @@ Result<std::string> RenderZephyr(const ChatTemplate& t, Messages messages, bool 
   return out;
 }
 
+// DeepSeek (R1 distills, V3): BOS and the last system message's text, then "<｜User｜>" + content
+// and "<｜Assistant｜>" + content + "<｜end▁of▁sentence｜>" turns (the template's literal, the
+// models' EOS text: the EOS text here, as EndOfTurn gives it); system messages render nothing
+// where they stand. The R1 templates drop an assistant turn's reasoning (up to its last
+// "</think>") and open the generation with "<think>\n".
+Result<std::string> RenderDeepSeek(const ChatTemplate& t, Messages messages, bool add_generation) {
+  std::string_view system;  // the last system message's
+  for (const ChatMessage& m : messages) {
+    if (m.role == ChatRole::kSystem) system = m.content;
+  }
+  std::string out = t.bos_token + std::string(system);
+  for (const ChatMessage& m : messages) {
+    std::string_view content = m.content;
+    if (m.role == ChatRole::kUser) {
+      Append(&out, {"<｜User｜>", content});
+    } else if (m.role == ChatRole::kAssistant) {
+      if (const size_t end = content.rfind("</think>"); t.drop_reasoning && end != content.npos) {
+        content.remove_prefix(end + std::string_view("</think>").size());
+      }
+      Append(&out, {"<｜Assistant｜>", content, t.eos_token});
+    }
+  }
+  if (add_generation) out += t.open_think ? "<｜Assistant｜><think>\n" : "<｜Assistant｜>";
+  return out;
+}
+
 // --- The registry.
 
 using RenderFn = Result<std::string> (*)(const ChatTemplate&, Messages, bool);
@@ -269,6 +295,14 @@ constexpr FamilyEntry kFamilies[] = {
      "</s>",
      true,
      {"<|user|>"}},
+    {ChatFamily::kDeepSeek,
+     "deepseek",
+     {.all_of = {"<｜User｜>", "<｜Assistant｜>"}},
+     RenderDeepSeek,
+     "<｜begin▁of▁sentence｜>",
+     "<｜end▁of▁sentence｜>",
+     true,
+     {"<｜User｜>"}},
 };
 
 static_assert(std::size(kFamilies) == static_cast<size_t>(ChatFamily::kCount),
@@ -306,6 +340,8 @@ ChatTemplate FamilyDefaults(ChatFamily f) {
   t.family = f;
   t.bos_token = std::string(Entry(f).bos);
   t.eos_token = std::string(Entry(f).eos);
+  // deepseek by name: the R1 distills' variant, the one CPU users run.
+  t.drop_reasoning = t.open_think = f == ChatFamily::kDeepSeek;
   return t;
 }
 
@@ -414,6 +450,10 @@ Result<ChatTemplate> DetectChatTemplate(std::string_view jinja) {
   }
   ChatTemplate t = FamilyDefaults(found[0]);
   if (t.family == ChatFamily::kChatMl) t.default_system = DefaultSystem(jinja);
+  if (t.family == ChatFamily::kDeepSeek) {
+    t.drop_reasoning = jinja.find("split('</think>')") != jinja.npos;
+    t.open_think = jinja.find("<｜Assistant｜><think>") != jinja.npos;
+  }
   if (t.family == ChatFamily::kLlama3 && jinja.find("Cutting Knowledge Date") != jinja.npos) {
     t.today_date = TodayDate(jinja);
   }
