@@ -116,6 +116,41 @@ constexpr std::string_view kZephyr =
     "{% endif %}\n"
     "{% endfor %}";
 
+// Mistral-7B-Instruct-v0.3's template (tool branches left out), and Mistral-Nemo's way of it.
+constexpr std::string_view kMistralV3 = R"({%- if messages[0]["role"] == "system" %}
+    {%- set system_message = messages[0]["content"] %}
+    {%- set loop_messages = messages[1:] %}
+{%- else %}
+    {%- set loop_messages = messages %}
+{%- endif %}
+{{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if message["role"] == "user" %}
+        {%- if loop.last and system_message is defined %}
+            {{- "[INST] " + system_message + "\n\n" + message["content"] + "[/INST]" }}
+        {%- else %}
+            {{- "[INST] " + message["content"] + "[/INST]" }}
+        {%- endif %}
+    {%- elif message["role"] == "assistant" %}
+        {{- " " + message["content"]|trim + eos_token}}
+    {%- endif %}
+{%- endfor %})";
+constexpr std::string_view kMistralNemo = R"({{- bos_token }}
+{%- for message in loop_messages %}
+    {%- if message["role"] == "user" %}
+        {%- if loop.last and system_message is defined %}
+            {{- "[INST]" + system_message + "\n\n" + message["content"] + "[/INST]" }}
+        {%- else %}
+            {{- "[INST]" + message["content"] + "[/INST]" }}
+        {%- endif %}
+    {%- elif message["role"] == "assistant" %}
+        {{- message["content"] + eos_token}}
+    {%- endif %}
+{%- endfor %})";
+// Mistral's later layouts: the system prompt in its own [SYSTEM_PROMPT] block.
+constexpr std::string_view kMistralV7 =
+    R"({{- bos_token }}{%- for message in loop_messages %}{%- if message['role'] == 'user' %}{%- if loop.last and system_message is defined %}{{- '[SYSTEM_PROMPT]' + system_message + '[/SYSTEM_PROMPT]' }}{%- endif %}{{- '[INST]' + message['content'] + '[/INST]' }}{%- else %}{{- message['content'] + eos_token }}{%- endif %}{%- endfor %})";
+
 // DeepSeek-R1-Distill's template (tool-call branches left out), and DeepSeek-V3's way of the
 // same: no reasoning dropped, no "<think>" opened.
 constexpr std::string_view kDeepSeekR1 =
@@ -128,8 +163,6 @@ constexpr std::string_view kGemma =
     R"({{ bos_token }}{% for message in messages %}{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %})";
 constexpr std::string_view kPhi3 =
     R"({{ bos_token }}{% for message in messages %}{{'<|' + message['role'] + '|>' + '\n' + message['content'] + '<|end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %})";
-constexpr std::string_view kMistralV3 =
-    R"({{- bos_token }}{%- for message in loop_messages %}{%- if message["role"] == "user" %}{{- "[INST] " + message["content"] + "[/INST]" }}{%- elif message["role"] == "assistant" %}{{- " " + message["content"]|trim + eos_token}}{%- endif %}{%- endfor %})";
 
 const std::vector<ChatMessage> kThree = {
     {ChatRole::kSystem, "You are a helpful assistant."},
@@ -251,6 +284,33 @@ TEST(ChatTemplate, MistralPrependsTheSystemPromptAndHasOneBos) {
   EXPECT_EQ(Detected(kMistral).family, ChatFamily::kMistral);
 }
 
+// Expected strings as jinja2 3.1 renders Mistral-7B-Instruct-v0.3's template (and Nemo's way).
+TEST(ChatTemplate, MistralV3PutsTheSystemPromptInTheLastUserTurn) {
+  const ChatTemplate v3 = Detected(kMistralV3);
+  ASSERT_EQ(v3.family, ChatFamily::kMistralV3);
+  EXPECT_FALSE(v3.tight_inst);
+  std::vector<ChatMessage> m = kThree;
+  m[2].content = "  Paris.\n";
+  // Ending with a reply, the conversation has no user turn for the system prompt: it is left out.
+  EXPECT_EQ(Render(v3, m), "<s>[INST] What is the capital of France?[/INST] Paris.</s>");
+  m.push_back({ChatRole::kUser, "And of Italy?"});
+  EXPECT_EQ(Render(v3, m),
+            "<s>[INST] What is the capital of France?[/INST] Paris.</s>"
+            "[INST] You are a helpful assistant.\n\nAnd of Italy?[/INST]");
+  EXPECT_EQ(Render(Named("mistral-v3"), m), Render(v3, m));
+  const ChatTemplate nemo = Detected(kMistralNemo);
+  ASSERT_EQ(nemo.family, ChatFamily::kMistralV3);
+  EXPECT_TRUE(nemo.tight_inst);
+  EXPECT_EQ(Render(nemo, m),
+            "<s>[INST]What is the capital of France?[/INST]  Paris.\n</s>"
+            "[INST]You are a helpful assistant.\n\nAnd of Italy?[/INST]");
+  // v0.1's template stays mistral.
+  EXPECT_EQ(Detected(kMistral).family, ChatFamily::kMistral);
+  // Roles must alternate after one optional system message, as the template raises.
+  const std::vector<ChatMessage> twice = {{ChatRole::kUser, "a"}, {ChatRole::kUser, "b"}};
+  EXPECT_FALSE(RenderChat(v3, twice, true).ok());
+}
+
 TEST(ChatTemplate, ZephyrRendersThreeMessages) {
   EXPECT_EQ(Render(Named("zephyr"), kThree),
             "<|system|>\nYou are a helpful assistant.</s>\n"
@@ -312,11 +372,13 @@ TEST(ChatTemplate, PlainIsTheTranscriptKvtinyContinues) {
 }
 
 TEST(ChatTemplate, NamesAndUnknownName) {
-  EXPECT_EQ(ChatTemplateNames(), "chatml, llama3, llama2, mistral, zephyr, deepseek, plain");
+  EXPECT_EQ(ChatTemplateNames(),
+            "chatml, llama3, llama2, mistral, mistral-v3, zephyr, deepseek, plain");
   for (auto [name, family] : {std::pair{"chatml", ChatFamily::kChatMl},
                               {"llama3", ChatFamily::kLlama3},
                               {"llama2", ChatFamily::kLlama2},
                               {"mistral", ChatFamily::kMistral},
+                              {"mistral-v3", ChatFamily::kMistralV3},
                               {"zephyr", ChatFamily::kZephyr},
                               {"deepseek", ChatFamily::kDeepSeek},
                               {"plain", ChatFamily::kPlain}}) {
@@ -328,7 +390,8 @@ TEST(ChatTemplate, NamesAndUnknownName) {
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("--chat-template"), std::string::npos);
   EXPECT_NE(bad.status().message().find("\"llama4\""), std::string::npos);
-  EXPECT_NE(bad.status().message().find("chatml, llama3, llama2, mistral, zephyr, deepseek, plain"),
+  EXPECT_NE(bad.status().message().find(
+                "chatml, llama3, llama2, mistral, mistral-v3, zephyr, deepseek, plain"),
             std::string::npos)
       << bad.status().message();
   EXPECT_FALSE(ChatTemplateByName("").ok());
@@ -337,12 +400,13 @@ TEST(ChatTemplate, NamesAndUnknownName) {
 
 TEST(ChatTemplate, UnknownTemplateTextIsAnError) {
   for (std::string_view text :
-       {kGemma, kPhi3, kMistralV3, std::string_view("{{ messages }}"), std::string_view("")}) {
+       {kGemma, kPhi3, kMistralV7, std::string_view("{{ messages }}"), std::string_view("")}) {
     Result<ChatTemplate> t = DetectChatTemplate(text);
     ASSERT_FALSE(t.ok()) << text;
     EXPECT_NE(t.status().message().find("matches no known family"), std::string::npos);
     EXPECT_NE(t.status().message().find("--chat-template"), std::string::npos);
-    EXPECT_NE(t.status().message().find("chatml, llama3, llama2, mistral, zephyr, deepseek, plain"),
+    EXPECT_NE(t.status().message().find(
+                  "chatml, llama3, llama2, mistral, mistral-v3, zephyr, deepseek, plain"),
               std::string::npos);
   }
   // Two families' signatures in one text: ambiguous, also an error.
@@ -392,6 +456,7 @@ TEST(ChatTemplate, StopStringsEndTheAssistantTurn) {
   EXPECT_EQ(StopStrings(Named("llama3")), (V{"<|eot_id|>", "<|end_of_text|>", "<|eom_id|>"}));
   EXPECT_EQ(StopStrings(Named("llama2")), (V{"</s>", "[INST]"}));
   EXPECT_EQ(StopStrings(Named("mistral")), (V{"</s>", "[INST]"}));
+  EXPECT_EQ(StopStrings(Named("mistral-v3")), (V{"</s>", "[INST]"}));
   EXPECT_EQ(StopStrings(Named("zephyr")), (V{"</s>", "<|user|>"}));
   EXPECT_EQ(StopStrings(Named("deepseek")), (V{"<｜end▁of▁sentence｜>", "<｜User｜>"}));
   EXPECT_EQ(StopStrings(Named("plain")), (V{"\nUser:", "\n\n"}));
@@ -406,8 +471,9 @@ TEST(ChatTemplate, StopStringsEndTheAssistantTurn) {
 
 // Each family's render without the generation prompt is a prefix of its render with it, and
 // of the render with one more turn: what `cachet chat` relies on to prefill only the new text.
-// (DeepSeek-R1's generation prompt opens "<think>", which the history drops: its chats start
-// over each turn; V3's way grows by appending.)
+// (Not so DeepSeek-R1's, whose generation prompt opens "<think>", which the history drops, nor
+// Mistral v0.3's with a system prompt, which moves to the last user turn; DeepSeek-V3's way grows
+// by appending.)
 TEST(ChatTemplate, ConversationsGrowByAppending) {
   ChatTemplate v3 = Named("deepseek");
   v3.drop_reasoning = v3.open_think = false;
@@ -604,7 +670,7 @@ TEST(ChatTemplateCli, FlagOverridesTheTemplate) {
       << r.err;
   r = Cachet("chat --help", "");
   EXPECT_NE(r.out.find("--chat-template"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("chatml, llama3, llama2, mistral, zephyr, deepseek, plain"),
+  EXPECT_NE(r.out.find("chatml, llama3, llama2, mistral, mistral-v3, zephyr, deepseek, plain"),
             std::string::npos);
 }
 
@@ -628,7 +694,7 @@ TEST(ChatTemplateCli, UnknownNameOrTemplateIsAStartupError) {
   CliRun r = Cachet("chat -t 1 --chat-template llama4", "Hello\n");
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.err.find("--chat-template: unknown chat template \"llama4\"; known: chatml, llama3, "
-                       "llama2, mistral, zephyr, deepseek, plain"),
+                       "llama2, mistral, mistral-v3, zephyr, deepseek, plain"),
             std::string::npos)
       << r.err;
   EXPECT_TRUE(r.out.empty());

@@ -28,12 +28,14 @@ class Tokenizer;
 inline constexpr std::string_view kChatTemplateFlag = "--chat-template";
 
 enum class ChatFamily : uint8_t {
-  kPlain,    // "User: ...\nAssistant: ..." lines: models without a template (kvtiny, base models)
-  kChatMl,   // <|im_start|>role\n...<|im_end|>\n (Qwen, many fine-tunes)
-  kLlama3,   // <|start_header_id|>role<|end_header_id|>\n\n...<|eot_id|> (Llama 3.x)
-  kLlama2,   // <s>[INST] <<SYS>>\n...\n<</SYS>>\n\n... [/INST] ... </s> (Llama 2 chat)
-  kMistral,  // <s> [INST] system\n\nuser [/INST] assistant</s> (Mistral/Mixtral instruct v0.1)
-  kZephyr,   // <|system|>\n...</s>\n<|user|>\n...</s>\n<|assistant|>\n (Zephyr, TinyLlama chat)
+  kPlain,      // "User: ...\nAssistant: ..." lines: models without a template (kvtiny, base models)
+  kChatMl,     // <|im_start|>role\n...<|im_end|>\n (Qwen, many fine-tunes)
+  kLlama3,     // <|start_header_id|>role<|end_header_id|>\n\n...<|eot_id|> (Llama 3.x)
+  kLlama2,     // <s>[INST] <<SYS>>\n...\n<</SYS>>\n\n... [/INST] ... </s> (Llama 2 chat)
+  kMistral,    // <s> [INST] system\n\nuser [/INST] assistant</s> (Mistral/Mixtral instruct v0.1)
+  kMistralV3,  // <s>[INST] user[/INST] assistant</s>[INST] system\n\nuser[/INST] (Mistral-7B
+               // v0.3, Mixtral 8x22B; "[INST]user" and no space before replies: Mistral-Nemo)
+  kZephyr,     // <|system|>\n...</s>\n<|user|>\n...</s>\n<|assistant|>\n (Zephyr, TinyLlama chat)
   kDeepSeek,  // BOS system<｜User｜>...<｜Assistant｜>...<｜end▁of▁sentence｜> (DeepSeek-R1
               // distills, DeepSeek-V3)
   kCount,  // not a family: the number of families (keep last)
@@ -60,14 +62,17 @@ struct ChatTemplate {
   // "<think>\n" block; DeepSeek-V3's template does neither.
   bool drop_reasoning = false;
   bool open_think = false;
+  // mistral-v3: Mistral-Nemo's ("tekken") layout: "[INST]" without the space after it, replies as
+  // they are (v0.3 writes " " + the reply stripped).
+  bool tight_inst = false;
   // The family's usual texts; UseTokenizerSpecials replaces them with the model's own.
   std::string bos_token;
   std::string eos_token;
 };
 
 std::string_view ChatFamilyName(ChatFamily family);
-// "chatml, llama3, llama2, mistral, zephyr, deepseek, plain": every name ChatTemplateByName
-// accepts.
+// "chatml, llama3, llama2, mistral, mistral-v3, zephyr, deepseek, plain": every name
+// ChatTemplateByName accepts.
 std::string ChatTemplateNames();
 
 // A family by name (the --chat-template flag), with the family's usual variant. An unknown name

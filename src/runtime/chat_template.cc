@@ -189,6 +189,29 @@ Result<std::string> RenderMistral(const ChatTemplate& t, Messages messages, bool
   return out;
 }
 
+// Mistral v0.3 (and Mixtral 8x22B, Mistral-Nemo with tight_inst): one BOS, "[INST] ...[/INST]"
+// user turns, " " + the reply stripped + EOS; the system message goes into the *last* user turn,
+// and only when the conversation ends with one (as the template's `loop.last` has it).
+Result<std::string> RenderMistralV3(const ChatTemplate& t, Messages messages, bool) {
+  CACHET_ASSIGN_OR_RETURN(std::optional<std::string_view> system,
+                          SplitSystemAndCheckTurns("mistral-v3", &messages));
+  const std::string_view open = t.tight_inst ? "[INST]" : "[INST] ";
+  std::string out = t.bos_token;
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const ChatMessage& m = messages[i];
+    if (m.role == ChatRole::kUser && i + 1 == messages.size() && system) {
+      Append(&out, {open, *system, "\n\n", m.content, "[/INST]"});
+    } else if (m.role == ChatRole::kUser) {
+      Append(&out, {open, m.content, "[/INST]"});
+    } else if (t.tight_inst) {
+      Append(&out, {m.content, t.eos_token});
+    } else {
+      Append(&out, {" ", Strip(m.content), t.eos_token});
+    }
+  }
+  return out;
+}
+
 // Zephyr: "<|role|>\n" + content + EOS, each followed by a newline (the template's line break
 // after each output expression survives trim_blocks); the generation prompt is "<|assistant|>\n".
 Result<std::string> RenderZephyr(const ChatTemplate& t, Messages messages, bool add_generation) {
@@ -280,6 +303,17 @@ constexpr FamilyEntry kFamilies[] = {
      "mistral",
      {.all_of = {" [INST] ", " [/INST]"}, .none_of = {"<<SYS>>", "[SYSTEM_PROMPT]"}},
      RenderMistral,
+     "<s>",
+     "</s>",
+     true,
+     {"[INST]"}},
+    // v0.3's and Nemo's: the system message in the last user turn; no " [/INST]" (v0.1), no
+    // [SYSTEM_PROMPT] (later layouts).
+    {ChatFamily::kMistralV3,
+     "mistral-v3",
+     {.all_of = {"[/INST]", "loop.last and system_message is defined"},
+      .none_of = {"<<SYS>>", "[SYSTEM_PROMPT]", " [/INST]"}},
+     RenderMistralV3,
      "<s>",
      "</s>",
      true,
@@ -450,6 +484,10 @@ Result<ChatTemplate> DetectChatTemplate(std::string_view jinja) {
   }
   ChatTemplate t = FamilyDefaults(found[0]);
   if (t.family == ChatFamily::kChatMl) t.default_system = DefaultSystem(jinja);
+  if (t.family == ChatFamily::kMistralV3) {
+    t.tight_inst =
+        jinja.find("\"[INST]\" +") != jinja.npos || jinja.find("'[INST]' +") != jinja.npos;
+  }
   if (t.family == ChatFamily::kDeepSeek) {
     t.drop_reasoning = jinja.find("split('</think>')") != jinja.npos;
     t.open_think = jinja.find("<｜Assistant｜><think>") != jinja.npos;
