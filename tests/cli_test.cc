@@ -19,11 +19,14 @@ struct RunResult {
   std::string out, err;
 };
 
-RunResult RunCachet(const std::string& args, const std::string& stdin_text = "") {
+// wrapper: a command the binary runs under (taskset ...).
+RunResult RunCachet(const std::string& args, const std::string& stdin_text = "",
+                    const std::string& wrapper = "") {
   testing::TempDir dir;
   const std::string in = dir.Write("stdin.txt", stdin_text);
   const std::string err = dir.path() + "/stderr.txt";
-  const std::string cmd = std::string(CACHET_BINARY) + " " + args + " < " + in + " 2> " + err;
+  const std::string cmd =
+      wrapper + " " + std::string(CACHET_BINARY) + " " + args + " < " + in + " 2> " + err;
   RunResult r;
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) return r;
@@ -185,14 +188,25 @@ TEST(Cli, MoreThreadsThanCpusAreCappedWithAWarning) {
   ASSERT_EQ(many.status, 0) << many.err;
   ASSERT_EQ(own.status, 0) << own.err;
   EXPECT_EQ(many.out, own.out);
-  const size_t at = many.err.find("-t 1000 is more threads than the ");
+  const size_t at = many.err.find("-t 1000 is more threads than the CPUs this process may run on");
   ASSERT_NE(at, std::string::npos) << many.err;
   int cpus = 0;
-  ASSERT_EQ(std::sscanf(many.err.c_str() + at, "-t 1000 is more threads than the %d CPUs", &cpus),
-            1);
+  ASSERT_EQ(
+      std::sscanf(many.err.c_str() + at,
+                  "-t 1000 is more threads than the CPUs this process may run on (%d)", &cpus),
+      1);
   EXPECT_GE(cpus, 1);
   EXPECT_LT(cpus, 1000);
   EXPECT_EQ(own.err.find("more threads than"), std::string::npos) << own.err;
+  // One per CPU of the affinity mask, not of the machine: taskset (util-linux, in every Debian).
+  const RunResult one = RunCachet("bench --ctx 64 --reps 1 --n-decode 1 --json --no-roofline -t 0",
+                                  "", "taskset -c 0");
+  ASSERT_EQ(one.status, 0) << one.err;
+  EXPECT_EQ(nlohmann::json::parse(one.out)["threads"], 1) << one.out;
+  const RunResult two = RunCachet("run -p hi -n 2 -q -t 2", "", "taskset -c 0");
+  EXPECT_NE(two.err.find("-t 2 is more threads than the CPUs this process may run on (1): using 1"),
+            std::string::npos)
+      << two.err;
 }
 
 // A bench point whose cache cannot fit the machine is refused before its prompt starts (it ran

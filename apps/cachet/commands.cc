@@ -227,7 +227,7 @@ std::unique_ptr<Engine> LoadEngine(const EngineOptions& o) {
   }
   if (o.threads > (*engine)->threads()) {
     std::fprintf(stderr,
-                 "cachet: -t %d is more threads than the %d CPUs this process may run on: "
+                 "cachet: -t %d is more threads than the CPUs this process may run on (%d): "
                  "using %d\n",
                  o.threads, (*engine)->threads(), (*engine)->threads());
   }

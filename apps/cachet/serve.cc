@@ -134,8 +134,8 @@ void AddServe(CLI::App& app) {
     Runtime& rt = *runtime.value();
     if (o->runtime.engine.threads > rt.threads()) {
       std::fprintf(stderr,
-                   "cachet serve: -t %d is more threads than the %d CPUs this process may run on: "
-                   "using %d\n",
+                   "cachet serve: -t %d is more threads than the CPUs this process may run on "
+                   "(%d): using %d\n",
                    o->runtime.engine.threads, rt.threads(), rt.threads());
     }
 
