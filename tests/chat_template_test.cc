@@ -688,6 +688,11 @@ TEST(ChatTemplateCli, DeepSeekTurnsCloseWithTheEosAndAppend) {
   ASSERT_NE(second, std::string::npos) << r.err;
   const size_t closed = r.err.find("--- end of turn\n<|eos|>\n---");
   EXPECT_LT(closed, second) << r.err;
+  // plain has no end of turn after a reply ("\nUser:" opens the next one): over three turns none
+  // is added (an earlier turn's "\nUser:" was once taken for it, and the history copied again).
+  const CliRun plain = Cachet("chat -t 1 -n 4 --temp 0 --verbose-prompt", "Hi\nAnd?\nBye\n");
+  ASSERT_EQ(plain.status, 0) << plain.err;
+  EXPECT_EQ(plain.err.find("--- end of turn"), std::string::npos) << plain.err;
 }
 
 TEST(ChatTemplateCli, UnknownNameOrTemplateIsAStartupError) {

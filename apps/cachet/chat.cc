@@ -239,13 +239,16 @@ int Chat::CloseTokens() const {
 
 std::string Chat::CloseTurn() {
   auto closed = RenderChat(tmpl_, messages_, /*add_generation_prompt=*/false);
+  auto prior = RenderChat(tmpl_, std::span(messages_.data(), messages_.size() - 1),
+                          /*add_generation_prompt=*/false);
   const std::string eot = EndOfTurn(tmpl_);
-  if (!closed.ok() || eot.empty()) return {};
-  // The conversation's rendering from the reply's end-of-turn text on (the reply holds none:
-  // generation stops at it). Found from the end, not after the generation prompt: DeepSeek-R1's
-  // opens "<think>", which its rendering of a past reply drops.
+  if (!closed.ok() || !prior.ok() || eot.empty() || !closed->starts_with(*prior)) return {};
+  // The rendering from the reply's end-of-turn text on (the reply holds none: generation stops at
+  // it), looked for past the conversation before the reply rather than past the generation
+  // prompt: DeepSeek-R1's opens "<think>", which its rendering of a past reply drops. An end of
+  // turn before that belongs to an earlier turn (plain's "\nUser:"): nothing to close then.
   const size_t at = closed->rfind(eot);
-  if (at == std::string::npos) return {};
+  if (at == std::string::npos || at < prior->size()) return {};
   const std::string tail = closed->substr(at);
   const std::vector<int32_t> ids = EncodeChatPrompt(tok_, tail, /*first=*/false);
   if (ids.empty() || session_->n_tokens() + static_cast<int>(ids.size()) > engine_.n_ctx()) {
