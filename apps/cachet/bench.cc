@@ -1,8 +1,6 @@
 // cachet bench: prefill and decode speed at several context lengths, with the decode roofline;
 // its other scenarios (--prefix-hit, --serve-capacity, --tier-ttft: bench_scenarios.cc;
 // --agents: bench_agents.cc) are run from here.
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -194,7 +192,7 @@ void AddBench(CLI::App& app) {
     // Each point fills its context's cache: one that cannot fit this machine's memory is refused
     // here, not by the kernel's OOM killer hours into the prompt.
     const double kv_bytes = engine->kv_stats().bytes_per_token * (max_ctx + o->n_decode);
-    const double ram = double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE));
+    const double ram = PhysicalMemoryBytes();
     if (ram > 0 && kv_bytes > ram) {
       std::fprintf(stderr,
                    "cachet bench: --ctx %d + --n-decode %d needs %.1f GiB of KV cache (%s), more "

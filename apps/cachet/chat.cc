@@ -342,9 +342,7 @@ void AddChat(CLI::App& app) {
     if (!chat_template.ok()) Fail(chat_template.status());
     auto engine = LoadEngine(opts->engine);
     if (!engine) throw CLI::RuntimeError(1);
-    if (Status s = CheckLogitBias(opts->gen.sampling, engine->config().vocab_size); !s.ok()) {
-      Fail(s);
-    }
+    RequireLogitBiasInVocab(opts->gen.sampling, *engine);
     if (policy->kind == OnFull::Kind::kPress && engine->ages()) {
       // The history's oldest pages sit in the cold pool by then, which a press (one token set
       // over the hot tables) cannot take in.

@@ -216,6 +216,13 @@ void AddPressFlags(CLI::App& app, GenerateOptions& o) {
   });
 }
 
+void WarnThreadsCapped(const char* command, int asked, int used) {
+  if (asked <= used) return;
+  std::fprintf(stderr,
+               "%s: -t %d is more threads than the CPUs this process may run on (%d): using %d\n",
+               command, asked, used, used);
+}
+
 std::unique_ptr<Engine> LoadEngine(const EngineOptions& o) {
   auto engine = Engine::Create(o);
   if (!engine.ok()) {
@@ -225,12 +232,7 @@ std::unique_ptr<Engine> LoadEngine(const EngineOptions& o) {
   if (o.tier_zstd && o.disk_cache_dir.empty() && o.redis_url.empty()) {
     std::fprintf(stderr, "cachet: --tier-zstd is ignored without --disk-cache or --redis\n");
   }
-  if (o.threads > (*engine)->threads()) {
-    std::fprintf(stderr,
-                 "cachet: -t %d is more threads than the CPUs this process may run on (%d): "
-                 "using %d\n",
-                 o.threads, (*engine)->threads(), (*engine)->threads());
-  }
+  WarnThreadsCapped("cachet", o.threads, (*engine)->threads());
   for (const std::string& flag : (*engine)->IgnoredKvOptions()) {
     std::fprintf(stderr, "cachet: %s is ignored in the plain f32 layout (--ctk/--ctv f32)\n",
                  flag.c_str());
@@ -388,7 +390,7 @@ void RunFromCache(const CLI::App& cmd, const std::string& path, const CommonOpti
   ApplySavedLayout(cmd, *info, eo);
   auto engine = LoadEngine(eo);
   if (!engine) throw CLI::RuntimeError(1);
-  if (Status s = CheckLogitBias(opts.gen.sampling, engine->config().vocab_size); !s.ok()) Fail(s);
+  RequireLogitBiasInVocab(opts.gen.sampling, *engine);
   auto session = engine->LoadSession(path, salt);
   if (!session.ok()) Fail(session.status());
   const std::vector<int32_t> ids = engine->tokenizer().Encode(ReadPrompt(prompt, prompt_file));
@@ -496,9 +498,7 @@ void AddRun(CLI::App& app) {
     const std::string text = ReadPrompt(*prompt, *prompt_file);
     auto engine = LoadEngine(opts->engine);
     if (!engine) throw CLI::RuntimeError(1);
-    if (Status s = CheckLogitBias(opts->gen.sampling, engine->config().vocab_size); !s.ok()) {
-      Fail(s);
-    }
+    RequireLogitBiasInVocab(opts->gen.sampling, *engine);
     const bool chunked = !chunk_files->empty() || !chunk_sep->empty();
     ChunkedPrompt cp;
     std::vector<int32_t> prompt_ids;

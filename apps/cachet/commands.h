@@ -30,8 +30,8 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o, const char* default_codec =
 // -n, --temp, --top-k, --top-p, --min-p, --repeat-penalty, --repeat-last-n, --presence-penalty,
 // --frequency-penalty, --logit-bias, --seed, --ignore-eos (sampling_flags.cc).
 void AddSamplingFlags(CLI::App& app, GenerateOptions& o);
-// The --logit-bias tokens past the model's vocabulary: an error naming the first, or OK.
-Status CheckLogitBias(const SamplingParams& s, int vocab_size);
+// A --logit-bias token past the engine's vocabulary fails the command, naming the first.
+void RequireLogitBiasInVocab(const SamplingParams& s, const Engine& engine);
 // --press, --ratio, --budget, --window, --sinks: evict after the prompt (kv/press).
 void AddPressFlags(CLI::App& app, GenerateOptions& o);
 // The text of -p, or of the -f file when one is given.
@@ -40,6 +40,8 @@ std::string ReadPrompt(const std::string& text, const std::string& file);
 [[noreturn]] void Fail(const Status& s);
 // Loads the engine or prints the error and returns null.
 std::unique_ptr<Engine> LoadEngine(const EngineOptions& o);
+// "<command>: -t <asked> is more threads than the CPUs ..." on stderr when the engine uses fewer.
+void WarnThreadsCapped(const char* command, int asked, int used);
 
 void AddRun(CLI::App& app);
 void AddChat(CLI::App& app);

@@ -126,15 +126,15 @@ void AddSamplingFlags(CLI::App& app, GenerateOptions& o) {
       "Keep generating past the end-of-sequence token");
 }
 
-Status CheckLogitBias(const SamplingParams& s, int vocab_size) {
+void RequireLogitBiasInVocab(const SamplingParams& s, const Engine& engine) {
+  const int vocab_size = engine.config().vocab_size;
   for (const LogitBias& b : s.logit_bias) {
     if (b.token >= vocab_size) {
-      return InvalidArgument("--logit-bias: token " + std::to_string(b.token) +
-                             " is past the model's vocabulary of " + std::to_string(vocab_size) +
-                             " tokens");
+      Fail(InvalidArgument("--logit-bias: token " + std::to_string(b.token) +
+                           " is past the model's vocabulary of " + std::to_string(vocab_size) +
+                           " tokens"));
     }
   }
-  return OkStatus();
 }
 
 }  // namespace cachet::cli

@@ -132,12 +132,7 @@ void AddServe(CLI::App& app) {
     Result<std::unique_ptr<Runtime>> runtime = Runtime::Create(o->runtime);
     if (!runtime.ok()) Fail(runtime.status().ToString());
     Runtime& rt = *runtime.value();
-    if (o->runtime.engine.threads > rt.threads()) {
-      std::fprintf(stderr,
-                   "cachet serve: -t %d is more threads than the CPUs this process may run on "
-                   "(%d): using %d\n",
-                   o->runtime.engine.threads, rt.threads(), rt.threads());
-    }
+    WarnThreadsCapped("cachet serve", o->runtime.engine.threads, rt.threads());
 
     server::ServerOptions so = o->server;
     so.model_name = o->alias.empty() ? ModelName(path) : o->alias;

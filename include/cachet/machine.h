@@ -8,4 +8,8 @@ namespace cachet {
 // decode kernels read weights; the median of five passes. Allocates and touches the buffer first.
 double MeasureReadBandwidth(int threads);
 
+// Bytes of physical memory (0 if the system does not say): a KV pool or a benchmark's cache that
+// would outgrow it is refused up front.
+double PhysicalMemoryBytes();
+
 }  // namespace cachet

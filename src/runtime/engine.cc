@@ -2,12 +2,12 @@
 // for every Session, and its accounting. Sessions: session.cc.
 #include "cachet/engine.h"
 
-#include <unistd.h>
 #include <xxhash.h>
 
 #include <algorithm>
 #include <sstream>
 
+#include "cachet/machine.h"
 #include "cachet/tokenizer.h"
 #include "kv/chunk_cache.h"
 #include "kv/paged_sequence.h"
@@ -71,8 +71,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
                                         : std::max(raw_bytes, layout.codec_page_bytes());
   // The pool maps address space only, but its page bookkeeping grows with the capacity (8 GiB of
   // it for a mistyped 10^8 MiB): no more than the machine's memory.
-  const double ram_mib =
-      double(::sysconf(_SC_PHYS_PAGES)) * double(::sysconf(_SC_PAGESIZE)) / (1 << 20);
+  const double ram_mib = PhysicalMemoryBytes() / (1 << 20);
   if (o.kv_mem_mib > 0 && ram_mib > 0 && double(o.kv_mem_mib) > ram_mib) {
     char ram[32];
     std::snprintf(ram, sizeof ram, "%.1f GiB", ram_mib / 1024);

@@ -1,5 +1,7 @@
 #include "cachet/machine.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -37,6 +39,11 @@ double MeasureReadBandwidth(int threads) {
   }
   std::sort(runs.begin(), runs.end());
   return runs[runs.size() / 2];
+}
+
+double PhysicalMemoryBytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page_bytes = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page_bytes > 0 ? double(pages) * double(page_bytes) : 0.0;
 }
 
 }  // namespace cachet
