@@ -53,10 +53,6 @@ bool PeerClosed(int fd) {
   return poll(&p, 1, 0) > 0 && (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) != 0;
 }
 
-// A POST's body, read here rather than by httplib 0.11, whose reader caps only bodies sent with a
-// Content-Length (a chunked one grew without limit) and, for a request with neither a length nor
-// chunks, waits for the connection to close (RFC 7230 3.3.3: such a body is empty). The error is
-// the client's answer; the connection is then closed, its unread bytes with it.
 ApiError TooLarge(size_t max_bytes) {
   ApiError e;
   e.http_status = 413;
@@ -64,6 +60,10 @@ ApiError TooLarge(size_t max_bytes) {
   return e;
 }
 
+// A POST's body, read here rather than by httplib 0.11, whose reader caps only bodies sent with a
+// Content-Length (a chunked one grew without limit) and, for a request with neither a length nor
+// chunks, waits for the connection to close (RFC 7230 3.3.3: such a body is empty). The error is
+// the client's answer; the connection is then closed, its unread bytes with it.
 std::optional<ApiError> ReadBody(const httplib::Request& req, const httplib::ContentReader& read,
                                  size_t max_bytes, std::string* body) {
   ApiError e;
