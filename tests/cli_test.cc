@@ -209,6 +209,24 @@ TEST(Cli, MoreThreadsThanCpusAreCappedWithAWarning) {
       << two.err;
 }
 
+// A context far past the model's: a warning, and no bookkeeping for it up front (the pool's
+// filled 1.6 GB and took 5 s for -c 99999999 before the prompt started).
+TEST(Cli, AHugeContextWarnsAndCostsNothingUpFront) {
+  const RunResult huge = RunCachet("run -p \"In the beginning\" -n 8 --temp 0 -c 99999999");
+  const RunResult own = RunCachet("run -p \"In the beginning\" -n 8 --temp 0");
+  ASSERT_EQ(huge.status, 0) << huge.err;
+  ASSERT_EQ(own.status, 0) << own.err;
+  EXPECT_EQ(huge.out, own.out);
+  EXPECT_NE(huge.err.find("-c 99999999 is past the context the model was trained for (4096 "
+                          "tokens)"),
+            std::string::npos)
+      << huge.err;
+  EXPECT_EQ(own.err.find("past the context"), std::string::npos) << own.err;
+  const size_t at = huge.err.find("peak RSS ");
+  ASSERT_NE(at, std::string::npos) << huge.err;
+  EXPECT_LT(std::stod(huge.err.substr(at + 9)), 300) << huge.err;
+}
+
 // A bench point whose cache cannot fit the machine is refused before its prompt starts (it ran
 // until the OOM killer came). kvtiny's f32 KV holds 8256 bytes a token: twice the memory's worth.
 TEST(Cli, BenchRefusesAContextLargerThanMemory) {

@@ -142,6 +142,39 @@ TEST(KvCache, ClaimsHoldFreeSlots) {
   EXPECT_EQ(pool.used_pages(), 0);
 }
 
+// A pool's bookkeeping grows with the slots it hands out, not its capacity: a billion-page pool
+// starts at once, hands out slots from 0 in order, reuses the last freed first, and runs out
+// exactly at its capacity (a small one; the large one only to its first pages).
+TEST(KvCache, SlotsAreHandedOutLazilyInOrder) {
+  const KvLayout lay = SmallLayout();
+  PagePool huge(lay, size_t(1) << 36);
+  EXPECT_GT(huge.capacity_pages(), 1 << 20);
+  EXPECT_EQ(PagePool(lay, size_t(1) << 50).capacity_pages(), INT32_MAX);  // saturated
+  std::vector<int32_t> got;
+  ASSERT_TRUE(huge.Alloc(3, &got).ok());
+  EXPECT_EQ(got, (std::vector<int32_t>{0, 1, 2}));
+  EXPECT_EQ(huge.refcount(2), 1);
+  EXPECT_EQ(huge.refcount(1000), 0);  // never handed out
+  huge.Unref(1);
+  got.clear();
+  ASSERT_TRUE(huge.Alloc(2, &got).ok());
+  EXPECT_EQ(got, (std::vector<int32_t>{1, 3}));
+
+  PagePool pool(lay, 100 * lay.page_bytes());
+  got.clear();
+  for (int i = 0; i < 100; ++i) ASSERT_TRUE(pool.Alloc(1, &got).ok()) << i;
+  for (int i = 0; i < 100; ++i) EXPECT_EQ(got[i], i);
+  EXPECT_EQ(pool.Alloc(1, &got).code(), StatusCode::kResourceExhausted);
+  EXPECT_EQ(pool.Claim(false, 1), -1);
+  pool.Unref(42);
+  EXPECT_EQ(pool.free_pages(), 1);
+  ASSERT_TRUE(pool.Alloc(1, &got).ok());
+  EXPECT_EQ(got.back(), 42);
+  got.erase(got.begin() + 42);  // freed above, taken again last
+  for (int32_t p : got) pool.Unref(p);
+  EXPECT_EQ(pool.used_pages(), 0);
+}
+
 // Codec layouts whose context fits 16 bits store positions in 16: two bytes a token and table
 // less, and the same values read back (in place where they are 32-bit, widened otherwise).
 TEST(KvCache, PositionsIn16BitsWhereTheContextFits) {

@@ -223,6 +223,14 @@ void WarnThreadsCapped(const char* command, int asked, int used) {
                command, asked, used, used);
 }
 
+void WarnPastTrainedContext(const char* command, int n_ctx, const ModelConfig& c) {
+  if (n_ctx <= c.max_position_embeddings) return;
+  std::fprintf(stderr,
+               "%s: -c %d is past the context the model was trained for (%d tokens): output "
+               "past it may degrade\n",
+               command, n_ctx, c.max_position_embeddings);
+}
+
 std::unique_ptr<Engine> LoadEngine(const EngineOptions& o) {
   auto engine = Engine::Create(o);
   if (!engine.ok()) {
@@ -233,6 +241,7 @@ std::unique_ptr<Engine> LoadEngine(const EngineOptions& o) {
     std::fprintf(stderr, "cachet: --tier-zstd is ignored without --disk-cache or --redis\n");
   }
   WarnThreadsCapped("cachet", o.threads, (*engine)->threads());
+  WarnPastTrainedContext("cachet", (*engine)->n_ctx(), (*engine)->config());
   for (const std::string& flag : (*engine)->IgnoredKvOptions()) {
     std::fprintf(stderr, "cachet: %s is ignored in the plain f32 layout (--ctk/--ctv f32)\n",
                  flag.c_str());

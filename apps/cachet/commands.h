@@ -42,6 +42,8 @@ std::string ReadPrompt(const std::string& text, const std::string& file);
 std::unique_ptr<Engine> LoadEngine(const EngineOptions& o);
 // "<command>: -t <asked> is more threads than the CPUs ..." on stderr when the engine uses fewer.
 void WarnThreadsCapped(const char* command, int asked, int used);
+// "<command>: -c <n_ctx> is past the context the model was trained for ..." when it is.
+void WarnPastTrainedContext(const char* command, int n_ctx, const ModelConfig& c);
 
 void AddRun(CLI::App& app);
 void AddChat(CLI::App& app);

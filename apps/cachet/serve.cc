@@ -133,6 +133,7 @@ void AddServe(CLI::App& app) {
     if (!runtime.ok()) Fail(runtime.status().ToString());
     Runtime& rt = *runtime.value();
     WarnThreadsCapped("cachet serve", o->runtime.engine.threads, rt.threads());
+    WarnPastTrainedContext("cachet serve", rt.n_ctx(), rt.config());
 
     server::ServerOptions so = o->server;
     so.model_name = o->alias.empty() ? ModelName(path) : o->alias;

@@ -43,9 +43,6 @@ void PagePool::MapArena(Arena& a, size_t k_bytes, size_t v_bytes, size_t capacit
     a.base = static_cast<uint8_t*>(p);
     a.positions = a.base + data;
   }
-  a.refs.assign(a.slots, 0);
-  a.free.reserve(a.slots);
-  for (int32_t i = a.slots - 1; i >= 0; --i) a.free.push_back(i);
 }
 
 PagePool::PagePool(const KvLayout& layout, size_t capacity_bytes)
@@ -77,8 +74,8 @@ Status PagePool::Alloc(int n_raw, int n_codec, std::vector<int32_t>* raw,
   const size_t need = static_cast<size_t>(n_raw) * layout_.raw_page_bytes() +
                       static_cast<size_t>(n_codec) * layout_.codec_page_bytes();
   auto fits = [&] {
-    return need <= free_bytes() && n_raw <= static_cast<int>(raw_.free.size()) + claimed_[0] &&
-           n_codec <= static_cast<int>(codec_.free.size()) + claimed_[1];
+    return need <= free_bytes() && n_raw <= raw_.free_slots() + claimed_[0] &&
+           n_codec <= codec_.free_slots() + claimed_[1];
   };
   // Pages one reclaimer lets go may still be held by another (a chunk cache entry's pages are
   // also the prefix cache's): go round again while anything was let go.
@@ -97,13 +94,7 @@ Status PagePool::Alloc(int n_raw, int n_codec, std::vector<int32_t>* raw,
   }
   auto take = [&](Arena& a, int n, bool is_codec, std::vector<int32_t>* out) {
     for (int i = 0; i < n; ++i) {
-      int32_t slot;
-      if (!a.free.empty()) {
-        slot = a.free.back();
-        a.free.pop_back();
-      } else {
-        slot = StealClaimed(is_codec);
-      }
+      const int32_t slot = a.free_slots() > 0 ? a.PopFree() : StealClaimed(is_codec);
       Taken(a, slot);
       out->push_back(slot | (is_codec ? kCodecPageBit : 0));
     }
@@ -134,7 +125,7 @@ int32_t PagePool::StealClaimed(bool codec) {
 
 int32_t PagePool::Claim(bool codec, int n) {
   Arena& a = codec ? codec_ : raw_;
-  const int m = std::min(n, static_cast<int>(a.free.size()));
+  const int m = std::min(n, a.free_slots());
   if (m <= 0) return -1;
   int32_t id;
   if (!free_claims_.empty()) {
@@ -146,10 +137,7 @@ int32_t PagePool::Claim(bool codec, int n) {
   }
   ClaimedRun& c = claims_[id];
   c.slots.clear();
-  for (int i = 0; i < m; ++i) {  // the free stack's top: consecutive slots in a fresh pool
-    c.slots.push_back(a.free.back());
-    a.free.pop_back();
-  }
+  for (int i = 0; i < m; ++i) c.slots.push_back(a.PopFree());
   c.next = 0;
   c.codec = codec;
   c.live = true;

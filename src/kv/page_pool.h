@@ -5,8 +5,11 @@
 // refcounts; byte accounting is exact and the capacity (bytes) is a hard limit.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -126,12 +129,10 @@ class PagePool {
   int32_t raw_pages_used() const { return raw_.used; }
   int32_t codec_pages_used() const { return codec_.used; }
 
-  // Counts in units of the layout's page_bytes() (exact for a plain layout).
-  int32_t capacity_pages() const {
-    return static_cast<int32_t>(capacity_bytes_ / layout_.page_bytes());
-  }
+  // Counts in units of the layout's page_bytes() (exact for a plain layout), saturated.
+  int32_t capacity_pages() const { return Pages(capacity_bytes_); }
   int32_t used_pages() const { return raw_.used + codec_.used; }
-  int32_t free_pages() const { return static_cast<int32_t>(free_bytes() / layout_.page_bytes()); }
+  int32_t free_pages() const { return Pages(free_bytes()); }
   int32_t high_water_pages() const {
     return static_cast<int32_t>(high_water_bytes_ / layout_.page_bytes());
   }
@@ -161,7 +162,9 @@ class PagePool {
   // Copies a page's contents and positions into another page of the same kind (copy-on-write).
   void CopyPage(int32_t from, int32_t to);
   int32_t refcount(int32_t page) const {
-    return IsCodecPage(page) ? codec_.refs[page & ~kCodecPageBit] : raw_.refs[page];
+    const Arena& a = IsCodecPage(page) ? codec_ : raw_;
+    const int32_t slot = page & ~kCodecPageBit;
+    return slot < a.fresh ? a.refs[slot] : 0;
   }
   size_t page_bytes(int32_t page) const {
     return IsCodecPage(page) ? layout_.codec_page_bytes() : layout_.raw_page_bytes();
@@ -239,13 +242,38 @@ class PagePool {
     size_t mapped = 0;
     int32_t slots = 0;
     int32_t used = 0;
-    std::vector<int32_t> refs;
+    // Slots [fresh, slots) were never handed out: the bookkeeping grows with the slots used, not
+    // the capacity (a context of 10^8 tokens filled 1.6 GB of it at start-up).
+    int32_t fresh = 0;
+    std::vector<int32_t> refs;  // [0, fresh)
     std::vector<int32_t> free;  // a stack: recently freed (cache-warm) slots are reused first
+    int32_t free_slots() const { return static_cast<int32_t>(free.size()) + (slots - fresh); }
+    // The free stack's top, then the lowest fresh slot: a fresh pool hands out consecutive slots.
+    int32_t PopFree() {
+      if (!free.empty()) {
+        const int32_t slot = free.back();
+        free.pop_back();
+        return slot;
+      }
+      if (static_cast<size_t>(fresh) == refs.size()) {
+        refs.resize(std::min<size_t>(slots, std::max<size_t>(64, refs.size() * 2)));
+      }
+      return fresh++;
+    }
   };
+  int32_t Pages(size_t bytes) const {
+    return static_cast<int32_t>(std::min<size_t>(bytes / layout_.page_bytes(), INT32_MAX));
+  }
   void MapArena(Arena& a, size_t k_bytes, size_t v_bytes, size_t capacity_bytes);
   size_t codec_data_bytes() const { return layout_.codec_k_bytes() + layout_.codec_v_bytes(); }
   int32_t& refs(int32_t page) {
-    return IsCodecPage(page) ? codec_.refs[page & ~kCodecPageBit] : raw_.refs[page];
+    Arena& a = IsCodecPage(page) ? codec_ : raw_;
+    const int32_t slot = page & ~kCodecPageBit;
+    if (slot >= a.fresh) {
+      std::fprintf(stderr, "cachet: internal error: page %d was never allocated\n", page);
+      std::abort();
+    }
+    return a.refs[slot];
   }
 
   struct ClaimedRun {
