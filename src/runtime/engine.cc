@@ -69,8 +69,8 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
                                     : layout.staged()
                                         ? raw_bytes + layout.codec_page_bytes()
                                         : std::max(raw_bytes, layout.codec_page_bytes());
-  // The pool maps address space only, but its page bookkeeping grows with the capacity (8 GiB of
-  // it for a mistyped 10^8 MiB): no more than the machine's memory.
+  // The pool maps address space only and keeps books on the slots it hands out, but a budget
+  // past the machine's memory is a typo that would end at the OOM killer, not a full pool.
   const double ram_mib = PhysicalMemoryBytes() / (1 << 20);
   if (o.kv_mem_mib > 0 && ram_mib > 0 && double(o.kv_mem_mib) > ram_mib) {
     char ram[32];
