@@ -109,6 +109,21 @@ void AddServe(CLI::App& app) {
          "as often as it takes to fit, at admission; X-Cachet-History-Pressed says so, "
          "usage.prompt_tokens counts every message, and the pressed pages are not cached)")
       ->type_name("POLICY");
+  cmd->add_option_function<std::string>(
+         "--reasoning-format",
+         [o](const std::string& name) {
+           Result<server::ReasoningFormat> parsed = server::ParseReasoningFormat(name);
+           if (!parsed.ok()) {
+             throw CLI::ValidationError("--reasoning-format", parsed.status().message());
+           }
+           o->server.reasoning_format = *parsed;
+         },
+         "How a chat reply's thinking is returned, as llama-server does: deepseek (or auto, the "
+         "default): a reply that opens with <think>, or whose prompt opened it (DeepSeek-R1's "
+         "template), has its thinking in message.reasoning_content (streamed as "
+         "delta.reasoning_content) and the rest in content; none: the reply as generated, all "
+         "in content. A request's reasoning_format field overrides it")
+      ->type_name("FORMAT");
   cmd->add_flag("--log-requests", o->server.log_requests,
                 "Print one line per HTTP request (method, path, status) to stderr");
   cmd->callback([o] {

@@ -16,11 +16,19 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include "cachet/chat_template.h"
 #include "cachet/serving.h"
 
 namespace cachet::server {
+
+// What a chat reply is split by (--reasoning-format, a request's `reasoning_format`): "none", the
+// reply as generated, all in `content`; "deepseek" (and "auto", llama.cpp's default name for it),
+// its <think> part in `reasoning_content` (DeepSeek's API shape).
+enum class ReasoningFormat : uint8_t { kNone, kDeepSeek };
+// "none", "deepseek" or "auto"; anything else is InvalidArgument naming the three.
+Result<ReasoningFormat> ParseReasoningFormat(std::string_view name);
 
 struct ServerOptions {
   std::string model_name;  // the id /v1/models lists and requests may name
@@ -37,6 +45,7 @@ struct ServerOptions {
   // --on-full: what a chat that leaves too little room in the context gets: a 400 (error), its
   // oldest turns after the system prompt dropped (shift), or its history pressed (press).
   press::OnFull on_full;
+  ReasoningFormat reasoning_format = ReasoningFormat::kDeepSeek;
 };
 
 class Server {

@@ -36,6 +36,7 @@ struct ServedModel {
   // press: the history between the system prompt and the last message is pressed until it fits
   // (CompletionRequest::fit), when the request is admitted.
   press::OnFull on_full;
+  ReasoningFormat reasoning_format = ReasoningFormat::kDeepSeek;  // unless a request names one
 };
 
 // Completions' default max_tokens (OpenAI's); chat's is the rest of the context.
@@ -50,6 +51,10 @@ struct PreparedRequest {
   bool include_usage = false;
   int dropped_messages = 0;      // by on_full shift (the X-Cachet-Dropped-Messages header)
   bool history_pressed = false;  // by on_full press (the X-Cachet-History-Pressed header)
+  // Chat replies split into reasoning_content and content (server/reasoning.h); opened: the
+  // generation prompt ended inside <think> (ChatTemplate::open_think).
+  bool split_reasoning = false;
+  bool reasoning_opened = false;
 };
 
 // default_seed: the seed of a request that names none. cache: the kept cache parsed.cache_id

@@ -543,6 +543,14 @@ Result<ParsedRequest> ParseRequest(std::string_view text, Endpoint endpoint,
     r.cache_id = std::move(*cache_id);
   }
   CACHET_RETURN_IF_ERROR(ParseChunks(body, &r));
+  std::optional<std::string> reasoning;  // llama.cpp server's field
+  CACHET_RETURN_IF_ERROR(GetString(body, "reasoning_format", &reasoning));
+  if (reasoning) {
+    if (endpoint != Endpoint::kChat) return Bad("reasoning_format", "only for chat completions");
+    Result<ReasoningFormat> f = ParseReasoningFormat(*reasoning);
+    if (!f.ok()) return Bad("reasoning_format", f.status().message());
+    r.reasoning_format = f.value();
+  }
 
   CACHET_RETURN_IF_ERROR(RejectUnsupported(body, endpoint, r.n));
   std::optional<std::string> user;  // accepted, unused

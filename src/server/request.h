@@ -21,6 +21,7 @@
 #include "cachet/press.h"
 #include "cachet/reuse.h"
 #include "cachet/sampling.h"
+#include "cachet/server.h"
 #include "cachet/status.h"
 
 namespace cachet::server {
@@ -70,6 +71,8 @@ struct ParsedRequest {
   // Or: the prompt cut at this string, every piece between two separators a chunk (the first and
   // last pieces plain text; the separators removed), as `cachet run --chunk-sep` does.
   std::string chunk_separator;
+  // Chat: how the reply's thinking is returned; unset: the server's --reasoning-format.
+  std::optional<ReasoningFormat> reasoning_format;
 };
 
 // The body of POST /v1/completions or /v1/chat/completions. Unknown fields are ignored (as vLLM

@@ -182,6 +182,7 @@ std::string CompletionResponse(const ResponseMeta& meta, std::span<const ChoiceO
     json choice = {{"index", i}};
     if (chat) {
       choice["message"] = {{"role", "assistant"}, {"content", c.text}, {"refusal", nullptr}};
+      if (c.reasoned) choice["message"]["reasoning_content"] = c.reasoning;
       choice["logprobs"] = meta.logprobs ? ChatLogprobs(c.logprobs, token_text) : json(nullptr);
     } else {
       choice["text"] = c.text;
@@ -213,8 +214,9 @@ std::string StreamChunk(const ResponseMeta& meta, const ChunkContent& c,
     json delta = json::object();
     if (c.role_only) {
       delta = {{"role", "assistant"}, {"content", ""}};
-    } else if (!c.text.empty()) {
-      delta["content"] = c.text;
+    } else {
+      if (!c.reasoning.empty()) delta["reasoning_content"] = c.reasoning;
+      if (!c.text.empty()) delta["content"] = c.text;
     }
     choice["delta"] = std::move(delta);
     choice["logprobs"] =

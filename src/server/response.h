@@ -49,9 +49,11 @@ struct ResponseMeta {
 
 // One choice of a finished (non-streamed) request.
 struct ChoiceOutput {
-  std::string text;
+  std::string text;  // chat: the content
   std::vector<TokenLogprob> logprobs;
-  std::string finish_reason;  // "stop" or "length"
+  std::string finish_reason;   // "stop" or "length"
+  std::string reasoning = {};  // chat: reasoning_content, when reasoned
+  bool reasoned = false;
 };
 
 // A new id: prefix + 24 random hex digits.
@@ -68,12 +70,14 @@ std::string SseEvent(std::string_view json);
 
 // One stream chunk of choice `index` (`object` "text_completion" or "chat.completion.chunk").
 // Chat: role_only gives the opening chunk (delta {"role": "assistant", "content": ""}); a chunk
-// with a finish_reason has an empty delta when text is empty. with_usage_null: every chunk then
+// with a finish_reason has an empty delta when text is empty; reasoning goes in the delta's
+// reasoning_content (DeepSeek's and llama.cpp's stream shape). with_usage_null: every chunk then
 // has "usage": null, as OpenAI writes them when stream_options.include_usage is set.
 struct ChunkContent {
   int index = 0;
   bool role_only = false;
   std::string_view text;
+  std::string_view reasoning;  // chat
   std::span<const TokenLogprob> logprobs;
   std::string_view finish_reason;  // empty: null
 };

@@ -20,6 +20,7 @@
 #include "cachet/tokenizer.h"
 #include "connection.h"
 #include "prepare.h"
+#include "reasoning.h"
 #include "response.h"
 
 namespace cachet::server {
@@ -87,6 +88,7 @@ ServedModel Describe(const Runtime& rt, const ServerOptions& o) {
   model.page_tokens = kv.page_tokens;
   model.heads_total = int64_t{rt.config().n_layers} * rt.config().n_kv_heads;
   model.on_full = o.on_full;
+  model.reasoning_format = o.reasoning_format;
   return model;
 }
 
@@ -323,6 +325,15 @@ void Server::Impl::Respond(const std::shared_ptr<Exchange>& ex, const PreparedRe
   }
   if (!error.ok()) return SendError(res, error);
   if (cancelled) return SendError(res, Stopping());
+  if (p.split_reasoning) {
+    for (ChoiceOutput& c : out) {
+      ReasoningSplit split(p.reasoning_opened);
+      ReasoningSplit::Piece a = split.Feed(c.text), b = split.Finish();
+      c.text = a.content + b.content;
+      c.reasoning = a.reasoning + b.reasoning;
+      c.reasoned = split.reasoned();
+    }
+  }
   res.set_content(CompletionResponse(meta, out, Total(usage), token_text()), kJson);
 }
 
@@ -347,6 +358,7 @@ bool Server::Impl::Stream(Exchange& ex, const PreparedRequest& p, const Response
     if (!flush()) return false;
   }
   std::vector<Usage> usage(p.n);
+  std::vector<ReasoningSplit> splits(p.n, ReasoningSplit(p.reasoning_opened));
   for (int left = p.n; left > 0;) {
     std::deque<Exchange::Item> batch;
     {
@@ -371,8 +383,20 @@ bool Server::Impl::Stream(Exchange& ex, const PreparedRequest& p, const Response
       }
       ChunkContent c;
       c.index = item.index;
-      if (!e.text.empty() || !e.logprobs.empty()) {
+      ReasoningSplit::Piece piece;
+      if (p.split_reasoning) {
+        piece = splits[item.index].Feed(e.text);
+        if (e.finished) {
+          ReasoningSplit::Piece rest = splits[item.index].Finish();
+          piece.reasoning += rest.reasoning;
+          piece.content += rest.content;
+        }
+        c.text = piece.content;
+        c.reasoning = piece.reasoning;
+      } else {
         c.text = e.text;
+      }
+      if (!c.text.empty() || !c.reasoning.empty() || !e.logprobs.empty()) {
         c.logprobs = e.logprobs;
         out += SseEvent(StreamChunk(meta, c, text_of, usage_null));
       }

@@ -565,6 +565,56 @@ if (group === "stream") {
 
 // ---------------------------------------------------------------- errors
 
+// The server started with --chat-template deepseek (R1's: the generation prompt opens <think>).
+if (group === "reasoning") {
+  // What --reasoning-format deepseek makes of a raw reply: thinking up to the first </think>,
+  // then the answer past the white space after it.
+  const split = (raw) => {
+    const end = raw.indexOf("</think>");
+    if (end < 0) return { reasoning: raw, content: "" };
+    return { reasoning: raw.slice(0, end), content: raw.slice(end + 8).replace(/^\s+/, "") };
+  };
+
+  check("chat: the reply's thinking in reasoning_content, as the raw reply splits", async () => {
+    const raw = await chatGreedy("Hello there", 24, { reasoning_format: "none" });
+    const msg = (await chatGreedy("Hello there", 24)).choices[0].message;
+    assert.ok(raw.choices[0].message.content.length > 0);
+    assert.ok(!("reasoning_content" in raw.choices[0].message));
+    const want = split(raw.choices[0].message.content);
+    assert.equal(msg.reasoning_content, want.reasoning);
+    assert.equal(msg.content, want.content);
+  });
+
+  check("chat stream: reasoning_content deltas add up to the non-streamed split", async () => {
+    const whole = (await chatGreedy("Tell me more", 24)).choices[0].message;
+    const stream = await chatGreedy("Tell me more", 24, { stream: true });
+    let reasoning = "";
+    let content = "";
+    let pieces = 0;
+    for await (const chunk of stream) {
+      for (const c of chunk.choices) {
+        if (c.delta?.reasoning_content) ++pieces;
+        reasoning += c.delta?.reasoning_content ?? "";
+        content += c.delta?.content ?? "";
+      }
+    }
+    assert.ok(pieces >= 2, "thinking streams as it is generated");
+    assert.equal(reasoning, whole.reasoning_content);
+    assert.equal(content, whole.content);
+  });
+
+  check("completions are never split; a bad reasoning_format is a 400", async () => {
+    const c = await greedy("<think>", 8);
+    assert.ok(!("reasoning_content" in c.choices[0]));
+    await expectError(
+      "/v1/chat/completions",
+      { messages: [{ role: "user", content: "x" }], reasoning_format: "xml" },
+      400,
+      { param: "reasoning_format", contains: "not a reasoning format" },
+    );
+  });
+}
+
 async function expectError(path, body, status, { param, code, headers, contains } = {}) {
   const r = await post(path, body, headers);
   assert.equal(r.status, status, `${path} ${String(body).slice(0, 80)} -> ${r.text}`);

@@ -7,7 +7,8 @@
 #
 # usage: tests/server/run.sh CACHET_BINARY WORK_DIR GROUP
 #   GROUP: api (completions, chat, n, stop, logprobs, cached_tokens, tokenize, metrics),
-#          stream (SSE shapes), errors (every bad input, 401, 503), load (concurrency,
+#          stream (SSE shapes; then a server with --chat-template deepseek: reasoning_content),
+#          errors (every bad input, 401, 503), load (concurrency,
 #          disconnects), caches (/v1/caches with --disk-cache: caches.mjs, then a restarted
 #          server finds the cache). Environment: THREADS (2), CLIENT_TIMEOUT (240 s).
 set -euo pipefail
@@ -114,6 +115,12 @@ stop_cleanly
 if [ "$group" = caches ]; then  # the same --disk-cache: the cache made before is found
   start_server
   client caches_restart
+  stop_cleanly
+fi
+if [ "$group" = stream ]; then  # DeepSeek-R1's template: replies split into reasoning_content
+  args+=(--chat-template deepseek)
+  start_server
+  client reasoning
   stop_cleanly
 fi
 echo "tests/server/run.sh: $group passed; the server stopped cleanly" >&2
