@@ -3,7 +3,8 @@
 // Checks, besides ASan/UBSan: what parses satisfies the limits it was parsed under (n, logprobs,
 // stop strings, token ids), and every error becomes valid OpenAI-style error JSON naming a field
 // only when the message starts with one; the response writers take the input as generated text
-// (any bytes, invalid UTF-8 included) and still write valid JSON. A violation aborts.
+// (any bytes, invalid UTF-8 included) and still write valid JSON, and split its thinking
+// (server/reasoning.h) the same however a stream cuts it. A violation aborts.
 // Build and run: scripts/fuzz.sh [seconds] server_request.
 //
 // With CACHET_FUZZ_SEED_DIR set, LLVMFuzzerInitialize first writes seed inputs there.
@@ -16,6 +17,7 @@
 #include <string_view>
 #include <vector>
 
+#include "server/reasoning.h"
 #include "server/request.h"
 #include "server/response.h"
 
@@ -38,6 +40,10 @@ void WriteSeeds(const std::string& dir) {
       R"({"prompt": "doc", "cache_id": "kvc-0", "cache_salt": "t"})",
       R"({"prompt": [[1, 2]], "top_p": 0.5, "top_k": -1, "min_p": 0.1, "ignore_eos": true,
           "kv_press": {"name": "knorm+demote:rot3+qjl", "budget": 4}})",
+      // As generated replies (the reasoning split): thinking closed, unclosed, opened mid-tag.
+      " <think>Let me see.</think>\n\nParis.",
+      "Hmm, so </think> yes </thi",
+      "<thi<think>nk></think>",
   };
   int i = 0;
   for (const std::string& s : seeds) {
@@ -68,6 +74,33 @@ void CheckError(const cachet::Status& s) {
 }
 
 constexpr int32_t kVocab = 1000;
+
+// The text as a reply split whole and in pieces of 1..8 bytes cut where its own bytes say: the
+// same; a reply with no <think> part is all content; an opened one with no </think> all reasoning.
+void CheckReasoningSplit(std::string_view text, bool opened) {
+  using cachet::server::ReasoningSplit;
+  ReasoningSplit whole(opened), cut(opened);
+  ReasoningSplit::Piece a = whole.Feed(text), a_end = whole.Finish();
+  std::string reasoning = a.reasoning + a_end.reasoning, content = a.content + a_end.content;
+  std::string r2, c2;
+  for (size_t at = 0; at < text.size();) {
+    const size_t n = std::min<size_t>(text.size() - at, 1 + static_cast<uint8_t>(text[at]) % 8);
+    ReasoningSplit::Piece p = cut.Feed(text.substr(at, n));
+    r2 += p.reasoning;
+    c2 += p.content;
+    at += n;
+  }
+  ReasoningSplit::Piece end = cut.Finish();
+  r2 += end.reasoning;
+  c2 += end.content;
+  if (r2 != reasoning || c2 != content || cut.reasoned() != whole.reasoned()) {
+    Fail("the reasoning split depends on how the stream is cut", std::string(text));
+  }
+  if (!whole.reasoned() && content != text) Fail("a reply without thinking changed", "");
+  if (opened && text.find("</think>") == text.npos && reasoning != text) {
+    Fail("an unclosed thinking is not all reasoning", std::string(text));
+  }
+}
 
 void CheckParsed(const cachet::server::ParsedRequest& r, const cachet::server::ParseLimits& l) {
   if (r.n < 1 || r.n > l.max_n) Fail("n out of range", std::to_string(r.n));
@@ -132,6 +165,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   } else {
     CheckError(d.status());
   }
+
+  CheckReasoningSplit(body, size % 3 == 0);
 
   // The input as generated text: the writers must still produce valid JSON.
   ResponseMeta meta;
