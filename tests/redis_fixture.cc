@@ -121,6 +121,9 @@ std::string RedisServers::Start(int n, bool cluster) {
               "",       "--appendonly", "no",
               "--dir",  s.dir,          "--daemonize",
               "no",     "--logfile",    s.dir + "/redis.log"};
+    if (!password_.empty()) {
+      s.args.insert(s.args.end(), {"--requirepass", password_, "--masterauth", password_});
+    }
     if (cluster) {
       s.args.insert(s.args.end(),
                     {"--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"});
@@ -166,7 +169,8 @@ std::string RedisServers::WaitReady(const Server& s) {
     redisContext* c = redisConnectWithTimeout("127.0.0.1", s.port, timeval{0, 200000});
     if (c != nullptr && c->err == 0) {
       redisSetTimeout(c, timeval{1, 0});
-      RedisReply r(static_cast<redisReply*>(redisCommand(c, "PING")));
+      const std::string auth = Auth(c);
+      RedisReply r(auth.empty() ? static_cast<redisReply*>(redisCommand(c, "PING")) : nullptr);
       redisFree(c);
       if (r && r->type == REDIS_REPLY_STATUS) return "";
     } else if (c != nullptr) {
@@ -243,6 +247,10 @@ RedisReply RedisServers::Command(int i, const std::vector<std::string>& args) co
     return nullptr;
   }
   redisSetTimeout(c, timeval{1, 0});
+  if (!Auth(c).empty()) {
+    redisFree(c);
+    return nullptr;
+  }
   std::vector<const char*> argv;
   std::vector<size_t> argl;
   for (const std::string& a : args) {
@@ -253,6 +261,14 @@ RedisReply RedisServers::Command(int i, const std::vector<std::string>& args) co
       redisCommandArgv(c, static_cast<int>(argv.size()), argv.data(), argl.data())));
   redisFree(c);
   return r;
+}
+
+std::string RedisServers::Auth(redisContext* c) const {
+  if (password_.empty()) return "";
+  RedisReply r(
+      static_cast<redisReply*>(redisCommand(c, "AUTH %b", password_.data(), password_.size())));
+  if (r && r->type == REDIS_REPLY_STATUS) return "";
+  return r ? std::string(r->str, r->len) : std::string(c->errstr);
 }
 
 std::string RedisServers::Log(int i) const { return ReadFile(servers_[i].dir + "/redis.log"); }

@@ -33,6 +33,9 @@ class RedisServers {
   // Starts n servers, standalone or as one cluster (then waits for cluster_state:ok on every
   // node), each answering PING before it returns. "" on success, else why not.
   std::string Start(int n, bool cluster);
+  // Before Start: the servers require this password (requirepass; the fixture's own commands
+  // send AUTH).
+  void RequirePassword(std::string password) { password_ = std::move(password); }
 
   int size() const { return static_cast<int>(servers_.size()); }
   int port(int i) const { return servers_[i].port; }
@@ -59,8 +62,12 @@ class RedisServers {
   std::string WaitReady(const Server& s);
   std::string FormCluster();
 
+  // AUTH on c when the servers require a password: "" or why it failed.
+  std::string Auth(redisContext* c) const;
+
   TempDir dir_;
   std::string binary_;
+  std::string password_;
   std::vector<Server> servers_;
 };
 

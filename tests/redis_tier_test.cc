@@ -154,7 +154,10 @@ TEST(RedisUrl, ParsesNodesAndNamesTheBadPart) {
       {"redis://h:/1", "port \"\""},
       {"redis://h:1/x", "database \"x\""},
       {"redis://h:1/-1", "database \"-1\""},
-      {"redis://user:pw@h:1", "credentials"},
+      {"redis://user@h:1", "credentials must be user:password@ or :password@"},
+      {"redis://:@h:1", "an empty password"},
+      {"redis://:p%4@h:1", "%-escape"},
+      {"redis://:a@h:1,redis://:b@g:2", "different credentials"},
       {"redis://::1:6379", "brackets"},
       {"redis://[::1:6379", "closing ']'"},
       {"redis://h:1?timeout=1", "options"},
@@ -169,6 +172,37 @@ TEST(RedisUrl, ParsesNodesAndNamesTheBadPart) {
         << text << " -> " << r.status().message();
     EXPECT_NE(r.status().message().find("--redis"), std::string::npos) << r.status().message();
   }
+}
+
+// Credentials: user and password (percent-decoded), given once for every node, never shown in an
+// error; a URL without them takes $CACHET_REDIS_PASSWORD's.
+TEST(RedisUrl, CredentialsAreParsedAndNeverShown) {
+  auto u = ParseRedisUrl("redis://alice:s%40cr%3At@127.0.0.1:7000/1,redis://127.0.0.1:7001/1");
+  ASSERT_TRUE(u.ok()) << u.status().ToString();
+  EXPECT_EQ(u->user, "alice");
+  EXPECT_EQ(u->password, "s@cr:t");
+  EXPECT_EQ(u->nodes.size(), 2u);
+  EXPECT_EQ(u->db, 1);
+  u = ParseRedisUrl("redis://:hunter2@h");
+  ASSERT_TRUE(u.ok()) << u.status().ToString();
+  EXPECT_EQ(u->user, "");
+  EXPECT_EQ(u->password, "hunter2");
+  EXPECT_EQ(u->nodes[0].host, "h");
+  for (const char* text :
+       {"redis://:hunter2@h:0", "redis://bob:hunter2@:1", "redis://:hunter2@h/x"}) {
+    auto bad = ParseRedisUrl(text);
+    ASSERT_FALSE(bad.ok()) << text;
+    EXPECT_EQ(bad.status().message().find("hunter2"), std::string::npos) << bad.status().message();
+    EXPECT_NE(bad.status().message().find(":***@"), std::string::npos) << bad.status().message();
+  }
+  ::setenv("CACHET_REDIS_PASSWORD", "from-env", 1);
+  auto o = RedisOptionsFromUrl("redis://h:1");
+  auto given = RedisOptionsFromUrl("redis://:given@h:1");
+  ::unsetenv("CACHET_REDIS_PASSWORD");
+  ASSERT_TRUE(o.ok() && given.ok());
+  EXPECT_EQ(o->password, "from-env");
+  EXPECT_EQ(given->password, "given");
+  EXPECT_EQ(RedisOptionsFromUrl("redis://h:1")->password, "");
 }
 
 TEST(RedisSlot, Crc16OfKeysAndHashTags) {
@@ -274,6 +308,58 @@ TEST(RedisTier, SelectsTheUrlsDatabase) {
   auto bad = RedisTier::Open(o);
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("SELECT 999"), std::string::npos) << bad.status().message();
+}
+
+// A server that requires a password (requirepass) and an ACL user: the tier AUTHs on every
+// connection; a wrong or missing password is refused at Open, naming AUTH or NOAUTH, never the
+// password.
+TEST(RedisTier, AuthenticatesWithPasswordOrAclUser) {
+  RedisServers s;
+  s.RequirePassword("p4ss-word");
+  START_OR_FAIL(s, 1, false);
+  RedisTierOptions o = Options(s);
+  o.password = "p4ss-word";
+  auto tier = OpenTier(o);
+  ASSERT_NE(tier, nullptr);
+  const TestRun r = MakeRun(7);
+  ASSERT_TRUE(tier->Put(Batch({r})).ok());
+  ASSERT_TRUE(tier->Drain(5000));  // the writer's own connection AUTHs too
+  EXPECT_TRUE(Is(tier->Get(std::vector<RunKey>{r.key})[0], r.bytes));
+  EXPECT_EQ(Integer(s.Command(0, {"DBSIZE"})), 1);
+
+  o.password = "wrong-one";
+  auto wrong = RedisTier::Open(o);
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_NE(wrong.status().message().find("AUTH: WRONGPASS"), std::string::npos)
+      << wrong.status().message();
+  EXPECT_EQ(wrong.status().message().find("wrong-one"), std::string::npos);
+  o.password.clear();
+  auto none = RedisTier::Open(o);
+  ASSERT_FALSE(none.ok());
+  EXPECT_NE(none.status().message().find("NOAUTH"), std::string::npos) << none.status().message();
+
+  // The least an ACL user needs, as docs/DEPLOY.md lists it: the tier's keys and commands.
+  RedisReply acl =
+      s.Command(0, {"ACL", "SETUSER", "cachet", "on", ">us3r-pw", "~ckv:*", "+get", "+set",
+                    "+getex", "+exists", "+del", "+select", "+asking", "+cluster"});
+  ASSERT_TRUE(acl && acl->type == REDIS_REPLY_STATUS) << (acl ? acl->str : "no reply");
+  o.user = "cachet";
+  o.password = "us3r-pw";
+  auto user = OpenTier(o);
+  ASSERT_NE(user, nullptr);
+  EXPECT_TRUE(Is(user->Get(std::vector<RunKey>{r.key})[0], r.bytes));
+  const TestRun r2 = MakeRun(8);
+  ASSERT_TRUE(user->Put(Batch({r2})).ok());
+  ASSERT_TRUE(user->Drain(5000));
+  EXPECT_TRUE(Is(user->Get(std::vector<RunKey>{r2.key})[0], r2.bytes));
+  user->Erase(r2.key);
+  EXPECT_EQ(user->Exists(std::vector<RunKey>{r2.key}), std::vector<bool>{false});
+  EXPECT_EQ(user->stats().errors, 0);
+  o.password = "p4ss-word";  // the default user's password is not this user's
+  auto mixed = RedisTier::Open(o);
+  ASSERT_FALSE(mixed.ok());
+  EXPECT_NE(mixed.status().message().find("AUTH as cachet: WRONGPASS"), std::string::npos)
+      << mixed.status().message();
 }
 
 TEST(RedisTier, ChainLookupStopsAtTheFirstMiss) {
@@ -486,14 +572,17 @@ TEST(RedisTier, FullWriteQueueDropsInsteadOfWaiting) {
 // ---------------------------------------------------------------------------------------------
 // A 3-node Redis Cluster
 
-TEST(RedisCluster, KeysSpreadOverTheNodesAndRoundTrip) {
+// password: the nodes require it (every node the slot map names is AUTHed to as it is reached).
+void ClusterRoundTrip(const std::string& password) {
   RedisServers s;
+  s.RequirePassword(password);
   START_OR_FAIL(s, 3, true);
   RedisTierOptions o = Options(s);
   o.nodes.clear();
   auto url = ParseRedisUrl(s.ClusterUrl());
   ASSERT_TRUE(url.ok()) << url.status().ToString();
   o.nodes = url->nodes;
+  o.password = password;
   auto tier = OpenTier(o);
   ASSERT_NE(tier, nullptr);
   EXPECT_TRUE(tier->cluster());
@@ -526,6 +615,9 @@ TEST(RedisCluster, KeysSpreadOverTheNodesAndRoundTrip) {
   EXPECT_NE(bad.status().message().find("only database 0"), std::string::npos)
       << bad.status().message();
 }
+
+TEST(RedisCluster, KeysSpreadOverTheNodesAndRoundTrip) { ClusterRoundTrip(""); }
+TEST(RedisCluster, PasswordOnEveryNode) { ClusterRoundTrip("cluster-pw"); }
 
 std::string NodeId(const RedisServers& s, int node) {
   RedisReply r = s.Command(node, {"CLUSTER", "MYID"});
@@ -664,6 +756,27 @@ TEST(RedisEngine, SecondEngineServesThePromptFromRedis) {
   EXPECT_EQ(second.kv.tiers[0].hits, 3);
   EXPECT_EQ(second.kv.tiers[0].bytes_written, 0);
   EXPECT_EQ(second.kv.tiers[0].errors, 0);
+}
+
+// --redis with credentials, end to end: a server that requires a password serves the second
+// engine's prompt; a wrong password stops the engine at start, naming AUTH.
+TEST(RedisEngine, PasswordInTheUrl) {
+  RedisServers s;
+  s.RequirePassword("kv pass");
+  const std::string why = s.Start(1, false);
+  ASSERT_TRUE(why.empty()) << "redis-server: " << why;
+  const std::string url = "redis://:kv%20pass@127.0.0.1:" + std::to_string(s.port(0));
+  const auto prompt = PromptOf(600);
+  const Outcome first = Eval(RedisOptions(url), prompt);
+  const Outcome second = Eval(RedisOptions(url), prompt);
+  EXPECT_EQ(second.logits, first.logits);
+  EXPECT_EQ(second.kv.prefix_hit_tokens, 592);
+  ASSERT_EQ(second.kv.tiers.size(), 1u);
+  EXPECT_EQ(second.kv.tiers[0].loaded_tokens, 592);
+  auto e = Engine::Create(RedisOptions("redis://:nope@127.0.0.1:" + std::to_string(s.port(0))));
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("AUTH: WRONGPASS"), std::string::npos)
+      << e.status().message();
 }
 
 // Disk over Redis: a process with an empty disk cache gets the prompt from Redis, and says so.

@@ -112,12 +112,14 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o, const char* default_codec) 
   app.add_flag("--tier-zstd", o.tier_zstd,
                "Compress the runs --disk-cache and --redis store with zstd (level 1): about half "
                "the bytes for f32/f16 pages, little for quantized ones; readers inflate any run");
-  app.add_option("--redis", o.redis_url,
-                 "Keep cached prompt prefixes in Redis too (under --disk-cache, if given), shared "
-                 "by every process pointed at it: redis://host[:port][/db], or a Redis Cluster's "
-                 "nodes comma-separated. Runs expire after 24 h; writes are queued in the "
-                 "background and dropped rather than delaying a request; a failing server is "
-                 "skipped until it recovers")
+  app.add_option(
+         "--redis", o.redis_url,
+         "Keep cached prompt prefixes in Redis too (under --disk-cache, if given), shared "
+         "by every process pointed at it: redis://[[user]:password@]host[:port][/db] "
+         "(the password percent-encoded, or in $CACHET_REDIS_PASSWORD), or a Redis "
+         "Cluster's nodes comma-separated. Runs expire after 24 h; writes are queued in the "
+         "background and dropped rather than delaying a request; a failing server is "
+         "skipped until it recovers")
       ->check(NonEmpty());
 }
 

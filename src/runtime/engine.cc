@@ -115,10 +115,8 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
   if (!o.redis_url.empty()) {
     if (!e->prefix_)
       return InvalidArgument("--redis needs the prefix cache (drop --no-prefix-cache)");
-    CACHET_ASSIGN_OR_RETURN(const tiers::RedisUrl url, tiers::ParseRedisUrl(o.redis_url));
-    tiers::RedisTierOptions r;
-    r.nodes = url.nodes;
-    r.db = url.db;
+    CACHET_ASSIGN_OR_RETURN(const tiers::RedisTierOptions r,
+                            tiers::RedisOptionsFromUrl(o.redis_url));
     CACHET_ASSIGN_OR_RETURN(std::unique_ptr<tiers::RedisTier> redis, tiers::RedisTier::Open(r));
     stack.push_back(std::move(redis));
   }

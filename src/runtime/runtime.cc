@@ -30,10 +30,8 @@ Result<std::unique_ptr<Runtime>> Runtime::Create(const RuntimeOptions& options) 
   if (cache_dir.empty() && !eo.disk_cache_dir.empty()) cache_dir = eo.disk_cache_dir + "/caches";
   std::unique_ptr<tiers::RedisTier> cache_redis;  // its own connections, beside the tier's
   if (!eo.redis_url.empty()) {
-    CACHET_ASSIGN_OR_RETURN(const tiers::RedisUrl url, tiers::ParseRedisUrl(eo.redis_url));
-    tiers::RedisTierOptions r;
-    r.nodes = url.nodes;
-    r.db = url.db;
+    CACHET_ASSIGN_OR_RETURN(const tiers::RedisTierOptions r,
+                            tiers::RedisOptionsFromUrl(eo.redis_url));
     CACHET_ASSIGN_OR_RETURN(cache_redis, tiers::RedisTier::Open(r));
   }
   if (options.cache_mem_bytes < 0) return InvalidArgument("--cache-mem-mib must be >= 0");

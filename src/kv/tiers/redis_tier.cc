@@ -211,6 +211,19 @@ redisContext* RedisTier::Connect(Conns& conns, const RedisNode& node, std::strin
     redisFree(c);
     return nullptr;
   }
+  if (!options_.password.empty()) {  // before anything else: every command needs it
+    Reply r(static_cast<redisReply*>(
+        options_.user.empty()
+            ? redisCommand(c, "AUTH %b", options_.password.data(), options_.password.size())
+            : redisCommand(c, "AUTH %b %b", options_.user.data(), options_.user.size(),
+                           options_.password.data(), options_.password.size())));
+    if (!r || r->type == REDIS_REPLY_ERROR) {
+      *why = "AUTH" + (options_.user.empty() ? std::string() : " as " + options_.user) + ": " +
+             (r ? RedisReplyText(r.get()) : c->errstr);
+      redisFree(c);
+      return nullptr;
+    }
+  }
   if (!probing_ && !cluster_ && options_.db != 0) {
     Reply r(static_cast<redisReply*>(redisCommand(c, "SELECT %d", options_.db)));
     if (!r || r->type == REDIS_REPLY_ERROR) {

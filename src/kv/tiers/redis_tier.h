@@ -60,12 +60,16 @@ struct RedisNode {
   bool operator==(const RedisNode&) const = default;
 };
 
-// --redis: "redis://host[:port][/db]", or several comma-separated (the seed nodes of a cluster).
+// --redis: "redis://[[user]:password@]host[:port][/db]", or several comma-separated (the seed
+// nodes of a cluster, one set of credentials for all). The password may be percent-encoded.
 struct RedisUrl {
   std::vector<RedisNode> nodes;
   int db = 0;
+  std::string user;      // empty: Redis's default user
+  std::string password;  // empty: no AUTH
 };
-// Errors name the URL item and the part that is wrong (scheme, host, port, db, credentials).
+// Errors name the URL item (its password masked) and the part that is wrong (scheme, host, port,
+// db, credentials).
 Result<RedisUrl> ParseRedisUrl(std::string_view text);
 // "host:port" as a cluster's redirect names it (MOVED 3999 127.0.0.1:6381); an empty host is
 // `from`'s. False if it is not one.
@@ -76,6 +80,9 @@ std::string RedisReplyText(const redisReply* r);
 struct RedisTierOptions {
   std::vector<RedisNode> nodes;  // one server, or any nodes of a cluster
   int db = 0;                    // SELECT db (a cluster has only db 0)
+  // AUTH [user] password on every connection (none when the password is empty).
+  std::string user;
+  std::string password;
   std::string key_prefix = "ckv:";
   int64_t ttl_ms = 24ll * 3600 * 1000;
   int connect_timeout_ms = 200;
@@ -85,6 +92,9 @@ struct RedisTierOptions {
   int breaker_cooldown_ms = 5000;                    // how long an open breaker refuses calls
   int drain_ms = 2000;  // how long the destructor lets the writer finish queued runs
 };
+// The options a --redis URL gives (the rest defaults). A URL without a password takes
+// $CACHET_REDIS_PASSWORD's (which keeps it off the command line and out of `ps`).
+Result<RedisTierOptions> RedisOptionsFromUrl(std::string_view text);
 
 // What the tier did beyond TierStats: for tests and diagnostics.
 struct RedisCounters {

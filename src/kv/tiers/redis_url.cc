@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <charconv>
 #include <climits>
+#include <cstdlib>
 
 #include "kv/tiers/redis_tier.h"
 
@@ -15,6 +16,40 @@ bool ParseInt(std::string_view s, int64_t lo, int64_t hi, int64_t* out) {
   if (ec != std::errc() || end != s.data() + s.size() || v < lo || v > hi) return false;
   *out = v;
   return true;
+}
+
+int HexDigit(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+
+// %XX escapes decoded (a password may hold '@', ':' or '/' written so); false on a bad escape.
+bool PercentDecode(std::string_view s, std::string* out) {
+  out->clear();
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] != '%') {
+      out->push_back(s[i]);
+      continue;
+    }
+    if (i + 2 >= s.size()) return false;
+    const int hi = HexDigit(s[i + 1]), lo = HexDigit(s[i + 2]);
+    if (hi < 0 || lo < 0) return false;
+    out->push_back(static_cast<char>(hi * 16 + lo));
+    i += 2;
+  }
+  return true;
+}
+
+// The item as an error message shows it: its password masked.
+std::string Masked(std::string_view item) {
+  const size_t at = item.rfind('@');
+  const size_t colon = item.find(':', std::string_view("redis://").size());
+  if (at == std::string_view::npos || colon == std::string_view::npos || colon > at) {
+    return std::string(item);
+  }
+  return std::string(item.substr(0, colon + 1)) + "***" + std::string(item.substr(at));
 }
 
 }  // namespace
@@ -39,10 +74,11 @@ std::string RedisNode::Address() const {
 }
 
 Result<RedisUrl> ParseRedisUrl(std::string_view text) {
-  const std::string expected = "expected redis://host[:port][/db], comma-separated for a cluster";
+  const std::string expected =
+      "expected redis://[[user]:password@]host[:port][/db], comma-separated for a cluster";
   if (text.empty()) return InvalidArgument("--redis: empty URL; " + expected);
   RedisUrl url;
-  bool have_db = false;
+  bool have_db = false, have_auth = false;
   size_t start = 0;
   while (start <= text.size()) {
     size_t comma = text.find(',', start);
@@ -51,8 +87,8 @@ Result<RedisUrl> ParseRedisUrl(std::string_view text) {
     start = comma + 1;
     while (!item.empty() && item.front() == ' ') item.remove_prefix(1);
     while (!item.empty() && item.back() == ' ') item.remove_suffix(1);
-    const std::string where = "--redis \"" + std::string(item) + "\": ";
-    if (item.empty()) return InvalidArgument("--redis \"" + std::string(text) + "\": empty node");
+    const std::string where = "--redis \"" + Masked(item) + "\": ";
+    if (item.empty()) return InvalidArgument("--redis: an empty node in the list");
     constexpr std::string_view kScheme = "redis://";
     if (!item.starts_with(kScheme)) {
       const size_t sep = item.find("://");
@@ -64,8 +100,30 @@ Result<RedisUrl> ParseRedisUrl(std::string_view text) {
                                                 expected));
     }
     std::string_view rest = item.substr(kScheme.size());
-    if (rest.find('@') != std::string_view::npos) {
-      return InvalidArgument(where + "credentials (user:password@) are not supported");
+    std::string user, password;
+    const size_t slash_at = rest.find('/');
+    if (const size_t at = rest.substr(0, slash_at).rfind('@'); at != std::string_view::npos) {
+      const std::string_view info = rest.substr(0, at);
+      rest.remove_prefix(at + 1);
+      const size_t colon = info.find(':');
+      if (colon == std::string_view::npos) {
+        return InvalidArgument(where + "credentials must be user:password@ or :password@");
+      }
+      if (!PercentDecode(info.substr(0, colon), &user) ||
+          !PercentDecode(info.substr(colon + 1), &password)) {
+        return InvalidArgument(where + "a bad %-escape in the credentials");
+      }
+      if (password.empty()) return InvalidArgument(where + "an empty password");
+    }
+    if (!password.empty()) {
+      if (have_auth && (user != url.user || password != url.password)) {
+        return InvalidArgument(
+            "--redis: the nodes name different credentials (give them once, "
+            "or the same on every node)");
+      }
+      url.user = std::move(user);
+      url.password = std::move(password);
+      have_auth = true;
     }
     if (rest.find('?') != std::string_view::npos || rest.find('#') != std::string_view::npos) {
       return InvalidArgument(where + "URL options (?...) are not supported");
@@ -121,9 +179,8 @@ Result<RedisUrl> ParseRedisUrl(std::string_view text) {
                              "\" is not a non-negative number");
     }
     if (have_db && db != url.db) {
-      return InvalidArgument("--redis \"" + std::string(text) + "\": the nodes name different " +
-                             "databases (" + std::to_string(url.db) + " and " + std::to_string(db) +
-                             ")");
+      return InvalidArgument("--redis: the nodes name different databases (" +
+                             std::to_string(url.db) + " and " + std::to_string(db) + ")");
     }
     url.db = static_cast<int>(db);
     have_db = true;
@@ -133,6 +190,19 @@ Result<RedisUrl> ParseRedisUrl(std::string_view text) {
     if (comma == text.size()) break;
   }
   return url;
+}
+
+Result<RedisTierOptions> RedisOptionsFromUrl(std::string_view text) {
+  CACHET_ASSIGN_OR_RETURN(RedisUrl url, ParseRedisUrl(text));
+  RedisTierOptions o;
+  o.nodes = std::move(url.nodes);
+  o.db = url.db;
+  o.user = std::move(url.user);
+  o.password = std::move(url.password);
+  if (o.password.empty()) {
+    if (const char* env = std::getenv("CACHET_REDIS_PASSWORD"); env != nullptr) o.password = env;
+  }
+  return o;
 }
 
 }  // namespace cachet::tiers
