@@ -227,6 +227,26 @@ TEST(Cli, AHugeContextWarnsAndCostsNothingUpFront) {
   EXPECT_LT(std::stod(huge.err.substr(at + 9)), 300) << huge.err;
 }
 
+// --response-format json_object: what comes out is one JSON object, closed where the text ends
+// with EOS; the flag's bad value is named.
+TEST(Cli, ResponseFormatJsonObjectWritesAnObject) {
+  int closed = 0;
+  for (int seed = 1; seed <= 6; ++seed) {
+    const RunResult r = RunCachet("run -p \"Reply in JSON:\" -n 150 --temp 1.2 --seed " +
+                                  std::to_string(seed) + " --response-format json_object");
+    ASSERT_EQ(r.status, 0) << r.err;
+    const std::string text = r.out.substr(0, r.out.size() - (r.out.ends_with('\n') ? 1 : 0));
+    ASSERT_TRUE(text.starts_with("{")) << text;
+    if (r.err.find("finish: stop") == std::string::npos) continue;
+    ++closed;
+    EXPECT_TRUE(nlohmann::json::accept(text) && nlohmann::json::parse(text).is_object()) << text;
+  }
+  EXPECT_GE(closed, 2);
+  const RunResult bad = RunCachet("run -p hi --response-format yaml");
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.err.find("'yaml' is not text or json_object"), std::string::npos) << bad.err;
+}
+
 // A bench point whose cache cannot fit the machine is refused before its prompt starts (it ran
 // until the OOM killer came). kvtiny's f32 KV holds 8256 bytes a token: twice the memory's worth.
 TEST(Cli, BenchRefusesAContextLargerThanMemory) {

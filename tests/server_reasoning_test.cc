@@ -162,6 +162,9 @@ TEST(ReasoningSplit, PreparedFromTheTemplateAndTheRequest) {
   EXPECT_EQ(
       prepare(*deepseek, ReasoningFormat::kNone, "{" + msgs + R"(, "reasoning_format": "auto"})"),
       std::pair(true, true));
+  EXPECT_EQ(prepare(*deepseek, ReasoningFormat::kDeepSeek,
+                    "{" + msgs + R"(, "response_format": {"type": "json_object"}})"),
+            std::pair(false, false));  // a JSON-mode reply is the object, never thinking
   EXPECT_EQ(
       prepare(*deepseek, ReasoningFormat::kDeepSeek, R"({"prompt": "Hi"})", Endpoint::kCompletions),
       std::pair(false, false));

@@ -104,6 +104,17 @@ TEST(ServerRequest, CompletionEveryField) {
 
 // OpenAI's logit_bias (ids as strings) and presence / frequency penalties, llama.cpp's
 // repeat_last_n: typed once here, applied by the sampler.
+TEST(ServerRequest, ResponseFormatJsonObject) {
+  Result<ParsedRequest> r = Chat(R"({"messages": [{"role": "user", "content": "Hi"}],
+    "response_format": {"type": "json_object"}})");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->sampling.format, OutputFormat::kJsonObject);
+  r = Chat(R"({"messages": [{"role": "user", "content": "Hi"}],
+    "response_format": {"type": "text"}})");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->sampling.format, OutputFormat::kText);
+}
+
 TEST(ServerRequest, BiasAndPenalties) {
   Result<ParsedRequest> r = Chat(R"({"messages": [{"role": "user", "content": "Hi"}],
     "logit_bias": {"17": -100, "8191": 2.5, "0": 100}, "presence_penalty": 0.5,
@@ -340,8 +351,13 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{kC, R"({"prompt": "x", "best_of": 3})", 400, "best_of", "not supported"},
         BadCase{kChatE, ChatBody(R"("tools": [{"type": "function"}])"), 400, "tools",
                 "not supported"},
-        BadCase{kChatE, ChatBody(R"("response_format": {"type": "json_object"})"), 400,
-                "response_format", "only {\"type\": \"text\"}"},
+        BadCase{kChatE,
+                ChatBody(R"("response_format": {"type": "json_schema", "json_schema": {}})"), 400,
+                "response_format",
+                "only {\"type\": \"text\"} and {\"type\": \"json_object\"} are supported (not "
+                "\"json_schema\")"},
+        BadCase{kChatE, ChatBody(R"("response_format": "json")"), 400, "response_format",
+                "only {\"type\": \"text\"}"},
         BadCase{kC, R"({"prompt": "x", "user": 7})", 400, "user", "must be a string"},
         // Messages.
         BadCase{kChatE, R"({"prompt": "x"})", 400, "messages", "required"},

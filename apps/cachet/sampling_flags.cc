@@ -70,6 +70,22 @@ void AddSamplingFlags(CLI::App& app, GenerateOptions& o) {
   app.add_option("--min-p", s.min_p, "Drop tokens below min_p x the top probability (0 = off)")
       ->default_val(0.05)
       ->check(finite_in(0, 1));
+  app.add_option_function<std::string>(
+         "--response-format",
+         [&s](const std::string& v) {
+           if (v == "text") {
+             s.format = OutputFormat::kText;
+           } else if (v == "json_object") {
+             s.format = OutputFormat::kJsonObject;
+           } else {
+             throw CLI::ValidationError("--response-format",
+                                        "'" + v + "' is not text or json_object");
+           }
+         },
+         "text (default), or json_object: the output is one JSON object (OpenAI's "
+         "response_format): only tokens that keep the text a prefix of one are sampled, and the "
+         "end of text only once it is closed")
+      ->type_name("FORMAT");
   app.add_option("--repeat-penalty", s.repeat_penalty,
                  "Penalize tokens seen in the last --repeat-last-n (1 = off)")
       ->default_val(1.0)

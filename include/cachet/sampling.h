@@ -13,6 +13,10 @@ struct LogitBias {
   float bias = 0.0f;
 };
 
+// What the output must be: any text, or one JSON object (OpenAI's response_format json_object;
+// the sampler only picks tokens that keep the text a prefix of one, and EOS once it is closed).
+enum class OutputFormat : uint8_t { kText, kJsonObject };
+
 struct SamplingParams {
   float temperature = 0.8f;     // <= 0: greedy
   int top_k = 40;               // <= 0: off
@@ -28,6 +32,7 @@ struct SamplingParams {
   float frequency_penalty = 0.0f;
   std::vector<LogitBias> logit_bias = {};  // added first, before the penalties and the filters
   uint64_t seed = 0xcac4e7;
+  OutputFormat format = OutputFormat::kText;
 };
 
 }  // namespace cachet

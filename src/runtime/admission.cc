@@ -139,7 +139,7 @@ void Runtime::Impl::Admit() {
       for (size_t t = 0; t < from_tier.size(); ++t) tier_tokens[t] += from_tier[t];
     }
     if (!q.ever_admitted) {
-      q.sampler = std::make_unique<Sampler>(q.r.sampling, vocab);
+      q.sampler = std::make_unique<Sampler>(q.r.sampling, vocab, &engine->tokenizer());
       q.decoder = std::make_unique<StreamDecoder>(engine->tokenizer());
       q.logits.resize(vocab);
       q.ever_admitted = true;

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 
 namespace cachet {
 
@@ -9,13 +11,33 @@ int32_t ArgMax(std::span<const float> logits) {
   return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
 }
 
-Sampler::Sampler(const SamplingParams& params, int vocab_size)
+Sampler::Sampler(const SamplingParams& params, int vocab_size, const Tokenizer* tokenizer)
     : p_(params), rng_(params.seed), count_(vocab_size, 0) {
   cand_.reserve(vocab_size);
   probs_.reserve(vocab_size);
+  if (p_.format == OutputFormat::kJsonObject) {
+    if (tokenizer == nullptr) {
+      std::fprintf(stderr, "cachet: internal error: a JSON sampler without the tokenizer\n");
+      std::abort();
+    }
+    json_ = std::make_unique<JsonConstraint>(*tokenizer);
+  }
 }
 
 int32_t Sampler::Sample(std::span<float> logits, std::span<const int32_t> history) {
+  BiasAndPenalize(logits, history);
+  int32_t token = Choose(logits);
+  if (json_ != nullptr) {
+    if (!json_->Allows(token)) {
+      json_->Mask(logits);
+      token = Choose(logits);
+    }
+    json_->Accept(token);
+  }
+  return token;
+}
+
+void Sampler::BiasAndPenalize(std::span<float> logits, std::span<const int32_t> history) {
   const auto vocab = static_cast<int32_t>(logits.size());
   for (const LogitBias& b : p_.logit_bias) {
     if (b.token >= 0 && b.token < vocab) logits[b.token] += b.bias;
@@ -40,6 +62,9 @@ int32_t Sampler::Sample(std::span<float> logits, std::span<const int32_t> histor
       count_[t] = 0;
     }
   }
+}
+
+int32_t Sampler::Choose(std::span<float> logits) {
   if (p_.temperature <= 0.0f) return ArgMax(logits);
 
   // Only what the filters keep is ever sorted: a vocabulary of 150k tokens sorted per token per

@@ -413,7 +413,7 @@ Result<GenerateResult> Session::Generate(std::span<const int32_t> prompt,
   auto t1 = std::chrono::steady_clock::now();
 
   const Tokenizer& tok = engine_.tokenizer();
-  Sampler sampler(options.sampling, engine_.config().vocab_size);
+  Sampler sampler(options.sampling, engine_.config().vocab_size, &tok);
   StreamDecoder decoder(tok);
   std::vector<float> logits = last_logits_;
   r.finish_reason = "length";

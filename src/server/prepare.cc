@@ -213,8 +213,10 @@ Result<PreparedRequest> Prepare(const ParsedRequest& parsed, const ServedModel& 
 
   const bool chat = parsed.endpoint == Endpoint::kChat;
   const std::string prompt_field = chat ? "messages" : "prompt";
-  p.split_reasoning = chat && parsed.reasoning_format.value_or(model.reasoning_format) ==
-                                  ReasoningFormat::kDeepSeek;
+  // A JSON-mode reply is the object from its first byte: nothing of it is thinking.
+  p.split_reasoning =
+      chat && parsed.sampling.format == OutputFormat::kText &&
+      parsed.reasoning_format.value_or(model.reasoning_format) == ReasoningFormat::kDeepSeek;
   p.reasoning_opened = p.split_reasoning && model.chat_template.open_think;
   if (chat && cache != nullptr) {
     CACHET_ASSIGN_OR_RETURN(r.prompt, ChatAfterCache(model, *cache, parsed.messages));

@@ -376,12 +376,6 @@ Status RejectUnsupported(const json& body, Endpoint endpoint, int n) {
       return Bad(name, "not supported (this server has no tool calling)");
     }
   }
-  if (const json* rf = Field(body, "response_format"); rf != nullptr) {
-    const json* type = rf->is_object() ? Field(*rf, "type") : nullptr;
-    if (type == nullptr || !type->is_string() || type->get_ref<const std::string&>() != "text") {
-      return Bad("response_format", "only {\"type\": \"text\"} is supported");
-    }
-  }
   if (endpoint == Endpoint::kCompletions) {
     bool echo = false;
     CACHET_RETURN_IF_ERROR(GetBool(body, "echo", &echo));
@@ -543,6 +537,17 @@ Result<ParsedRequest> ParseRequest(std::string_view text, Endpoint endpoint,
     r.cache_id = std::move(*cache_id);
   }
   CACHET_RETURN_IF_ERROR(ParseChunks(body, &r));
+  if (const json* rf = Field(body, "response_format"); rf != nullptr) {
+    const json* type = rf->is_object() ? Field(*rf, "type") : nullptr;
+    const std::string name = type != nullptr && type->is_string() ? type->get<std::string>() : "";
+    if (name == "json_object") {
+      r.sampling.format = OutputFormat::kJsonObject;
+    } else if (name != "text") {
+      return Bad("response_format",
+                 "only {\"type\": \"text\"} and {\"type\": \"json_object\"} are supported" +
+                     (name.empty() ? std::string() : " (not \"" + name + "\")"));
+    }
+  }
   std::optional<std::string> reasoning;  // llama.cpp server's field
   CACHET_RETURN_IF_ERROR(GetString(body, "reasoning_format", &reasoning));
   if (reasoning) {

@@ -214,6 +214,41 @@ if (group === "api") {
     assert.equal(bad.json.error.param, "logit_bias");
   });
 
+  check("response_format json_object: replies are JSON objects, as `cachet run` writes them", async () => {
+    let closed = 0;
+    for (let seed = 1; seed <= 8; ++seed) {
+      const r = await client.chat.completions.create({
+        model: await modelId(),
+        messages: [{ role: "user", content: "Reply in JSON." }],
+        max_tokens: 120,
+        temperature: 1.2,
+        seed,
+        response_format: { type: "json_object" },
+      });
+      const { message, finish_reason } = r.choices[0];
+      assert.ok(message.content.startsWith("{"), message.content);
+      if (finish_reason !== "stop") continue;
+      ++closed;
+      const value = JSON.parse(message.content);
+      assert.ok(value !== null && typeof value === "object" && !Array.isArray(value));
+    }
+    assert.ok(closed >= 2, `only ${closed} of 8 replies closed their object`);
+    const served = await greedy(PROMPT, 64, { response_format: { type: "json_object" } });
+    const { stdout: cli } = await promisify(execFile)(
+      process.env.CACHET,
+      ["run", "-q", "-t", process.env.THREADS ?? "2", "--temp", "0", "-n", "64",
+       "--response-format", "json_object", "-p", PROMPT],
+      { encoding: "utf8" },
+    );
+    assert.equal(served.choices[0].text, cli.replace(/\n$/, ""));
+    const bad = await post("/v1/chat/completions", {
+      messages: [{ role: "user", content: "x" }],
+      response_format: { type: "json_schema", json_schema: { name: "x", schema: {} } },
+    });
+    assert.equal(bad.status, 400);
+    assert.equal(bad.json.error.param, "response_format");
+  });
+
   check("a prompt of token ids gives the text prompt's completion", async () => {
     const tok = await post("/tokenize", { content: PROMPT, add_special: true });
     assert.equal(tok.status, 200);
