@@ -19,6 +19,7 @@ declare -A srcs=(
           src/model/sp_tokenizer.cc src/util/dtype.cc src/util/status.cc src/util/mmap_file.cc"
   [chat_template]="src/runtime/chat_template.cc src/util/status.cc"
   [server_request]="src/server/request.cc src/server/response.cc src/server/reasoning.cc
+          src/runtime/json_constraint.cc
           src/runtime/chat_template.cc
           src/runtime/blend.cc src/kv/press/press_spec.cc src/kv/codecs/codec.cc src/util/dtype.cc src/util/status.cc"
   [safetensors]="src/model/safetensors.cc src/util/mmap_file.cc src/util/dtype.cc src/util/status.cc"

@@ -4,7 +4,9 @@
 // stop strings, token ids), and every error becomes valid OpenAI-style error JSON naming a field
 // only when the message starts with one; the response writers take the input as generated text
 // (any bytes, invalid UTF-8 included) and still write valid JSON, and split its thinking
-// (server/reasoning.h) the same however a stream cuts it. A violation aborts.
+// (server/reasoning.h) the same however a stream cuts it; and what JSON mode's automaton
+// (runtime/json_constraint.h) takes as a whole object, nlohmann's strict parser takes too. A
+// violation aborts.
 // Build and run: scripts/fuzz.sh [seconds] server_request.
 //
 // With CACHET_FUZZ_SEED_DIR set, LLVMFuzzerInitialize first writes seed inputs there.
@@ -17,6 +19,7 @@
 #include <string_view>
 #include <vector>
 
+#include "runtime/json_constraint.h"
 #include "server/reasoning.h"
 #include "server/request.h"
 #include "server/response.h"
@@ -44,6 +47,7 @@ void WriteSeeds(const std::string& dir) {
       " <think>Let me see.</think>\n\nParis.",
       "Hmm, so </think> yes </thi",
       "<thi<think>nk></think>",
+      R"({"a": [1, -2.5e3, true, null, {"b": "\u00e9\ud83d\ude00"}], "c": {}})",
   };
   int i = 0;
   for (const std::string& s : seeds) {
@@ -167,6 +171,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
 
   CheckReasoningSplit(body, size % 3 == 0);
+  // JSON mode: what the automaton takes whole as an object, a strict parser takes too.
+  if (cachet::JsonObjectPrefix p; p.Feed(body) && p.complete()) {
+    try {
+      if (!json::parse(body).is_object()) Fail("JSON mode passed a non-object", std::string(body));
+    } catch (const json::out_of_range&) {  // a number past a double: valid JSON all the same
+    } catch (const json::parse_error& e) {
+      Fail("JSON mode passed what a strict parser refuses", std::string(body) + "\n" + e.what());
+    }
+  }
 
   // The input as generated text: the writers must still produce valid JSON.
   ResponseMeta meta;
