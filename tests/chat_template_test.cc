@@ -158,6 +158,64 @@ constexpr std::string_view kDeepSeekR1 =
 constexpr std::string_view kDeepSeekV3 =
     R"({{bos_token}}{{ns.system_prompt}}{%- for message in messages %}{%- if message['role'] == 'user' %}{{'<｜User｜>' + message['content']}}{%- endif %}{%- if message['role'] == 'assistant' and message['content'] is not none %}{{'<｜Assistant｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endfor -%}{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜>'}}{% endif %})";
 
+// Qwen3's published template (tools and all); the thinking-only models' (2507) open <think>.
+constexpr std::string_view kQwen3 = R"JINJA({%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set content = message.content %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is defined and message.reasoning_content is not none %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in message.content %}
+                {%- set content = message.content.split('</think>')[-1].lstrip('\n') %}
+                {%- set reasoning_content = message.content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %})JINJA";
+
 // Families Cachet does not render: they must be errors, not another family's prompt.
 constexpr std::string_view kGemma =
     R"({{ bos_token }}{% for message in messages %}{% if (message['role'] == 'assistant') %}{% set role = 'model' %}{% else %}{% set role = message['role'] %}{% endif %}{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\n'}}{% endif %})";
@@ -318,6 +376,59 @@ TEST(ChatTemplate, ZephyrRendersThreeMessages) {
             "<|assistant|>\nParis.</s>\n"
             "<|assistant|>\n");
   EXPECT_EQ(Detected(kZephyr).family, ChatFamily::kZephyr);
+}
+
+// Expected strings as jinja2 3.1 renders kQwen3 (and its thinking variant: the generation prompt
+// "<|im_start|>assistant\n<think>\n").
+TEST(ChatTemplate, Qwen3DropsPastReasoningKeepsRecentAndMayOpenThink) {
+  const ChatTemplate q = Detected(kQwen3);
+  ASSERT_EQ(q.family, ChatFamily::kChatMl);
+  EXPECT_TRUE(q.drop_reasoning);
+  EXPECT_TRUE(q.recent_reasoning);
+  EXPECT_FALSE(q.open_think);
+  EXPECT_EQ(q.default_system, "");
+  std::vector<ChatMessage> m = kThree;
+  m[2].content = "<think>\nThe capital of France is Paris.\n</think>\n\nParis.";
+  m.push_back({ChatRole::kUser, "And Spain?"});
+  const std::string follow_up =
+      "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat is the "
+      "capital of France?<|im_end|>\n<|im_start|>assistant\nParis.<|im_end|>\n<|im_start|>user\n"
+      "And Spain?<|im_end|>\n<|im_start|>assistant\n";
+  EXPECT_EQ(Render(q, m), follow_up);
+  EXPECT_EQ(Render(q,
+                   {{ChatRole::kUser, "Hi"},
+                    {ChatRole::kAssistant, "<think>\nr1\n\n</think>\n\n\nHello"}},
+                   false),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\nr1\n</think>\n\n"
+            "Hello<|im_end|>\n");
+  EXPECT_EQ(Render(q, {{ChatRole::kUser, "Hi"}, {ChatRole::kAssistant, "Hello"}}, false),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+            "Hello<|im_end|>\n");
+  EXPECT_EQ(Render(q, {{ChatRole::kUser, "Hi"},
+                       {ChatRole::kAssistant, "<think>a</think>b</think>\nc"},
+                       {ChatRole::kUser, "x"}}),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nc<|im_end|>\n<|im_start|>user\n"
+            "x<|im_end|>\n<|im_start|>assistant\n");
+  EXPECT_EQ(Render(q, {{ChatRole::kUser, "Hi"},
+                       {ChatRole::kAssistant, "<think>\nx\n</think>\n\nA"},
+                       {ChatRole::kAssistant, "B"}}),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\nx\n</think>\n\nA<|im_"
+            "end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\nB<|im_end|>\n<|im_start|>"
+            "assistant\n");
+
+  std::string thinking(kQwen3);
+  const std::string gen = "{{- '<|im_start|>assistant\\n' }}\n    {%- if enable_thinking";
+  const size_t at = thinking.find(gen);
+  ASSERT_NE(at, std::string::npos);
+  const size_t end = thinking.find("{%- endif %}", at) + std::string("{%- endif %}").size();
+  thinking.replace(at, end - at, "{{- '<|im_start|>assistant\\n<think>\\n' }}");
+  const ChatTemplate t = Detected(thinking);
+  EXPECT_TRUE(t.open_think);
+  EXPECT_EQ(Render(t, m), follow_up + "<think>\n");
+  // Qwen2.5's template (no split) keeps a reply as it is.
+  EXPECT_FALSE(Named("chatml").drop_reasoning);
+  EXPECT_EQ(Render(Named("chatml"), {{ChatRole::kAssistant, "<think>a</think>b"}}, false),
+            "<|im_start|>assistant\n<think>a</think>b<|im_end|>\n");
 }
 
 // Expected strings as jinja2 3.1 renders kDeepSeekR1 (bos_token "<｜begin▁of▁sentence｜>").

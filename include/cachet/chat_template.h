@@ -57,11 +57,17 @@ struct ChatTemplate {
   // llama3: set for Llama 3.1+ templates, whose first turn is always a system turn opening with
   // "Cutting Knowledge Date: December 2023\nToday Date: <today_date>\n\n"; unset: Llama 3.0's.
   std::optional<std::string> today_date;
-  // deepseek (the R1 distills' templates): assistant turns of the history keep only the text
-  // after their last "</think>" (the reasoning is dropped), and the generation prompt opens a
-  // "<think>\n" block; DeepSeek-V3's template does neither.
+  // deepseek (the R1 distills' templates), chatml (Qwen3's, QwQ's): assistant turns of the
+  // history keep only the text after their last "</think>" (the reasoning is dropped; chatml also
+  // drops the line breaks after it), and open_think: the generation prompt opens a "<think>\n"
+  // block (R1, QwQ, Qwen3's thinking-only models). DeepSeek-V3's and Qwen2.5's templates do
+  // neither.
   bool drop_reasoning = false;
   bool open_think = false;
+  // chatml (Qwen3's templates): assistant turns after the last user message keep their
+  // reasoning, as "<think>\n" + reasoning + "\n</think>\n\n" + the reply (the last one even
+  // when it has none).
+  bool recent_reasoning = false;
   // mistral-v3: Mistral-Nemo's ("tekken") layout: "[INST]" without the space after it, replies as
   // they are (v0.3 writes " " + the reply stripped).
   bool tight_inst = false;

@@ -109,17 +109,61 @@ Result<std::string> RenderPlain(const ChatTemplate&, Messages messages, bool add
   return out;
 }
 
+std::string_view StripNewlines(std::string_view s, bool front, bool back) {
+  while (front && !s.empty() && s.front() == '\n') s.remove_prefix(1);
+  while (back && !s.empty() && s.back() == '\n') s.remove_suffix(1);
+  return s;
+}
+
+// An assistant turn of a Qwen3 / QwQ template: the reply after its last "</think>" and the
+// reasoning between its last "<think>" and its first "</think>", as the templates split them.
+void AppendQwenReply(const ChatTemplate& t, std::string_view content, bool keep_reasoning,
+                     bool last, std::string* out) {
+  std::string_view reasoning;
+  if (const size_t end = content.rfind("</think>"); end != content.npos) {
+    reasoning = StripNewlines(content.substr(0, content.find("</think>")), false, true);
+    if (const size_t open = reasoning.rfind("<think>"); open != reasoning.npos) {
+      reasoning.remove_prefix(open + std::string_view("<think>").size());
+    }
+    reasoning = StripNewlines(reasoning, true, false);
+    content = StripNewlines(content.substr(end + std::string_view("</think>").size()), true, false);
+  }
+  if (keep_reasoning && t.recent_reasoning && (last || !reasoning.empty())) {
+    Append(out, {"<|im_start|>assistant\n<think>\n", StripNewlines(reasoning, true, true),
+                 "\n</think>\n\n", StripNewlines(content, true, false), "<|im_end|>\n"});
+  } else {
+    Append(out, {"<|im_start|>assistant\n", content, "<|im_end|>\n"});
+  }
+}
+
 // Generic ChatML; Qwen2 / Qwen2.5 add their default system turn when the first message is not a
-// system message.
+// system message; Qwen3 and QwQ drop a past reply's reasoning (Qwen3 keeps it after the last user
+// message) and QwQ and Qwen3's thinking models open the reply's <think>.
 Result<std::string> RenderChatMl(const ChatTemplate& t, Messages messages, bool add_generation) {
   std::string out;
   if (!t.default_system.empty() && (messages.empty() || messages[0].role != ChatRole::kSystem)) {
     Append(&out, {"<|im_start|>system\n", t.default_system, "<|im_end|>\n"});
   }
-  for (const ChatMessage& m : messages) {
+  // Qwen3's last query: the last user message that is not a tool's response.
+  size_t last_query = messages.size() - 1;
+  for (size_t i = messages.size(); i-- > 0;) {
+    const std::string& c = messages[i].content;
+    if (messages[i].role == ChatRole::kUser &&
+        !(c.starts_with("<tool_response>") && c.ends_with("</tool_response>"))) {
+      last_query = i;
+      break;
+    }
+  }
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const ChatMessage& m = messages[i];
+    if (m.role == ChatRole::kAssistant && t.drop_reasoning) {
+      AppendQwenReply(t, m.content, i > last_query, i + 1 == messages.size(), &out);
+      continue;
+    }
     Append(&out, {"<|im_start|>", ChatRoleName(m.role), "\n", m.content, "<|im_end|>\n"});
   }
-  if (add_generation) out += "<|im_start|>assistant\n";
+  if (add_generation)
+    out += t.open_think ? "<|im_start|>assistant\n<think>\n" : "<|im_start|>assistant\n";
   return out;
 }
 
@@ -483,7 +527,12 @@ Result<ChatTemplate> DetectChatTemplate(std::string_view jinja) {
                            ChatTemplateNames() + ")");
   }
   ChatTemplate t = FamilyDefaults(found[0]);
-  if (t.family == ChatFamily::kChatMl) t.default_system = DefaultSystem(jinja);
+  if (t.family == ChatFamily::kChatMl) {
+    t.default_system = DefaultSystem(jinja);
+    t.drop_reasoning = jinja.find("split('</think>')") != jinja.npos;
+    t.recent_reasoning = t.drop_reasoning && jinja.find("last_query_index") != jinja.npos;
+    t.open_think = jinja.find("'<|im_start|>assistant\\n<think>\\n'") != jinja.npos;
+  }
   if (t.family == ChatFamily::kMistralV3) {
     t.tight_inst =
         jinja.find("\"[INST]\" +") != jinja.npos || jinja.find("'[INST]' +") != jinja.npos;
