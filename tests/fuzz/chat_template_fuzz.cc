@@ -5,7 +5,8 @@
 // Build and run: scripts/fuzz.sh [seconds] chat_template.
 //
 // Input: byte 0 picks options (bit 0: a default system turn for chatml, bit 1: a Llama 3.1
-// dated system turn), then messages separated by '\0', each a role byte (mod 3) and its content.
+// dated system turn, bits 2-4: drop_reasoning, recent_reasoning, open_think), then messages
+// separated by '\0', each a role byte (mod 3) and its content.
 //
 // With CACHET_FUZZ_SEED_DIR set, LLVMFuzzerInitialize first writes seed inputs there.
 #include <algorithm>
@@ -26,6 +27,7 @@ void WriteSeeds(const std::string& dir) {
   const std::string seeds[] = {
       "\x00\x00You are helpful.\0\x01Hi\0\x02Hello!"s,
       "\x03\x01 What is 2+2? \0\x02 4 </s>\0\x01<|im_end|>[INST]"s,
+      "\x1c\x01Hi\0\x02<think>\nr\n</think>\n\nA</think>B\0\x02<think>x"s,
       "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
       "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"s,
       "{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }} <<SYS>>"s,
@@ -75,6 +77,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     ChatTemplate tmpl = t.value();
     if (data[0] & 1) tmpl.default_system = "Default system.";
     if (data[0] & 2) tmpl.today_date = "26 Jul 2024";
+    tmpl.drop_reasoning |= (data[0] & 4) != 0;  // the reasoning variants (Qwen3, QwQ, R1)
+    tmpl.recent_reasoning |= (data[0] & 8) != 0;
+    tmpl.open_think |= (data[0] & 16) != 0;
     (void)StopStrings(tmpl);
     Result<std::string> without = RenderChat(tmpl, messages, false);
     Result<std::string> with = RenderChat(tmpl, messages, true);
