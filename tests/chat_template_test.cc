@@ -425,6 +425,33 @@ TEST(ChatTemplate, Qwen3DropsPastReasoningKeepsRecentAndMayOpenThink) {
   const ChatTemplate t = Detected(thinking);
   EXPECT_TRUE(t.open_think);
   EXPECT_EQ(Render(t, m), follow_up + "<think>\n");
+  // enable_thinking false (chat_template_kwargs): an empty think block after the generation
+  // prompt, as jinja2 renders it; a template without the switch ignores the variable.
+  EXPECT_TRUE(q.thinking_switch);
+  EXPECT_FALSE(t.thinking_switch);
+  ChatTemplate off = q;
+  ASSERT_TRUE(ApplyChatTemplateKwargs(R"({"enable_thinking": false})", &off).ok());
+  EXPECT_FALSE(off.enable_thinking);
+  EXPECT_EQ(Render(off, {{ChatRole::kUser, "Hi"}}),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n");
+  EXPECT_EQ(Render(off, {{ChatRole::kUser, "Hi"}}, false), "<|im_start|>user\nHi<|im_end|>\n");
+  ChatTemplate plain_off = Named("chatml");
+  ASSERT_TRUE(ApplyChatTemplateKwargs(R"({"enable_thinking": false})", &plain_off).ok());
+  EXPECT_EQ(Render(plain_off, {{ChatRole::kUser, "Hi"}}),
+            "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+  // Bad kwargs are errors naming what is wrong, and change nothing.
+  for (const auto& [text, want] : std::vector<std::pair<const char*, const char*>>{
+           {R"({"enable_thinking": "no"})", "enable_thinking: must be true or false"},
+           {R"({"enable_thinking": true, "tools_in_user_message": 1})",
+            "\"tools_in_user_message\" is not read"},
+           {R"([true])", "not a JSON object"},
+           {"{", "not a JSON object"}}) {
+    ChatTemplate same = off;
+    const Status s = ApplyChatTemplateKwargs(text, &same);
+    EXPECT_FALSE(s.ok()) << text;
+    EXPECT_NE(s.message().find(want), std::string::npos) << s.message();
+    EXPECT_FALSE(same.enable_thinking) << text;
+  }
   // Qwen2.5's template (no split) keeps a reply as it is.
   EXPECT_FALSE(Named("chatml").drop_reasoning);
   EXPECT_EQ(Render(Named("chatml"), {{ChatRole::kAssistant, "<think>a</think>b"}}, false),

@@ -247,6 +247,20 @@ TEST(Cli, ResponseFormatJsonObjectWritesAnObject) {
   EXPECT_NE(bad.err.find("'yaml' is not text or json_object"), std::string::npos) << bad.err;
 }
 
+// --chat-template-kwargs: read at start (a bad one stops chat and serve before the model loads),
+// and ignored by a template that reads no such variable (kvtiny's plain one), as Jinja would.
+TEST(Cli, ChatTemplateKwargsAreCheckedAtStart) {
+  const RunResult chat =
+      RunCachet("chat --chat-template-kwargs '{\"enable_thinking\": false}' -n 4 --temp 0", "Hi\n");
+  EXPECT_EQ(chat.status, 0) << chat.err;
+  for (const char* cmd : {"chat", "serve --port 0"}) {
+    const RunResult bad =
+        RunCachet(std::string(cmd) + " --chat-template-kwargs '{\"add_vision_id\": true}'");
+    EXPECT_NE(bad.status, 0) << cmd;
+    EXPECT_NE(bad.err.find("\"add_vision_id\" is not read"), std::string::npos) << bad.err;
+  }
+}
+
 // A bench point whose cache cannot fit the machine is refused before its prompt starts (it ran
 // until the OOM killer came). kvtiny's f32 KV holds 8256 bytes a token: twice the memory's worth.
 TEST(Cli, BenchRefusesAContextLargerThanMemory) {

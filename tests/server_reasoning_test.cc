@@ -170,6 +170,33 @@ TEST(ReasoningSplit, PreparedFromTheTemplateAndTheRequest) {
       std::pair(false, false));
 }
 
+// chat_template_kwargs.enable_thinking renders the request's messages with its own template: a
+// Qwen3-style template (thinking_switch) then ends the prompt with an empty think block.
+TEST(ReasoningSplit, EnableThinkingFalseClosesAnEmptyThinkBlock) {
+  auto tok = Tokenizer::Load(testing::ModelDir());
+  ASSERT_TRUE(tok.ok()) << tok.status().ToString();
+  ServedModel model;
+  model.name = "kvtiny";
+  model.tokenizer = tok.value().get();
+  model.n_ctx = 4096;
+  model.vocab_size = 8192;
+  model.chat_template = ChatTemplateByName("chatml").value();
+  model.chat_template.thinking_switch = true;
+  auto prompt_of = [&](const std::string& extra) {
+    auto parsed = ParseRequest(R"({"messages": [{"role": "user", "content": "Hi"}])" + extra + "}",
+                               Endpoint::kChat, Limits());
+    EXPECT_TRUE(parsed.ok()) << parsed.status().ToString();
+    auto p = Prepare(parsed.value(), model, 1);
+    EXPECT_TRUE(p.ok()) << p.status().ToString();
+    return tok.value()->Decode(p->request.prompt);
+  };
+  const std::string on = prompt_of(""),
+                    off = prompt_of(R"(, "chat_template_kwargs": {"enable_thinking": false})");
+  EXPECT_TRUE(on.ends_with("<|im_start|>assistant\n")) << on;
+  EXPECT_EQ(off, on + "<think>\n\n</think>\n\n");
+  EXPECT_TRUE(model.chat_template.enable_thinking);  // the served template is untouched
+}
+
 ResponseMeta ChatMeta() {
   ResponseMeta m;
   m.endpoint = Endpoint::kChat;

@@ -104,6 +104,29 @@ TEST(ServerRequest, CompletionEveryField) {
 
 // OpenAI's logit_bias (ids as strings) and presence / frequency penalties, llama.cpp's
 // repeat_last_n: typed once here, applied by the sampler.
+TEST(ServerRequest, ChatTemplateKwargs) {
+  Result<ParsedRequest> r = Chat(R"({"messages": [{"role": "user", "content": "Hi"}],
+    "chat_template_kwargs": {"enable_thinking": false}})");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->enable_thinking, false);
+  r = Chat(R"({"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": {}})");
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_FALSE(r->enable_thinking.has_value());
+  for (const auto& [body, param] : std::vector<std::pair<std::string, std::string>>{
+           {R"({"messages": [{"role": "user", "content": "Hi"}],
+               "chat_template_kwargs": {"enable_thinking": 0}})",
+            "chat_template_kwargs.enable_thinking"},
+           {R"({"messages": [{"role": "user", "content": "Hi"}],
+               "chat_template_kwargs": {"custom": 1}})",
+            "chat_template_kwargs"},
+           {R"({"messages": [{"role": "user", "content": "Hi"}], "chat_template_kwargs": 1})",
+            "chat_template_kwargs"}}) {
+    Result<ParsedRequest> bad = Chat(body);
+    ASSERT_FALSE(bad.ok()) << body;
+    EXPECT_EQ(ApiErrorFromStatus(bad.status()).param, param) << bad.status().message();
+  }
+}
+
 TEST(ServerRequest, ResponseFormatJsonObject) {
   Result<ParsedRequest> r = Chat(R"({"messages": [{"role": "user", "content": "Hi"}],
     "response_format": {"type": "json_object"}})");

@@ -322,6 +322,14 @@ void AddChat(CLI::App& app) {
                       "chat_template or the GGUF's tokenizer.chat_template) recognised by "
                       "family; plain (\"User: ...\\nAssistant:\" lines) for a model without one")
       ->type_name("NAME");
+  auto kwargs = std::make_shared<std::string>();
+  cmd->add_option(
+         "--chat-template-kwargs", *kwargs,
+         "Jinja variables for the chat template, as a JSON object (llama-server's flag): only "
+         "enable_thinking is read, {\"enable_thinking\": false} making Qwen3's templates answer "
+         "without thinking (an empty <think> block after the generation prompt); a template that "
+         "reads no such variable ignores it, as Jinja would")
+      ->type_name("JSON");
   cmd->add_option("--on-full", *on_full,
                   "When the next turn (its prompt and -n reply tokens, at most a quarter of -c) "
                   "would not fit in the context: error (stop, as before), shift (drop the oldest "
@@ -340,6 +348,9 @@ void AddChat(CLI::App& app) {
     const std::string& dir = opts->engine.model_dir;
     auto chat_template = ResolveChatTemplate(dir.empty() ? DefaultModelDir() : dir, *template_name);
     if (!chat_template.ok()) Fail(chat_template.status());
+    if (!kwargs->empty()) {
+      if (Status s = ApplyChatTemplateKwargs(*kwargs, &chat_template.value()); !s.ok()) Fail(s);
+    }
     auto engine = LoadEngine(opts->engine);
     if (!engine) throw CLI::RuntimeError(1);
     RequireLogitBiasInVocab(opts->gen.sampling, *engine);

@@ -34,6 +34,7 @@ struct ServeOptions {
   RuntimeOptions runtime;
   server::ServerOptions server;
   std::string chat_template;
+  std::string chat_template_kwargs;
   std::string alias;
   int64_t cache_mem_mib = 0;
 };
@@ -86,6 +87,14 @@ void AddServe(CLI::App& app) {
                       "GGUF's tokenizer.chat_template) recognised by family; plain for a model "
                       "without one. An unrecognised template stops the server at startup")
       ->type_name("NAME");
+  cmd->add_option(
+         "--chat-template-kwargs", o->chat_template_kwargs,
+         "Jinja variables for the chat template, as a JSON object (llama-server's flag): only "
+         "enable_thinking is read, {\"enable_thinking\": false} making Qwen3's templates answer "
+         "without thinking (an empty <think> block after the generation prompt); a template that "
+         "reads no such variable ignores it, as Jinja would"
+         ". A request's chat_template_kwargs field overrides it")
+      ->type_name("JSON");
   cmd->add_option("--alias", o->alias,
                   "Model id that /v1/models lists and requests may name (default: the model "
                   "directory's name, or the GGUF file's without .gguf)");
@@ -134,6 +143,11 @@ void AddServe(CLI::App& app) {
         o->runtime.engine.model_dir.empty() ? DefaultModelDir() : o->runtime.engine.model_dir;
     Result<ChatTemplate> tmpl = ResolveChatTemplate(path, o->chat_template);
     if (!tmpl.ok()) Fail(tmpl.status().ToString());
+    if (!o->chat_template_kwargs.empty()) {
+      if (Status st = ApplyChatTemplateKwargs(o->chat_template_kwargs, &tmpl.value()); !st.ok()) {
+        Fail(st.ToString());
+      }
+    }
 
     // Signals go to one thread that stops the server; the others (the scheduler's, httplib's)
     // inherit the blocked mask.

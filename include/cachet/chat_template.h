@@ -68,6 +68,11 @@ struct ChatTemplate {
   // reasoning, as "<think>\n" + reasoning + "\n</think>\n\n" + the reply (the last one even
   // when it has none).
   bool recent_reasoning = false;
+  // chatml (Qwen3's hybrid templates): the template reads enable_thinking, and when it is false
+  // the generation prompt holds an empty "<think>\n\n</think>\n\n" (the model answers at once).
+  // enable_thinking is the Jinja variable's value (chat_template_kwargs), true unless given.
+  bool thinking_switch = false;
+  bool enable_thinking = true;
   // mistral-v3: Mistral-Nemo's ("tekken") layout: "[INST]" without the space after it, replies as
   // they are (v0.3 writes " " + the reply stripped).
   bool tight_inst = false;
@@ -75,6 +80,18 @@ struct ChatTemplate {
   std::string bos_token;
   std::string eos_token;
 };
+
+// chat_template_kwargs (llama-server's flag and request field, vLLM's field): the Jinja variables
+// a template reads besides the messages, as a JSON object. Cachet renders templates in C++, so
+// only the one it renders is read, enable_thinking (a boolean); another key, or a value of
+// another type, is an InvalidArgument naming it. Applied to t.
+Status ApplyChatTemplateKwargs(std::string_view json_object, ChatTemplate* t);
+
+// chat_template_kwargs (llama-server's flag and request field, vLLM's field): the Jinja variables
+// a template reads besides the messages, as a JSON object. Cachet renders templates in C++, so
+// only the one it renders is read, enable_thinking (a boolean); another key, or a value of
+// another type, is an InvalidArgument naming it. Applied to t.
+Status ApplyChatTemplateKwargs(std::string_view json_object, ChatTemplate* t);
 
 std::string_view ChatFamilyName(ChatFamily family);
 // "chatml, llama3, llama2, mistral, mistral-v3, zephyr, deepseek, plain": every name

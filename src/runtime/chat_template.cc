@@ -162,8 +162,10 @@ Result<std::string> RenderChatMl(const ChatTemplate& t, Messages messages, bool 
     }
     Append(&out, {"<|im_start|>", ChatRoleName(m.role), "\n", m.content, "<|im_end|>\n"});
   }
-  if (add_generation)
+  if (add_generation) {
     out += t.open_think ? "<|im_start|>assistant\n<think>\n" : "<|im_start|>assistant\n";
+    if (t.thinking_switch && !t.enable_thinking) out += "<think>\n\n</think>\n\n";
+  }
   return out;
 }
 
@@ -532,6 +534,7 @@ Result<ChatTemplate> DetectChatTemplate(std::string_view jinja) {
     t.drop_reasoning = jinja.find("split('</think>')") != jinja.npos;
     t.recent_reasoning = t.drop_reasoning && jinja.find("last_query_index") != jinja.npos;
     t.open_think = jinja.find("'<|im_start|>assistant\\n<think>\\n'") != jinja.npos;
+    t.thinking_switch = jinja.find("enable_thinking is false") != jinja.npos;
   }
   if (t.family == ChatFamily::kMistralV3) {
     t.tight_inst =

@@ -1,6 +1,7 @@
 #include "prepare.h"
 
 #include <algorithm>
+#include <optional>
 
 #include "cachet/tokenizer.h"
 
@@ -201,8 +202,15 @@ Result<KvCacheRequest> PrepareCache(const ParsedCacheRequest& parsed, const Serv
   return r;
 }
 
-Result<PreparedRequest> Prepare(const ParsedRequest& parsed, const ServedModel& model,
+Result<PreparedRequest> Prepare(const ParsedRequest& parsed, const ServedModel& served,
                                 uint64_t default_seed, const KvCacheInfo* cache) {
+  // A request's chat_template_kwargs render its messages with a template of its own.
+  std::optional<ServedModel> own;
+  if (parsed.enable_thinking && *parsed.enable_thinking != served.chat_template.enable_thinking) {
+    own = served;
+    own->chat_template.enable_thinking = *parsed.enable_thinking;
+  }
+  const ServedModel& model = own ? *own : served;
   PreparedRequest p;
   p.endpoint = parsed.endpoint;
   p.n = parsed.n;

@@ -548,6 +548,14 @@ Result<ParsedRequest> ParseRequest(std::string_view text, Endpoint endpoint,
                      (name.empty() ? std::string() : " (not \"" + name + "\")"));
     }
   }
+  if (const json* kw = Field(body, "chat_template_kwargs"); kw != nullptr) {
+    if (endpoint != Endpoint::kChat)
+      return Bad("chat_template_kwargs", "only for chat completions");
+    ChatTemplate read;  // the kwargs alone, read into a template of their own
+    read.enable_thinking = true;
+    CACHET_RETURN_IF_ERROR(ApplyChatTemplateKwargs(kw->dump(), &read));
+    if (kw->contains("enable_thinking")) r.enable_thinking = read.enable_thinking;
+  }
   std::optional<std::string> reasoning;  // llama.cpp server's field
   CACHET_RETURN_IF_ERROR(GetString(body, "reasoning_format", &reasoning));
   if (reasoning) {

@@ -73,6 +73,8 @@ struct ParsedRequest {
   std::string chunk_separator;
   // Chat: how the reply's thinking is returned; unset: the server's --reasoning-format.
   std::optional<ReasoningFormat> reasoning_format;
+  // Chat: chat_template_kwargs.enable_thinking (Qwen3's switch); unset: the server's.
+  std::optional<bool> enable_thinking;
 };
 
 // The body of POST /v1/completions or /v1/chat/completions. Unknown fields are ignored (as vLLM
