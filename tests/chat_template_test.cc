@@ -833,6 +833,39 @@ TEST(ChatTemplateCli, DeepSeekTurnsCloseWithTheEosAndAppend) {
   EXPECT_EQ(plain.err.find("--- end of turn"), std::string::npos) << plain.err;
 }
 
+// kvtiny with Qwen3's template: each turn prefills only its own text (the reply's empty think
+// block, which the template writes while the reply is last, must not make the next turn start
+// over), and closes with <|im_end|>.
+TEST(ChatTemplateCli, Qwen3TurnsAppend) {
+  testing::TempDir dir;
+  for (const auto& e : std::filesystem::directory_iterator(testing::ModelDir())) {
+    if (e.path().filename() != "tokenizer_config.json") {
+      std::filesystem::create_symlink(e.path(), dir.path() + "/" + e.path().filename().string());
+    }
+  }
+  nlohmann::json cfg =
+      nlohmann::json::parse(testing::ReadFile(testing::ModelDir() + "/tokenizer_config.json"));
+  cfg["chat_template"] = std::string(kQwen3);
+  dir.Write("tokenizer_config.json", cfg.dump());
+  const CliRun r = Cachet("chat -t 1 -n 6 --temp 0 --verbose-prompt -m " + dir.path(),
+                          "Hello there\nAnd then?\nBye\n");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.err.find("cachet chat (chatml template)"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("--- prompt\n<|im_start|>user\nHello there<|im_end|>\n<|im_start|>"
+                       "assistant\n\n---"),
+            std::string::npos)
+      << r.err;
+  for (const char* turn : {"And then?", "Bye"}) {
+    const std::string want = std::string("--- prompt\n<|im_start|>user\n") + turn +
+                             "<|im_end|>\n<|im_start|>assistant\n";
+    EXPECT_NE(r.err.find(want), std::string::npos) << turn << "\n" << r.err;
+  }
+  EXPECT_EQ(r.err.find("--- prompt\n<|im_start|>user\nHello there", r.err.find("And then?")),
+            std::string::npos)
+      << "a later turn prefilled the history again\n"
+      << r.err;
+}
+
 TEST(ChatTemplateCli, UnknownNameOrTemplateIsAStartupError) {
   CliRun r = Cachet("chat -t 1 --chat-template llama4", "Hello\n");
   EXPECT_NE(r.status, 0);

@@ -76,7 +76,11 @@ std::string Chat::NextText() {
   // may differ from that rendering where the template normalises a reply (plain adds a space
   // after "Assistant:"); only the added text must follow it.
   if (!in_cache_.empty()) {
-    auto before = RenderChat(tmpl_, std::span(messages_.data(), messages_.size() - 1),
+    // As the earlier turns render with a user message after them: Qwen3's templates keep a
+    // reply's reasoning only while it is the last turn.
+    ChatTemplate followed = tmpl_;
+    followed.recent_reasoning = false;
+    auto before = RenderChat(followed, std::span(messages_.data(), messages_.size() - 1),
                              /*add_generation_prompt=*/false);
     if (before.ok() && prompt->starts_with(*before)) return prompt->substr(before->size());
   }
