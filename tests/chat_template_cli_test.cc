@@ -2,7 +2,6 @@
 // close with the template's end of turn and append only their own text, startup errors.
 #include <gtest/gtest.h>
 
-#include <array>
 #include <cstdio>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -16,24 +15,10 @@ namespace {
 
 using namespace chat_templates;  // NOLINT: the templates' texts
 
-struct CliRun {
-  int status = -1;
-  std::string out, err;
-};
+using testing::CliRun;
 
 CliRun Cachet(const std::string& args, const std::string& stdin_text) {
-  testing::TempDir dir;
-  const std::string in = dir.Write("stdin.txt", stdin_text);
-  const std::string err = dir.path() + "/stderr.txt";
-  CliRun r;
-  FILE* p =
-      popen((std::string(CACHET_BINARY) + " " + args + " < " + in + " 2> " + err).c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf;
-  for (size_t n; (n = fread(buf.data(), 1, buf.size(), p)) > 0;) r.out.append(buf.data(), n);
-  r.status = pclose(p);
-  r.err = testing::ReadFile(err);
-  return r;
+  return testing::RunCachet(args, stdin_text);
 }
 
 TEST(ChatTemplateCli, KvtinyKeepsThePlainTranscript) {

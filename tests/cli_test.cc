@@ -3,7 +3,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <array>
 #include <cstdio>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -14,28 +13,8 @@
 namespace cachet {
 namespace {
 
-struct RunResult {
-  int status = -1;
-  std::string out, err;
-};
-
-// wrapper: a command the binary runs under (taskset ...).
-RunResult RunCachet(const std::string& args, const std::string& stdin_text = "",
-                    const std::string& wrapper = "") {
-  testing::TempDir dir;
-  const std::string in = dir.Write("stdin.txt", stdin_text);
-  const std::string err = dir.path() + "/stderr.txt";
-  const std::string cmd =
-      wrapper + " " + std::string(CACHET_BINARY) + " " + args + " < " + in + " 2> " + err;
-  RunResult r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (!p) return r;
-  std::array<char, 4096> buf;
-  for (size_t n; (n = fread(buf.data(), 1, buf.size(), p)) > 0;) r.out.append(buf.data(), n);
-  r.status = pclose(p);
-  r.err = testing::ReadFile(err);
-  return r;
-}
+using RunResult = testing::CliRun;
+using testing::RunCachet;
 
 TEST(Cli, ChatKeepsTheConversationCached) {
   RunResult r = RunCachet("chat -t 1 -n 8 --temp 0", "Hello there\nWhat is the pass key?\n");

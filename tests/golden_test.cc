@@ -2,7 +2,6 @@
 // every golden case (fp32 HF forward of kvtiny's bf16 weights).
 #include <gtest/gtest.h>
 
-#include <array>
 #include <cmath>
 #include <cstdio>
 #include <span>
@@ -130,15 +129,9 @@ TEST(Golden, CliRunPrintsGreedyContinuation) {
   std::vector<int32_t> first24(c.greedy.begin(),
                                c.greedy.begin() + std::min<size_t>(24, c.greedy.size()));
   const std::string expected = (*tok)->Decode(first24) + "\n";
-  const std::string cmd =
-      std::string(CACHET_BINARY) + " run -q -t 2 -p \"" + c.text + "\" -n 24 --temp 0 2>/dev/null";
-  FILE* p = popen(cmd.c_str(), "r");
-  ASSERT_NE(p, nullptr);
-  std::string out;
-  std::array<char, 4096> buf;
-  for (size_t n; (n = fread(buf.data(), 1, buf.size(), p)) > 0;) out.append(buf.data(), n);
-  EXPECT_EQ(pclose(p), 0);
-  EXPECT_EQ(out, expected);
+  const testing::CliRun r = testing::RunCachet("run -q -t 2 -p \"" + c.text + "\" -n 24 --temp 0");
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.out, expected);
 }
 
 }  // namespace

@@ -920,15 +920,12 @@ TEST(RedisEngine, BenchTierTtftReadsDiskAndRedis) {
   const std::string why = s.Start(1, false);
   ASSERT_TRUE(why.empty()) << "redis-server: " << why;
   testing::TempDir disk;
-  const std::string cmd = std::string(CACHET_BINARY) +
-                          " bench --tier-ttft --ctx 300 --reps 1 --json -t 1 --disk-cache " +
-                          disk.path() + " --redis " + s.Url() + " 2>/dev/null";
-  FILE* p = popen(cmd.c_str(), "r");
-  ASSERT_NE(p, nullptr);
-  std::string out;
-  char buf[4096];
-  for (size_t n; (n = fread(buf, 1, sizeof buf, p)) > 0;) out.append(buf, n);
-  ASSERT_EQ(pclose(p), 0) << out;
+  const testing::CliRun r = testing::RunCachet(
+      "bench --tier-ttft --ctx 300 --reps 1 --json -t 1 "
+      "--disk-cache " +
+      disk.path() + " --redis " + s.Url());
+  ASSERT_EQ(r.status, 0) << r.err;
+  const std::string& out = r.out;
   const auto j = nlohmann::json::parse(out);
   for (const char* src : {"compute", "compute_and_store", "ram", "disk", "redis"}) {
     ASSERT_TRUE(j["ttft_ms"].contains(src)) << out;

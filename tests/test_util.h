@@ -72,4 +72,13 @@ inline std::string ReadFile(const std::string& path) {
   return ss.str();
 }
 
+// The cachet binary run with args (stdin from stdin_text, under wrapper: taskset ...): its exit
+// status as pclose gives it, stdout and stderr.
+struct CliRun {
+  int status = -1;
+  std::string out, err;
+};
+CliRun RunCachet(const std::string& args, const std::string& stdin_text = "",
+                 const std::string& wrapper = "");
+
 }  // namespace cachet::testing
