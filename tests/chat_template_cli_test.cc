@@ -21,6 +21,19 @@ CliRun Cachet(const std::string& args, const std::string& stdin_text) {
   return testing::RunCachet(args, stdin_text);
 }
 
+// kvtiny's files in dir, its tokenizer_config.json with this chat template.
+void KvtinyWithTemplate(const testing::TempDir& dir, std::string_view jinja) {
+  for (const auto& e : std::filesystem::directory_iterator(testing::ModelDir())) {
+    if (e.path().filename() != "tokenizer_config.json") {
+      std::filesystem::create_symlink(e.path(), dir.path() + "/" + e.path().filename().string());
+    }
+  }
+  nlohmann::json cfg =
+      nlohmann::json::parse(testing::ReadFile(testing::ModelDir() + "/tokenizer_config.json"));
+  cfg["chat_template"] = std::string(jinja);
+  dir.Write("tokenizer_config.json", cfg.dump());
+}
+
 TEST(ChatTemplateCli, KvtinyKeepsThePlainTranscript) {
   CliRun r = Cachet("chat -t 1 -n 4 --temp 0 --verbose-prompt", "Hello there\nBye\n");
   ASSERT_EQ(r.status, 0) << r.err;
@@ -71,15 +84,7 @@ TEST(ChatTemplateCli, DeepSeekTurnsCloseWithTheEosAndAppend) {
 // over), and closes with <|im_end|>.
 TEST(ChatTemplateCli, Qwen3TurnsAppend) {
   testing::TempDir dir;
-  for (const auto& e : std::filesystem::directory_iterator(testing::ModelDir())) {
-    if (e.path().filename() != "tokenizer_config.json") {
-      std::filesystem::create_symlink(e.path(), dir.path() + "/" + e.path().filename().string());
-    }
-  }
-  nlohmann::json cfg =
-      nlohmann::json::parse(testing::ReadFile(testing::ModelDir() + "/tokenizer_config.json"));
-  cfg["chat_template"] = std::string(kQwen3);
-  dir.Write("tokenizer_config.json", cfg.dump());
+  KvtinyWithTemplate(dir, kQwen3);
   const CliRun r = Cachet("chat -t 1 -n 6 --temp 0 --verbose-prompt -m " + dir.path(),
                           "Hello there\nAnd then?\nBye\n");
   ASSERT_EQ(r.status, 0) << r.err;
@@ -109,15 +114,7 @@ TEST(ChatTemplateCli, UnknownNameOrTemplateIsAStartupError) {
   EXPECT_TRUE(r.out.empty());
   // kvtiny's files with a template no family matches.
   testing::TempDir dir;
-  for (const auto& e : std::filesystem::directory_iterator(testing::ModelDir())) {
-    if (e.path().filename() != "tokenizer_config.json") {
-      std::filesystem::create_symlink(e.path(), dir.path() + "/" + e.path().filename().string());
-    }
-  }
-  nlohmann::json cfg =
-      nlohmann::json::parse(testing::ReadFile(testing::ModelDir() + "/tokenizer_config.json"));
-  cfg["chat_template"] = std::string(kGemma);
-  dir.Write("tokenizer_config.json", cfg.dump());
+  KvtinyWithTemplate(dir, kGemma);
   r = Cachet("chat -t 1 -n 4 -m " + dir.path(), "Hello\n");
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.err.find("matches no known family; choose one with --chat-template NAME"),

@@ -127,16 +127,22 @@ TEST(ReasoningSplit, FormatsParseAtTheEdge) {
   }
 }
 
+// kvtiny as the server describes it to Prepare (its template set by each test).
+ServedModel Kvtiny(const Tokenizer& tok) {
+  ServedModel model;
+  model.name = "kvtiny";
+  model.tokenizer = &tok;
+  model.n_ctx = 4096;
+  model.vocab_size = 8192;
+  return model;
+}
+
 // Which chat requests split, and whether they start inside the tag: the template's generation
 // prompt (R1's opens <think>), the server's default and the request's own field.
 TEST(ReasoningSplit, PreparedFromTheTemplateAndTheRequest) {
   auto tok = Tokenizer::Load(testing::ModelDir());
   ASSERT_TRUE(tok.ok()) << tok.status().ToString();
-  ServedModel model;
-  model.name = "kvtiny";
-  model.tokenizer = tok.value().get();
-  model.n_ctx = 4096;
-  model.vocab_size = 8192;
+  ServedModel model = Kvtiny(*tok.value());
   auto deepseek = ChatTemplateByName("deepseek");
   ASSERT_TRUE(deepseek.ok());
   auto chatml = ChatTemplateByName("chatml");
@@ -175,11 +181,7 @@ TEST(ReasoningSplit, PreparedFromTheTemplateAndTheRequest) {
 TEST(ReasoningSplit, EnableThinkingFalseClosesAnEmptyThinkBlock) {
   auto tok = Tokenizer::Load(testing::ModelDir());
   ASSERT_TRUE(tok.ok()) << tok.status().ToString();
-  ServedModel model;
-  model.name = "kvtiny";
-  model.tokenizer = tok.value().get();
-  model.n_ctx = 4096;
-  model.vocab_size = 8192;
+  ServedModel model = Kvtiny(*tok.value());
   model.chat_template = ChatTemplateByName("chatml").value();
   model.chat_template.thinking_switch = true;
   auto prompt_of = [&](const std::string& extra) {
