@@ -87,12 +87,6 @@ struct ChatTemplate {
 // another type, is an InvalidArgument naming it. Applied to t.
 Status ApplyChatTemplateKwargs(std::string_view json_object, ChatTemplate* t);
 
-// chat_template_kwargs (llama-server's flag and request field, vLLM's field): the Jinja variables
-// a template reads besides the messages, as a JSON object. Cachet renders templates in C++, so
-// only the one it renders is read, enable_thinking (a boolean); another key, or a value of
-// another type, is an InvalidArgument naming it. Applied to t.
-Status ApplyChatTemplateKwargs(std::string_view json_object, ChatTemplate* t);
-
 std::string_view ChatFamilyName(ChatFamily family);
 // "chatml, llama3, llama2, mistral, mistral-v3, zephyr, deepseek, plain": every name
 // ChatTemplateByName accepts.

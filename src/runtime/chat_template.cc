@@ -6,6 +6,8 @@
 #include <array>
 #include <ctime>
 #include <iterator>
+#include <nlohmann/json.hpp>
+#include <optional>
 
 namespace cachet {
 namespace {
@@ -129,8 +131,9 @@ void AppendQwenReply(const ChatTemplate& t, std::string_view content, bool keep_
     content = StripNewlines(content.substr(end + std::string_view("</think>").size()), true, false);
   }
   if (keep_reasoning && t.recent_reasoning && (last || !reasoning.empty())) {
-    Append(out, {"<|im_start|>assistant\n<think>\n", StripNewlines(reasoning, true, true),
-                 "\n</think>\n\n", StripNewlines(content, true, false), "<|im_end|>\n"});
+    // The reasoning is stripped of line breaks already; a reply without "</think>" is not yet.
+    Append(out, {"<|im_start|>assistant\n<think>\n", reasoning, "\n</think>\n\n",
+                 StripNewlines(content, true, false), "<|im_end|>\n"});
   } else {
     Append(out, {"<|im_start|>assistant\n", content, "<|im_end|>\n"});
   }
@@ -513,6 +516,27 @@ Result<ChatTemplate> ChatTemplateByName(std::string_view name) {
   }
   return InvalidArgument(std::string(kChatTemplateFlag) + ": unknown chat template \"" +
                          std::string(name) + "\"; known: " + ChatTemplateNames());
+}
+
+Status ApplyChatTemplateKwargs(std::string_view json_object, ChatTemplate* t) {
+  const nlohmann::json j = nlohmann::json::parse(json_object, nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return InvalidArgument("chat_template_kwargs: not a JSON object");
+  }
+  std::optional<bool> enable_thinking;  // applied once every key is read: an error changes nothing
+  for (const auto& [key, value] : j.items()) {
+    if (key != "enable_thinking") {
+      return InvalidArgument("chat_template_kwargs: \"" + key +
+                             "\" is not read (templates are rendered in C++: only enable_thinking "
+                             "is)");
+    }
+    if (!value.is_boolean()) {
+      return InvalidArgument("chat_template_kwargs.enable_thinking: must be true or false");
+    }
+    enable_thinking = value.get<bool>();
+  }
+  if (enable_thinking) t->enable_thinking = *enable_thinking;
+  return OkStatus();
 }
 
 Result<ChatTemplate> DetectChatTemplate(std::string_view jinja) {

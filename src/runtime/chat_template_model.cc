@@ -76,27 +76,6 @@ Result<ChatTemplate> ResolveChatTemplate(const std::string& model_path, std::str
   return t;
 }
 
-Status ApplyChatTemplateKwargs(std::string_view json_object, ChatTemplate* t) {
-  const nlohmann::json j = nlohmann::json::parse(json_object, nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) {
-    return InvalidArgument("chat_template_kwargs: not a JSON object");
-  }
-  std::optional<bool> enable_thinking;  // applied once every key is read: an error changes nothing
-  for (const auto& [key, value] : j.items()) {
-    if (key != "enable_thinking") {
-      return InvalidArgument("chat_template_kwargs: \"" + key +
-                             "\" is not read (templates are rendered in C++: only enable_thinking "
-                             "is)");
-    }
-    if (!value.is_boolean()) {
-      return InvalidArgument("chat_template_kwargs.enable_thinking: must be true or false");
-    }
-    enable_thinking = value.get<bool>();
-  }
-  if (enable_thinking) t->enable_thinking = *enable_thinking;
-  return OkStatus();
-}
-
 void UseTokenizerSpecials(const Tokenizer& tok, ChatTemplate* t) {
   t->bos_token = tok.bos_id() >= 0 ? tok.TokenBytes(tok.bos_id()) : "";
   t->eos_token = tok.eos_id() >= 0 ? tok.TokenBytes(tok.eos_id()) : "";
