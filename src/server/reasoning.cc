@@ -28,7 +28,7 @@ Result<ReasoningFormat> ParseReasoningFormat(std::string_view name) {
   return InvalidArgument(message);
 }
 
-ReasoningSplit::Piece ReasoningSplit::Feed(std::string_view text) {
+ReasoningSplit::Piece ReasoningSplit::Feed(std::string_view text, bool last) {
   Piece out;
   held_.append(text);
   for (bool more = true; more;) {
@@ -79,6 +79,11 @@ ReasoningSplit::Piece ReasoningSplit::Feed(std::string_view text) {
         held_.clear();
         break;
     }
+  }
+  if (last) {
+    const Piece rest = Finish();
+    out.reasoning += rest.reasoning;
+    out.content += rest.content;
   }
   return out;
 }

@@ -7,7 +7,7 @@
 //
 // Fed the reply piece by piece as it streams (a tag may be cut anywhere, a token's text being any
 // bytes): each Feed returns what can already be told apart, holding back only what might still
-// be the start of a tag; Finish returns the rest.
+// be the start of a tag; Finish returns the rest (Feed with last does both).
 #pragma once
 
 #include <string>
@@ -25,7 +25,7 @@ class ReasoningSplit {
   };
   // opened: the prompt ended inside <think>.
   explicit ReasoningSplit(bool opened) : state_(opened ? State::kThinking : State::kStart) {}
-  Piece Feed(std::string_view text);
+  Piece Feed(std::string_view text, bool last = false);
   Piece Finish();
   // The reply had a <think> part (possibly empty, possibly never closed).
   bool reasoned() const { return state_ != State::kStart && state_ != State::kContent; }

@@ -552,7 +552,6 @@ Result<ParsedRequest> ParseRequest(std::string_view text, Endpoint endpoint,
     if (endpoint != Endpoint::kChat)
       return Bad("chat_template_kwargs", "only for chat completions");
     ChatTemplate read;  // the kwargs alone, read into a template of their own
-    read.enable_thinking = true;
     CACHET_RETURN_IF_ERROR(ApplyChatTemplateKwargs(kw->dump(), &read));
     if (kw->contains("enable_thinking")) r.enable_thinking = read.enable_thinking;
   }

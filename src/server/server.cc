@@ -328,9 +328,9 @@ void Server::Impl::Respond(const std::shared_ptr<Exchange>& ex, const PreparedRe
   if (p.split_reasoning) {
     for (ChoiceOutput& c : out) {
       ReasoningSplit split(p.reasoning_opened);
-      ReasoningSplit::Piece a = split.Feed(c.text), b = split.Finish();
-      c.text = a.content + b.content;
-      c.reasoning = a.reasoning + b.reasoning;
+      ReasoningSplit::Piece whole = split.Feed(c.text, /*last=*/true);
+      c.text = std::move(whole.content);
+      c.reasoning = std::move(whole.reasoning);
       c.reasoned = split.reasoned();
     }
   }
@@ -385,12 +385,7 @@ bool Server::Impl::Stream(Exchange& ex, const PreparedRequest& p, const Response
       c.index = item.index;
       ReasoningSplit::Piece piece;
       if (p.split_reasoning) {
-        piece = splits[item.index].Feed(e.text);
-        if (e.finished) {
-          ReasoningSplit::Piece rest = splits[item.index].Finish();
-          piece.reasoning += rest.reasoning;
-          piece.content += rest.content;
-        }
+        piece = splits[item.index].Feed(e.text, /*last=*/e.finished);
         c.text = piece.content;
         c.reasoning = piece.reasoning;
       } else {

@@ -78,7 +78,7 @@ Result<RedisUrl> ParseRedisUrl(std::string_view text) {
       "expected redis://[[user]:password@]host[:port][/db], comma-separated for a cluster";
   if (text.empty()) return InvalidArgument("--redis: empty URL; " + expected);
   RedisUrl url;
-  bool have_db = false, have_auth = false;
+  bool have_db = false;
   size_t start = 0;
   while (start <= text.size()) {
     size_t comma = text.find(',', start);
@@ -116,14 +116,13 @@ Result<RedisUrl> ParseRedisUrl(std::string_view text) {
       if (password.empty()) return InvalidArgument(where + "an empty password");
     }
     if (!password.empty()) {
-      if (have_auth && (user != url.user || password != url.password)) {
+      if (!url.password.empty() && (user != url.user || password != url.password)) {
         return InvalidArgument(
             "--redis: the nodes name different credentials (give them once, "
             "or the same on every node)");
       }
       url.user = std::move(user);
       url.password = std::move(password);
-      have_auth = true;
     }
     if (rest.find('?') != std::string_view::npos || rest.find('#') != std::string_view::npos) {
       return InvalidArgument(where + "URL options (?...) are not supported");
