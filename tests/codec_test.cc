@@ -73,6 +73,7 @@ double Bound(Codec c) {
     case Codec::kKvq3:
     case Codec::kKvq2:
     case Codec::kCq4:
+    case Codec::kCq2:
       return 0;
   }
   return 0;

@@ -926,8 +926,8 @@ TEST(KernelsAttention, ObserveMatchesReferenceWeights) {
 }
 
 // A page source whose pages have different row types (f32, f16, bf16, q8_0 and q4_0 blocks, K
-// and V independently) and key counts: what PagedSequence gives the kernel for codec pages, sinks
-// and a cold pool.
+// and V independently; KIVI keys, 2-bit level values) and key counts: what PagedSequence gives the
+// kernel for codec pages, sinks and a cold pool.
 struct TypedPages final : PageRows {
   int pt = 0, hd = 0;
   std::vector<int> cnt;
@@ -937,6 +937,8 @@ struct TypedPages final : PageRows {
   std::vector<std::vector<uint8_t>> kq, vq;     // q8_0 / q4_0 pages; KIVI key codes
   std::vector<int> k_bits;                      // KIVI keys: bits per code, else 0
   std::vector<std::vector<uint16_t>> k_chan;    // KIVI keys: (minimum, scale) per channel
+  std::vector<bool> v_lvl;                      // values in 2-bit level blocks (cq2), in vq
+  float levels[16] = {-1.5f, -0.5f, 0.25f, 1.75f};
   std::vector<std::vector<int32_t>> pos;
   std::vector<std::vector<uint16_t>> pos16;  // the same where they fit 16 bits, else empty
   std::vector<float> k, v;                   // every key's rows as stored (rounded), contiguous
@@ -965,7 +967,31 @@ struct TypedPages final : PageRows {
       d.k_channels = k_chan[page].data();
       d.k_bits = k_bits[page];
     }
+    if (v_lvl[page]) {
+      d.v = vq[page].data();
+      d.v_levels = levels;
+    }
     return d;
+  }
+
+  // Level blocks (PageData::v_levels) for n rows: random codes and per-block f16 scales; the
+  // values they stand for go into out.
+  static void StoreLevels(int n, int hd, const float* levels, std::mt19937& rng,
+                          std::vector<uint8_t>* blocks, std::vector<float>* out) {
+    std::uniform_int_distribution<int> code(0, 3);
+    std::uniform_real_distribution<float> u(0.1f, 2.0f);
+    for (int64_t b = 0; b < int64_t{n} * hd / 32; ++b) {
+      const uint16_t s = F32ToF16(u(rng));
+      blocks->push_back(static_cast<uint8_t>(s & 0xff));
+      blocks->push_back(static_cast<uint8_t>(s >> 8));
+      const size_t codes = blocks->size();
+      blocks->resize(codes + 8, 0);
+      for (int i = 0; i < 32; ++i) {
+        const int c = code(rng);
+        (*blocks)[codes + i % 8] |= static_cast<uint8_t>(c << (2 * (i / 8)));
+        out->push_back(F16ToF32(s) * levels[c]);
+      }
+    }
   }
 
   // KIVI keys for n rows: random codes of `bits`, random per-channel minimum and scale; the values
@@ -1048,8 +1074,14 @@ TypedPages MakeTypedPages(const std::vector<int32_t>& key_pos, int pt, int hd, s
       TypedPages::Store(tp.k_type.back(), RandomVec(size_t(n) * hd, rng), hd, &tp.k16.back(),
                         &tp.k32.back(), &tp.kq.back(), &tp.k);
     }
-    TypedPages::Store(tp.v_type.back(), RandomVec(size_t(n) * hd, rng), hd, &tp.v16.back(),
-                      &tp.v32.back(), &tp.vq.back(), &tp.v);
+    // Every fifth page holds values in 2-bit level blocks.
+    tp.v_lvl.push_back(hd % 32 == 0 && i % 5 == 2);
+    if (tp.v_lvl.back()) {
+      TypedPages::StoreLevels(n, hd, tp.levels, rng, &tp.vq.back(), &tp.v);
+    } else {
+      TypedPages::Store(tp.v_type.back(), RandomVec(size_t(n) * hd, rng), hd, &tp.v16.back(),
+                        &tp.v32.back(), &tp.vq.back(), &tp.v);
+    }
     tp.pos.emplace_back(key_pos.begin() + j, key_pos.begin() + j + n);
     const bool fits = std::all_of(tp.pos.back().begin(), tp.pos.back().end(),
                                   [](int32_t p) { return p >= 0 && p <= 0xFFFF; });

@@ -90,7 +90,12 @@ struct PageData {
   // channel's f16 (minimum, scale): key i, channel c is minimum + scale * code.
   const uint16_t* k_channels = nullptr;
   int k_bits = 0;
+  // 2-bit level blocks instead of v_type rows (the cq2 codec): row i at i * head_dim / 32 *
+  // kLevelBlockBytes, each block an f16 scale s and 8 code bytes, byte j holding the codes of
+  // values j, 8 + j, 16 + j and 24 + j from its lowest bits; a value is s * v_levels[code].
+  const float* v_levels = nullptr;
 };
+inline constexpr int kLevelBlockBytes = 10;
 
 // A page's token positions as its source stores them: int32, or uint16 where the context fits
 // 16 bits (one of the two set).

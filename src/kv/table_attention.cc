@@ -50,11 +50,17 @@ void PartPages(const kernels::AttnBatch& b, int n, int* begin, int* end) {
 // values accumulate in it and the output is turned back once per row. Rows stored in another
 // basis (raw sink and window pages beside such a codec, a cold pool of another codec) are decoded
 // and turned into it.
+// The codec whose basis a pass reads one role in, and its plan.
+struct RoleBasis {
+  codecs::Codec codec;
+  const codecs::CalPlan* plan;
+};
+
 struct RefRows final : kernels::PageRows {
   // Each ref's pages are hot's or cold's (null: no cold pool).
   RefRows(std::span<const PageRef> refs, const KvLayout& layout, int table, const PagePool& hot,
-          const PagePool* cold, int table_pages)
-      : refs_(refs), layout_(layout), table_(table), hot_(&hot) {
+          const PagePool* cold, int table_pages, RoleBasis k, RoleBasis v)
+      : refs_(refs), layout_(layout), table_(table), hot_(&hot), basis_{k, v} {
     SetBytes(hot, bytes_[0]);
     if (cold != nullptr) SetBytes(*cold, bytes_[1]);
     // The table's bytes as its first page's times its count (whether the pass reads every page or
@@ -87,7 +93,13 @@ struct RefRows final : kernels::PageRows {
     } else {
       d.k = Rows(pool, id, Role::kKey, refs_[page].cnt, k_buf, &d.k_type);
     }
-    d.v = Rows(pool, id, Role::kValue, refs_[page].cnt, v_buf, &d.v_type);
+    if (pool.codec_of(id, Role::kValue) == codecs::Codec::kCq2 &&
+        codecs::BasisOf(basis_[1].codec) == codecs::Basis::kChannels) {  // read in place
+      d.v = pool.rows(id, Role::kValue);
+      d.v_levels = codecs::Cq2Levels();
+    } else {
+      d.v = Rows(pool, id, Role::kValue, refs_[page].cnt, v_buf, &d.v_type);
+    }
     return d;
   }
   // The page into L1 and, for a light tile over a table of kFarMinTableBytes or more in pages of
@@ -151,15 +163,14 @@ struct RefRows final : kernels::PageRows {
   const void* Rows(PagePool& pool, int32_t id, Role role, int cnt, float* buf, DType* type) const {
     const codecs::Codec c = pool.codec_of(id, role);
     const uint8_t* data = pool.rows(id, role);
-    const codecs::Codec basis = role == Role::kKey ? layout_.codec_k : layout_.codec_v;
+    const RoleBasis& into = basis_[role == Role::kValue];
     const int hd = layout_.head_dim;
-    if (c != basis && codecs::BasisOf(c) != codecs::BasisOf(basis)) {
+    if (c != into.codec && codecs::BasisOf(c) != codecs::BasisOf(into.codec)) {
       const codecs::CalPlan* plan = pool.plan_of(id, table_, role);
-      const codecs::CalPlan* to = layout_.plan(table_, role, basis);
       DecodeStoredRows(pool, table_, id, role, cnt, buf);
       for (int t = 0; t < cnt; ++t) {
         codecs::OutOfBasis(c, plan, buf + size_t(t) * hd, hd, true);
-        codecs::IntoBasis(basis, to, buf + size_t(t) * hd, hd, codecs::BasisVec::kRow);
+        codecs::IntoBasis(into.codec, into.plan, buf + size_t(t) * hd, hd, codecs::BasisVec::kRow);
       }
       *type = DType::kF32;
       return buf;
@@ -192,6 +203,7 @@ struct RefRows final : kernels::PageRows {
   const KvLayout& layout_;
   int table_;
   const PagePool* hot_;
+  RoleBasis basis_[2];          // [K, V]
   size_t bytes_[2][2][2] = {};  // [hot, cold][raw, codec page][K, V]: Prefetch's byte counts
   bool far_ = false;            // whether Prefetch also fetches kFarPages ahead
 };
@@ -227,13 +239,27 @@ void AttendRows(const kernels::AttnBatch& batch, const TablePages& hot, const Ta
   refs.clear();
   int table_pages = AddRefs(hot, begin, end, &refs);
   if (cold) table_pages += AddRefs(*cold, begin - n_hot, end - n_hot, &refs);
-  // The basis of each role: the hot pool's (a cold pool of another basis is converted).
+  // The basis of each role: the hot pool's, or where that is plain and the pass reads more cold
+  // pages than hot ones, the cold pool's (aged pages of cq4 / cq2 are then read in place, and the
+  // recent rows turned into their basis); rows stored in another basis are converted.
   const KvLayout& lay = hot.pool->layout();
-  const codecs::Codec ck = lay.codec_k, cv = lay.codec_v;
+  const bool cold_most = cold != nullptr && PagesRead(*cold) > n_hot;
+  auto basis_of = [&](Role role) {
+    const codecs::Codec h = role == Role::kKey ? lay.codec_k : lay.codec_v;
+    if (cold_most && codecs::BasisOf(h) == codecs::Basis::kPlain) {
+      const KvLayout& cl = cold->pool->layout();
+      const codecs::Codec c = role == Role::kKey ? cl.codec_k : cl.codec_v;
+      if (codecs::BasisOf(c) != codecs::Basis::kPlain)
+        return RoleBasis{c, cl.plan(hot.index, role, c)};
+    }
+    return RoleBasis{h, lay.plan(hot.index, role, h)};
+  };
+  const RoleBasis bk = basis_of(Role::kKey), bv = basis_of(Role::kValue);
+  const codecs::Codec ck = bk.codec, cv = bv.codec;
   const bool turn_k = codecs::BasisOf(ck) != codecs::Basis::kPlain;
   const bool turn_v = codecs::BasisOf(cv) != codecs::Basis::kPlain;
-  const codecs::CalPlan* plan_k = lay.plan(hot.index, Role::kKey, ck);
-  const codecs::CalPlan* plan_v = lay.plan(hot.index, Role::kValue, cv);
+  const codecs::CalPlan* plan_k = bk.plan;
+  const codecs::CalPlan* plan_v = bv.plan;
   const int hd = lay.head_dim, q_dim = batch.n_heads * hd;
   kernels::AttnBatch b = batch;
   thread_local std::vector<float> q_rot, out_rot;
@@ -254,8 +280,8 @@ void AttendRows(const kernels::AttnBatch& batch, const TablePages& hot, const Ta
     b.out = out_rot.data();
     b.out_stride = q_dim;
   }
-  kernels::PagedAttentionRows(
-      b, RefRows(refs, lay, hot.index, *hot.pool, cold ? cold->pool : nullptr, table_pages));
+  kernels::PagedAttentionRows(b, RefRows(refs, lay, hot.index, *hot.pool,
+                                         cold ? cold->pool : nullptr, table_pages, bk, bv));
   if (turn_v) {  // the weights sum to 1: the centered values' mean comes back once
     for (int i = 0; i < b.n_tok; ++i) {
       for (int h = 0; h < b.n_heads; ++h) {

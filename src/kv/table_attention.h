@@ -22,7 +22,8 @@ kernels::PagedKv PlainView(const PagePool& pool, const BlockTable& t);
 
 // Attention over the hot table's pages, then the cold table's (keys in that order; cold may be
 // null). A plain layout without a cold table is read as a page table; anything else through
-// kernels::PageRows, in the hot pool's basis for each role.
+// kernels::PageRows, in the hot pool's basis for each role (where that is plain and the cold
+// table's pages are most of the pass, the cold pool's).
 void AttendTables(const kernels::AttnBatch& batch, const TablePages& hot, const TablePages* cold);
 
 }  // namespace cachet

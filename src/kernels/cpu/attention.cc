@@ -314,11 +314,10 @@ class PageWalk {
       }
       for (int i = 0; i < n_slots; ++i) {
         const Slot& sl = slots_[i];
-        WithValueRows(sl.rows.v, sl.rows.v_type, sl.cnt, hd_, rows, v_buf_ + i * page_floats_,
-                      [&](const auto& v_rows) {
-                        AccumulatePage(v_rows, sl.cnt, hd_, rows, scores_ + i * s_stride_,
-                                       c_stride_, acc_);
-                      });
+        WithValueRows(
+            sl.rows, sl.cnt, hd_, rows, v_buf_ + i * page_floats_, [&](const auto& v_rows) {
+              AccumulatePage(v_rows, sl.cnt, hd_, rows, scores_ + i * s_stride_, c_stride_, acc_);
+            });
       }
     }
     WriteRows(t0, rows);

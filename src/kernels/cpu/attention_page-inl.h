@@ -81,7 +81,7 @@ HWY_INLINE void ScoreBlock(const Rows& k, int cnt, int hd, const float* const* q
 // Whether a row reader gives two vectors per load (q4_0: a block's low and high nibbles).
 template <class Rows>
 constexpr int kVecsPerLoad = [] {
-  if constexpr (Rows::kBlocks) return Rows::kNibbles ? 2 : 1;
+  if constexpr (Rows::kBlocks) return Rows::kHalves ? 2 : 1;
   return 1;
 }();
 
@@ -255,8 +255,8 @@ HWY_INLINE void AccumulatePage(const Rows& v, int cnt, int hd, int rows, const f
 
 // Block rows [0, cnt) of a page unpacked into buf (cnt * hd codes, then cnt * hd / 32 scales), for
 // a tile of more rows than one row block.
-template <DType kType>
-HWY_INLINE ScaledRows UnpackScaled(const BlockRows<kType>& rows, int cnt, int hd, float* buf) {
+template <class Rows>
+HWY_INLINE ScaledRows UnpackScaled(const Rows& rows, int cnt, int hd, float* buf) {
   const DF df;
   constexpr int N = kMaxLanes;
   const int nb = hd / 32;
@@ -266,11 +266,11 @@ HWY_INLINE ScaledRows UnpackScaled(const BlockRows<kType>& rows, int cnt, int hd
     for (int blk = 0; blk < nb; ++blk) {
       s[t * nb + blk] = rows.Scale(t, blk);
       float* ub = u + static_cast<int64_t>(t) * hd + blk * 32;
-      for (int o = 0; o < kCodeSpan<BlockRows<kType> >; o += N) {
+      for (int o = 0; o < kCodeSpan<Rows>; o += N) {
         VF lo, hi;
         rows.Values(t, blk, o, &lo, &hi);
         hn::StoreU(lo, df, ub + o);
-        if constexpr (BlockRows<kType>::kNibbles) hn::StoreU(hi, df, ub + 16 + o);
+        if constexpr (Rows::kHalves) hn::StoreU(hi, df, ub + 16 + o);
       }
     }
   }
@@ -355,13 +355,18 @@ HWY_INLINE void WithPlainRows(const void* rows, DType t, int hd, const F& f) {
 // registers as they are loaded) when one row block shares them; a larger tile unpacks them once
 // into buf instead. (Block-quantized K rows are scored by BlockKeyScores.)
 template <class F>
-HWY_INLINE void WithValueRows(const void* rows, DType t, int cnt, int hd, int n_rows, float* buf,
+HWY_INLINE void WithValueRows(const PageData& d, int cnt, int hd, int n_rows, float* buf,
                               const F& f) {
   auto blocks = [&](const auto& b) {
     return n_rows <= kRowBlock ? f(b) : f(UnpackScaled(b, cnt, hd, buf));
   };
-  const auto row_bytes = static_cast<int64_t>(DTypeRowBytes(t, hd));
+  const void* rows = d.v;
+  const DType t = d.v_type;
   const auto* bytes = static_cast<const uint8_t*>(rows);
+  if (d.v_levels != nullptr) {
+    return blocks(LevelRows{bytes, int64_t{hd} / 32 * kLevelBlockBytes, d.v_levels});
+  }
+  const auto row_bytes = static_cast<int64_t>(DTypeRowBytes(t, hd));
   switch (t) {
     case DType::kQ4_0:
       return blocks(BlockRows<DType::kQ4_0>{bytes, row_bytes});

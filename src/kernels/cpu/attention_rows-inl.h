@@ -57,30 +57,33 @@ struct PlainRows {  // f32, f16 or bf16, row t at p + t * hd
   }
 };
 
+// A block's f16 scale (its first two bytes), converted by the vector unit.
+HWY_INLINE float BlockScale(const uint8_t* block) {
+  uint16_t h;
+  std::memcpy(&h, block, 2);
+  const hn::Full128<float> d4;
+  const hn::Rebind<uint16_t, decltype(d4)> d16;
+  return hn::GetLane(
+      hn::PromoteTo(d4, hn::BitCast(hn::Rebind<hwy::float16_t, decltype(d4)>(), hn::Set(d16, h))));
+}
+
 // llama.cpp's q4_0 / q8_0 blocks (kernels::PageData): row t is hd / 32 blocks, each an f16 scale
 // s and 32 codes c, value s * (c + kOffset): q4_0 has unsigned nibbles (byte i holds c_i in its
 // low nibble and c_{16+i} in its high one) and offset -8, q8_0 signed bytes. The kernels walk a
-// row block by block and apply the scale once per block, not per value.
+// row block by block and apply the scale once per block, not per value. A reader of kHalves gives
+// two vectors per load: codes [o, o + N) and [16 + o, 16 + o + N) of a block.
 template <DType kType>
 struct BlockRows {
   static constexpr bool kBlocks = true;
-  static constexpr bool kNibbles = kType == DType::kQ4_0;
-  static constexpr int kBlockBytes = kNibbles ? 18 : 34;
-  static constexpr float kOffset = kNibbles ? -8.0f : 0.0f;
+  static constexpr bool kHalves = kType == DType::kQ4_0;
+  static constexpr int kBlockBytes = kHalves ? 18 : 34;
+  static constexpr float kOffset = kHalves ? -8.0f : 0.0f;
   const uint8_t* HWY_RESTRICT p;
   int64_t row_bytes;
   HWY_INLINE const uint8_t* Block(int t, int blk) const {
     return p + t * row_bytes + blk * kBlockBytes;
   }
-  // The block's scale, broadcast.
-  HWY_INLINE float Scale(int t, int blk) const {
-    uint16_t h;
-    std::memcpy(&h, Block(t, blk), 2);
-    const hn::Full128<float> d4;
-    const hn::Rebind<uint16_t, decltype(d4)> d16;
-    return hn::GetLane(hn::PromoteTo(
-        d4, hn::BitCast(hn::Rebind<hwy::float16_t, decltype(d4)>(), hn::Set(d16, h))));
-  }
+  HWY_INLINE float Scale(int t, int blk) const { return BlockScale(Block(t, blk)); }
   // Codes [o, o + N) of a block as f32 c + kOffset, unscaled (Scale applies); q4_0 also gives
   // [16 + o, 16 + o + N) from the same load (o < 16). With 16 lanes a q4_0 block is decoded by a
   // lookup in its 16 possible values.
@@ -88,7 +91,7 @@ struct BlockRows {
     const DF df;
     const hn::Rebind<int32_t, DF> di;
     const uint8_t* codes = Block(t, blk) + 2;
-    if constexpr (kNibbles) {
+    if constexpr (kHalves) {
       const auto b =
           hn::BitCast(di, hn::PromoteTo(hn::Rebind<uint32_t, DF>(),
                                         hn::LoadU(hn::Rebind<uint8_t, DF>(), codes + o)));
@@ -113,11 +116,54 @@ struct BlockRows {
   HWY_INLINE float Elem(int, int) const { return 0.0f; }  // rows are whole vectors (hd % 32 == 0)
 };
 
+// Lane j: byte (o + j) % 8 of bytes (o a multiple of the lanes).
+template <class D8>
+HWY_INLINE hn::Vec<D8> RepeatBytes(D8 d8, uint64_t bytes, int o) {
+  if constexpr (hn::MaxLanes(D8()) >= 8) {
+    return hn::BitCast(d8, hn::Set(hn::Repartition<uint64_t, D8>(), bytes));
+  } else {
+    const auto word = static_cast<uint32_t>(bytes >> (8 * (o & 7)));
+    return hn::BitCast(d8, hn::Set(hn::Repartition<uint32_t, D8>(), word));
+  }
+}
+
+// 2-bit level blocks (PageData::v_levels): read as q4_0's halves, lane j of a load taking byte
+// (o + j) % 8 of the block's codes at bit 2 * ((o + j) / 8), and 4 more for the second half;
+// the codes index the levels (padded to 16 with zeros) through a table lookup.
+struct LevelRows {
+  static constexpr bool kBlocks = true;
+  static constexpr bool kHalves = true;
+  const uint8_t* HWY_RESTRICT p;
+  int64_t row_bytes;
+  const float* HWY_RESTRICT levels;  // 16 floats
+  HWY_INLINE const uint8_t* Block(int t, int blk) const {
+    return p + t * row_bytes + blk * kLevelBlockBytes;
+  }
+  HWY_INLINE float Scale(int t, int blk) const { return BlockScale(Block(t, blk)); }
+  HWY_INLINE void Values(int t, int blk, int o, VF* lo, VF* hi) const {
+    const DF df;
+    const hn::Rebind<uint32_t, DF> du;
+    const hn::Rebind<uint8_t, DF> d8;
+    uint64_t bytes;
+    std::memcpy(&bytes, Block(t, blk) + 2, 8);
+    const auto w = hn::PromoteTo(du, RepeatBytes(d8, bytes, o));
+    const auto shift = hn::ShiftLeft<1>(hn::ShiftRight<3>(hn::Iota(du, o)));
+    const auto three = hn::Set(du, 3);
+    const auto c_lo = hn::And(hn::Shr(w, shift), three);
+    const auto c_hi = hn::And(hn::Shr(w, hn::Add(shift, hn::Set(du, 4))), three);
+    const hn::Rebind<int32_t, DF> di;
+    const VF table = hn::LoadU(df, levels);
+    *lo = hn::TableLookupLanes(table, hn::IndicesFromVec(df, hn::BitCast(di, c_lo)));
+    *hi = hn::TableLookupLanes(table, hn::IndicesFromVec(df, hn::BitCast(di, c_hi)));
+  }
+  HWY_INLINE float Elem(int, int) const { return 0.0f; }
+};
+
 // Block rows unpacked for a tile of many rows: codes c + kOffset as f32 (u, row t at t * hd) and
 // each block's scale (s, row t's at t * hd / 32), read as BlockRows reads them in place.
 struct ScaledRows {
   static constexpr bool kBlocks = true;
-  static constexpr bool kNibbles = false;
+  static constexpr bool kHalves = false;
   const float* HWY_RESTRICT u;
   const float* HWY_RESTRICT s;
   int hd;
@@ -130,7 +176,7 @@ struct ScaledRows {
 
 // Offsets o of the loads within a block: [0, 16) for q4_0, [0, 32) for q8_0.
 template <class Rows>
-constexpr int kCodeSpan = Rows::kNibbles ? 16 : 32;
+constexpr int kCodeSpan = Rows::kHalves ? 16 : 32;
 
 constexpr int kMaxLanes = static_cast<int>(hn::MaxLanes(DF()));
 static_assert(kMaxLanes <= 16, "BlockRows: a vector must fit in a half block");

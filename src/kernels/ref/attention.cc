@@ -205,7 +205,19 @@ void PagedAttentionRows(const AttnBatch& b, const PageRows& kv) {
       widen(rows.k, rows.k_type, k.data());
       DotScores(b, k.data(), cnt, hd, page_scores, n);
     }
-    widen(rows.v, rows.v_type, &v[pos.size() * hd]);
+    if (rows.v_levels != nullptr) {  // 2-bit level blocks
+      const auto* in = static_cast<const uint8_t*>(rows.v);
+      float* out = &v[pos.size() * hd];
+      for (int64_t blk = 0; blk < int64_t{cnt} * hd / 32; ++blk, in += kLevelBlockBytes) {
+        uint16_t s;
+        std::memcpy(&s, in, 2);
+        for (int i = 0; i < 32; ++i) {
+          out[blk * 32 + i] = F16ToF32(s) * rows.v_levels[(in[2 + i % 8] >> (2 * (i / 8))) & 3];
+        }
+      }
+    } else {
+      widen(rows.v, rows.v_type, &v[pos.size() * hd]);
+    }
     for (int r = 0; r < cnt; ++r) pos.push_back(p[r]);
   }
   AttendScored(b, scores.data(), v.data(), pos.data(), n, hd);

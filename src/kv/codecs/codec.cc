@@ -27,7 +27,7 @@ constexpr Info kCodecs[] = {
     {Codec::kRot3, "rot3"},        {Codec::kRot2, "rot2"},   {Codec::kRot3Qjl, "rot3+qjl"},
     {Codec::kRot2Qjl, "rot2+qjl"}, {Codec::kPca4, "pca4"},   {Codec::kPca3, "pca3"},
     {Codec::kPca2, "pca2"},        {Codec::kKvq4, "kvq4"},   {Codec::kKvq3, "kvq3"},
-    {Codec::kKvq2, "kvq2"},        {Codec::kCq4, "cq4"},
+    {Codec::kKvq2, "kvq2"},        {Codec::kCq4, "cq4"},     {Codec::kCq2, "cq2"},
 };
 
 int KiviBits(Codec c) { return c == Codec::kKivi4 ? 4 : 2; }
@@ -165,6 +165,35 @@ void EncodeQ4_0(const float* x, int dim, uint8_t* out) {
   }
 }
 
+// cq2's blocks: per 32 values the f16 scale d and the values' nearest of d x the 2-bit
+// Lloyd-Max levels; d starts at the block's RMS and is refitted by least squares to the codes
+// twice (the levels are those of a unit variance).
+constexpr size_t kCq2BlockBytes = 2 + kBlock / 4;
+void EncodeCq2(const float* x, int dim, uint8_t* out) {
+  const float* levels = LloydMax(2);
+  for (int b = 0; b < dim / kBlock; ++b, x += kBlock, out += kCq2BlockBytes) {
+    float ss = 0;
+    for (int i = 0; i < kBlock; ++i) ss += x[i] * x[i];
+    float d = std::sqrt(ss / kBlock);
+    uint8_t codes[kBlock] = {};
+    for (int round = 0; round < 3 && d > 0; ++round) {
+      const float inv = 1.0f / d;
+      float dot = 0, lev2 = 0;
+      for (int i = 0; i < kBlock; ++i) {
+        codes[i] = NearestLevel(x[i] * inv, levels, 4);
+        dot += x[i] * levels[codes[i]];
+        lev2 += levels[codes[i]] * levels[codes[i]];
+      }
+      d = dot / lev2;
+    }
+    const uint16_t dh = H(d);
+    std::memcpy(out, &dh, 2);
+    std::memset(out + 2, 0, kBlock / 4);
+    for (int i = 0; i < kBlock; ++i)
+      out[2 + i % 8] |= static_cast<uint8_t>(codes[i] << (2 * (i / 8)));
+  }
+}
+
 // Per-token row layout of the row-wise codecs (everything but KIVI keys).
 // Rotation codecs: each row starts with its f16 scale (the least-squares fit of the levels).
 constexpr size_t kRotScaleBytes = 2;
@@ -183,6 +212,8 @@ size_t RowBytes(Codec c, int dim) {
     case Codec::kQ4_0:
     case Codec::kCq4:
       return size_t(dim / kBlock) * (2 + kBlock / 2);
+    case Codec::kCq2:
+      return size_t(dim / kBlock) * kCq2BlockBytes;
     case Codec::kKivi4:
     case Codec::kKivi2:
       return size_t(dim / kBlock) * 4 + PackedBytes(dim, KiviBits(c));
@@ -245,6 +276,12 @@ void EncodeRow(Codec c, const CalPlan* plan, const float* x, int dim, uint8_t* o
       std::copy_n(x, dim, z);
       IntoBasis(c, plan, z, dim, BasisVec::kRow);
       return EncodeQ4_0(z, dim, out);
+    }
+    case Codec::kCq2: {
+      float z[kMaxDim];
+      std::copy_n(x, dim, z);
+      IntoBasis(c, plan, z, dim, BasisVec::kRow);
+      return EncodeCq2(z, dim, out);
     }
     case Codec::kKivi4:
     case Codec::kKivi2: {  // a value row: groups of 32 channels
@@ -355,6 +392,16 @@ void DecodeRowStored(Codec c, const CalPlan* plan, const uint8_t* in, int dim, f
         }
       }
       return;
+    case Codec::kCq2: {
+      const float* levels = LloydMax(2);
+      for (int b = 0; b < dim / kBlock; ++b, x += kBlock, in += kCq2BlockBytes) {
+        uint16_t dh;
+        std::memcpy(&dh, in, 2);
+        const float d = F(dh);
+        for (int i = 0; i < kBlock; ++i) x[i] = d * levels[(in[2 + i % 8] >> (2 * (i / 8))) & 3];
+      }
+      return;
+    }
     case Codec::kKivi4:
     case Codec::kKivi2: {
       const int bits = KiviBits(c), groups = dim / kBlock;
@@ -455,7 +502,8 @@ Status CheckDim(Codec c, int dim) {
   if (dim <= 0 || dim > kMaxDim) {
     return InvalidArgument("head_dim " + std::to_string(dim) + " outside [1, 512]");
   }
-  const bool block = c == Codec::kQ8_0 || c == Codec::kQ4_0 || c == Codec::kCq4 || IsKivi(c);
+  const bool block =
+      c == Codec::kQ8_0 || c == Codec::kQ4_0 || c == Codec::kCq4 || c == Codec::kCq2 || IsKivi(c);
   if (block && dim % kBlock != 0) {
     return InvalidArgument(std::string("codec ") + CodecName(c) +
                            " needs head_dim % 32 == 0, got " + std::to_string(dim));
@@ -495,7 +543,16 @@ bool IsRotated(Codec c) {
 
 bool IsPca(Codec c) { return c == Codec::kPca4 || c == Codec::kPca3 || c == Codec::kPca2; }
 bool IsKvq(Codec c) { return c == Codec::kKvq4 || c == Codec::kKvq3 || c == Codec::kKvq2; }
-bool IsCalibrated(Codec c) { return IsPca(c) || IsKvq(c) || c == Codec::kCq4; }
+bool IsCalibrated(Codec c) { return IsPca(c) || IsKvq(c) || IsCq(c); }
+bool IsCq(Codec c) { return c == Codec::kCq4 || c == Codec::kCq2; }
+const float* Cq2Levels() {
+  static const std::array<float, 16> table = [] {
+    std::array<float, 16> t{};
+    std::copy_n(LloydMax(2), 4, t.begin());
+    return t;
+  }();
+  return table.data();
+}
 int CalBits(Codec c) {
   return c == Codec::kPca4 || c == Codec::kKvq4 || c == Codec::kCq4 ? 4
          : c == Codec::kPca3 || c == Codec::kKvq3                   ? 3
@@ -504,10 +561,10 @@ int CalBits(Codec c) {
 int KvqOutliers(int dim) { return std::max(1, dim / 64); }
 bool StoredBeforeRope(Codec c, Role role) { return IsKvq(c) && role == Role::kKey; }
 Basis BasisOf(Codec c) {
-  return IsRotated(c)       ? Basis::kHadamard
-         : IsPca(c)         ? Basis::kPca
-         : c == Codec::kCq4 ? Basis::kChannels
-                            : Basis::kPlain;
+  return IsRotated(c) ? Basis::kHadamard
+         : IsPca(c)   ? Basis::kPca
+         : IsCq(c)    ? Basis::kChannels
+                      : Basis::kPlain;
 }
 
 void IntoBasis(Codec c, const CalPlan* plan, float* x, int dim, BasisVec what) {

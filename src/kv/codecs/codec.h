@@ -48,6 +48,11 @@ enum class Codec : uint8_t {
   // root of its calibrated standard deviation, in llama.cpp's q4_0 blocks, which attention reads
   // as it reads q4_0 (queries turned into that basis once: each channel times the same factor).
   kCq4,
+  // Calibrated 2-bit blocks, cq4's basis: per 32 channels an f16 scale and 2-bit codes of the
+  // Lloyd-Max levels of N(0, 1) (byte i of a block holds codes i, 8 + i, 16 + i and 24 + i, two
+  // bits each from the lowest), read in place by attention through a 4-entry table. Meant for
+  // old values (--kv-cold cq4:cq2), which draw little attention.
+  kCq2,
 };
 
 struct CalPlan;  // calibration.h: how a calibrated codec codes one (layer, KV head, role)
@@ -77,6 +82,9 @@ bool IsRotated(Codec c);
 bool IsCalibrated(Codec c);
 bool IsPca(Codec c);
 bool IsKvq(Codec c);
+bool IsCq(Codec c);  // cq4, cq2: calibrated blocks in the channels' basis
+// cq2's four levels padded with zeros to 16 floats: the table attention looks its codes up in.
+const float* Cq2Levels();
 int CalBits(Codec c);  // a calibrated codec's bits per value, outliers and scales aside
 // Values a kvq row keeps apart (its largest over the calibrated scales): 1 per 64 channels.
 int KvqOutliers(int dim);
