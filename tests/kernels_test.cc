@@ -1101,8 +1101,9 @@ TEST(KernelsAttention, TypedPageRowsMatchContiguous) {
     for (int pt : {1, 16}) {
       for (int hd : {64, 40, 96}) {  // 40: a row tail past the last whole vector
         const TypedPages tp = MakeTypedPages(k_pos, pt, hd, rng);
-        // Decode rows up to 4 read block pages fused, more unpack them into a buffer first.
-        for (int n_heads : {1, 3, 4, 6}) {
+        // Rows in blocks of up to 4 (kRowBlock) and a remainder; 40: a multi-query group wider
+        // than a tile's 32 rows (a tile of one token).
+        for (int n_heads : {1, 3, 4, 6, 40}) {
           const std::string what = "keys=" + std::to_string(n_keys) +
                                    " page=" + std::to_string(pt) + " hd=" + std::to_string(hd) +
                                    " heads=" + std::to_string(n_heads);
@@ -1199,8 +1200,9 @@ TEST(KernelsAttention, PromptTilesDecodeEachPageOnce) {
   }
 }
 
-// A decode step reads block and KIVI key pages fused, a tile of more rows unpacks them first: the
-// same query gets the same bits either way (a prefix-cached prompt must equal a cold one).
+// A decode step reads KIVI key pages fused, a tile of more rows unpacks them first; block pages
+// are read in row blocks: the same query gets the same bits in a tile of any size (a
+// prefix-cached prompt must equal a cold one).
 TEST(KernelsAttention, FusedAndUnpackedPagesGiveTheSameBits) {
   std::mt19937 rng(15);
   int32_t last = 0;

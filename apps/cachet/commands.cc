@@ -78,10 +78,11 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o, const char* default_codec) 
   app.add_option("--cache-type-v,--ctv", o.kv_codec_v,
                  "KV codec of values: " + codecs::CodecNames())
       ->default_val(default_codec);
-  app.add_option("--kv-calibration", o.kv_calibration,
-                 "The .kvcal file `cachet calibrate` made for this model: needed by the "
-                 "calibrated codecs (pca4, pca3, pca2, kvq4, kvq3, kvq2, cq4); stored caches coded "
-                 "with it are only read with it");
+  app.add_option(
+      "--kv-calibration", o.kv_calibration,
+      "The .kvcal file `cachet calibrate` made for this model: needed by the "
+      "calibrated codecs (pca4, pca3, pca2, kvq4, kvq3, kvq2, cq4, cq2); stored caches coded "
+      "with it are only read with it");
   app.add_option("--kv-sinks", o.kv_sinks,
                  "Keep the pages holding the first N tokens in f16 (attention sinks)")
       ->check(NonNegative());
@@ -92,8 +93,9 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o, const char* default_codec) 
   app.add_option("--kv-cold", o.kv_cold,
                  "Precision by age: move each full page whose tokens are all --kv-cold-after or "
                  "more tokens old to a second pool in this row-wise codec, K[:V] (e.g. kvq2, "
-                 "kvq3:kvq2 for 3-bit keys and 2-bit values, rot3, "
-                 "q4_0), which attention reads whole: recent tokens in --kv-window's f16 and the "
+                 "kvq3:kvq2 for 3-bit keys and 2-bit values, cq4:cq2 for calibrated blocks "
+                 "attention reads in place, rot3, q4_0), which attention reads whole: recent "
+                 "tokens in --kv-window's f16 and the "
                  "--cache-type codec, older ones in fewer bits (not in the plain f32 layout, the "
                  "reference, which keeps every row as computed)");
   app.add_option("--kv-cold-after", o.kv_cold_after,

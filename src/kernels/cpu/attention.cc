@@ -235,8 +235,8 @@ class PageWalk {
         // A chunk: as many pages as fit kChunkKeys score lanes, at least one.
         max_slots_(std::max(1, kChunkKeys / s_stride_)),
         c_stride_(max_slots_ * s_stride_),
-        // A page's rows as f32, and for UnpackScaled the blocks' scales after them.
-        page_floats_(static_cast<size_t>(pt) * (hd + hd / 32)),
+        // A page's rows as f32 (pages a source decodes).
+        page_floats_(static_cast<size_t>(pt) * hd),
         observed_(b, pages, n_pages, n_keys, tile_tok_) {
     const int max_rows = std::min(tile_tok_, b.n_tok) * n_heads_;
     const size_t acc_floats = static_cast<size_t>(max_rows) * hd;
@@ -269,6 +269,9 @@ class PageWalk {
         ThreadScratch(kScratchAttentionQ8, static_cast<size_t>(max_rows) * (hd / 4 + 2 * nb)));
     q8_d_ = reinterpret_cast<float*>(q8_ + static_cast<size_t>(max_rows) * hd);
     q8_sum_ = reinterpret_cast<int32_t*>(q8_d_ + static_cast<size_t>(max_rows) * nb);
+    // A group of more than kMaxTileRows heads (multi-query attention) is a tile of one token.
+    Q8Rows().resize(max_rows);
+    q8_rows_ = Q8Rows().data();
   }
 
   void Run() {
@@ -279,6 +282,10 @@ class PageWalk {
   // The pages decoded by a prompt's first tile (kept_buf_), and which are.
   static std::vector<PageData>& KeptRows() {
     thread_local std::vector<PageData> rows;
+    return rows;
+  }
+  static std::vector<QueryQ8>& Q8Rows() {
+    thread_local std::vector<QueryQ8> rows;
     return rows;
   }
   static std::vector<uint8_t>& Kept() {
@@ -314,10 +321,9 @@ class PageWalk {
       }
       for (int i = 0; i < n_slots; ++i) {
         const Slot& sl = slots_[i];
-        WithValueRows(
-            sl.rows, sl.cnt, hd_, rows, v_buf_ + i * page_floats_, [&](const auto& v_rows) {
-              AccumulatePage(v_rows, sl.cnt, hd_, rows, scores_ + i * s_stride_, c_stride_, acc_);
-            });
+        WithValueRows(sl.rows, hd_, [&](const auto& v_rows) {
+          AccumulatePage(v_rows, sl.cnt, hd_, rows, scores_ + i * s_stride_, c_stride_, acc_);
+        });
       }
     }
     WriteRows(t0, rows);
@@ -437,7 +443,7 @@ class PageWalk {
   int8_t* q8_;  // the tile's query rows quantized for block keys (q8_ready_), their scales, sums
   float* q8_d_;
   int32_t* q8_sum_;
-  QueryQ8 q8_rows_[kMaxTileRows];
+  QueryQ8* q8_rows_;
   bool q8_ready_ = false;
   Slot slots_[kMaxSlots];
   int64_t first_key_ = 0;  // of the tile's next page, among all keys

@@ -131,8 +131,7 @@ HWY_INLINE void AccumulateLoads(const Rows& v, int cnt, int hd, const float* p, 
         const float scale = v.Scale(j, blk);
 #pragma GCC unroll 16
         for (int r = 0; r < R; ++r) {
-          // The row's weight times the block's scale, then times the code: the same steps
-          // whether the block is read in place or unpacked (ScaledRows).
+          // The row's weight times the block's scale, then times the code.
           const VF w = hn::Set(df, p[static_cast<int64_t>(r) * s_stride + j] * scale);
 #pragma GCC unroll 2
           for (int i = 0; i < kV; ++i) a[r][u][i] = hn::MulAdd(w, x[i], a[r][u][i]);
@@ -253,30 +252,6 @@ HWY_INLINE void AccumulatePage(const Rows& v, int cnt, int hd, int rows, const f
   }
 }
 
-// Block rows [0, cnt) of a page unpacked into buf (cnt * hd codes, then cnt * hd / 32 scales), for
-// a tile of more rows than one row block.
-template <class Rows>
-HWY_INLINE ScaledRows UnpackScaled(const Rows& rows, int cnt, int hd, float* buf) {
-  const DF df;
-  constexpr int N = kMaxLanes;
-  const int nb = hd / 32;
-  float* u = buf;
-  float* s = buf + static_cast<int64_t>(cnt) * hd;
-  for (int t = 0; t < cnt; ++t) {
-    for (int blk = 0; blk < nb; ++blk) {
-      s[t * nb + blk] = rows.Scale(t, blk);
-      float* ub = u + static_cast<int64_t>(t) * hd + blk * 32;
-      for (int o = 0; o < kCodeSpan<Rows>; o += N) {
-        VF lo, hi;
-        rows.Values(t, blk, o, &lo, &hi);
-        hn::StoreU(lo, df, ub + o);
-        if constexpr (Rows::kHalves) hn::StoreU(hi, df, ub + 16 + o);
-      }
-    }
-  }
-  return ScaledRows{u, s, hd};
-}
-
 // Rows [0, cnt) of a page as f32, for a tile of more rows than one row block.
 template <class Rows>
 HWY_INLINE PlainRows<float> UnpackRows(const Rows& rows, int cnt, int hd, float* buf) {
@@ -351,29 +326,26 @@ HWY_INLINE void WithPlainRows(const void* rows, DType t, int hd, const F& f) {
   }
 }
 
-// Calls f with a row reader for a page's V rows. Block-quantized rows are read fused (unpacked in
-// registers as they are loaded) when one row block shares them; a larger tile unpacks them once
-// into buf instead. (Block-quantized K rows are scored by BlockKeyScores.)
+// Calls f with a row reader for a page's V rows. Block-quantized rows are read fused (unpacked
+// in registers as they are loaded) for every row block of a tile: unpacked once into a buffer
+// instead, a page of q4_0 values took longer for any tile up to 48 rows (kernels_bench's decode
+// attention of a GQA-8 group 1.2x, of 32 rows 1.15x; a TinyLlama-shaped prefill 5% slower).
+// (Block-quantized K rows are scored by BlockKeyScores.)
 template <class F>
-HWY_INLINE void WithValueRows(const PageData& d, int cnt, int hd, int n_rows, float* buf,
-                              const F& f) {
-  auto blocks = [&](const auto& b) {
-    return n_rows <= kRowBlock ? f(b) : f(UnpackScaled(b, cnt, hd, buf));
-  };
-  const void* rows = d.v;
+HWY_INLINE void WithValueRows(const PageData& d, int hd, const F& f) {
   const DType t = d.v_type;
-  const auto* bytes = static_cast<const uint8_t*>(rows);
+  const auto* bytes = static_cast<const uint8_t*>(d.v);
   if (d.v_levels != nullptr) {
-    return blocks(LevelRows{bytes, int64_t{hd} / 32 * kLevelBlockBytes, d.v_levels});
+    return f(LevelRows{bytes, int64_t{hd} / 32 * kLevelBlockBytes, d.v_levels});
   }
   const auto row_bytes = static_cast<int64_t>(DTypeRowBytes(t, hd));
   switch (t) {
     case DType::kQ4_0:
-      return blocks(BlockRows<DType::kQ4_0>{bytes, row_bytes});
+      return f(BlockRows<DType::kQ4_0>{bytes, row_bytes});
     case DType::kQ8_0:
-      return blocks(BlockRows<DType::kQ8_0>{bytes, row_bytes});
+      return f(BlockRows<DType::kQ8_0>{bytes, row_bytes});
     default:
-      return WithPlainRows(rows, t, hd, f);
+      return WithPlainRows(d.v, t, hd, f);
   }
 }
 

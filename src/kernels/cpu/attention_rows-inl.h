@@ -159,21 +159,6 @@ struct LevelRows {
   HWY_INLINE float Elem(int, int) const { return 0.0f; }
 };
 
-// Block rows unpacked for a tile of many rows: codes c + kOffset as f32 (u, row t at t * hd) and
-// each block's scale (s, row t's at t * hd / 32), read as BlockRows reads them in place.
-struct ScaledRows {
-  static constexpr bool kBlocks = true;
-  static constexpr bool kHalves = false;
-  const float* HWY_RESTRICT u;
-  const float* HWY_RESTRICT s;
-  int hd;
-  HWY_INLINE float Scale(int t, int blk) const { return s[t * (hd / 32) + blk]; }
-  HWY_INLINE void Values(int t, int blk, int o, VF* lo, VF*) const {
-    *lo = hn::LoadU(DF(), u + static_cast<int64_t>(t) * hd + blk * 32 + o);
-  }
-  HWY_INLINE float Elem(int, int) const { return 0.0f; }
-};
-
 // Offsets o of the loads within a block: [0, 16) for q4_0, [0, 32) for q8_0.
 template <class Rows>
 constexpr int kCodeSpan = Rows::kHalves ? 16 : 32;
