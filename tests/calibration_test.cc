@@ -7,11 +7,13 @@
 #include <gtest/gtest.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <random>
 
 #include "calibration_fixture.h"
@@ -225,6 +227,58 @@ TEST(Calibration, Cq2IsTwoBitLevelsOfTheCenteredScaledChannels) {
   EXPECT_LT(RoundTripMse(cq2, Role::kValue, plan, rows, n, d),
             0.65 * RoundTripMse(Codec::kRot2, Role::kValue, nullptr, rows, n, d));
   ExpectFusedOpsReadTheBasis(cq2, Role::kValue, plan, rows, n, d, 1e-4);
+}
+
+// gear4: q4_0's blocks and the coordinates of their error on kGearRank calibrated axes. The row
+// decodes to q4_0's plus the correction, whose error along those axes is left at the int8
+// coordinates' rounding; on keys the axes are the ones the queries read most.
+TEST(Calibration, Gear4CorrectsQ4_0AlongTheAxesTheQueriesRead) {
+  const int d = 64, n = 16;
+  const codecs::Calibration c = BuildSynthetic(d);
+  const auto rows = AnisotropicRows(n, d, 99);  // held out
+  const Codec gear = Codec::kGear4;
+  const codecs::CalPlan* plan = &c.plan(0, Role::kKey, gear);
+  const codecs::HeadStats& h = c.head(0, Role::kKey);
+  ASSERT_EQ(plan->gear_axes.size(), size_t(codecs::kGearRank) * d);
+  // The axes are the principal axes of largest query weight, in that order.
+  std::vector<float> w = h.weight;
+  std::sort(w.begin(), w.end(), std::greater<>());
+  for (int j = 0; j < codecs::kGearRank; ++j) {
+    int axis = -1;
+    for (int i = 0; i < d && axis < 0; ++i) {
+      if (std::equal(h.axes.begin() + i * d, h.axes.begin() + (i + 1) * d,
+                     plan->gear_axes.begin() + j * d))
+        axis = i;
+    }
+    ASSERT_GE(axis, 0) << "gear axis " << j << " is not a principal axis";
+    EXPECT_EQ(h.weight[axis], w[j]);
+  }
+  EXPECT_EQ(codecs::PageBytes(gear, Role::kKey, n, d),
+            codecs::PageBytes(Codec::kQ4_0, Role::kKey, n, d) + n * (codecs::kGearRank + 2));
+  std::vector<uint8_t> page(codecs::PageBytes(gear, Role::kKey, n, d));
+  codecs::EncodePage(gear, Role::kKey, rows.data(), n, n, d, page.data(), plan);
+  std::vector<float> back(rows.size()), q4(rows.size());
+  codecs::DecodePage(gear, Role::kKey, page.data(), n, n, d, back.data(), plan);
+  std::vector<uint8_t> q4_page(codecs::PageBytes(Codec::kQ4_0, Role::kKey, n, d));
+  codecs::EncodePage(Codec::kQ4_0, Role::kKey, rows.data(), n, n, d, q4_page.data());
+  codecs::DecodePage(Codec::kQ4_0, Role::kKey, q4_page.data(), n, n, d, q4.data());
+  for (int t = 0; t < n; ++t) {
+    const size_t rb = codecs::RowStride(gear, d);
+    EXPECT_TRUE(std::equal(q4_page.begin() + t * codecs::RowStride(Codec::kQ4_0, d),
+                           q4_page.begin() + (t + 1) * codecs::RowStride(Codec::kQ4_0, d),
+                           page.begin() + t * rb));
+    for (int j = 0; j < codecs::kGearRank; ++j) {
+      double before = 0, after = 0;
+      for (int i = 0; i < d; ++i) {
+        const float a = plan->gear_axes[j * d + i];
+        before += a * (rows[t * d + i] - q4[t * d + i]);
+        after += a * (rows[t * d + i] - back[t * d + i]);
+      }
+      EXPECT_LT(std::fabs(after), 0.02 * std::fabs(before) + 1e-3) << "row " << t << " axis " << j;
+    }
+  }
+  EXPECT_LT(RoundTripMse(gear, Role::kKey, plan, rows, n, d),
+            RoundTripMse(Codec::kQ4_0, Role::kKey, nullptr, rows, n, d));
 }
 
 TEST(Calibration, SimdDecodingMatchesTheReferenceOnAwkwardShapes) {

@@ -74,6 +74,7 @@ double Bound(Codec c) {
     case Codec::kKvq2:
     case Codec::kCq4:
     case Codec::kCq2:
+    case Codec::kGear4:
       return 0;
   }
   return 0;

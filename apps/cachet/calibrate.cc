@@ -1,5 +1,5 @@
 // `cachet calibrate -o MODEL.kvcal`: the statistics of a model's K and V rows on calibration text,
-// which the calibrated KV codecs (--ctk/--ctv pca4..pca2, kvq4..kvq2, cq4, cq2) read with
+// which the calibrated KV codecs (--ctk/--ctv pca4..pca2, kvq4..kvq2, cq4, cq2, gear4) read with
 // --kv-calibration.
 #include "cachet/calibrate.h"
 
@@ -16,7 +16,7 @@ void AddCalibrate(CLI::App& app) {
       "Measure the model's K and V rows on calibration text, per layer and KV head (means, "
       "per-channel scales (keys also before RoPE), outlier channels, principal axes, the queries' "
       "energy along them, Lloyd-Max levels), for the calibrated KV codecs: --ctk/--ctv "
-      "pca4|pca3|pca2|kvq4|kvq3|kvq2|cq4|cq2 --kv-calibration FILE");
+      "pca4|pca3|pca2|kvq4|kvq3|kvq2|cq4|cq2|gear4 --kv-calibration FILE");
   struct Opts {
     EngineOptions engine;
     std::string text_file, out;

@@ -81,7 +81,8 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o, const char* default_codec) 
   app.add_option(
       "--kv-calibration", o.kv_calibration,
       "The .kvcal file `cachet calibrate` made for this model: needed by the "
-      "calibrated codecs (pca4, pca3, pca2, kvq4, kvq3, kvq2, cq4, cq2); stored caches coded "
+      "calibrated codecs (pca4, pca3, pca2, kvq4, kvq3, kvq2, cq4, cq2, gear4); stored caches "
+      "coded "
       "with it are only read with it");
   app.add_option("--kv-sinks", o.kv_sinks,
                  "Keep the pages holding the first N tokens in f16 (attention sinks)")

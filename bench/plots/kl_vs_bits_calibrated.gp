@@ -1,7 +1,8 @@
 # KL vs bits held on kvtiny (docs/BENCHMARKS.md, "Calibrated codecs"): every codec of the batch-
 # scored tables (8 x 2048 held-out pydocs windows) and llama.cpp's own q8_0 / q4_0 cache (its 8 x
 # 1024 windows, each engine against its own f32 run: "llama.cpp side by side"); cq4 from "Calibrated
-# q4_0 (cq4)" (bits held with 32-bit positions, as the others here).
+# q4_0 (cq4)", gear4 and cq4:cq2 from "GEAR: q4_0 and a rank-4 correction" (bits held with 32-bit
+# positions, as the others here: +0.125 on what that section prints).
 # Run from the repository root: gnuplot bench/plots/kl_vs_bits_calibrated.gp
 # Columns: bits held, mean KL, label, where the label goes (x, y: about a character each).
 set terminal svg size 900,560 noenhanced font 'sans,12' background rgb 'white'
@@ -42,6 +43,11 @@ $kvq << EOD
 EOD
 $cq4 << EOD
 4.75 0.112 cq4 2.2 -0.2
+3.75 0.697 cq4:cq2 0.5 0.6
+EOD
+$gear << EOD
+5.50 0.133 gear4 2.5 0.3
+5.12 0.138 gear4:q4_0 3 -0.6
 EOD
 $llama << EOD
 8.5 8.5e-4 llama.cpp_q8_0 -6 0.6
@@ -55,5 +61,7 @@ plot $plain using 1:2 with points pt 7 ps 1.2 lc rgb '#1f77b4' title 'Cachet', \
      '' using ($1+$4*0.07):($2*10**($5*0.09)):3 with labels font ',10' tc rgb '#9467bd' notitle, \
      $cq4 using 1:2 with points pt 11 ps 1.5 lc rgb '#ff7f0e' title 'Cachet, calibrated q4_0 (cq4: read as q4_0 is)', \
      '' using ($1+$4*0.07):($2*10**($5*0.09)):3 with labels font ',10' tc rgb '#ff7f0e' notitle, \
+     $gear using 1:2 with points pt 15 ps 1.4 lc rgb '#8c564b' title 'Cachet, calibrated GEAR (gear4: q4_0 + rank-4 correction)', \
+     '' using ($1+$4*0.07):($2*10**($5*0.09)):3 with labels font ',10' tc rgb '#8c564b' notitle, \
      $llama using 1:2 with points pt 9 ps 1.6 lc rgb '#2ca02c' title 'llama.cpp (its own windows)', \
      '' using ($1+$4*0.07):($2*10**($5*0.09)):3 with labels font ',10' tc rgb '#2ca02c' notitle

@@ -1,6 +1,6 @@
 // cachet calibrate: a model's K and V rows measured on calibration text, per (layer, KV head),
-// for the calibrated KV codecs (pca4..pca2, kvq4..kvq2, cq4, cq2; EngineOptions::kv_calibration
-// reads the file).
+// for the calibrated KV codecs (pca4..pca2, kvq4..kvq2, cq4, cq2, gear4;
+// EngineOptions::kv_calibration reads the file).
 #pragma once
 
 #include <cstdint>

@@ -108,9 +108,9 @@ struct EngineOptions {
   bool prefix_cache = true;        // share and reuse full pages of common prompt prefixes
   std::string kv_codec_k = "f32";  // how K pages are stored (names: cachet/kv_codecs.h)
   std::string kv_codec_v = "f32";
-  // The calibrated codecs' statistics (pca4..pca2, kvq4..kvq2, cq4, cq2): a file `cachet calibrate`
-  // made for this model. Given, it also keys the stored caches (tiers, saved files): pages one
-  // calibration coded are never read with another.
+  // The calibrated codecs' statistics (pca4..pca2, kvq4..kvq2, cq4, cq2, gear4): a file `cachet
+  // calibrate` made for this model. Given, it also keys the stored caches (tiers, saved files):
+  // pages one calibration coded are never read with another.
   std::string kv_calibration = "";
   int kv_sinks = 0;   // pages holding the first kv_sinks tokens stay f16
   int kv_window = 0;  // pages stay f16 until kv_window newer tokens follow

@@ -240,6 +240,16 @@ void MakePlans(Calibration* c) {
             for (int i = 0; i < d; ++i) {
               p.channel_factor[i] = std::sqrt(std::max(h.channel_std[i], 1e-6f));
             }
+            std::vector<int> by_weight(d);
+            std::iota(by_weight.begin(), by_weight.end(), 0);
+            std::stable_sort(by_weight.begin(), by_weight.end(),
+                             [&](int a, int b) { return h.weight[a] > h.weight[b]; });
+            const int rank = std::min(kGearRank, d);
+            p.gear_axes.assign(size_t(kGearRank) * d, 0.0f);
+            for (int j = 0; j < rank; ++j) {
+              std::copy_n(h.axes.begin() + size_t(by_weight[j]) * d, d,
+                          p.gear_axes.begin() + size_t(j) * d);
+            }
           } else {
             LayOut(d, bits, h.ch_scale.data(), h.ch_weight.data(), h.ch_distortion.data(),
                    h.ch_levels.data(), KvqCodesOffset(d), /*prefer_uniform=*/true, &p);

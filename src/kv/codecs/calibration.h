@@ -85,6 +85,10 @@ struct CalPlan {
   // channels; dividing by the deviation itself gives every channel an equal share, the narrow
   // ones the queries hardly read included.
   std::vector<float> channel_factor;
+  // gear4 (which reads the pca plans too): [kGearRank][dim] the axes its residual is corrected
+  // along, the principal axes of largest weight (keys: the queries' energy along them; values,
+  // all of weight 1: the first, of largest variance).
+  std::vector<float> gear_axes;
 };
 
 // The plans of each calibrated codec kind, in Calibration::plans.

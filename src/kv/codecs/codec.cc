@@ -28,6 +28,7 @@ constexpr Info kCodecs[] = {
     {Codec::kRot2Qjl, "rot2+qjl"}, {Codec::kPca4, "pca4"},   {Codec::kPca3, "pca3"},
     {Codec::kPca2, "pca2"},        {Codec::kKvq4, "kvq4"},   {Codec::kKvq3, "kvq3"},
     {Codec::kKvq2, "kvq2"},        {Codec::kCq4, "cq4"},     {Codec::kCq2, "cq2"},
+    {Codec::kGear4, "gear4"},
 };
 
 int KiviBits(Codec c) { return c == Codec::kKivi4 ? 4 : 2; }
@@ -194,6 +195,43 @@ void EncodeCq2(const float* x, int dim, uint8_t* out) {
   }
 }
 
+void DecodeQ4_0(const uint8_t* in, int dim, float* x) {
+  for (int b = 0; b < dim / kBlock; ++b, x += kBlock, in += 2 + kBlock / 2) {
+    uint16_t dh;
+    std::memcpy(&dh, in, 2);
+    const float d = F(dh);
+    for (int j = 0; j < kBlock / 2; ++j) {
+      x[j] = d * ((in[2 + j] & 0x0f) - 8);
+      x[j + kBlock / 2] = d * ((in[2 + j] >> 4) - 8);
+    }
+  }
+}
+
+// gear4: q4_0's blocks, then the coordinates of their error r = x - q4_0(x) on the plan's
+// kGearRank unit axes, a_j . r, in int8 over an f16 scale (the largest |a_j . r| / 127).
+void EncodeGear4(const CalPlan& plan, const float* x, int dim, uint8_t* out) {
+  EncodeQ4_0(x, dim, out);
+  float r[kMaxDim];
+  DecodeQ4_0(out, dim, r);
+  for (int i = 0; i < dim; ++i) r[i] = x[i] - r[i];
+  float coord[kGearRank], amax = 0;
+  for (int j = 0; j < kGearRank; ++j) {
+    const float* a = plan.gear_axes.data() + size_t(j) * dim;
+    float s = 0;
+    for (int i = 0; i < dim; ++i) s += a[i] * r[i];
+    coord[j] = s;
+    amax = std::max(amax, std::fabs(s));
+  }
+  uint8_t* tail = out + size_t(dim / kBlock) * (2 + kBlock / 2);
+  const uint16_t sh = H(amax / 127.0f);
+  const float scale = F(sh), inv = scale > 0 ? 1.0f / scale : 0.0f;
+  for (int j = 0; j < kGearRank; ++j) {
+    tail[j] = static_cast<uint8_t>(
+        static_cast<int8_t>(std::clamp<long>(std::lround(coord[j] * inv), -127, 127)));
+  }
+  std::memcpy(tail + kGearRank, &sh, 2);
+}
+
 // Per-token row layout of the row-wise codecs (everything but KIVI keys).
 // Rotation codecs: each row starts with its f16 scale (the least-squares fit of the levels).
 constexpr size_t kRotScaleBytes = 2;
@@ -214,6 +252,8 @@ size_t RowBytes(Codec c, int dim) {
       return size_t(dim / kBlock) * (2 + kBlock / 2);
     case Codec::kCq2:
       return size_t(dim / kBlock) * kCq2BlockBytes;
+    case Codec::kGear4:  // q4_0's blocks, the correction's int8 coordinates, their f16 scale
+      return size_t(dim / kBlock) * (2 + kBlock / 2) + kGearRank + 2;
     case Codec::kKivi4:
     case Codec::kKivi2:
       return size_t(dim / kBlock) * 4 + PackedBytes(dim, KiviBits(c));
@@ -283,6 +323,8 @@ void EncodeRow(Codec c, const CalPlan* plan, const float* x, int dim, uint8_t* o
       IntoBasis(c, plan, z, dim, BasisVec::kRow);
       return EncodeCq2(z, dim, out);
     }
+    case Codec::kGear4:
+      return EncodeGear4(NeedPlan(c, plan), x, dim, out);
     case Codec::kKivi4:
     case Codec::kKivi2: {  // a value row: groups of 32 channels
       const int bits = KiviBits(c), groups = dim / kBlock;
@@ -382,16 +424,20 @@ void DecodeRowStored(Codec c, const CalPlan* plan, const uint8_t* in, int dim, f
       return;
     case Codec::kQ4_0:
     case Codec::kCq4:  // its scaled channels: the basis attention reads it in
-      for (int b = 0; b < dim / kBlock; ++b, x += kBlock, in += 2 + kBlock / 2) {
-        uint16_t dh;
-        std::memcpy(&dh, in, 2);
-        const float d = F(dh);
-        for (int j = 0; j < kBlock / 2; ++j) {
-          x[j] = d * ((in[2 + j] & 0x0f) - 8);
-          x[j + kBlock / 2] = d * ((in[2 + j] >> 4) - 8);
-        }
+      return DecodeQ4_0(in, dim, x);
+    case Codec::kGear4: {
+      DecodeQ4_0(in, dim, x);
+      const uint8_t* tail = in + RowBytes(Codec::kQ4_0, dim);
+      uint16_t sh;
+      std::memcpy(&sh, tail + kGearRank, 2);
+      const float scale = F(sh);
+      const float* axes = NeedPlan(c, plan).gear_axes.data();
+      for (int j = 0; j < kGearRank; ++j) {
+        const float cj = scale * static_cast<int8_t>(tail[j]);
+        for (int i = 0; i < dim; ++i) x[i] += cj * axes[size_t(j) * dim + i];
       }
       return;
+    }
     case Codec::kCq2: {
       const float* levels = LloydMax(2);
       for (int b = 0; b < dim / kBlock; ++b, x += kBlock, in += kCq2BlockBytes) {
@@ -543,7 +589,7 @@ bool IsRotated(Codec c) {
 
 bool IsPca(Codec c) { return c == Codec::kPca4 || c == Codec::kPca3 || c == Codec::kPca2; }
 bool IsKvq(Codec c) { return c == Codec::kKvq4 || c == Codec::kKvq3 || c == Codec::kKvq2; }
-bool IsCalibrated(Codec c) { return IsPca(c) || IsKvq(c) || IsCq(c); }
+bool IsCalibrated(Codec c) { return IsPca(c) || IsKvq(c) || IsCq(c) || c == Codec::kGear4; }
 bool IsCq(Codec c) { return c == Codec::kCq4 || c == Codec::kCq2; }
 const float* Cq2Levels() {
   static const std::array<float, 16> table = [] {
@@ -554,9 +600,9 @@ const float* Cq2Levels() {
   return table.data();
 }
 int CalBits(Codec c) {
-  return c == Codec::kPca4 || c == Codec::kKvq4 || c == Codec::kCq4 ? 4
-         : c == Codec::kPca3 || c == Codec::kKvq3                   ? 3
-                                                                    : 2;
+  return c == Codec::kPca4 || c == Codec::kKvq4 || c == Codec::kCq4 || c == Codec::kGear4 ? 4
+         : c == Codec::kPca3 || c == Codec::kKvq3                                         ? 3
+                                                                                          : 2;
 }
 int KvqOutliers(int dim) { return std::max(1, dim / 64); }
 bool StoredBeforeRope(Codec c, Role role) { return IsKvq(c) && role == Role::kKey; }

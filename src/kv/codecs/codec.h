@@ -53,7 +53,13 @@ enum class Codec : uint8_t {
   // bits each from the lowest), read in place by attention through a 4-entry table. Meant for
   // old values (--kv-cold cq4:cq2), which draw little attention.
   kCq2,
+  // Calibrated, GEAR: a row in q4_0 blocks plus a rank-kGearRank correction of their error along
+  // fixed calibrated axes (for keys the principal axes the queries read most, for values the
+  // axes of largest variance): the error's coordinates on them in int8 with an f16 scale.
+  // Decoded to plain rows as it is read.
+  kGear4,
 };
+inline constexpr int kGearRank = 4;
 
 struct CalPlan;  // calibration.h: how a calibrated codec codes one (layer, KV head, role)
 
