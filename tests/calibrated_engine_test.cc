@@ -31,6 +31,30 @@ using testing::KvtinyCalibration;
 using testing::MeanKl;
 using testing::PcaEngine;
 
+// Next-token distributions of engines whose keys are in a codec (values f16) against the f32
+// cache's, over the same tokens.
+class KeysVsF32 {
+ public:
+  explicit KeysVsF32(std::span<const int32_t> tokens) : tokens_(tokens) {
+    auto f32 = PcaEngine("f32", "f32");
+    vocab_ = f32->config().vocab_size;
+    EXPECT_TRUE(f32->NewSession()->Eval(tokens_, &ref_, true).ok());
+  }
+  // Mean KL of keys in codec k; *bytes: the cache's high water.
+  double Kl(const std::string& k, int64_t* bytes = nullptr) const {
+    auto e = PcaEngine(k, "f16");
+    std::vector<float> got;
+    EXPECT_TRUE(e->NewSession()->Eval(tokens_, &got, true).ok());
+    if (bytes != nullptr) *bytes = e->kv_stats().bytes_high_water;
+    return MeanKl(ref_, got, vocab_);
+  }
+
+ private:
+  std::span<const int32_t> tokens_;
+  std::vector<float> ref_;
+  int vocab_ = 0;
+};
+
 TEST(CalibratedEngine, AttentionOnPcaPagesEqualsAttentionOnDecodedRows) {
   const auto prompt = testing::LoadGolden().back().ids;
   for (const auto& [k, v] :
@@ -95,19 +119,9 @@ TEST(CalibratedEngine, Cq4AttendsAsDecoded) {
 // the whole prompt told no more, at twice the time).
 TEST(CalibratedEngine, Cq4KeysAreCloserToF32ThanQ4_0sAtTheSameBytes) {
   const auto prompt = testing::LoadGolden().back().ids;
-  const std::span<const int32_t> head = std::span(prompt).first(512);
-  auto f32 = PcaEngine("f32", "f32");
-  std::vector<float> ref;
-  ASSERT_TRUE(f32->NewSession()->Eval(head, &ref, true).ok());
-  auto kl = [&](const std::string& k, int64_t* bytes) {
-    auto e = PcaEngine(k, "f16");
-    std::vector<float> got;
-    EXPECT_TRUE(e->NewSession()->Eval(head, &got, true).ok());
-    *bytes = e->kv_stats().bytes_high_water;
-    return MeanKl(ref, got, f32->config().vocab_size);
-  };
+  const KeysVsF32 keys{std::span<const int32_t>(prompt).first(512)};
   int64_t cq4_bytes = 0, q4_bytes = 0;
-  const double cq4 = kl("cq4", &cq4_bytes), q4 = kl("q4_0", &q4_bytes);
+  const double cq4 = keys.Kl("cq4", &cq4_bytes), q4 = keys.Kl("q4_0", &q4_bytes);
   EXPECT_GT(cq4, 0.0);
   EXPECT_LT(cq4, 0.8 * q4) << "cq4 keys " << cq4 << ", q4_0 keys " << q4;
   EXPECT_EQ(cq4_bytes, q4_bytes);
@@ -117,17 +131,8 @@ TEST(CalibratedEngine, Cq4KeysAreCloserToF32ThanQ4_0sAtTheSameBytes) {
 // f32 than q4_0's, at 0.75 bits a value more.
 TEST(CalibratedEngine, Gear4KeysAreCloserToF32ThanQ4_0s) {
   const auto prompt = testing::LoadGolden().back().ids;
-  const std::span<const int32_t> head = std::span(prompt).first(512);
-  auto f32 = PcaEngine("f32", "f32");
-  std::vector<float> ref;
-  ASSERT_TRUE(f32->NewSession()->Eval(head, &ref, true).ok());
-  auto kl = [&](const std::string& k) {
-    auto e = PcaEngine(k, "f16");
-    std::vector<float> got;
-    EXPECT_TRUE(e->NewSession()->Eval(head, &got, true).ok());
-    return MeanKl(ref, got, f32->config().vocab_size);
-  };
-  const double gear = kl("gear4"), q4 = kl("q4_0");
+  const KeysVsF32 keys{std::span<const int32_t>(prompt).first(512)};
+  const double gear = keys.Kl("gear4"), q4 = keys.Kl("q4_0");
   EXPECT_GT(gear, 0.0);
   EXPECT_LT(gear, 0.9 * q4) << "gear4 keys " << gear << ", q4_0 keys " << q4;
 }
@@ -164,19 +169,9 @@ TEST(CalibratedEngine, Cq4BesideAColdPoolOfAnotherBasisAttendsAsDecoded) {
 
 TEST(CalibratedEngine, PcaKeysAreCloserToF32ThanQ4_0AtFewerBytes) {
   const auto prompt = testing::LoadGolden().back().ids;
-  auto f32 = PcaEngine("f32", "f32");
-  std::vector<float> ref;
-  ASSERT_TRUE(f32->NewSession()->Eval(prompt, &ref, true).ok());
-  const int vocab = f32->config().vocab_size;
-  auto kl = [&](const std::string& k, const std::string& v, int64_t* bytes) {
-    auto e = PcaEngine(k, v);
-    std::vector<float> got;
-    EXPECT_TRUE(e->NewSession()->Eval(prompt, &got, true).ok());
-    *bytes = e->kv_stats().bytes_high_water;
-    return MeanKl(ref, got, vocab);
-  };
+  const KeysVsF32 keys(prompt);
   int64_t pca_bytes = 0, q4_bytes = 0;
-  const double pca = kl("pca4", "f16", &pca_bytes), q4 = kl("q4_0", "f16", &q4_bytes);
+  const double pca = keys.Kl("pca4", &pca_bytes), q4 = keys.Kl("q4_0", &q4_bytes);
   EXPECT_GT(pca, 0.0);
   EXPECT_LT(pca, 0.7 * q4) << "pca4 keys " << pca << ", q4_0 keys " << q4;
   EXPECT_LT(pca_bytes, q4_bytes);
@@ -199,16 +194,8 @@ TEST(CalibratedEngine, KvqKeysStoredBeforeRopeAttendAsDecoded) {
 TEST(CalibratedEngine, KvqKeysAreCloserToF32ThanQ4_0) {
   // Keys turned back by the wrong angles would be noise: the KL would be far above q4_0's.
   const auto prompt = testing::LoadGolden().back().ids;
-  auto f32 = PcaEngine("f32", "f32");
-  std::vector<float> ref;
-  ASSERT_TRUE(f32->NewSession()->Eval(prompt, &ref, true).ok());
-  auto kl = [&](const std::string& k) {
-    auto e = PcaEngine(k, "f16");
-    std::vector<float> got;
-    EXPECT_TRUE(e->NewSession()->Eval(prompt, &got, true).ok());
-    return MeanKl(ref, got, f32->config().vocab_size);
-  };
-  const double kvq = kl("kvq4"), q4 = kl("q4_0");
+  const KeysVsF32 keys(prompt);
+  const double kvq = keys.Kl("kvq4"), q4 = keys.Kl("q4_0");
   EXPECT_GT(kvq, 0.0);
   EXPECT_LT(kvq, 0.6 * q4) << "kvq4 keys " << kvq << ", q4_0 keys " << q4;
 }
