@@ -225,7 +225,11 @@ TEST(Codec, NamesAndDimChecks) {
   auto bad = ParseCodec("int3");
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("rot3"), std::string::npos);
-  EXPECT_FALSE(CheckDim(Codec::kQ4_0, 80).ok());
+  for (Codec c : {Codec::kQ4_0, Codec::kCq4, Codec::kCq2, Codec::kGear4}) {  // blocks of 32
+    EXPECT_FALSE(CheckDim(c, 80).ok()) << CodecName(c);
+    EXPECT_TRUE(CheckDim(c, 96).ok()) << CodecName(c);
+    EXPECT_EQ(ParseCodec(CodecName(c)).value(), c);
+  }
   EXPECT_FALSE(CheckDim(Codec::kRot4, 96).ok());
   EXPECT_FALSE(CheckDim(Codec::kRot3Qjl, 96).ok());
   EXPECT_TRUE(CheckDim(Codec::kRot2Qjl, 128).ok());

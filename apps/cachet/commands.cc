@@ -80,10 +80,9 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o, const char* default_codec) 
       ->default_val(default_codec);
   app.add_option(
       "--kv-calibration", o.kv_calibration,
-      "The .kvcal file `cachet calibrate` made for this model: needed by the "
-      "calibrated codecs (pca4, pca3, pca2, kvq4, kvq3, kvq2, cq4, cq2, gear4); stored caches "
-      "coded "
-      "with it are only read with it");
+      "The .kvcal file `cachet calibrate` made for this model: needed by the calibrated codecs "
+      "(pca4, pca3, pca2, kvq4, kvq3, kvq2, cq4, cq2, gear4); stored caches coded with it are "
+      "only read with it");
   app.add_option("--kv-sinks", o.kv_sinks,
                  "Keep the pages holding the first N tokens in f16 (attention sinks)")
       ->check(NonNegative());
@@ -96,9 +95,9 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o, const char* default_codec) 
                  "more tokens old to a second pool in this row-wise codec, K[:V] (e.g. kvq2, "
                  "kvq3:kvq2 for 3-bit keys and 2-bit values, cq4:cq2 for calibrated blocks "
                  "attention reads in place, rot3, q4_0), which attention reads whole: recent "
-                 "tokens in --kv-window's f16 and the "
-                 "--cache-type codec, older ones in fewer bits (not in the plain f32 layout, the "
-                 "reference, which keeps every row as computed)");
+                 "tokens in --kv-window's f16 and the --cache-type codec, older ones in fewer bits "
+                 "(not in the plain f32 layout, the reference, which keeps every row as "
+                 "computed)");
   app.add_option("--kv-cold-after", o.kv_cold_after,
                  "With --kv-cold: the age in tokens at which a page moves to the cold codec")
       ->default_val(256)

@@ -549,7 +549,7 @@ Status CheckDim(Codec c, int dim) {
     return InvalidArgument("head_dim " + std::to_string(dim) + " outside [1, 512]");
   }
   const bool block =
-      c == Codec::kQ8_0 || c == Codec::kQ4_0 || c == Codec::kCq4 || c == Codec::kCq2 || IsKivi(c);
+      c == Codec::kQ8_0 || c == Codec::kQ4_0 || IsCq(c) || c == Codec::kGear4 || IsKivi(c);
   if (block && dim % kBlock != 0) {
     return InvalidArgument(std::string("codec ") + CodecName(c) +
                            " needs head_dim % 32 == 0, got " + std::to_string(dim));
