@@ -147,13 +147,9 @@ TEST(CalibratedEngine, Cq4BesideAColdPoolOfAnotherBasisAttendsAsDecoded) {
                                          {"kvq4", "cq4", 3e-3},
                                          {"kvq4", "cq4:cq2", 3e-3},
                                          {"kvq4", "f16:cq2", 1e-5}}) {
-    EngineOptions o;
-    o.model_dir = testing::ModelDir();
-    o.threads = 2;
-    o.kv_codec_k = o.kv_codec_v = hot;
+    EngineOptions o = testing::CalibratedOptions(hot, hot);
     o.kv_cold = cold;
     o.kv_cold_after = 64;
-    o.kv_calibration = KvtinyCalibration();
     auto e = Engine::Create(o);
     ASSERT_TRUE(e.ok()) << e.status().ToString();
     auto s = (*e)->NewSession();
@@ -368,13 +364,9 @@ TEST(CalibratedEngine, PressesDemoteIntoAPcaCodec) {
 // its decoded rows, a saved cache of it reloads, and a press demotes evicted tokens into it.
 TEST(CalibratedEngine, Gear4ComposesWithWindowSinksSavesAndDemotion) {
   const auto prompt = testing::LoadGolden().back().ids;
-  EngineOptions o;
-  o.model_dir = testing::ModelDir();
-  o.threads = 2;
-  o.kv_codec_k = o.kv_codec_v = "gear4";
+  EngineOptions o = testing::CalibratedOptions("gear4", "gear4");
   o.kv_window = 32;
   o.kv_sinks = 4;
-  o.kv_calibration = KvtinyCalibration();
   auto e = Engine::Create(o);
   ASSERT_TRUE(e.ok()) << e.status().ToString();
   auto s = (*e)->NewSession();
@@ -405,13 +397,8 @@ TEST(CalibratedEngine, Gear4ComposesWithWindowSinksSavesAndDemotion) {
 
 TEST(CalibratedEngine, RecentWindowAndQuestCompose) {
   const auto prompt = testing::LoadGolden().back().ids;
-  EngineOptions o;
-  o.model_dir = testing::ModelDir();
-  o.threads = 2;
-  o.kv_codec_k = "pca4";
-  o.kv_codec_v = "pca3";
+  EngineOptions o = testing::CalibratedOptions("pca4", "pca3");
   o.kv_window = 32;  // staged pages: f16 until 32 newer tokens follow, then coded whole
-  o.kv_calibration = KvtinyCalibration();
   auto e = Engine::Create(o);
   ASSERT_TRUE(e.ok()) << e.status().ToString();
   auto s = (*e)->NewSession();

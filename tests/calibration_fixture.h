@@ -118,13 +118,20 @@ inline const std::string& KvtinyCalibration() {
   return path;
 }
 
-inline std::unique_ptr<Engine> PcaEngine(const std::string& k, const std::string& v, int sinks = 0,
-                                         const std::string& cal = KvtinyCalibration()) {
+// kvtiny on 2 threads with K and V pages in codecs k and v and kvtiny's calibration.
+inline EngineOptions CalibratedOptions(const std::string& k, const std::string& v) {
   EngineOptions o;
   o.model_dir = ModelDir();
   o.threads = 2;
   o.kv_codec_k = k;
   o.kv_codec_v = v;
+  o.kv_calibration = KvtinyCalibration();
+  return o;
+}
+
+inline std::unique_ptr<Engine> PcaEngine(const std::string& k, const std::string& v, int sinks = 0,
+                                         const std::string& cal = KvtinyCalibration()) {
+  EngineOptions o = CalibratedOptions(k, v);
   o.kv_sinks = sinks;
   o.kv_calibration = cal;
   auto e = Engine::Create(o);

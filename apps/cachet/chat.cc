@@ -327,13 +327,7 @@ void AddChat(CLI::App& app) {
                       "family; plain (\"User: ...\\nAssistant:\" lines) for a model without one")
       ->type_name("NAME");
   auto kwargs = std::make_shared<std::string>();
-  cmd->add_option(
-         "--chat-template-kwargs", *kwargs,
-         "Jinja variables for the chat template, as a JSON object (llama-server's flag): only "
-         "enable_thinking is read, {\"enable_thinking\": false} making Qwen3's templates answer "
-         "without thinking (an empty <think> block after the generation prompt); a template that "
-         "reads no such variable ignores it, as Jinja would")
-      ->type_name("JSON");
+  AddChatTemplateKwargsFlag(*cmd, *kwargs);
   cmd->add_option("--on-full", *on_full,
                   "When the next turn (its prompt and -n reply tokens, at most a quarter of -c) "
                   "would not fit in the context: error (stop, as before), shift (drop the oldest "

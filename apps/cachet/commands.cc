@@ -125,6 +125,16 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o, const char* default_codec) 
       ->check(NonEmpty());
 }
 
+void AddChatTemplateKwargsFlag(CLI::App& app, std::string& kwargs, const std::string& more) {
+  app.add_option("--chat-template-kwargs", kwargs,
+                 "Jinja variables for the chat template, as a JSON object (llama-server's flag): "
+                 "only enable_thinking is read, {\"enable_thinking\": false} making Qwen3's "
+                 "templates answer without thinking (an empty <think> block after the generation "
+                 "prompt); a template that reads no such variable ignores it, as Jinja would" +
+                     more)
+      ->type_name("JSON");
+}
+
 void AddPressFlags(CLI::App& app, GenerateOptions& o) {
   auto spec = std::make_shared<std::string>();
   auto opts = std::make_shared<press::PressOptions>();

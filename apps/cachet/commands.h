@@ -34,6 +34,8 @@ void AddSamplingFlags(CLI::App& app, GenerateOptions& o);
 void RequireLogitBiasInVocab(const SamplingParams& s, const Engine& engine);
 // --press, --ratio, --budget, --window, --sinks: evict after the prompt (kv/press).
 void AddPressFlags(CLI::App& app, GenerateOptions& o);
+// --chat-template-kwargs (chat, serve), its help followed by `more`.
+void AddChatTemplateKwargsFlag(CLI::App& app, std::string& kwargs, const std::string& more = "");
 // The text of -p, or of the -f file when one is given.
 std::string ReadPrompt(const std::string& text, const std::string& file);
 // Prints "cachet: <status>" to stderr and exits the command with status 1.

@@ -87,14 +87,8 @@ void AddServe(CLI::App& app) {
                       "GGUF's tokenizer.chat_template) recognised by family; plain for a model "
                       "without one. An unrecognised template stops the server at startup")
       ->type_name("NAME");
-  cmd->add_option(
-         "--chat-template-kwargs", o->chat_template_kwargs,
-         "Jinja variables for the chat template, as a JSON object (llama-server's flag): only "
-         "enable_thinking is read, {\"enable_thinking\": false} making Qwen3's templates answer "
-         "without thinking (an empty <think> block after the generation prompt); a template that "
-         "reads no such variable ignores it, as Jinja would"
-         ". A request's chat_template_kwargs field overrides it")
-      ->type_name("JSON");
+  AddChatTemplateKwargsFlag(*cmd, o->chat_template_kwargs,
+                            ". A request's chat_template_kwargs field overrides it");
   cmd->add_option("--alias", o->alias,
                   "Model id that /v1/models lists and requests may name (default: the model "
                   "directory's name, or the GGUF file's without .gguf)");

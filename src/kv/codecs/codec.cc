@@ -311,17 +311,12 @@ void EncodeRow(Codec c, const CalPlan* plan, const float* x, int dim, uint8_t* o
       return;
     case Codec::kQ4_0:
       return EncodeQ4_0(x, dim, out);
-    case Codec::kCq4: {
+    case Codec::kCq4:
+    case Codec::kCq2: {  // blocks of the row in the channels' basis
       float z[kMaxDim];
       std::copy_n(x, dim, z);
       IntoBasis(c, plan, z, dim, BasisVec::kRow);
-      return EncodeQ4_0(z, dim, out);
-    }
-    case Codec::kCq2: {
-      float z[kMaxDim];
-      std::copy_n(x, dim, z);
-      IntoBasis(c, plan, z, dim, BasisVec::kRow);
-      return EncodeCq2(z, dim, out);
+      return c == Codec::kCq4 ? EncodeQ4_0(z, dim, out) : EncodeCq2(z, dim, out);
     }
     case Codec::kGear4:
       return EncodeGear4(NeedPlan(c, plan), x, dim, out);
