@@ -151,6 +151,9 @@ CACHET_INT8_TARGET void ScoresVnni(const uint8_t* keys, int cnt, int hd, const Q
       const int nr = std::min(kRowsPerPass, n_rows - r0);
       for (int b0 = 0; b0 < nb; b0 += 2) {
         const bool pair = b0 + 1 < nb;
+        // Issued before the unpacking, which hides their latency.
+        const __m512 dk0 = GatherScales(k0, offsets, m, b0 * kBytes);
+        const __m512 dk1 = pair ? GatherScales(k0, offsets, m, (b0 + 1) * kBytes) : dk0;
         __m512i t[16];
         if (kType == DType::kQ4_0 && pair) {
           UnpackPairQ4T(k0 + b0 * kBytes, row_bytes, n, t);
@@ -161,8 +164,6 @@ CACHET_INT8_TARGET void ScoresVnni(const uint8_t* keys, int cnt, int hd, const Q
           }
           Transpose16(t);
         }
-        const __m512 dk0 = GatherScales(k0, offsets, m, b0 * kBytes);
-        const __m512 dk1 = pair ? GatherScales(k0, offsets, m, (b0 + 1) * kBytes) : dk0;
         const int n_dw = pair ? 16 : 8;
         for (int r = 0; r < nr; ++r) {
           const QueryQ8& q = rows[r0 + r];
