@@ -261,14 +261,15 @@ void BenchAttention(std::mt19937& rng) {
 }
 
 // One decode step's attention (a group of `heads` query heads: 3 as in GQA, 1 as in MHA; head_dim
-// 64, 4096 keys in 16-token pages, positions in 16 bits) over a cache stored in each codec. The
-// caches are built once and the codecs timed in turn, many rounds, so that machine noise hits them
-// alike; best time per call.
+// 64, 4096 keys (KEYS) in 16-token pages, positions in 16 bits) over a cache stored in each codec.
+// The caches are built once and the codecs timed in turn, many rounds, so that machine noise hits
+// them alike; best time per call.
 void BenchCodecAttention(std::mt19937& rng, int heads, const std::string& only_codec) {
   using cachet::KvLayout;
   using cachet::PagedSequence;
   using cachet::PagePool;
-  const int n = 4096, hd = 64;
+  // KEYS=N: keys a table (4096 unless set; mha-85m's long-context point is 16384).
+  const int n = std::max(16, EnvInt("KEYS", 4096)), hd = 64;
   // TABLES=N: N tables (layers) of n keys each, attended in turn by a timed call, so that the
   // pages stream from DRAM once N tables outgrow the last-level cache (q4_0: 290 KiB a table).
   const int tables = std::max(1, EnvInt("TABLES", 1));
@@ -300,7 +301,9 @@ void BenchCodecAttention(std::mt19937& rng, int heads, const std::string& only_c
     }
     lay.codec_k = *codec_k;
     lay.codec_v = *codec_v;
-    pools.push_back(std::make_unique<PagePool>(lay, size_t(tables) * (2 << 20) + (64 << 20)));
+    // 2 MiB holds 4096 keys of the widest codec (f32 K and V).
+    const size_t table_bytes = size_t(2 << 20) * ((n + 4095) / 4096);
+    pools.push_back(std::make_unique<PagePool>(lay, size_t(tables) * table_bytes + (64 << 20)));
     seqs.push_back(std::make_unique<PagedSequence>(*pools.back()));
     if (!seqs.back()->Reserve(n).ok()) std::abort();
     for (int t = 0; t < n; ++t) {
