@@ -111,7 +111,7 @@ constexpr int kRowsPerPass = 32;  // rows whose running scores stay in a stack b
 
 // A query row's integer dot products with 16 q4_0 keys' block b0 (i0) and b0 + 1 (i1, kPair),
 // offsets included, unrolled with two sums a block: one chain of eight vpdpbusd a block waited on
-// their latency (an MHA decode step's q4_0 scoring 1.2x slower; integer sums, so the split changes
+// their latency (an MHA decode step's q4_0 scoring 1.15x slower; integer sums, so the split changes
 // no bit). q8_0 keys keep the loop: unrolled, their decode step was 4% slower (kernels_bench).
 template <bool kPair>
 CACHET_INT8_TARGET inline void DotsQ4(const __m512i* t, const QueryQ8& q, int b0, __m512i* i0,
