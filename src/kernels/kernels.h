@@ -96,6 +96,10 @@ struct PageData {
   const float* v_levels = nullptr;
 };
 inline constexpr int kLevelBlockBytes = 10;
+// Code i (0..31) of a level block (at its f16 scale).
+inline int LevelCode(const uint8_t* block, int i) {
+  return (block[2 + i % 8] >> (2 * (i / 8))) & 3;
+}
 
 // A page's token positions as its source stores them: int32, or uint16 where the context fits
 // 16 bits (one of the two set).

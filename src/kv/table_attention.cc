@@ -45,17 +45,17 @@ void PartPages(const kernels::AttnBatch& b, int n, int* begin, int* end) {
   *end = static_cast<int>(int64_t{n} * (b.part + 1) / b.n_parts);
 }
 
-// Pages of the hot and the cold pool as the attention kernels read them. Each role (K, V) is read
-// in one basis, the hot pool's codec's (Basis): rotated or projected queries score keys stored so,
-// values accumulate in it and the output is turned back once per row. Rows stored in another
-// basis (raw sink and window pages beside such a codec, a cold pool of another codec) are decoded
-// and turned into it.
 // The codec whose basis a pass reads one role in, and its plan.
 struct RoleBasis {
   codecs::Codec codec;
   const codecs::CalPlan* plan;
 };
 
+// Pages of the hot and the cold pool as the attention kernels read them. Each role (K, V) is read
+// in one basis, a RoleBasis (the hot pool's codec's or the cold pool's: AttendRows chooses):
+// rotated or projected queries score keys stored so, values accumulate in it and the output is
+// turned back once per row. Rows stored in another basis (raw sink and window pages beside such
+// a codec, a cold pool of another codec) are decoded and turned into it.
 struct RefRows final : kernels::PageRows {
   // Each ref's pages are hot's or cold's (null: no cold pool).
   RefRows(std::span<const PageRef> refs, const KvLayout& layout, int table, const PagePool& hot,

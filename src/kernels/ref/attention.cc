@@ -212,7 +212,7 @@ void PagedAttentionRows(const AttnBatch& b, const PageRows& kv) {
         uint16_t s;
         std::memcpy(&s, in, 2);
         for (int i = 0; i < 32; ++i) {
-          out[blk * 32 + i] = F16ToF32(s) * rows.v_levels[(in[2 + i % 8] >> (2 * (i / 8))) & 3];
+          out[blk * 32 + i] = F16ToF32(s) * rows.v_levels[LevelCode(in, i)];
         }
       }
     } else {

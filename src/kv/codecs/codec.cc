@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "kernels/kernels.h"
 #include "kv/codecs/calibrated_rows.h"
 #include "kv/codecs/calibration.h"
 #include "util/dtype.h"
@@ -166,10 +167,12 @@ void EncodeQ4_0(const float* x, int dim, uint8_t* out) {
   }
 }
 
-// cq2's blocks: per 32 values the f16 scale d and the values' nearest of d x the 2-bit
-// Lloyd-Max levels; d starts at the block's RMS and is refitted by least squares to the codes
-// twice (the levels are those of a unit variance).
-constexpr size_t kCq2BlockBytes = 2 + kBlock / 4;
+// cq2's blocks (kernels::PageData's level blocks, read in place by attention): per 32 values the
+// f16 scale d and the values' nearest of d x the 2-bit Lloyd-Max levels; d starts at the block's
+// RMS and is refitted by least squares to the codes twice (the levels are those of a unit
+// variance).
+constexpr size_t kCq2BlockBytes = kernels::kLevelBlockBytes;
+static_assert(kCq2BlockBytes == 2 + kBlock / 4);
 void EncodeCq2(const float* x, int dim, uint8_t* out) {
   const float* levels = LloydMax(2);
   for (int b = 0; b < dim / kBlock; ++b, x += kBlock, out += kCq2BlockBytes) {
@@ -439,7 +442,7 @@ void DecodeRowStored(Codec c, const CalPlan* plan, const uint8_t* in, int dim, f
         uint16_t dh;
         std::memcpy(&dh, in, 2);
         const float d = F(dh);
-        for (int i = 0; i < kBlock; ++i) x[i] = d * levels[(in[2 + i % 8] >> (2 * (i / 8))) & 3];
+        for (int i = 0; i < kBlock; ++i) x[i] = d * levels[kernels::LevelCode(in, i)];
       }
       return;
     }

@@ -594,8 +594,7 @@ void DecodeStoredImpl(Codec c, Role role, const uint8_t* page, int n, int tokens
       case Codec::kRot2:
         DecodeRotRow(c, level, in, dim, codes, x);
         break;
-      default:  // rotation codecs with QJL (a Hadamard transform per row), cq2, gear4: the scalar
-                // path
+      default:  // QJL rotation codecs (a Hadamard transform per row), cq2, gear4: scalar
         codecs::DecodeStored(c, role, in, 1, 1, dim, x, plan);
         break;
     }
