@@ -78,7 +78,8 @@ fuzz_one() {
     $(pkg-config --libs oniguruma sentencepiece) ${ldflags[$t]:-} -o "$out/${t}_fuzz" \
     >"$out/$t.build" 2>&1 || return 1
   CACHET_FUZZ_SEED_DIR="$out/corpus-$t" "$out/${t}_fuzz" -max_total_time="$secs" -max_len=16384 \
-    -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 "$out/corpus-$t" 2>"$out/$t.log"
+    -timeout=10 -rss_limit_mb=2048 -print_final_stats=1 -artifact_prefix="$out/$t-" \
+    "$out/corpus-$t" 2>"$out/$t.log"
 }
 
 # One target per core at a time (each fuzzer runs on one thread): CI's two cores fuzz two.
