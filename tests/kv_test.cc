@@ -114,6 +114,45 @@ TEST(KvCache, DecodePagesOfATableLieSideBySide) {
   EXPECT_FALSE(t.Reserve(1).ok());
 }
 
+// A context computed again in the slots a finished one freed lies as the first did: each table's
+// pages in consecutive ascending slots. The free stack gives them back in reverse (the last
+// table's last page first), and read from the highest address down a 16k-token context decoded
+// 1.5x slower.
+TEST(KvCache, FreedSlotsAreHandedOutAscending) {
+  const KvLayout lay = SmallLayout();
+  PagePool pool(lay, 64 * lay.page_bytes());
+  auto expect_side_by_side = [&](const PagedSequence& s) {
+    for (int l = 0; l < 2; ++l) {
+      for (int h = 0; h < 2; ++h) {
+        const kernels::PagedKv v = s.View(l, h);
+        for (int p = 1; p < 16; ++p) EXPECT_EQ(v.page_ids[p], v.page_ids[p - 1] + 1) << l << h << p;
+      }
+    }
+  };
+  {
+    PagedSequence first(pool);
+    AppendTokens(first, 64, 0.0f);  // 16 pages a table, fresh slots
+    expect_side_by_side(first);
+  }
+  EXPECT_EQ(pool.used_pages(), 0);
+  PagedSequence again(pool);
+  AppendTokens(again, 64, 0.0f);  // every slot from the free stack
+  expect_side_by_side(again);
+  // A claim's slots too (taken front first).
+  again.Clear();
+  ASSERT_EQ(pool.used_pages(), 0);
+  const int32_t d = pool.Claim(false, 8);
+  ASSERT_GE(d, 0);
+  int32_t prev = pool.TakeClaimed(d);
+  for (int i = 1; i < 8; ++i) {
+    const int32_t next = pool.TakeClaimed(d);
+    EXPECT_GT(next, prev) << i;
+    prev = next;
+  }
+  pool.ReleaseClaim(d);
+  EXPECT_EQ(pool.used_pages(), 8);
+}
+
 // Claims: taken front first, given back whole, and their slots taken by Alloc when no other is
 // free; the bytes they hold are free until taken.
 TEST(KvCache, ClaimsHoldFreeSlots) {

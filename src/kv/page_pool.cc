@@ -92,12 +92,19 @@ Status PagePool::Alloc(int n_raw, int n_codec, std::vector<int32_t>* raw,
         std::to_string(n_raw + n_codec) + " pages), " + std::to_string(available_bytes()) + " of " +
         std::to_string(capacity_bytes_) + " bytes free; raise --kv-mem or shorten the prompt");
   }
+  // In ascending order: callers lay each table's pages side by side in the order given, and the
+  // free stack gives the slots a finished sequence freed in reverse, so a context computed again
+  // in them was read from the highest address down (mha-85m at 16k tokens, q4_0 KV: every
+  // decode after the first 1.5x slower, docs/BENCHMARKS.md).
   auto take = [&](Arena& a, int n, bool is_codec, std::vector<int32_t>* out) {
+    if (n == 0) return;  // out may be null then
+    const size_t first = out->size();
     for (int i = 0; i < n; ++i) {
       const int32_t slot = a.free_slots() > 0 ? a.PopFree() : StealClaimed(is_codec);
       Taken(a, slot);
       out->push_back(slot | (is_codec ? kCodecPageBit : 0));
     }
+    std::sort(out->begin() + first, out->end());
   };
   take(raw_, n_raw, false, raw);
   take(codec_, n_codec, true, codec);
@@ -138,6 +145,7 @@ int32_t PagePool::Claim(bool codec, int n) {
   ClaimedRun& c = claims_[id];
   c.slots.clear();
   for (int i = 0; i < m; ++i) c.slots.push_back(a.PopFree());
+  std::sort(c.slots.begin(), c.slots.end());  // taken from the front: ascending, as Alloc's
   c.next = 0;
   c.codec = codec;
   c.live = true;
