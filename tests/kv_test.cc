@@ -115,9 +115,9 @@ TEST(KvCache, DecodePagesOfATableLieSideBySide) {
 }
 
 // A context computed again in the slots a finished one freed lies as the first did: each table's
-// pages in consecutive ascending slots. The free stack gives them back in reverse (the last
-// table's last page first), and read from the highest address down a 16k-token context decoded
-// 1.5x slower.
+// pages in consecutive ascending slots. A free stack gave them back in reverse (the last table's
+// last page first), and read from the highest address down a 16k-token context decoded 1.5x
+// slower.
 TEST(KvCache, FreedSlotsAreHandedOutAscending) {
   const KvLayout lay = SmallLayout();
   PagePool pool(lay, 64 * lay.page_bytes());
@@ -182,7 +182,7 @@ TEST(KvCache, ClaimsHoldFreeSlots) {
 }
 
 // A pool's bookkeeping grows with the slots it hands out, not its capacity: a billion-page pool
-// starts at once, hands out slots from 0 in order, reuses the last freed first, and runs out
+// starts at once, hands out slots from 0 in order, reuses the lowest freed first, and runs out
 // exactly at its capacity (a small one; the large one only to its first pages).
 TEST(KvCache, SlotsAreHandedOutLazilyInOrder) {
   const KvLayout lay = SmallLayout();
@@ -206,10 +206,14 @@ TEST(KvCache, SlotsAreHandedOutLazilyInOrder) {
   EXPECT_EQ(pool.Alloc(1, &got).code(), StatusCode::kResourceExhausted);
   EXPECT_EQ(pool.Claim(false, 1), -1);
   pool.Unref(42);
-  EXPECT_EQ(pool.free_pages(), 1);
+  pool.Unref(7);
+  EXPECT_EQ(pool.free_pages(), 2);
+  ASSERT_TRUE(pool.Alloc(1, &got).ok());
+  EXPECT_EQ(got.back(), 7);  // the lowest, not the last freed
   ASSERT_TRUE(pool.Alloc(1, &got).ok());
   EXPECT_EQ(got.back(), 42);
   got.erase(got.begin() + 42);  // freed above, taken again last
+  got.erase(got.begin() + 7);
   for (int32_t p : got) pool.Unref(p);
   EXPECT_EQ(pool.used_pages(), 0);
 }

@@ -92,10 +92,8 @@ Status PagePool::Alloc(int n_raw, int n_codec, std::vector<int32_t>* raw,
         std::to_string(n_raw + n_codec) + " pages), " + std::to_string(available_bytes()) + " of " +
         std::to_string(capacity_bytes_) + " bytes free; raise --kv-mem or shorten the prompt");
   }
-  // In ascending order: callers lay each table's pages side by side in the order given, and the
-  // free stack gives the slots a finished sequence freed in reverse, so a context computed again
-  // in them was read from the highest address down (mha-85m at 16k tokens, q4_0 KV: every
-  // decode after the first 1.5x slower, docs/BENCHMARKS.md).
+  // In ascending order (callers lay each table's pages side by side in the order given): the free
+  // heap's come so, slots stolen from claims when the pool is short may not.
   auto take = [&](Arena& a, int n, bool is_codec, std::vector<int32_t>* out) {
     if (n == 0) return;  // out may be null then
     const size_t first = out->size();
@@ -145,7 +143,6 @@ int32_t PagePool::Claim(bool codec, int n) {
   ClaimedRun& c = claims_[id];
   c.slots.clear();
   for (int i = 0; i < m; ++i) c.slots.push_back(a.PopFree());
-  std::sort(c.slots.begin(), c.slots.end());  // taken from the front: ascending, as Alloc's
   c.next = 0;
   c.codec = codec;
   c.live = true;
@@ -168,7 +165,7 @@ int32_t PagePool::TakeClaimed(int32_t claim) {
 void PagePool::ReleaseClaim(int32_t claim) {
   ClaimedRun& c = claims_[claim];
   Arena& a = c.codec ? codec_ : raw_;
-  for (size_t i = c.slots.size(); i > c.next; --i) a.free.push_back(c.slots[i - 1]);
+  for (size_t i = c.slots.size(); i > c.next; --i) a.PushFree(c.slots[i - 1]);
   claimed_[c.codec] -= static_cast<int32_t>(c.slots.size() - c.next);
   c.slots.clear();
   c.next = 0;
@@ -210,7 +207,7 @@ void PagePool::Unref(int32_t page) {
   }
   if (--rc == 0) {
     Arena& a = IsCodecPage(page) ? codec_ : raw_;
-    a.free.push_back(page & ~kCodecPageBit);
+    a.PushFree(page & ~kCodecPageBit);
     --a.used;
   }
 }
