@@ -136,7 +136,7 @@ TEST(KvCache, FreedSlotsAreHandedOutAscending) {
   }
   EXPECT_EQ(pool.used_pages(), 0);
   PagedSequence again(pool);
-  AppendTokens(again, 64, 0.0f);  // every slot from the free stack
+  AppendTokens(again, 64, 0.0f);  // every slot a freed one
   expect_side_by_side(again);
   // A claim's slots too (taken front first).
   again.Clear();
