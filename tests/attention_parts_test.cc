@@ -21,7 +21,7 @@ using codecs::Codec;
 
 // One pass over the sequence's (layer 0, KV head 0) and the same pass in n_parts parts, merged.
 void ExpectPartsMerge(const PagedSequence& seq, int n_heads, int hd, int32_t q_pos, int n_parts,
-                      uint32_t seed) {
+                      uint32_t seed, float tol) {
   std::mt19937 rng(seed);
   std::uniform_real_distribution<float> u(-2.0f, 2.0f);
   std::vector<float> q(size_t(n_heads) * hd);
@@ -59,7 +59,7 @@ void ExpectPartsMerge(const PagedSequence& seq, int n_heads, int hd, int32_t q_p
   b.out = merged.data();
   kernels::MergeAttnParts(outs.data(), maxes.data(), sums.data(), n_parts, hd, b);
   for (size_t i = 0; i < q.size(); ++i) {
-    ASSERT_NEAR(merged[i], whole[i], 2e-5f * std::max(1.0f, std::fabs(whole[i])))
+    ASSERT_NEAR(merged[i], whole[i], tol * std::max(1.0f, std::fabs(whole[i])))
         << "parts " << n_parts << " q_pos " << q_pos << " i " << i;
   }
 }
@@ -104,10 +104,16 @@ TEST(AttentionParts, MergedPartsEqualOnePass) {
       if (c.cold && n_keys == 333) {
         ASSERT_GT(seq.cold_length(0, 0), 0);
       }
+      // q4_0 values are summed with each page's weights rounded to 8 bits where the CPU has the
+      // int8 kernels: a part's weights are the whole pass's times a constant, which the rounding
+      // follows but for the rare weight the float products put on the other side of a half
+      // (kernels/cpu/value_sums_int8.cc). 2.5e-5 - 9e-5 here.
+      const bool q4_values = (c.v == Codec::kQ4_0 || c.cold) && kernels::cpu::HasInt8Kernels();
+      const float tol = q4_values ? 5e-4f : 2e-5f;
       for (int n_parts : {2, 3, 7, 40}) {
-        ExpectPartsMerge(seq, n_heads, hd, n_keys - 1, n_parts, 100 + n_parts);
+        ExpectPartsMerge(seq, n_heads, hd, n_keys - 1, n_parts, 100 + n_parts, tol);
         // Early keys only: the later parts see none.
-        ExpectPartsMerge(seq, n_heads, hd, n_keys / 3, n_parts, 200 + n_parts);
+        ExpectPartsMerge(seq, n_heads, hd, n_keys / 3, n_parts, 200 + n_parts, tol);
       }
     }
   }

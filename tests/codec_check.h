@@ -53,6 +53,11 @@ inline double AttendVsDecoded(const Engine& e, const PagedSequence& kv, int laye
   return std::sqrt(num / den);
 }
 
+// AttendVsDecoded's bound where a pass reads q4_0 (or cq4) values: where the CPU has the int8
+// kernels, 64-wide heads sum them with each 16 keys' weights rounded to 8 bits
+// (kernels/cpu/value_sums_int8.cc), 1.5e-3 - 1.6e-3 on kvtiny's pages; else as exact as the rest.
+inline double Q4ValuesBound(double exact) { return kernels::cpu::HasInt8Kernels() ? 3e-3 : exact; }
+
 // Mean KL(p_ref || p) of next-token distributions over every position (rows of vocab logits).
 inline double MeanKl(const std::vector<float>& ref, const std::vector<float>& got, int vocab) {
   double total = 0;

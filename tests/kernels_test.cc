@@ -517,7 +517,7 @@ TEST(KernelsCpu, BlockKeyScoresMatchRef) {
   std::mt19937 rng(10);
   for (DType t : {DType::kQ4_0, DType::kQ8_0}) {
     for (int hd : {32, 64, 96, 128}) {
-      for (int cnt : {1, 15, 16, 17, 40}) {
+      for (int cnt : {1, 6, 15, 16, 17, 40}) {
         for (int n_rows : {1, 4, 33}) {
           const std::string what = std::string(DTypeName(t)) + " hd=" + std::to_string(hd) +
                                    " keys=" + std::to_string(cnt) +
@@ -1117,6 +1117,10 @@ TEST(KernelsAttention, TypedPageRowsMatchContiguous) {
             // q4_0 / q8_0 key pages are scored with the queries quantized to 8 bits
             // (block_keys.h), which the contiguous reference over the decoded keys does not do.
             const bool block_keys = hd % 32 == 0;
+            // q4_0 value pages of 64-wide heads are summed with 8-bit weights where the CPU has
+            // the int8 kernels (the reference sums exact ones): 3e-4 - 7e-4 here; the bound on
+            // each sum is tested in q4_value_sums_test.cc.
+            const bool q4_weights = hd == 64 && cpu::HasInt8Kernels();
             ref::PagedAttentionRows(q.Batch(out_ref, scale), tp);
             const std::vector<float> expect = q.Compact(out_ref);
             EXPECT_LT(NormErr(expect, q.Compact(out_contig)), block_keys ? 5e-3 : 1e-6)
@@ -1131,7 +1135,7 @@ TEST(KernelsAttention, TypedPageRowsMatchContiguous) {
             for (int64_t target : KernelTargets()) {
               ScopedTarget scoped(target);
               cpu::PagedAttentionRows(q.Batch(out_cpu, scale), tp);
-              EXPECT_LT(NormErr(q.Compact(out_cpu), expect), 1e-5)
+              EXPECT_LT(NormErr(q.Compact(out_cpu), expect), q4_weights ? 2e-3 : 1e-5)
                   << "cpu " << what << TargetString(target);
               std::fill(w_cpu.begin(), w_cpu.end(), 0.0f);
               obs.key_weight = w_cpu.data();

@@ -201,6 +201,12 @@ inline constexpr int64_t kInt8MaxDecodeTokens = 8;
 void Int8MatMul(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
                 int64_t y_stride, ThreadPool& pool);  // kernels/cpu/quant_int8.cc
 void QuantizeQ8(const float* x, int64_t cols, int8_t* q, float* d, float* s);
+// acc[r * head_dim + d] += sum_j p[r * p_stride + j] * v_j[d] over cnt q4_0 value rows, for rows
+// tile rows, with each 16 keys' weights rounded to 8 bits (kernels/cpu/value_sums_int8.cc: off by
+// at most 1/254 of their largest). Heads of 64 on CPUs with the int8 kernels; elsewhere returns
+// false and does nothing.
+bool Q4ValueSums(const uint8_t* v, int cnt, int head_dim, int rows, const float* p, int p_stride,
+                 float* acc);
 }  // namespace cpu
 // Block-quantized keys (kernels/block_keys.h): a query row quantized (codes, block scales d and
 // integer code sums), and scores[r * s_stride + j] = scale * q_r . k_j of cnt q4_0 / q8_0 key rows

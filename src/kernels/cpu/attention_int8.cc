@@ -18,6 +18,7 @@
 #include "kernels/block_keys.h"
 #include "kernels/cpu/int8_target.h"
 #include "kernels/cpu/int8_transpose.h"
+#include "kernels/cpu/q4_rows64.h"
 #include "kernels/kernels.h"
 
 namespace cachet::kernels::cpu {
@@ -152,8 +153,15 @@ CACHET_INT8_TARGET void ScoresVnni(const uint8_t* keys, int cnt, int hd, const Q
       for (int b0 = 0; b0 < nb; b0 += 2) {
         const bool pair = b0 + 1 < nb;
         // Issued before the unpacking, which hides their latency.
-        const __m512 dk0 = GatherScales(k0, offsets, m, b0 * kBytes);
-        const __m512 dk1 = pair ? GatherScales(k0, offsets, m, (b0 + 1) * kBytes) : dk0;
+        __m512 dk0, dk1;
+        if (kType == DType::kQ4_0 && row_bytes == kQ4Row64Bytes) {
+          const __m512i s = Q4Scales64(k0, n, Q4Rows64Tables());
+          dk0 = _mm512_cvtph_ps(_mm512_castsi512_si256(s));
+          dk1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(s, 1));
+        } else {
+          dk0 = GatherScales(k0, offsets, m, b0 * kBytes);
+          dk1 = pair ? GatherScales(k0, offsets, m, (b0 + 1) * kBytes) : dk0;
+        }
         __m512i t[16];
         if (kType == DType::kQ4_0 && pair) {
           UnpackPairQ4T(k0 + b0 * kBytes, row_bytes, n, t);
