@@ -133,6 +133,73 @@ CACHET_INT8_TARGET inline void DotsQ4(const __m512i* t, const QueryQ8& q, int b0
   }
 }
 
+// Per 128-bit lane j, the sums of the four dwords of a[g] (g = 0..3), at dword 4 j + g.
+CACHET_INT8_TARGET inline __m512i LaneSums4(const __m512i* a) {
+  const __m512i s01 =
+      _mm512_add_epi32(_mm512_unpacklo_epi32(a[0], a[1]), _mm512_unpackhi_epi32(a[0], a[1]));
+  const __m512i s23 =
+      _mm512_add_epi32(_mm512_unpacklo_epi32(a[2], a[3]), _mm512_unpackhi_epi32(a[2], a[3]));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+}
+
+// q4_0 keys of 64 (36-byte rows, kernels/cpu/q4_rows64.h), 16 at a time: each group of four
+// keys' codes of a block come row by row in one register by one permute (128-bit lane j = key j),
+// so vpdpbusd against the query block's 16 codes repeated in every lane gives each key four
+// partial sums (dword m: codes 4 m .. 4 m + 3 of the low nibbles, and of the high ones against
+// the next 16 query codes), which LaneSums4 adds up for the four groups at once. The unpacking is
+// a third of the transposing ScoresVnni does; the integer sums, and so the scores, are the same.
+CACHET_INT8_TARGET void ScoresQ4Rows64(const uint8_t* keys, int cnt, const QueryQ8* rows,
+                                       int n_rows, float scale, float* scores, int s_stride) {
+  const Q4Rows64& t = Q4Rows64Tables();
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  // LaneSums4 leaves key 4 g + j at dword 4 j + g; this puts it back at 4 g + j.
+  const __m512i key_order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int j0 = 0; j0 < cnt; j0 += 16) {
+    const int n = std::min(16, cnt - j0);
+    const uint8_t* k0 = keys + int64_t{j0} * kQ4Row64Bytes;
+    const __m512i sc = Q4Scales64(k0, n, t);
+    const __m512 dk0 = _mm512_cvtph_ps(_mm512_castsi512_si256(sc));
+    const __m512 dk1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(sc, 1));
+    __m512i c[4][4];  // group g: block 0's low and high nibbles, block 1's
+    for (int g = 0; g < 4; ++g) {
+      if (4 * g >= n) {
+        for (int i = 0; i < 4; ++i) c[g][i] = _mm512_setzero_si512();
+        continue;
+      }
+      __m512i raw[2];
+      Q4GroupRows64(k0 + g * kQ4Group64Bytes, std::min(4, n - 4 * g), t, &raw[0], &raw[1]);
+      for (int b = 0; b < 2; ++b) {
+        c[g][2 * b] = _mm512_and_si512(raw[b], nib);
+        c[g][2 * b + 1] = _mm512_and_si512(_mm512_srli_epi16(raw[b], 4), nib);
+      }
+    }
+    const __mmask16 m = static_cast<__mmask16>((1u << n) - 1);
+    for (int r = 0; r < n_rows; ++r) {
+      const QueryQ8& q = rows[r];
+      __m512i ints[2];
+      for (int b = 0; b < 2; ++b) {
+        const __m512i q_lo =
+            _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q.q + 32 * b)));
+        const __m512i q_hi = _mm512_broadcast_i32x4(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q.q + 32 * b + 16)));
+        __m512i a[4];
+        for (int g = 0; g < 4; ++g) {
+          a[g] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), c[g][2 * b], q_lo),
+                                     c[g][2 * b + 1], q_hi);
+        }
+        ints[b] = _mm512_sub_epi32(_mm512_permutexvar_epi32(key_order, LaneSums4(a)),
+                                   _mm512_set1_epi32(8 * q.sum[b]));
+      }
+      // BlockKeyScore's steps, lane-wise.
+      const __m512 t0 = _mm512_mul_ps(_mm512_cvtepi32_ps(ints[0]), _mm512_set1_ps(q.d[0]));
+      const __m512 t1 = _mm512_mul_ps(_mm512_cvtepi32_ps(ints[1]), _mm512_set1_ps(q.d[1]));
+      const __m512 a = _mm512_fmadd_ps(t1, dk1, _mm512_mul_ps(t0, dk0));
+      _mm512_mask_storeu_ps(scores + int64_t{r} * s_stride + j0, m, _mm512_mul_ps(a, vscale));
+    }
+  }
+}
+
 template <DType kType>
 CACHET_INT8_TARGET void ScoresVnni(const uint8_t* keys, int cnt, int hd, const QueryQ8* rows,
                                    int n_rows, float scale, float* scores, int s_stride) {
@@ -153,15 +220,8 @@ CACHET_INT8_TARGET void ScoresVnni(const uint8_t* keys, int cnt, int hd, const Q
       for (int b0 = 0; b0 < nb; b0 += 2) {
         const bool pair = b0 + 1 < nb;
         // Issued before the unpacking, which hides their latency.
-        __m512 dk0, dk1;
-        if (kType == DType::kQ4_0 && row_bytes == kQ4Row64Bytes) {
-          const __m512i s = Q4Scales64(k0, n, Q4Rows64Tables());
-          dk0 = _mm512_cvtph_ps(_mm512_castsi512_si256(s));
-          dk1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(s, 1));
-        } else {
-          dk0 = GatherScales(k0, offsets, m, b0 * kBytes);
-          dk1 = pair ? GatherScales(k0, offsets, m, (b0 + 1) * kBytes) : dk0;
-        }
+        const __m512 dk0 = GatherScales(k0, offsets, m, b0 * kBytes);
+        const __m512 dk1 = pair ? GatherScales(k0, offsets, m, (b0 + 1) * kBytes) : dk0;
         __m512i t[16];
         if (kType == DType::kQ4_0 && pair) {
           UnpackPairQ4T(k0 + b0 * kBytes, row_bytes, n, t);
@@ -239,7 +299,9 @@ void BlockKeyScores(const uint8_t* keys, DType type, int cnt, int head_dim, cons
   if (!HasInt8Kernels()) {
     return ref::BlockKeyScores(keys, type, cnt, head_dim, rows, n_rows, scale, scores, s_stride);
   }
-  if (type == DType::kQ4_0) {
+  if (type == DType::kQ4_0 && head_dim == 64) {
+    ScoresQ4Rows64(keys, cnt, rows, n_rows, scale, scores, s_stride);
+  } else if (type == DType::kQ4_0) {
     ScoresVnni<DType::kQ4_0>(keys, cnt, head_dim, rows, n_rows, scale, scores, s_stride);
   } else {
     ScoresVnni<DType::kQ8_0>(keys, cnt, head_dim, rows, n_rows, scale, scores, s_stride);
