@@ -107,10 +107,12 @@ struct RefRows final : kernels::PageRows {
   // MHA decode attention over f16 pages streamed from DRAM at 15 GB/s on one Zen 5 core and took
   // 1.15x as long (kernels_bench TABLES=384 MHA_ONLY=1 ... codecs); Quest's scattered selection
   // at 16k tokens decoded 1.07x faster with it. Where a page takes longer to score than to arrive
-  // the far prefetches are only more instructions: in cache (f16 1.1x slower, q4_0 1.07x), over
-  // q4_0's 1.2 KB pages from DRAM (no gain), and for a GQA group's eight rows (TinyLlama-shaped
-  // f16 KV at 4096 tokens 4% slower). A table of kFarMinTableBytes is one of a model of dozens:
-  // the step's cache outgrows the L3.
+  // the far prefetches are only more instructions: in cache (f16 1.1x slower, q4_0 1.07x) and for
+  // a GQA group's eight rows (TinyLlama-shaped f16 KV at 4096 tokens 4% slower). q4_0's 1.1 KB
+  // pages of 64-wide heads gained nothing while their values were summed in floats; since the
+  // int8 value and key kernels (kernels/cpu/value_sums_int8.cc) they wait on DRAM too: 144
+  // tables of 16k keys 1.26x faster with the far prefetch, mha-85m's decode at 16k 1.1x. A
+  // table of kFarMinTableBytes is one of a model of dozens: the step's cache outgrows the L3.
   void Prefetch(int page, bool light) const override {
     FetchPage<3>(page);
     const int far = page + kFarPages;
@@ -119,7 +121,7 @@ struct RefRows final : kernels::PageRows {
 
  private:
   static constexpr int kFarPages = 4;
-  static constexpr size_t kFarMinBytes = 2048;
+  static constexpr size_t kFarMinBytes = 1024;
   static constexpr size_t kFarMinTableBytes = size_t{1} << 20;
 
   // A page's K and V byte counts (bytes_ by its pool and kind).
