@@ -321,6 +321,7 @@ class PageWalk {
       }
       for (int i = 0; i < n_slots; ++i) {
         const Slot& sl = slots_[i];
+        // q4_0 values of 64-wide heads: the int8 kernel, where the CPU has it.
         if (sl.rows.v_type == DType::kQ4_0 && sl.rows.v_levels == nullptr &&
             cpu::Q4ValueSums(static_cast<const uint8_t*>(sl.rows.v), sl.cnt, hd_, rows,
                              scores_ + i * s_stride_, c_stride_, acc_)) {

@@ -7,7 +7,8 @@
 // place, broadcast: eight instructions sum a block for 16 keys, and the float steps of
 // BlockKeyScore run once per block for 16 keys, with no horizontal sums. The unpacking and the
 // transpose are paid once per page for every row of a tile, so one kernel serves a decode step
-// (one row per KV head in MHA) and a prefill tile (up to 32 rows) alike.
+// (one row per KV head in MHA) and a prefill tile (up to 32 rows) alike. q4_0 keys of 64-wide
+// heads take ScoresQ4Rows64 instead: their rows are short enough for a cheaper unpacking.
 //
 // Intrinsics with a target attribute for the reasons kernels/cpu/quant_int8.cc gives; CPUs
 // without VNNI take the reference, which computes the same integers and float steps.
@@ -158,9 +159,8 @@ CACHET_INT8_TARGET void ScoresQ4Rows64(const uint8_t* keys, int cnt, const Query
   for (int j0 = 0; j0 < cnt; j0 += 16) {
     const int n = std::min(16, cnt - j0);
     const uint8_t* k0 = keys + int64_t{j0} * kQ4Row64Bytes;
-    const __m512i sc = Q4Scales64(k0, n, t);
-    const __m512 dk0 = _mm512_cvtph_ps(_mm512_castsi512_si256(sc));
-    const __m512 dk1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(sc, 1));
+    __m512 dk0, dk1;
+    Q4Scales64(k0, n, t, &dk0, &dk1);
     __m512i c[4][4];  // group g: block 0's low and high nibbles, block 1's
     for (int g = 0; g < 4; ++g) {
       if (4 * g >= n) {

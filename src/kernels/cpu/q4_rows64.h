@@ -60,10 +60,11 @@ inline __mmask64 FirstBytes(int n) {
   return n >= 64 ? ~__mmask64{0} : n <= 0 ? 0 : (__mmask64{1} << n) - 1;
 }
 
-// The f16 scales of n <= 16 rows: word 16 b + j is row j's block-b scale, zero for j >= n. Reads
-// nothing past row n.
-CACHET_INT8_TARGET inline __m512i Q4Scales64(const uint8_t* rows, int n, const Q4Rows64& t) {
-  __m512i s = _mm512_setzero_si512();
+// The block scales of n <= 16 rows as f32: lane j of d0 and d1 is row j's block-0 and block-1
+// scale, zero for j >= n. Reads nothing past row n.
+CACHET_INT8_TARGET inline void Q4Scales64(const uint8_t* rows, int n, const Q4Rows64& t, __m512* d0,
+                                          __m512* d1) {
+  __m512i s = _mm512_setzero_si512();  // word 16 b + j: row j's block-b scale
   for (int g = 0; 4 * g < n; ++g) {
     const uint8_t* base = rows + g * kQ4Group64Bytes;
     const int bytes = (n - 4 * g) * kQ4Row64Bytes;
@@ -78,7 +79,8 @@ CACHET_INT8_TARGET inline __m512i Q4Scales64(const uint8_t* rows, int n, const Q
     s = _mm512_mask_blend_epi16(static_cast<__mmask32>(0x000F000Fu << (4 * g)), s,
                                 _mm512_permutex2var_epi16(lo, t.scales, hi));
   }
-  return s;
+  *d0 = _mm512_cvtph_ps(_mm512_castsi512_si256(s));
+  *d1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(s, 1));
 }
 
 // A group's first n (1..4) rows as the permutes take them: l[0], l[1] from the group's start,

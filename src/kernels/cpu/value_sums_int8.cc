@@ -106,9 +106,8 @@ CACHET_INT8_TARGET void Sums64(const uint8_t* v, int cnt, int rows, const float*
   for (int j0 = 0; j0 < cnt; j0 += 16) {
     const int n = std::min(16, cnt - j0);
     const uint8_t* page = v + int64_t{j0} * kQ4Row64Bytes;
-    const __m512i s = Q4Scales64(page, n, t);
-    const __m512 s0 = _mm512_cvtph_ps(_mm512_castsi512_si256(s));
-    const __m512 s1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(s, 1));
+    __m512 s0, s1;
+    Q4Scales64(page, n, t, &s0, &s1);
     const auto live = static_cast<__mmask16>((1u << n) - 1);
     for (int r0 = 0; r0 < rows; r0 += kMaxRows) {
       const int nr = std::min(kMaxRows, rows - r0);
