@@ -63,6 +63,9 @@ TEST(KernelsCpu, Q4ValueSumsWithinWeightRounding) {
           // Softmax weights: one key near 1, the others spread over orders of magnitude.
           const float e = w01(rng);
           p[size_t(r) * p_stride + j] = j == r % cnt ? 1.0f : std::exp(-12.0f * e);
+          // A row far below the running maximum: weights of 1e-36 and less, whose reciprocal
+          // would overflow (taken as none; the sums stay finite).
+          if (r == 3) p[size_t(r) * p_stride + j] = 1e-36f * e;
         }
       }
       std::vector<float> acc = [&] {
@@ -98,6 +101,7 @@ TEST(KernelsCpu, Q4ValueSumsWithinWeightRounding) {
               bound += top / 254.0 * code + 1e-6 * std::fabs(pj * v);
             }
           }
+          ASSERT_TRUE(std::isfinite(got[size_t(r) * kDim + d])) << what << " row " << r;
           ASSERT_NEAR(got[size_t(r) * kDim + d], exact, bound)
               << what << " row " << r << " dim " << d;
         }

@@ -45,7 +45,9 @@ CACHET_INT8_TARGET inline void RoundWeights(const float* p, __mmask16 live, __m5
     const __m512 w = _mm512_mul_ps(pv, b == 0 ? s0 : s1);
     const float top = _mm512_reduce_max_ps(_mm512_abs_ps(w));
     // 127 / top to 14 bits: a weight rounds to at most 127.01, whose nearest integer is 127.
-    const __m128 inv = _mm_maskz_rcp14_ss(top > 0.0f ? 1 : 0, _mm_setzero_ps(), _mm_set_ss(top));
+    // Blocks whose weights are all under 1e-30 (next to a running maximum's 1) count as empty:
+    // 127 / top stays finite.
+    const __m128 inv = _mm_maskz_rcp14_ss(top > 1e-30f ? 1 : 0, _mm_setzero_ps(), _mm_set_ss(top));
     const __m512i q =
         _mm512_cvtps_epi32(_mm512_mul_ps(w, _mm512_set1_ps(127.0f * _mm_cvtss_f32(inv))));
     q8[b] = _mm512_cvtepi32_epi8(q);
