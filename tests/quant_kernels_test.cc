@@ -363,8 +363,9 @@ TEST(QuantKernels, Int8QuantizeMatchesReference) {
 }
 
 // cpu::Int8MatMul against ref::Int8MatMul on awkward shapes: rows not a multiple of prefill's
-// 16-row tile (one row past two tiles, several tiles a task and a short last one), token counts
-// across the decode path, the 16-token tile and several tiles, 1 and 3 threads.
+// 16-row tile (one row past two tiles, several tiles a task and a short last one), rows of 1, 3, 4
+// and 7 blocks (q4_0 decode reads four at a time: a lone partial group, one whole, one of each),
+// token counts across the decode path, the 16-token tile and several tiles, 1 and 3 threads.
 TEST(QuantKernels, Int8MatMulMatchesReference) {
   if (!cpu::HasInt8Kernels()) GTEST_SKIP() << "this CPU has no AVX-512 VNNI: no int8 kernels";
   std::mt19937 rng(7);
@@ -372,7 +373,7 @@ TEST(QuantKernels, Int8MatMulMatchesReference) {
   for (DType t : kQuantTypes) {
     const int64_t be = DTypeBlockElems(t);
     for (int64_t rows : {1, 3, 33, 70}) {
-      for (int64_t cols : {be, 3 * be, 4 * be}) {
+      for (int64_t cols : {be, 3 * be, 4 * be, 7 * be}) {
         QuantMatrix q = MakeMatrix(t, rows, cols, rng);
         const std::vector<float> bias = RandomVec(rows, rng);
         for (int64_t n : {1, 2, 6, 7, 19, 133}) {

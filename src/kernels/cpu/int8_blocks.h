@@ -1,7 +1,7 @@
 // The weight blocks of the int8 kernels (kernels/cpu/quant_int8.cc) as AVX-512 registers: each
 // type's 32 unsigned codes of a block (Codes), of two blocks (CodePair), and its scales and offsets
 // (RowScales, ScalePair, and the super-block headers of q4_K / q5_K, q6_K and iq4_xs), as
-// kernels/int8_dot.h defines them. Included by quant_int8.cc only.
+// kernels/int8_dot.h defines them. Included by quant_int8.cc and quant_int8_prefill.cc only.
 #pragma once
 
 #include <cstdint>

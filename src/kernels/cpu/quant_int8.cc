@@ -12,23 +12,20 @@
 // two blocks per 512-bit vector; scales are read as f16 straight from the blocks and the offsets
 // of q4_0 / q5_0 / q8_0 (o = k dw) go into the integer sum as -k * sum(codes of x).
 //
-// Prefill is compute bound, and scaling every block of every (row, token) pair costs float ops
-// beside the products. So its lanes are 16 weight rows: a task unpacks a tile of 16 rows once
-// (dword k of block b of every row in register k), each token's four codes at a place are broadcast
-// from memory, and eight vpdpbusd sum a whole block for 16 rows before one scale. 16 tokens' sums
-// stay in registers while the tile's blocks pass.
+// Prefill (more than kMaxDecodeTokens tokens) is in quant_int8_prefill.cc.
 //
 // A call of up to kMaxDecodeTokens tokens (a step of a few decoding sequences) goes through decode,
 // each token by the matrix-vector rows, the weights still read from DRAM once; more go through
 // prefill. Each output's operation order depends only on its row, its token and the path, never on
 // the thread count or the other tokens: a token gets the same bits in any call of the same path.
+#include "kernels/cpu/quant_int8.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 
 #include "kernels/cpu/int8_blocks.h"
 #include "kernels/cpu/int8_target.h"
-#include "kernels/cpu/int8_transpose.h"
 #include "kernels/cpu/scratch.h"
 #include "kernels/cpu/tasks.h"
 #include "kernels/int8_dot.h"
@@ -37,7 +34,6 @@
 namespace cachet::kernels::cpu {
 namespace {
 
-constexpr int64_t kMinParallelWeights = 1 << 16;
 // How far ahead of its reads decode prefetches a row: DRAM latency times one core's bandwidth.
 // `kernels_bench 1 quant` on the Intel VM, q4_0 from DRAM: 1 KiB 10.0-10.8 GB/s, 2 KiB 10.2-12.3,
 // 4 KiB 12.5-13.3, 8-16 KiB no better. On the AMD EPYC Zen 5 VM 8 KiB beats 4 by 4-5% there (q4_0,
@@ -226,6 +222,65 @@ CACHET_INT8_INLINE void RowBlocks(const uint8_t* row, int64_t nb, const DecodeAc
   }
 }
 
+// A row of q4_0, four blocks (72 bytes) at a time. One two-source permute gathers the four
+// blocks' 16 code bytes into a register; its low nibbles are codes 0-15 of each block and its high
+// nibbles codes 16-31, so two chained vpdpbusd against activations laid out the same way
+// (PrepareDecodeActs) sum a whole block in its four lanes. One conversion, one scale product and
+// one FMA then serve four blocks where the pair loop spends two of each on two: on the Zen 4 VM
+// that loop was bound by those float ops (`kernels_bench 1 quant`, q4_0 from L2, 19 GB/s). A last
+// partial group is read by masked loads, its missing blocks zero (codes, scales and activations).
+template <int kT>
+CACHET_INT8_INLINE void RowQuadsQ4_0(const uint8_t* row, int64_t nb, const DecodeActs* a,
+                                     __m512* acc0, __m512* acc1, float* v) {
+  constexpr int64_t kBytes = BlockBytes<DType::kQ4_0>();  // 18: an f16 scale, 16 code bytes
+  // Word i of the result: code word i % 8 of block i / 8 (blocks are 9 words apart, their codes
+  // start at word 1; words 32-35 come from the second source). Words, not bytes: every field of a
+  // q4_0 block starts at an even byte, and word permutes need only AVX-512 BW (no VBMI).
+  alignas(64) static constexpr uint16_t kCodeIdx[32] = {1,  2,  3,  4,  5,  6,  7,  8,  10, 11, 12,
+                                                        13, 14, 15, 16, 17, 19, 20, 21, 22, 23, 24,
+                                                        25, 26, 28, 29, 30, 31, 32, 33, 34, 35};
+  // f16 lane i of the low 256 bits: the scale of block i / 4.
+  alignas(64) static constexpr uint16_t kScaleIdx[32] = {0,  0,  0,  0,  9,  9,  9,  9,
+                                                         18, 18, 18, 18, 27, 27, 27, 27};
+  const __m512i code_idx = _mm512_load_si512(kCodeIdx);
+  const __m512i scale_idx = _mm512_load_si512(kScaleIdx);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  auto group = [&](int64_t g, __m512i first, __m512i second, __m512* acc) CACHET_INT8_TARGET {
+    const __m512i codes = _mm512_permutex2var_epi16(first, code_idx, second);
+    const __m512i lo = _mm512_and_si512(codes, low);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low);
+    const __m512 w =
+        _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_permutexvar_epi16(scale_idx, first)));
+#pragma GCC unroll 8
+    for (int t = 0; t < kT; ++t) {
+      const int8_t* x = a[t].q + g * 128;
+      __m512i z =
+          _mm512_dpbusd_epi32(_mm512_load_si512(a[t].off2 + g * 16), lo, _mm512_load_si512(x));
+      z = _mm512_dpbusd_epi32(z, hi, _mm512_load_si512(x + 64));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(z),
+                               _mm512_mul_ps(w, _mm512_load_ps(a[t].dx2 + g * 16)), acc[t]);
+    }
+  };
+  const int64_t full = nb / 4;
+  int64_t g = 0;
+  for (; g < full; ++g) {
+    const uint8_t* q = row + g * 4 * kBytes;
+    _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchBytes), _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchBytes + 64), _MM_HINT_T0);
+    const __m512i first = _mm512_loadu_si512(q);
+    const __m512i second =
+        _mm512_zextsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 64)));
+    group(g, first, second, g % 2 == 0 ? acc0 : acc1);
+  }
+  if (const int64_t rest = nb - 4 * full; rest > 0) {
+    const __m512i first =
+        _mm512_maskz_loadu_epi8((uint64_t{1} << (rest * kBytes)) - 1, row + g * 4 * kBytes);
+    group(g, first, _mm512_setzero_si512(), g % 2 == 0 ? acc0 : acc1);
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < kT; ++t) v[t] = HorizontalSum(_mm512_add_ps(acc0[t], acc1[t]));
+}
+
 // y_t[r] (y_t = y + t * y_stride) for rows [r0, r1) of a matrix of nb blocks per row and kT
 // tokens. One row at a time, so that a task reads one sequential stream (several rows at once
 // measured up to 2x slower: the prefetchers lose track), with two accumulators per token to hide
@@ -246,6 +301,8 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
       RowScaleMinK<kType, kT>(row, nb, a, acc0, acc1, v);
     } else if constexpr (HasHalfScales(kType) || kType == DType::kIQ4_XS) {
       RowHalfScales<kType, kT>(row, nb, a, acc0, acc1, v);
+    } else if constexpr (kType == DType::kQ4_0) {
+      RowQuadsQ4_0<kT>(row, nb, a, acc0, acc1, v);
     } else {
       RowBlocks<kType, kT>(row, nb, a, acc0, acc1, v);
     }
@@ -257,14 +314,41 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
 // Floats of scratch one token's decode activations take (codes, dx2, off2, s2, d, s, s16).
 int64_t DecodeActsFloats(int64_t cols) {
   const int64_t nb = cols / kQ8Block, pairs = CeilDiv(nb, 2);
-  return RoundUp(cols, 64) / 4 + 48 * pairs + 4 * RoundUp(nb, 16);
+  return RoundUp(cols, 128) / 4 + 48 * pairs + 4 * RoundUp(nb, 16);
+}
+
+// q4_0's activations for RowQuadsQ4_0, per group g of four blocks: 128 code bytes at q + 128 g,
+// codes 0-15 of each block then codes 16-31 of each, rearranged in place (a group's codes take the
+// same 128 bytes either way; blocks past nb are zero), and in the sixteen lanes at dx4 + 16 g and
+// off4 + 16 g each block's scale in its four lanes and its integer sum's start, -8 x the sum of
+// its codes, in the first of them.
+CACHET_INT8_TARGET DecodeActs PrepareQuadActs(int8_t* q, const float* d, int64_t cols, float* dx4,
+                                              int32_t* off4, const float* s) {
+  const int64_t nb = cols / kQ8Block, groups = CeilDiv(nb, 4);
+  std::fill(q + cols, q + groups * 128, int8_t{0});
+  for (int64_t g = 0; g < groups; ++g) {
+    int8_t* c = q + g * 128;
+    int8_t natural[128];
+    std::memcpy(natural, c, sizeof(natural));
+    for (int k = 0; k < 4; ++k) {
+      std::memcpy(c + 16 * k, natural + 32 * k, 16);
+      std::memcpy(c + 64 + 16 * k, natural + 32 * k + 16, 16);
+      const int64_t b = 4 * g + k;
+      int32_t sum = 0;
+      for (int j = 0; j < 32; ++j) sum += natural[32 * k + j];
+      std::fill(dx4 + g * 16 + 4 * k, dx4 + g * 16 + 4 * k + 4, b < nb ? d[b] : 0.0f);
+      std::fill(off4 + g * 16 + 4 * k, off4 + g * 16 + 4 * k + 4, 0);
+      off4[g * 16 + 4 * k] = -Int8Offset(DType::kQ4_0) * sum;
+    }
+  }
+  return DecodeActs{q, dx4, off4, nullptr, d, s, nullptr};
 }
 
 // Lays out one token's activations for DecodeRows in buf (DecodeActsFloats(cols), 64-byte aligned).
 template <DType kType>
 CACHET_INT8_TARGET DecodeActs PrepareDecodeActs(const float* x, int64_t cols, float* buf) {
   const int64_t nb = cols / kQ8Block, pairs = CeilDiv(nb, 2);
-  const int64_t code_floats = RoundUp(cols, 64) / 4;
+  const int64_t code_floats = RoundUp(cols, 128) / 4;  // q4_0's quads: whole groups of 4 blocks
   int8_t* q = reinterpret_cast<int8_t*>(buf);
   float* dx2 = buf + code_floats;
   int32_t* off2 = reinterpret_cast<int32_t*>(dx2 + 16 * pairs);
@@ -273,6 +357,7 @@ CACHET_INT8_TARGET DecodeActs PrepareDecodeActs(const float* x, int64_t cols, fl
   float* s = d + RoundUp(nb, 16);
   float* s16 = s + RoundUp(nb, 16);
   QuantizeQ8(x, cols, q, d, s);
+  if constexpr (kType == DType::kQ4_0) return PrepareQuadActs(q, d, cols, dx2, off2, s);
   for (int64_t b = 0; b < nb; ++b) {
     int32_t sum = 0;
     for (int j = 0; j < 32; ++j) sum += q[b * 32 + j];
@@ -318,7 +403,7 @@ CACHET_INT8_TARGET void Decode(const float* x, int64_t n, const Matrix& w, const
   }
   const uint8_t* base = static_cast<const uint8_t*>(w.data);
   const int64_t row_bytes = DTypeRowBytes(kType, w.cols);
-  const bool parallel = w.rows * w.cols >= kMinParallelWeights;
+  const bool parallel = w.rows * w.cols >= kInt8MinParallelWeights;
   const int64_t threads = parallel ? pool.size() : 1;
   // A few contiguous row blocks per thread, so that the pool balances a slow core.
   const int64_t block = std::max<int64_t>(CeilDiv(w.rows, 4 * threads), 4);
@@ -346,249 +431,6 @@ CACHET_INT8_TARGET void Decode(const float* x, int64_t n, const Matrix& w, const
       }
     }
   });
-}
-
-// ------------------------------------------------------------------------------------------------
-// Prefill.
-
-constexpr int kTileRows = 16;    // weight rows in the lanes of a register
-constexpr int kTileTokens = 16;  // tokens whose accumulators a tile keeps in registers
-
-// The types whose offset o is a whole multiple of dw (q4_0, q5_0, q8_0, iq4_nl, iq4_xs): it goes
-// into the integer sums as -Int8Offset x the activations' codes.
-template <DType kType>
-constexpr bool kIntOffset = !HasHalfScales(kType) && !HasBlockMin(kType) && !kScaleMinK<kType>;
-
-// Activations of n tokens, padded with zero tokens to whole tiles: token t's codes at q + t *
-// stride, its block scales dx at d + t * nb and sums sx at s + t * nb, and integer offsets at
-// off[(t * nb + b) * 2 + h]: for the types with half scales the codes of half h of block b summed
-// times the half's offset (q2_K: times 1, for its minimums); for kIntOffset types, at h = 0,
-// -Int8Offset times the block's codes summed (the start of its integer sum).
-struct PrefillActs {
-  const int8_t* q;
-  const float* d;
-  const float* s;
-  const int32_t* off;
-  int64_t nb;
-  int64_t stride;  // cols and a line more: codes a multiple of 4 KiB apart would share L1 sets
-};
-
-// Floats of a tile's packed weights: codes (block b's 8 registers at b * 128 floats), then scales
-// (field f of block b: 16 floats, one per row, at (f * nb + b) * 16), then each row's RowScales.
-template <DType kType>
-constexpr int64_t TileFloats(int64_t nb) {
-  return nb * 128 + 2 * kScaleFields<kType> * nb * kTileRows;
-}
-
-// Rows [r0, r0 + nr) of the matrix as a tile: dword k of block b of row r0 + i in lane i of
-// register k, the scales likewise (rows past nr repeat the last one).
-template <DType kType>
-CACHET_INT8_TARGET void PackTile(const uint8_t* base, int64_t row_bytes, int64_t nb, int64_t r0,
-                                 int nr, float* tile) {
-  uint8_t* codes = reinterpret_cast<uint8_t*>(tile);
-  float* scales = tile + nb * 128;
-  float* row_scales = scales + kScaleFields<kType> * nb * kTileRows;
-  constexpr int64_t kFields = kScaleFields<kType>;
-  // Row by row first (one stream from DRAM at a time), then each block's 16 x 32 codes transposed.
-  for (int i = 0; i < kTileRows; ++i) {
-    const uint8_t* row = base + (r0 + std::min(i, nr - 1)) * row_bytes;
-    for (int64_t b = 0; b < nb; ++b) {
-      _mm256_store_si256(reinterpret_cast<__m256i*>(codes + b * 512 + i * 32),
-                         Codes<kType>(row, b));
-    }
-    RowScales<kType>(row, nb, row_scales + i * kFields * nb);
-  }
-  for (int64_t b = 0; b < nb; ++b) {
-    uint8_t* blk = codes + b * 512;
-    __m512i z[8], t[8];
-    for (int i = 0; i < 8; ++i) {
-      z[i] = _mm512_inserti64x4(
-          _mm512_castsi256_si512(_mm256_load_si256(reinterpret_cast<const __m256i*>(blk + i * 32))),
-          _mm256_load_si256(reinterpret_cast<const __m256i*>(blk + (i + 8) * 32)), 1);
-    }
-    Transpose8x8Halves(z, t);
-    for (int k = 0; k < 8; ++k) _mm512_store_si512(blk + k * 64, t[k]);
-  }
-  // The scales likewise, 16 fields at a time.
-  const int64_t fields = kFields * nb;
-  int64_t f = 0;
-  for (; f + 16 <= fields; f += 16) {
-    __m512i r[kTileRows];
-    for (int i = 0; i < kTileRows; ++i) r[i] = _mm512_loadu_si512(row_scales + i * fields + f);
-    Transpose16(r);
-    for (int j = 0; j < 16; ++j) _mm512_store_si512(scales + (f + j) * kTileRows, r[j]);
-  }
-  for (; f < fields; ++f) {
-    for (int i = 0; i < kTileRows; ++i) scales[f * kTileRows + i] = row_scales[i * fields + f];
-  }
-}
-
-// out[t] (16 rows of token t0 + t) over all blocks, for kTileTokens tokens.
-// [ahead, ahead + ahead_bytes) is fetched into the cache on the way, a share per block: the next
-// tile's rows, so that packing them does not wait on DRAM.
-template <DType kType>
-CACHET_INT8_TARGET void PrefillTile(const float* tile, const PrefillActs& a, int64_t t0,
-                                    const uint8_t* ahead, int64_t ahead_bytes, __m512* out) {
-  const int64_t nb = a.nb;
-  const uint8_t* codes = reinterpret_cast<const uint8_t*>(tile);
-  const float* scales = tile + nb * 128;
-  const int64_t stride = a.stride;
-  const int8_t* q = a.q + t0 * stride;
-  const float* d = a.d + t0 * nb;
-  const float* s = a.s + t0 * nb;
-  const int32_t* off = a.off + t0 * nb * 2;
-  __m512 acc[kTileTokens];
-#pragma GCC unroll 16
-  for (int j = 0; j < kTileTokens; ++j) acc[j] = _mm512_setzero_ps();
-  // sum += w times codes k of token j, block b, broadcast from memory (a load, no shuffle uop; the
-  // same speed as vpdpbusd's own {1to16} operand here).
-  auto dot = [&](__m512i sum, __m512i w, int j, int64_t b, int k) CACHET_INT8_TARGET {
-    int32_t v;
-    std::memcpy(&v, q + j * stride + b * 32 + 4 * k, 4);
-    return _mm512_dpbusd_epi32(sum, w, _mm512_set1_epi32(v));
-  };
-  int64_t ahead_at = 0;
-  for (int64_t b = 0; b < nb; ++b) {
-    for (; ahead_at < ahead_bytes && ahead_at * nb < ahead_bytes * (b + 1); ahead_at += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(ahead + ahead_at), _MM_HINT_T0);
-    }
-    __m512i w[8];
-#pragma GCC unroll 8
-    for (int k = 0; k < 8; ++k) w[k] = _mm512_load_si512(codes + b * 512 + k * 64);
-    const __m512 dw = _mm512_load_ps(scales + b * kTileRows);
-    const __m512 o = _mm512_load_ps(scales + (nb + b) * kTileRows);
-#pragma GCC unroll 16
-    for (int j = 0; j < kTileTokens; ++j) {
-      const __m512 dx = _mm512_set1_ps(d[j * nb + b]);
-      if constexpr (HasHalfScales(kType)) {
-        // q6_K, q3_K, q2_K: each half of the block has its own scale (dw is the first half's, o
-        // the second's; q2_K: its minimums after them) and the codes' offsets inside the sums.
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) {
-          __m512i sum = _mm512_setzero_si512();
-#pragma GCC unroll 4
-          for (int k = 4 * h; k < 4 * h + 4; ++k) sum = dot(sum, w[k], j, b, k);
-          const __m512 dwh = h == 0 ? dw : o;
-          const __m512i oi = _mm512_set1_epi32(off[(j * nb + b) * 2 + h]);
-          if constexpr (kType == DType::kQ2_K) {
-            const __m512 oh = _mm512_load_ps(scales + ((2 + h) * nb + b) * kTileRows);
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dwh, dx), acc[j]);
-            acc[j] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(oi), _mm512_mul_ps(oh, dx), acc[j]);
-          } else {
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum, oi)),
-                                     _mm512_mul_ps(dwh, dx), acc[j]);
-          }
-        }
-      } else {
-        // The offset of q4_0 / q5_0 / q8_0 / iq4_nl (o = k dw) starts the integer sum, as in
-        // decode; the other types' o (minimums) is a float step of its own.
-        __m512i sum =
-            kIntOffset<kType> ? _mm512_set1_epi32(off[(j * nb + b) * 2]) : _mm512_setzero_si512();
-#pragma GCC unroll 8
-        for (int k = 0; k < 8; ++k) sum = dot(sum, w[k], j, b, k);
-        acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(dw, dx), acc[j]);
-        if constexpr (!kIntOffset<kType>) {
-          acc[j] = _mm512_fnmadd_ps(o, _mm512_set1_ps(s[j * nb + b]), acc[j]);
-        }
-      }
-    }
-  }
-#pragma GCC unroll 16
-  for (int j = 0; j < kTileTokens; ++j) out[j] = acc[j];
-}
-
-// The sums of each 16 codes of a row of cols (a multiple of 32) int8 codes: 2 cols / 32 of them.
-CACHET_INT8_TARGET inline void HalfSums(const int8_t* q, int64_t cols, int32_t* out) {
-  const __m512i ones = _mm512_set1_epi8(1);
-  for (int64_t c = 0; c < cols; c += 64) {
-    const __mmask64 m = cols - c >= 64 ? ~__mmask64{0} : (__mmask64{1} << (cols - c)) - 1;
-    __m512i v =
-        _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_maskz_loadu_epi8(m, q + c));
-    v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_CDAB));
-    v = _mm512_add_epi32(v, _mm512_shuffle_epi32(v, _MM_PERM_BADC));  // a lane's sum in its dwords
-    const __mmask16 firsts = cols - c >= 64 ? 0x1111 : 0x0011;
-    _mm512_mask_compressstoreu_epi32(out + c / 16, firsts, v);
-  }
-}
-
-template <DType kType>
-CACHET_INT8_TARGET void Prefill(const float* x, int64_t n, const Matrix& w, const float* bias,
-                                float* y, int64_t y_stride, ThreadPool& pool) {
-  const int64_t cols = w.cols, nb = cols / kQ8Block;
-  const int64_t n_pad = RoundUp(n, kTileTokens);
-  // Codes (n_pad * stride bytes), dx and sx (n_pad * nb floats each), the halves' offsets.
-  const int64_t stride = RoundUp(cols, 64) + 64;
-  const int64_t code_floats = n_pad * stride / 4;
-  float* buf = ThreadScratch(kScratchInt8Acts, code_floats + 4 * n_pad * nb);
-  int8_t* aq = reinterpret_cast<int8_t*>(buf);
-  float* adx = buf + code_floats;
-  float* as = adx + n_pad * nb;
-  int32_t* aoff = reinterpret_cast<int32_t*>(as + n_pad * nb);
-  const PrefillActs a{aq, adx, as, aoff, nb, stride};
-  RunTasks(pool, n_pad / kTileTokens, n * cols >= kMinParallelWeights, [&](int64_t g) {
-    for (int64_t t = g * kTileTokens; t < (g + 1) * kTileTokens; ++t) {
-      int8_t* q = aq + t * stride;
-      if (t >= n) {
-        std::memset(q, 0, cols);
-        std::fill(adx + t * nb, adx + (t + 1) * nb, 0.0f);
-        std::fill(as + t * nb, as + (t + 1) * nb, 0.0f);
-        std::fill(aoff + t * nb * 2, aoff + (t + 1) * nb * 2, 0);
-        continue;
-      }
-      QuantizeQ8(x + t * cols, cols, q, adx + t * nb, as + t * nb);
-      int32_t* off = aoff + t * nb * 2;
-      if constexpr (HasHalfScales(kType) || kIntOffset<kType>) HalfSums(q, cols, off);
-      for (int64_t b = 0; b < nb; ++b) {
-        if constexpr (HasHalfScales(kType)) {
-          constexpr int32_t kOff = kType == DType::kQ2_K ? 1 : HalfOffset(kType);
-          off[2 * b] *= kOff;
-          off[2 * b + 1] *= kOff;
-        } else if constexpr (kIntOffset<kType>) {
-          off[2 * b] = -Int8Offset(kType) * (off[2 * b] + off[2 * b + 1]);
-        }
-      }
-    }
-  });
-
-  const uint8_t* base = static_cast<const uint8_t*>(w.data);
-  const int64_t row_bytes = DTypeRowBytes(kType, cols);
-  const bool parallel = w.rows * cols * n >= kMinParallelWeights;
-  const int64_t threads = parallel ? pool.size() : 1;
-  // A task packs and computes its tiles in turn, fetching the next one's rows as it computes, so
-  // only its first waits on DRAM: two tasks per thread, enough for the pool to even out a slow
-  // core.
-  const int64_t block = RoundUp(CeilDiv(w.rows, 2 * threads), kTileRows);
-  RunTasks(pool, CeilDiv(w.rows, block), parallel, [&](int64_t task) CACHET_INT8_TARGET {
-    float* tile = ThreadScratch(kScratchInt8Scales, TileFloats<kType>(nb));
-    const int64_t r_end = std::min(w.rows, (task + 1) * block);
-    for (int64_t r0 = task * block; r0 < r_end; r0 += kTileRows) {
-      const int nr = static_cast<int>(std::min<int64_t>(kTileRows, r_end - r0));
-      const __mmask16 rows_mask = static_cast<__mmask16>((1u << nr) - 1);
-      PackTile<kType>(base, row_bytes, nb, r0, nr, tile);
-      const __m512 vb =
-          bias != nullptr ? _mm512_maskz_loadu_ps(rows_mask, bias + r0) : _mm512_setzero_ps();
-      // The next tile's rows, fetched while the last tokens are computed (earlier, the tokens'
-      // codes streaming through would evict them again).
-      const uint8_t* next = base + (r0 + nr) * row_bytes;
-      const int64_t next_bytes = std::min<int64_t>(kTileRows, r_end - r0 - nr) * row_bytes;
-      for (int64_t t0 = 0; t0 < n; t0 += kTileTokens) {
-        __m512 acc[kTileTokens];
-        PrefillTile<kType>(tile, a, t0, next, t0 + kTileTokens >= n ? next_bytes : 0, acc);
-        for (int j = 0; j < kTileTokens && t0 + j < n; ++j) {
-          _mm512_mask_storeu_ps(y + (t0 + j) * y_stride + r0, rows_mask, _mm512_add_ps(acc[j], vb));
-        }
-      }
-    }
-  });
-}
-
-// Which path takes n tokens: decode's matrix-vector rows while weights dominate (a batch of
-// decoding sequences), prefill's token lanes beyond (padded to a multiple of 16).
-template <DType kType>
-void Dispatch(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
-              int64_t y_stride, ThreadPool& pool) {
-  if (n <= kMaxDecodeTokens) return Decode<kType>(x, n, w, bias, y, y_stride, pool);
-  return Prefill<kType>(x, n, w, bias, y, y_stride, pool);
 }
 
 }  // namespace
@@ -631,11 +473,14 @@ CACHET_INT8_TARGET void QuantizeQ8(const float* x, int64_t cols, int8_t* q, floa
   }
 }
 
+// Decode's matrix-vector rows while weights dominate (a batch of decoding sequences), prefill's
+// token lanes beyond (quant_int8_prefill.cc).
 void Int8MatMul(const float* x, int64_t n, const Matrix& w, const float* bias, float* y,
                 int64_t y_stride, ThreadPool& pool) {
   if (n <= 0 || w.rows <= 0) return;
+  if (n > kInt8MaxDecodeTokens) return Int8Prefill(x, n, w, bias, y, y_stride, pool);
   VisitQuantized(
-      w.dtype, [&](auto t) { Dispatch<decltype(t)::value>(x, n, w, bias, y, y_stride, pool); },
+      w.dtype, [&](auto t) { Decode<decltype(t)::value>(x, n, w, bias, y, y_stride, pool); },
       [&] { ref::MatMul(x, n, w, bias, y, y_stride, pool); });
 }
 
