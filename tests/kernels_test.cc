@@ -607,12 +607,16 @@ TEST(KernelsCpu, SumWordsMatchesRef) {
     ScopedTarget scoped(target);
     for (int64_t start : {0, 1, 3}) {
       for (int64_t n : {0, 1, 7, 31, 32, 33, 64, 997 - 3}) {
-        EXPECT_EQ(cpu::SumWords(words.data() + start, n), ref::SumWords(words.data() + start, n))
-            << "start " << start << " n " << n << TargetString(target);
+        for (bool prefetch : {false, true}) {
+          EXPECT_EQ(cpu::SumWords(words.data() + start, n, prefetch),
+                    ref::SumWords(words.data() + start, n, prefetch))
+              << "start " << start << " n " << n << " prefetch " << prefetch
+              << TargetString(target);
+        }
       }
     }
   }
-  EXPECT_EQ(ref::SumWords(words.data(), 2), words[0] + words[1]);
+  EXPECT_EQ(ref::SumWords(words.data(), 2, false), words[0] + words[1]);
 }
 
 TEST(KernelsCpu, QuestBoundsMatchRef) {

@@ -158,8 +158,9 @@ class PageRows {
   /* The indices of the k largest of x[0..n) (0 < k <= n, no NaN; -0 equals +0), ascending: of */ \
   /* equal values the lower indices first. Quest's page selection. */                             \
   void TopK(const float* x, int n, int k, int32_t* out);                                          \
-  /* Sum of n 64-bit words (wrapping), read as one stream: the read-bandwidth probe. */           \
-  uint64_t SumWords(const uint64_t* x, int64_t n);
+  /* Sum of n 64-bit words (wrapping), read as one stream: the read-bandwidth probe (with a */    \
+  /* software prefetch 1 KiB ahead or without: which streams faster depends on the CPU). */       \
+  uint64_t SumWords(const uint64_t* x, int64_t n, bool prefetch);
 
 namespace ref {
 CACHET_KERNEL_DECLS
@@ -264,8 +265,8 @@ inline void PagedAttention(const AttnBatch& b, const PagedKv& kv) {
 inline void PagedAttentionRows(const AttnBatch& b, const PageRows& kv) {
   UseReferenceKernels() ? ref::PagedAttentionRows(b, kv) : cpu::PagedAttentionRows(b, kv);
 }
-inline uint64_t SumWords(const uint64_t* x, int64_t n) {
-  return UseReferenceKernels() ? ref::SumWords(x, n) : cpu::SumWords(x, n);
+inline uint64_t SumWords(const uint64_t* x, int64_t n, bool prefetch) {
+  return UseReferenceKernels() ? ref::SumWords(x, n, prefetch) : cpu::SumWords(x, n, prefetch);
 }
 inline void KeyBounds(const float* keys, int n, int head_dim, float* lo, float* hi) {
   UseReferenceKernels() ? ref::KeyBounds(keys, n, head_dim, lo, hi)

@@ -39,7 +39,9 @@ void SiluMulImpl(const float* gate, const float* up, float* out, int64_t n) {
 void KeyBoundsImpl(const float* keys, int n, int head_dim, float* lo, float* hi) {
   ref::KeyBounds(keys, n, head_dim, lo, hi);
 }
-uint64_t SumWordsImpl(const uint64_t* x, int64_t n) { return ref::SumWords(x, n); }
+uint64_t SumWordsImpl(const uint64_t* x, int64_t n, bool prefetch) {
+  return ref::SumWords(x, n, prefetch);
+}
 void PageBoundScoresImpl(const float* q, int n_heads, int head_dim, const uint16_t* bounds,
                          int n_pages, float* out) {
   ref::PageBoundScores(q, n_heads, head_dim, bounds, n_pages, out);
@@ -219,13 +221,13 @@ void TopKImpl(const float* x, int n, int k, int32_t* out) {
 // Four full vectors an iteration and a software prefetch 1 KiB ahead, as the decode kernels read
 // their weight rows: a scalar loop without prefetch reads a fifth less per thread on some CPUs,
 // and would understate the roofline.
-uint64_t SumWordsImpl(const uint64_t* x, int64_t n) {
+uint64_t SumWordsImpl(const uint64_t* x, int64_t n, bool prefetch) {
   const hn::ScalableTag<uint64_t> d;
   const int64_t N = static_cast<int64_t>(hn::Lanes(d));
   auto a0 = hn::Zero(d), a1 = a0, a2 = a0, a3 = a0;
   int64_t i = 0;
   for (; i + 4 * N <= n; i += 4 * N) {
-    hwy::Prefetch(x + i + 128);
+    if (prefetch) hwy::Prefetch(x + i + 128);
     a0 = hn::Add(a0, hn::LoadU(d, x + i));
     a1 = hn::Add(a1, hn::LoadU(d, x + i + N));
     a2 = hn::Add(a2, hn::LoadU(d, x + i + 2 * N));
@@ -281,7 +283,9 @@ void TopK(const float* x, int n, int k, int32_t* out) {
   HWY_DYNAMIC_DISPATCH(TopKImpl)(x, n, k, out);
 }
 
-uint64_t SumWords(const uint64_t* x, int64_t n) { return HWY_DYNAMIC_DISPATCH(SumWordsImpl)(x, n); }
+uint64_t SumWords(const uint64_t* x, int64_t n, bool prefetch) {
+  return HWY_DYNAMIC_DISPATCH(SumWordsImpl)(x, n, prefetch);
+}
 
 }  // namespace cachet::kernels::cpu
 #endif  // HWY_ONCE

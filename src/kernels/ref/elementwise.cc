@@ -38,7 +38,7 @@ void SiluMul(const float* gate, const float* up, float* out, int64_t n) {
   }
 }
 
-uint64_t SumWords(const uint64_t* x, int64_t n) {
+uint64_t SumWords(const uint64_t* x, int64_t n, bool /*prefetch*/) {
   uint64_t s = 0;
   for (int64_t i = 0; i < n; ++i) s += x[i];
   return s;
