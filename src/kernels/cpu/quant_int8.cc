@@ -261,21 +261,33 @@ CACHET_INT8_INLINE void RowQuadsQ4_0(const uint8_t* row, int64_t nb, const Decod
                                _mm512_mul_ps(w, _mm512_load_ps(a[t].dx2 + g * 16)), acc[t]);
     }
   };
-  const int64_t full = nb / 4;
-  int64_t g = 0;
-  for (; g < full; ++g) {
+  auto whole = [&](int64_t g, __m512* acc) CACHET_INT8_TARGET {
     const uint8_t* q = row + g * 4 * kBytes;
     _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchBytes), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(q + kPrefetchBytes + 64), _MM_HINT_T0);
     const __m512i first = _mm512_loadu_si512(q);
     const __m512i second =
         _mm512_zextsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 64)));
-    group(g, first, second, g % 2 == 0 ? acc0 : acc1);
-  }
-  if (const int64_t rest = nb - 4 * full; rest > 0) {
+    group(g, first, second, acc);
+  };
+  auto partial = [&](int64_t g, int64_t blocks, __m512* acc) CACHET_INT8_TARGET {
     const __m512i first =
-        _mm512_maskz_loadu_epi8((uint64_t{1} << (rest * kBytes)) - 1, row + g * 4 * kBytes);
-    group(g, first, _mm512_setzero_si512(), g % 2 == 0 ? acc0 : acc1);
+        _mm512_maskz_loadu_epi8((uint64_t{1} << (blocks * kBytes)) - 1, row + g * 4 * kBytes);
+    group(g, first, _mm512_setzero_si512(), acc);
+  };
+  // Even groups into acc0, odd ones into acc1, each call naming its accumulator: chosen through a
+  // pointer at run time, the accumulators lived in memory (a store and a reload a group).
+  const int64_t full = nb / 4, rest = nb - 4 * full;
+  int64_t g = 0;
+  for (; g + 2 <= full; g += 2) {
+    whole(g, acc0);
+    whole(g + 1, acc1);
+  }
+  if (g < full) {
+    whole(g++, acc0);
+    if (rest > 0) partial(g, rest, acc1);
+  } else if (rest > 0) {
+    partial(g, rest, acc0);
   }
 #pragma GCC unroll 8
   for (int t = 0; t < kT; ++t) v[t] = HorizontalSum(_mm512_add_ps(acc0[t], acc1[t]));
