@@ -293,6 +293,60 @@ CACHET_INT8_INLINE void RowQuadsQ4_0(const uint8_t* row, int64_t nb, const Decod
   for (int t = 0; t < kT; ++t) v[t] = HorizontalSum(_mm512_add_ps(acc0[t], acc1[t]));
 }
 
+// A row of q4_K, four sub-blocks at a time, as RowQuadsQ4_0 reads q4_0: the activations in the
+// same layout, each sub-block summed in four lanes by two chained vpdpbusd. A super-block's 128
+// code bytes hold sub-blocks 2i (low nibbles) and 2i + 1 (high) in bytes 32i .. 32i + 31, so one
+// 64-byte load has four sub-blocks, and a 128-bit lane shuffle puts bytes 0-15 and 32-47 (then
+// 16-31 and 48-63) each twice in a register, whose mask keeps the low nibbles in the first copy and
+// the high ones, 16 times too large (exact in the integer sum), in the second.
+template <int kT>
+CACHET_INT8_INLINE void RowQuadsQ4K(const uint8_t* row, int64_t nb, const DecodeActs* a,
+                                    __m512* acc0, __m512* acc1, float* v) {
+  constexpr DType kType = DType::kQ4_K;
+  const __m512i nibbles =
+      _mm512_set_epi64(int64_t(0xF0F0F0F0F0F0F0F0ull), int64_t(0xF0F0F0F0F0F0F0F0ull),
+                       0x0F0F0F0F0F0F0F0F, 0x0F0F0F0F0F0F0F0F, int64_t(0xF0F0F0F0F0F0F0F0ull),
+                       int64_t(0xF0F0F0F0F0F0F0F0ull), 0x0F0F0F0F0F0F0F0F, 0x0F0F0F0F0F0F0F0F);
+  const __m256 sixteenth = _mm256_setr_ps(1, 0.0625f, 1, 0.0625f, 1, 0.0625f, 1, 0.0625f);
+  const __m512i spread0 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m512i spread1 = _mm512_add_epi32(spread0, _mm512_set1_epi32(4));
+  __m256 corr[kT];
+#pragma GCC unroll 8
+  for (int t = 0; t < kT; ++t) corr[t] = _mm256_setzero_ps();
+  auto group = [&](const uint8_t* qs, int64_t g, const __m512* dw, __m512i spread,
+                   __m512* acc) CACHET_INT8_TARGET {
+    _mm_prefetch(reinterpret_cast<const char*>(qs + kPrefetchBytes), _MM_HINT_T0);
+    const __m512i c = _mm512_loadu_si512(qs);
+    const __m512i lo = _mm512_and_si512(_mm512_shuffle_i64x2(c, c, 0xA0), nibbles);  // 0 0 2 2
+    const __m512i hi = _mm512_and_si512(_mm512_shuffle_i64x2(c, c, 0xF5), nibbles);  // 1 1 3 3
+#pragma GCC unroll 8
+    for (int t = 0; t < kT; ++t) {
+      const int8_t* x = a[t].q + g * 128;
+      __m512i z = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_load_si512(x));
+      z = _mm512_dpbusd_epi32(z, hi, _mm512_load_si512(x + 64));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(z), _mm512_permutexvar_ps(spread, dw[t]), acc[t]);
+    }
+  };
+  for (int64_t sb = 0; sb < nb / 8; ++sb) {
+    const uint8_t* blk = row + sb * DTypeBlockBytes(kType);
+    __m256 dw8, o8;
+    Q4KScales(blk, &dw8, &o8);
+    __m512 dw[kT];
+#pragma GCC unroll 8
+    for (int t = 0; t < kT; ++t) {
+      corr[t] = _mm256_fmadd_ps(o8, _mm256_loadu_ps(a[t].s + sb * 8), corr[t]);
+      dw[t] = _mm512_castps256_ps512(
+          _mm256_mul_ps(_mm256_mul_ps(dw8, _mm256_loadu_ps(a[t].d + sb * 8)), sixteenth));
+    }
+    group(blk + 16, 2 * sb, dw, spread0, acc0);
+    group(blk + 80, 2 * sb + 1, dw, spread1, acc1);
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < kT; ++t) {
+    v[t] = HorizontalSum(_mm512_add_ps(acc0[t], acc1[t])) - HorizontalSum(corr[t]);
+  }
+}
+
 // y_t[r] (y_t = y + t * y_stride) for rows [r0, r1) of a matrix of nb blocks per row and kT
 // tokens. One row at a time, so that a task reads one sequential stream (several rows at once
 // measured up to 2x slower: the prefetchers lose track), with two accumulators per token to hide
@@ -309,7 +363,9 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
     float v[kT];
 #pragma GCC unroll 8
     for (int t = 0; t < kT; ++t) acc0[t] = acc1[t] = _mm512_setzero_ps();
-    if constexpr (kScaleMinK<kType>) {
+    if constexpr (kType == DType::kQ4_K) {
+      RowQuadsQ4K<kT>(row, nb, a, acc0, acc1, v);
+    } else if constexpr (kScaleMinK<kType>) {
       RowScaleMinK<kType, kT>(row, nb, a, acc0, acc1, v);
     } else if constexpr (HasHalfScales(kType) || kType == DType::kIQ4_XS) {
       RowHalfScales<kType, kT>(row, nb, a, acc0, acc1, v);
@@ -369,7 +425,9 @@ CACHET_INT8_TARGET DecodeActs PrepareDecodeActs(const float* x, int64_t cols, fl
   float* s = d + RoundUp(nb, 16);
   float* s16 = s + RoundUp(nb, 16);
   QuantizeQ8(x, cols, q, d, s);
-  if constexpr (kType == DType::kQ4_0) return PrepareQuadActs(q, d, cols, dx2, off2, s);
+  if constexpr (kType == DType::kQ4_0 || kType == DType::kQ4_K) {
+    return PrepareQuadActs(q, d, cols, dx2, off2, s);
+  }
   for (int64_t b = 0; b < nb; ++b) {
     int32_t sum = 0;
     for (int j = 0; j < 32; ++j) sum += q[b * 32 + j];
