@@ -83,6 +83,25 @@ CACHET_INT8_INLINE void PairProducts(const uint8_t* row, int64_t p, const Decode
   }
 }
 
+// Super-block sb of a q4_K / q5_K row for kT tokens: dw[t] (low 256 bits) the eight sub-blocks'
+// dw x dx, and corr[t] += the minimums' share o x sx. q4_K's odd sub-blocks' codes come 16 times
+// too large (CodePair, RowQuadsQ4K), so their dw are divided by 16 (exact).
+template <DType kType, int kT>
+CACHET_INT8_INLINE void SuperBlockScales(const uint8_t* blk, int64_t sb, const DecodeActs* a,
+                                         __m256* corr, __m512* dw) {
+  __m256 dw8, o8;
+  Q4KScales(blk, &dw8, &o8);
+  const __m256 sixteenth = kType == DType::kQ4_K
+                               ? _mm256_setr_ps(1, 0.0625f, 1, 0.0625f, 1, 0.0625f, 1, 0.0625f)
+                               : _mm256_set1_ps(1.0f);
+#pragma GCC unroll 8
+  for (int t = 0; t < kT; ++t) {
+    corr[t] = _mm256_fmadd_ps(o8, _mm256_loadu_ps(a[t].s + sb * 8), corr[t]);
+    dw[t] = _mm512_castps256_ps512(
+        _mm256_mul_ps(_mm256_mul_ps(dw8, _mm256_loadu_ps(a[t].d + sb * 8)), sixteenth));
+  }
+}
+
 // A row of q4_K / q5_K: per super-block its scales once, times the activations' (dw dx of its
 // eight sub-blocks in one product), four pairs, and the minimums' share sum_j o_j sx_j.
 template <DType kType, int kT>
@@ -94,19 +113,8 @@ CACHET_INT8_INLINE void RowScaleMinK(const uint8_t* row, int64_t nb, const Decod
 #pragma GCC unroll 8
   for (int t = 0; t < kT; ++t) corr[t] = _mm256_setzero_ps();
   for (int64_t sb = 0; sb < nb / 8; ++sb) {
-    __m256 dw8, o8;
-    Q4KScales(row + sb * DTypeBlockBytes(kType), &dw8, &o8);
-    // q4_K's odd sub-blocks' codes come 16 times too large (CodePair).
-    const __m256 sixteenth = kType == DType::kQ4_K
-                                 ? _mm256_setr_ps(1, 0.0625f, 1, 0.0625f, 1, 0.0625f, 1, 0.0625f)
-                                 : _mm256_set1_ps(1.0f);
     __m512 dw[kT];
-#pragma GCC unroll 8
-    for (int t = 0; t < kT; ++t) {
-      corr[t] = _mm256_fmadd_ps(o8, _mm256_loadu_ps(a[t].s + sb * 8), corr[t]);
-      dw[t] = _mm512_castps256_ps512(
-          _mm256_mul_ps(_mm256_mul_ps(dw8, _mm256_loadu_ps(a[t].d + sb * 8)), sixteenth));
-    }
+    SuperBlockScales<kType, kT>(row + sb * DTypeBlockBytes(kType), sb, a, corr, dw);
     __m512i idx = lo;
     auto sub = [&](int t) CACHET_INT8_TARGET { return _mm512_permutexvar_ps(idx, dw[t]); };
     PairProducts<kType, kT>(row, 4 * sb, a, sub, acc0);
@@ -307,7 +315,6 @@ CACHET_INT8_INLINE void RowQuadsQ4K(const uint8_t* row, int64_t nb, const Decode
       _mm512_set_epi64(int64_t(0xF0F0F0F0F0F0F0F0ull), int64_t(0xF0F0F0F0F0F0F0F0ull),
                        0x0F0F0F0F0F0F0F0F, 0x0F0F0F0F0F0F0F0F, int64_t(0xF0F0F0F0F0F0F0F0ull),
                        int64_t(0xF0F0F0F0F0F0F0F0ull), 0x0F0F0F0F0F0F0F0F, 0x0F0F0F0F0F0F0F0F);
-  const __m256 sixteenth = _mm256_setr_ps(1, 0.0625f, 1, 0.0625f, 1, 0.0625f, 1, 0.0625f);
   const __m512i spread0 = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   const __m512i spread1 = _mm512_add_epi32(spread0, _mm512_set1_epi32(4));
   __m256 corr[kT];
@@ -329,15 +336,8 @@ CACHET_INT8_INLINE void RowQuadsQ4K(const uint8_t* row, int64_t nb, const Decode
   };
   for (int64_t sb = 0; sb < nb / 8; ++sb) {
     const uint8_t* blk = row + sb * DTypeBlockBytes(kType);
-    __m256 dw8, o8;
-    Q4KScales(blk, &dw8, &o8);
     __m512 dw[kT];
-#pragma GCC unroll 8
-    for (int t = 0; t < kT; ++t) {
-      corr[t] = _mm256_fmadd_ps(o8, _mm256_loadu_ps(a[t].s + sb * 8), corr[t]);
-      dw[t] = _mm512_castps256_ps512(
-          _mm256_mul_ps(_mm256_mul_ps(dw8, _mm256_loadu_ps(a[t].d + sb * 8)), sixteenth));
-    }
+    SuperBlockScales<kType, kT>(blk, sb, a, corr, dw);
     group(blk + 16, 2 * sb, dw, spread0, acc0);
     group(blk + 80, 2 * sb + 1, dw, spread1, acc1);
   }
