@@ -135,8 +135,8 @@ void WriteModel(const TempDir& dir, const TinyModel& m, int shards = 1) {
 }
 
 // Logits of every token of a fixed prompt.
-Result<std::vector<float>> RunTiny(const std::string& dir) {
-  CACHET_ASSIGN_OR_RETURN(auto model, Transformer::Load(dir, 16));
+Result<std::vector<float>> RunTiny(const std::string& dir, bool copy_weights = false) {
+  CACHET_ASSIGN_OR_RETURN(auto model, Transformer::Load(dir, 16, copy_weights));
   const ModelConfig& c = model->config();
   PagePool pool(KvLayout{c.n_layers, c.n_kv_heads, c.head_dim, 4}, 1 << 20);
   PagedSequence seq(pool);
@@ -214,6 +214,23 @@ TEST(ModelLoading, DTypesAndShardingAgree) {
   EXPECT_LT(RelErr(*b, *a), 1e-4);  // f16 rounding of the few values bf16 keeps but f16 cannot
   EXPECT_LT(RelErr(*c, *a), 1e-6);
   EXPECT_EQ(*d, *c);
+}
+
+// --no-mmap: weights read into memory give the mapped weights' logits bit for bit, from sharded
+// safetensors and from kvtiny as a GGUF (whose llama Q/K rows are copied out and their pages in
+// the read copy released: nothing reads them again).
+TEST(ModelLoading, ReadWeightsEqualMapped) {
+  TempDir dir, out;
+  WriteModel(dir, MakeTinyModel("llama", "BF16", 9), /*shards=*/2);
+  const std::string gguf = out.path() + "/kvtiny-q8_0.gguf";
+  const Status converted = ConvertHfToGguf(ModelDir(), gguf, DType::kQ8_0, 2, false);
+  ASSERT_TRUE(converted.ok()) << converted.ToString();
+  for (const std::string& model : {dir.path(), gguf}) {
+    auto mapped = RunTiny(model), read = RunTiny(model, /*copy_weights=*/true);
+    ASSERT_TRUE(mapped.ok() && read.ok()) << model << ": " << read.status().ToString();
+    EXPECT_EQ(*read, *mapped) << model;
+  }
+  EXPECT_FALSE(Transformer::Load(out.path() + "/missing.gguf", 8, true).ok());
 }
 
 TEST(ModelLoading, RopeScalingInvFreq) {

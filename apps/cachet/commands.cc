@@ -102,6 +102,10 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o, const char* default_codec) 
                  "With --kv-cold: the age in tokens at which a page moves to the cold codec")
       ->default_val(256)
       ->check(Positive());
+  app.add_flag("--no-mmap", o.no_mmap,
+               "Read the weights into memory (transparent huge pages) instead of mapping the "
+               "model file: faster decode where weights stream from DRAM, slower load, no page "
+               "cache shared between processes");
   app.add_flag("!--no-prefix-cache", o.prefix_cache,
                "Do not share or reuse KV pages of common prompt prefixes");
   app.add_option("--disk-cache", o.disk_cache_dir,

@@ -137,6 +137,11 @@ struct EngineOptions {
   // The chunk cache's cap (Session::EvalChunked); 0: none but the pool's (its least recently used
   // chunks go when the pool runs dry, after the prefix cache's pages).
   int64_t chunk_cache_mib = 0;
+  // Read the weights into memory advised for transparent huge pages instead of mapping the model
+  // files (llama.cpp's --no-mmap): decode streams them with far fewer TLB misses (TinyLlama q4_0
+  // on one core 10-25% faster, docs/BENCHMARKS.md), for a longer load and no sharing of the page
+  // cache between processes.
+  bool no_mmap = false;
 };
 
 // MiB of a KV pool that holds `sequences` sequences of n_tokens tokens each in f32 pages (the

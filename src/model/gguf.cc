@@ -280,8 +280,8 @@ Status ReadTensorInfo(Reader& r, uint64_t k, const std::string& name, uint64_t a
 
 }  // namespace
 
-Result<GgufFile> GgufFile::Open(const std::string& path) {
-  CACHET_ASSIGN_OR_RETURN(MappedFile file, MappedFile::Open(path));
+Result<GgufFile> GgufFile::Open(const std::string& path, bool copy) {
+  CACHET_ASSIGN_OR_RETURN(MappedFile file, MappedFile::Open(path, copy));
   CACHET_ASSIGN_OR_RETURN(GgufFile g, Parse(file.data(), file.size(), path));
   g.file_ = std::move(file);
   return g;

@@ -69,7 +69,7 @@ struct GgufTensor {
 class GgufFile {
  public:
   // Maps and parses the file.
-  static Result<GgufFile> Open(const std::string& path);
+  static Result<GgufFile> Open(const std::string& path, bool copy = false);  // MappedFile::Open
   // Parses size bytes at data (not copied: they must outlive the result); name is used in errors.
   static Result<GgufFile> Parse(const uint8_t* data, size_t size, const std::string& name);
 

@@ -102,7 +102,7 @@ Result<std::map<std::string, TensorInfo>> ParseSafetensors(std::span<const uint8
 
 Status TensorStore::AddFile(const std::string& path) {
   if (origin_.empty()) origin_ = path;
-  CACHET_ASSIGN_OR_RETURN(MappedFile file, MappedFile::Open(path));
+  CACHET_ASSIGN_OR_RETURN(MappedFile file, MappedFile::Open(path, copy_));
   using Table = std::map<std::string, TensorInfo>;
   CACHET_ASSIGN_OR_RETURN(Table added, ParseSafetensors(std::span(file.data(), file.size()), path));
   const int file_index = static_cast<int>(files_.size());
@@ -118,9 +118,10 @@ Status TensorStore::AddFile(const std::string& path) {
   return OkStatus();
 }
 
-Result<TensorStore> TensorStore::OpenDir(const std::string& dir) {
+Result<TensorStore> TensorStore::OpenDir(const std::string& dir, bool copy) {
   TensorStore store;
   store.origin_ = dir;
+  store.copy_ = copy;
   const std::string single = dir + "/model.safetensors";
   const std::string index = dir + "/model.safetensors.index.json";
   if (FileExists(index)) {

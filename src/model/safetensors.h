@@ -38,7 +38,8 @@ Result<std::map<std::string, TensorInfo>> ParseSafetensors(std::span<const uint8
 class TensorStore {
  public:
   // <dir>/model.safetensors, or the shards named by <dir>/model.safetensors.index.json.
-  static Result<TensorStore> OpenDir(const std::string& model_dir);
+  // copy: read the files into memory instead of mapping them (MappedFile::Open).
+  static Result<TensorStore> OpenDir(const std::string& model_dir, bool copy = false);
   // Adds one safetensors file; tensors already present are an error (duplicate name).
   Status AddFile(const std::string& path);
   // The tensors of a GGUF file under their GGUF names (token_embd.weight, blk.0.attn_q.weight...),
@@ -60,6 +61,7 @@ class TensorStore {
   std::vector<MappedFile> files_;
   std::map<std::string, TensorInfo> tensors_;
   bool gguf_ = false;
+  bool copy_ = false;  // AddFile reads files into memory (OpenDir's copy)
 };
 
 std::string ShapeString(const std::vector<int64_t>& shape);

@@ -26,16 +26,17 @@ Transformer::Transformer(ModelConfig config, ModelWeights weights, int max_batch
   rope_.resize(b * c.head_dim);  // cos then sin, head_dim / 2 each, per token
 }
 
-Result<std::unique_ptr<Transformer>> Transformer::Load(const std::string& dir, int max_batch) {
+Result<std::unique_ptr<Transformer>> Transformer::Load(const std::string& dir, int max_batch,
+                                                       bool copy_weights) {
   if (IsGgufPath(dir)) {  // a single .gguf file instead of a HF directory
-    CACHET_ASSIGN_OR_RETURN(GgufFile file, GgufFile::Open(dir));
+    CACHET_ASSIGN_OR_RETURN(GgufFile file, GgufFile::Open(dir, copy_weights));
     CACHET_ASSIGN_OR_RETURN(ModelConfig config, GgufConfig(file));
     CACHET_ASSIGN_OR_RETURN(TensorStore store, TensorStore::FromGguf(std::move(file)));
     CACHET_ASSIGN_OR_RETURN(ModelWeights weights, ModelWeights::Load(config, std::move(store)));
     return std::make_unique<Transformer>(std::move(config), std::move(weights), max_batch);
   }
   CACHET_ASSIGN_OR_RETURN(ModelConfig config, ModelConfig::Load(dir));
-  CACHET_ASSIGN_OR_RETURN(TensorStore store, TensorStore::OpenDir(dir));
+  CACHET_ASSIGN_OR_RETURN(TensorStore store, TensorStore::OpenDir(dir, copy_weights));
   CACHET_ASSIGN_OR_RETURN(ModelWeights weights, ModelWeights::Load(config, std::move(store)));
   return std::make_unique<Transformer>(std::move(config), std::move(weights), max_batch);
 }

@@ -45,7 +45,9 @@ class Transformer {
   // max_batch bounds the tokens of one step (the ubatch); scratch is sized for it once.
   Transformer(ModelConfig config, ModelWeights weights, int max_batch);
 
-  static Result<std::unique_ptr<Transformer>> Load(const std::string& model_dir, int max_batch);
+  // copy_weights: the files read into huge-page memory, not mapped (EngineOptions::no_mmap).
+  static Result<std::unique_ptr<Transformer>> Load(const std::string& model_dir, int max_batch,
+                                                   bool copy_weights = false);
 
   // One step over many sequences. All entries' tokens (at most max_batch in all) are concatenated
   // so that each weight matrix is read once for all of them; each token is rotated at its own

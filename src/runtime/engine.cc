@@ -36,7 +36,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(const EngineOptions& options) {
   if (o.page_tokens < 1 || o.page_tokens > 256) {
     return InvalidArgument("page_tokens must be in [1, 256]");
   }
-  CACHET_ASSIGN_OR_RETURN(e->model_, Transformer::Load(o.model_dir, o.ubatch));
+  CACHET_ASSIGN_OR_RETURN(e->model_, Transformer::Load(o.model_dir, o.ubatch, o.no_mmap));
   CACHET_ASSIGN_OR_RETURN(e->tokenizer_, Tokenizer::Load(o.model_dir));
   const ModelConfig& c = e->model_->config();
   if (e->tokenizer_->vocab_size() > c.vocab_size) {

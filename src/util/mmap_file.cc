@@ -15,7 +15,7 @@
 
 namespace cachet {
 
-Result<MappedFile> MappedFile::Open(const std::string& path) {
+Result<MappedFile> MappedFile::Open(const std::string& path, bool copy) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return NotFound(path + ": cannot open: " + std::strerror(errno));
   struct stat st {};
@@ -27,10 +27,30 @@ Result<MappedFile> MappedFile::Open(const std::string& path) {
   f.path_ = path;
   f.size_ = static_cast<size_t>(st.st_size);
   if (f.size_ > 0) {
-    void* p = ::mmap(nullptr, f.size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    void* p =
+        copy ? ::mmap(nullptr, f.size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+             : ::mmap(nullptr, f.size_, PROT_READ, MAP_PRIVATE, fd, 0);
     if (p == MAP_FAILED) {
       ::close(fd);
       return Internal(path + ": mmap failed: " + std::strerror(errno));
+    }
+    if (copy) {
+      ::madvise(p, f.size_, MADV_HUGEPAGE);  // advice: without THP the copy still works
+      size_t done = 0;
+      while (done < f.size_) {
+        const ssize_t r =
+            ::pread(fd, static_cast<char*>(p) + done, f.size_ - done, static_cast<off_t>(done));
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) {
+          const std::string why = r < 0 ? std::strerror(errno) : "the file shrank while read";
+          ::munmap(p, f.size_);
+          ::close(fd);
+          return Internal(path + ": reading it into memory failed at byte " + std::to_string(done) +
+                          ": " + why);
+        }
+        done += static_cast<size_t>(r);
+      }
+      ::mprotect(p, f.size_, PROT_READ);
     }
     f.data_ = static_cast<const uint8_t*>(p);
   }
