@@ -385,11 +385,12 @@ int64_t DecodeActsFloats(int64_t cols) {
   return RoundUp(cols, 128) / 4 + 48 * pairs + 4 * RoundUp(nb, 16);
 }
 
-// q4_0's activations for RowQuadsQ4_0, per group g of four blocks: 128 code bytes at q + 128 g,
-// codes 0-15 of each block then codes 16-31 of each, rearranged in place (a group's codes take the
-// same 128 bytes either way; blocks past nb are zero), and in the sixteen lanes at dx4 + 16 g and
-// off4 + 16 g each block's scale in its four lanes and its integer sum's start, -8 x the sum of
-// its codes, in the first of them.
+// The activations of RowQuadsQ4_0 and RowQuadsQ4K, per group g of four blocks: 128 code bytes at
+// q + 128 g, codes 0-15 of each block then codes 16-31 of each, rearranged in place (a group's
+// codes take the same 128 bytes either way; blocks past nb are zero). For q4_0 also, in the sixteen
+// lanes at dx4 + 16 g and off4 + 16 g, each block's scale in its four lanes and its integer sum's
+// start, -8 x the sum of its codes, in the first of them (q4_K reads d and s instead).
+template <DType kType>
 CACHET_INT8_TARGET DecodeActs PrepareQuadActs(int8_t* q, const float* d, int64_t cols, float* dx4,
                                               int32_t* off4, const float* s) {
   const int64_t nb = cols / kQ8Block, groups = CeilDiv(nb, 4);
@@ -401,12 +402,14 @@ CACHET_INT8_TARGET DecodeActs PrepareQuadActs(int8_t* q, const float* d, int64_t
     for (int k = 0; k < 4; ++k) {
       std::memcpy(c + 16 * k, natural + 32 * k, 16);
       std::memcpy(c + 64 + 16 * k, natural + 32 * k + 16, 16);
-      const int64_t b = 4 * g + k;
-      int32_t sum = 0;
-      for (int j = 0; j < 32; ++j) sum += natural[32 * k + j];
-      std::fill(dx4 + g * 16 + 4 * k, dx4 + g * 16 + 4 * k + 4, b < nb ? d[b] : 0.0f);
-      std::fill(off4 + g * 16 + 4 * k, off4 + g * 16 + 4 * k + 4, 0);
-      off4[g * 16 + 4 * k] = -Int8Offset(DType::kQ4_0) * sum;
+      if constexpr (kType == DType::kQ4_0) {
+        const int64_t b = 4 * g + k;
+        int32_t sum = 0;
+        for (int j = 0; j < 32; ++j) sum += natural[32 * k + j];
+        std::fill(dx4 + g * 16 + 4 * k, dx4 + g * 16 + 4 * k + 4, b < nb ? d[b] : 0.0f);
+        std::fill(off4 + g * 16 + 4 * k, off4 + g * 16 + 4 * k + 4, 0);
+        off4[g * 16 + 4 * k] = -Int8Offset(kType) * sum;
+      }
     }
   }
   return DecodeActs{q, dx4, off4, nullptr, d, s, nullptr};
@@ -416,7 +419,7 @@ CACHET_INT8_TARGET DecodeActs PrepareQuadActs(int8_t* q, const float* d, int64_t
 template <DType kType>
 CACHET_INT8_TARGET DecodeActs PrepareDecodeActs(const float* x, int64_t cols, float* buf) {
   const int64_t nb = cols / kQ8Block, pairs = CeilDiv(nb, 2);
-  const int64_t code_floats = RoundUp(cols, 128) / 4;  // q4_0's quads: whole groups of 4 blocks
+  const int64_t code_floats = RoundUp(cols, 128) / 4;  // PrepareQuadActs: whole groups of 4 blocks
   int8_t* q = reinterpret_cast<int8_t*>(buf);
   float* dx2 = buf + code_floats;
   int32_t* off2 = reinterpret_cast<int32_t*>(dx2 + 16 * pairs);
@@ -426,7 +429,7 @@ CACHET_INT8_TARGET DecodeActs PrepareDecodeActs(const float* x, int64_t cols, fl
   float* s16 = s + RoundUp(nb, 16);
   QuantizeQ8(x, cols, q, d, s);
   if constexpr (kType == DType::kQ4_0 || kType == DType::kQ4_K) {
-    return PrepareQuadActs(q, d, cols, dx2, off2, s);
+    return PrepareQuadActs<kType>(q, d, cols, dx2, off2, s);
   }
   for (int64_t b = 0; b < nb; ++b) {
     int32_t sum = 0;
