@@ -253,6 +253,22 @@ TEST(Cli, BenchRefusesAContextLargerThanMemory) {
       << r.err;
 }
 
+// bench reports where the weights sit: kvtiny's 31 MB of bf16 weights, all read by a step (the LM
+// head is the tied embedding), resident, some in 2 MiB pages or none.
+TEST(Cli, BenchReportsTheWeightsPages) {
+  const std::string bench = "bench -t 1 --ctx 16 --reps 1 --n-decode 1 --no-roofline";
+  const RunResult j = RunCachet(bench + " --json");
+  ASSERT_EQ(j.status, 0) << j.err;
+  const auto out = nlohmann::json::parse(j.out);
+  const auto resident = out["weights_resident_bytes"].get<int64_t>();
+  EXPECT_GE(resident, 25'000'000);
+  EXPECT_LE(resident, 40'000'000);
+  EXPECT_LE(out["weights_huge_page_bytes"].get<int64_t>(), resident);
+  const RunResult text = RunCachet(bench);
+  ASSERT_EQ(text.status, 0) << text.err;
+  EXPECT_NE(text.out.find("% in 2 MiB pages"), std::string::npos) << text.out;
+}
+
 // --logit-bias as llama.cpp writes it: a ban changes the text, +100 repeats one token, a token
 // past the vocabulary or a malformed bias is a clear error.
 TEST(Cli, LogitBiasBansOrForcesATokenAndRefusesBadOnes) {

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <random>
 
@@ -13,6 +14,7 @@
 #include "model/transformer.h"
 #include "runtime/sampler.h"
 #include "test_util.h"
+#include "util/mmap_file.h"
 
 namespace cachet {
 namespace {
@@ -231,6 +233,47 @@ TEST(ModelLoading, ReadWeightsEqualMapped) {
     EXPECT_EQ(*read, *mapped) << model;
   }
   EXPECT_FALSE(Transformer::Load(out.path() + "/missing.gguf", 8, true).ok());
+}
+
+// Residency (what `cachet bench` reports of the weights' pages): a buffer's bytes count once
+// touched, its mapping found among smaps'; kvtiny's weights count whole after a forward pass,
+// mapped or read in, and as a GGUF with its Q/K copies.
+TEST(ModelLoading, WeightResidency) {
+  auto buf = HugePageBuffer::Allocate(size_t{8} << 20, "test");
+  ASSERT_TRUE(buf.ok()) << buf.status().ToString();
+  const std::vector<MemoryRange> range = {{buf->data(), buf->size()}};
+  const Residency before = ResidencyOf(range);
+  std::memset(buf->data(), 1, buf->size());
+  const Residency after = ResidencyOf(range);
+  EXPECT_GE(after.resident_bytes - before.resident_bytes, int64_t{8} << 20);
+  EXPECT_LE(after.huge_page_bytes, after.resident_bytes);
+  EXPECT_EQ(ResidencyOf({}).resident_bytes, 0);
+
+  TempDir out;
+  const std::string gguf = out.path() + "/kvtiny-q8_0.gguf";
+  const Status converted = ConvertHfToGguf(ModelDir(), gguf, DType::kQ8_0, 2, false);
+  ASSERT_TRUE(converted.ok()) << converted.ToString();
+  for (const std::string& model : {ModelDir(), gguf}) {
+    for (bool copy : {false, true}) {
+      auto m = Transformer::Load(model, 16, copy);
+      ASSERT_TRUE(m.ok()) << m.status().ToString();
+      const ModelConfig& c = (*m)->config();
+      PagePool pool(KvLayout{c.n_layers, c.n_kv_heads, c.head_dim, 4}, 1 << 20);
+      PagedSequence seq(pool);
+      ThreadPool threads(1);
+      const std::vector<int32_t> tokens = {1, 5}, pos = {0, 1};
+      std::vector<float> logits(2 * c.vocab_size);
+      ASSERT_TRUE((*m)->Forward(tokens, pos, seq, threads, logits.data(), true).ok());
+      const ModelWeights& w = (*m)->weights();
+      const Residency r = w.residency();
+      const auto file = static_cast<int64_t>(w.store.mapped_bytes());
+      // Every matrix was read (the LM head is the tied embedding); the GGUF's copied-out Q/K rows
+      // may have left the mapping's resident set.
+      EXPECT_GE(r.resident_bytes, file * 8 / 10) << model << (copy ? " read" : " mapped");
+      EXPECT_LE(r.resident_bytes, file + static_cast<int64_t>(w.owned.size()) + (4 << 20)) << model;
+      EXPECT_EQ(w.owned.size() > 0, model == gguf) << model;
+    }
+  }
 }
 
 TEST(ModelLoading, RopeScalingInvFreq) {

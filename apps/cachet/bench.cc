@@ -23,6 +23,20 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// Where decode streams the weights from: a step takes a TLB miss per page, and 4 KiB pages cost
+// one-thread q4_0 decode about 15% on the Zen 4 VM (docs/BENCHMARKS.md, "Weights in 2 MiB pages").
+void PrintWeightPages(const Engine::WeightResidency& w) {
+  if (w.resident_bytes == 0) return;  // no /proc/self/smaps
+  const double share = double(w.huge_page_bytes) / double(w.resident_bytes);
+  std::printf("weights: %.0f MiB resident, %.0f%% in 2 MiB pages\n", w.resident_bytes / 1048576.0,
+              100 * share);
+  if (share < 0.5 && w.resident_bytes >= (int64_t{64} << 20)) {
+    std::printf(
+        "  (the page cache holds the model in 4 KiB folios, as a file just downloaded or copied "
+        "is: README, \"Huge pages\", says how to read it into 2 MiB ones)\n");
+  }
+}
+
 }  // namespace
 
 void AddBench(CLI::App& app) {
@@ -346,6 +360,9 @@ void AddBench(CLI::App& app) {
       }
     }
     out["peak_rss_bytes"] = eval::PeakRssBytes();
+    const Engine::WeightResidency weights = engine->weight_residency();
+    out["weights_resident_bytes"] = weights.resident_bytes;
+    out["weights_huge_page_bytes"] = weights.huge_page_bytes;
     if (o->json) {
       std::printf("%s\n", out.dump().c_str());
       return;
@@ -375,6 +392,7 @@ void AddBench(CLI::App& app) {
           out["weight_bytes_per_token"].get<double>() / 1e6,
           out["kv_bytes_per_context_token"].get<double>());
     }
+    PrintWeightPages(weights);
     if (press) {
       std::printf(
           "press %s: KV MiB before -> after (most held while pressing), press ms (fraction of "

@@ -104,8 +104,9 @@ void AddEngineFlags(CLI::App& app, EngineOptions& o, const char* default_codec) 
       ->check(Positive());
   app.add_flag("--no-mmap", o.no_mmap,
                "Read the weights into memory (transparent huge pages) instead of mapping the "
-               "model file: faster decode where weights stream from DRAM, slower load, no page "
-               "cache shared between processes");
+               "model file: huge pages even where the page cache holds the file in 4 KiB ones "
+               "(`cachet bench` prints the share), slower load, no page cache shared between "
+               "processes");
   app.add_flag("!--no-prefix-cache", o.prefix_cache,
                "Do not share or reuse KV pages of common prompt prefixes");
   app.add_option("--disk-cache", o.disk_cache_dir,

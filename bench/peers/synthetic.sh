@@ -5,7 +5,8 @@
 # tables (docs/PEERS.md):
 #   weights: every weight type x thread count, KV f16 on both engines, prefill and decode at the
 #     POINTS context lengths, peak RSS, and Cachet's decode at the first point as a fraction of
-#     the roofline `cachet bench` measures;
+#     the roofline `cachet bench` measures, and the share of its weights it found in 2 MiB pages
+#     (each file is dropped from the page cache first, so that both engines map it so);
 #   KV: at one weight type (KV_WEIGHTS) and LONG_THREADS threads, the KV types both engines have
 #     (KVS) and Cachet's own codecs (CACHET_KVS) at POINTS plus the LONG context lengths.
 # Each round runs every configuration of a group once, one process each, llama.cpp then Cachet,
@@ -102,6 +103,9 @@ for shape in "${shape_list[@]}"; do
   log "$shape: weights {$weights} x threads {$threads}, KV f16, ctx {$points}, $reps rounds"
   for w in $weights; do
     model="$(model_of "$shape" "$w")"
+    # Out of the page cache, so that its first reader fills it from disk in 2 MiB folios, which both
+    # engines then map as huge pages (README, "Huge pages"): one state, whatever ran before.
+    dd if="$model" iflag=nocache count=0 status=none
     for t in $threads; do
       # Roofline inputs (bandwidth, weight and KV bytes per token): a short run, its own process,
       # so that the 512 MiB bandwidth buffer stays out of the measured peak RSS.

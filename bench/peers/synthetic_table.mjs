@@ -56,8 +56,8 @@ if (w.length) {
   out.push(`Weights, KV f16 on both engines; cells: Cachet / llama.cpp tok/s (Cachet / llama.cpp, ` +
            `median of ${nRounds} rounds' ratios).`, "");
   out.push(`| weights | threads | ${ctx.map((n) => `prefill ${n}`).join(" | ")} | ` +
-           `${ctx.map((n) => `decode @${n}`).join(" | ")} | peak RSS MiB | Cachet decode @${ctx[0]} / roofline |`);
-  out.push(`| --- | ---: | ${ctx.map(() => "---:").join(" | ")} | ${ctx.map(() => "---:").join(" | ")} | ---: | ---: |`);
+           `${ctx.map((n) => `decode @${n}`).join(" | ")} | peak RSS MiB | Cachet decode @${ctx[0]} / roofline | weights in 2 MiB pages |`);
+  out.push(`| --- | ---: | ${ctx.map(() => "---:").join(" | ")} | ${ctx.map(() => "---:").join(" | ")} | ---: | ---: | ---: |`);
   for (const weights of unique(w.map((r) => r.weights))) {
     for (const t of unique(w.filter((r) => r.weights === weights).map((r) => r.threads))) {
       const c = rounds("weights", weights, t, "f16", "cachet");
@@ -68,14 +68,17 @@ if (w.length) {
         cell(c, l, mib),
       ];
       const rf = rounds("weights", weights, t, "f16", "roofline").get(0);
-      let roof = "-";
+      let roof = "-", huge = "-";
+      if (rf?.weights_resident_bytes) {
+        huge = `${((100 * rf.weights_huge_page_bytes) / rf.weights_resident_bytes).toFixed(0)}%`;
+      }
       if (rf) {
         const tok = (rf.read_bandwidth_gb_s * 1e9) /
                     (rf.weight_bytes_per_token + rf.kv_bytes_per_context_token * ctx[0]);
         const d = median([...c.values()].map((r) => r.decode_tok_s[ctx[0]]));
         roof = `${((100 * d) / tok).toFixed(0)}% of ${num(tok)}`;
       }
-      out.push(`| ${weights} | ${t} | ${cells.join(" | ")} | ${roof} |`);
+      out.push(`| ${weights} | ${t} | ${cells.join(" | ")} | ${roof} | ${huge} |`);
     }
   }
   out.push("");

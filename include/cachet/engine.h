@@ -138,9 +138,9 @@ struct EngineOptions {
   // chunks go when the pool runs dry, after the prefix cache's pages).
   int64_t chunk_cache_mib = 0;
   // Read the weights into memory advised for transparent huge pages instead of mapping the model
-  // files (llama.cpp's --no-mmap): decode streams them with far fewer TLB misses (TinyLlama q4_0
-  // on one core 10-25% faster, docs/BENCHMARKS.md), for a longer load and no sharing of the page
-  // cache between processes.
+  // files (llama.cpp's --no-mmap): huge pages whatever the page cache holds (a mapping gets them
+  // only where it holds the file in 2 MiB folios: README, "Huge pages"), for a longer load and no
+  // sharing of the page cache between processes.
   bool no_mmap = false;
 };
 
@@ -333,6 +333,12 @@ class Engine {
     int64_t rows, cols, bytes;
   };
   std::vector<MatrixInfo> weight_matrices() const;
+  // The weights in memory now, from /proc/self/smaps: bytes resident, and of those the bytes in
+  // 2 MiB pages (a decode step streams them with a TLB miss per 2 MiB instead of per 4 KiB).
+  struct WeightResidency {
+    int64_t resident_bytes = 0, huge_page_bytes = 0;
+  };
+  WeightResidency weight_residency() const;
   KvStats kv_stats() const;
   // The pool demoted (or, with kv_cold, aged) tokens go to in this codec (row-wise codecs only),
   // created on first use with the hot pool's capacity; flag names the option in errors.

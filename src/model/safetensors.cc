@@ -176,6 +176,12 @@ size_t TensorStore::mapped_bytes() const {
   return n;
 }
 
+std::vector<MemoryRange> TensorStore::ranges() const {
+  std::vector<MemoryRange> r;
+  for (const auto& f : files_) r.push_back({f.data(), f.size()});
+  return r;
+}
+
 bool TensorStore::IsMapped(const void* p, size_t n) const {
   const auto* b = static_cast<const uint8_t*>(p);
   for (const auto& f : files_) {

@@ -53,6 +53,7 @@ class TensorStore {
   const std::map<std::string, TensorInfo>& tensors() const { return tensors_; }
   const std::string& file_path(int i) const { return files_[i].path(); }
   size_t mapped_bytes() const;
+  std::vector<MemoryRange> ranges() const;  // of the files, mapped or read into memory
   // Whether [p, p + n) lies inside one of the store's file mappings.
   bool IsMapped(const void* p, size_t n) const;
 

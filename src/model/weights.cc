@@ -32,6 +32,12 @@ struct Loader {
   }
 };
 
+size_t MatrixBytes(const kernels::Matrix& m) {
+  return static_cast<size_t>(m.rows * DTypeRowBytes(m.dtype, m.cols));
+}
+
+size_t RoundUp64(size_t n) { return (n + 63) / 64 * 64; }
+
 }  // namespace
 
 Result<ModelWeights> ModelWeights::Load(const ModelConfig& c, TensorStore store) {
@@ -72,28 +78,35 @@ Result<ModelWeights> ModelWeights::Load(const ModelConfig& c, TensorStore store)
       CACHET_ASSIGN_OR_RETURN(L.q_norm, ld.Vector(p + "self_attn.q_norm.weight", hd));
       CACHET_ASSIGN_OR_RETURN(L.k_norm, ld.Vector(p + "self_attn.k_norm.weight", hd));
     }
-    if (w.store.gguf() && GgufPermutesQK(c.arch)) {
-      // Undo llama.cpp's Q/K row permutation (see model/gguf_model.h) in private copies.
+  }
+  if (w.store.gguf() && GgufPermutesQK(c.arch)) {
+    // Undo llama.cpp's Q/K row permutation (see model/gguf_model.h) in private copies, in one
+    // buffer of huge pages as the mapped weights are (MappedFile).
+    size_t bytes = 0;
+    for (LayerWeights& L : w.layers) {
+      for (kernels::Matrix* m : {&L.wq, &L.wk}) bytes += RoundUp64(MatrixBytes(*m));
+    }
+    CACHET_ASSIGN_OR_RETURN(w.owned, HugePageBuffer::Allocate(bytes, "GGUF Q/K rows"));
+    uint8_t* buf = w.owned.data();
+    for (LayerWeights& L : w.layers) {
       for (kernels::Matrix* m : {&L.wq, &L.wk}) {
         const int64_t row_bytes = DTypeRowBytes(m->dtype, m->cols);
-        // Not zeroed first: every byte is copied in below.
-        uint8_t* buf =
-            w.owned.emplace_back(std::make_unique_for_overwrite<uint8_t[]>(m->rows * row_bytes))
-                .get();
         const uint8_t* src = static_cast<const uint8_t*>(m->data);
         for (int64_t r = 0; r < m->rows; ++r) {
           std::memcpy(buf + r * row_bytes, src + GgufRopeRow(r, hd) * row_bytes, row_bytes);
         }
-        // The copy replaces the mapped rows: drop those from RSS.
-        if (w.store.IsMapped(src, m->rows * row_bytes))
-          ReleaseMappedRange(src, m->rows * row_bytes);
+        // The copy replaces the mapped rows: drop those from RSS (the whole 4 KiB pages; a 2 MiB
+        // page of the mapping maps again whole when its other tensors are read).
+        if (w.store.IsMapped(src, MatrixBytes(*m))) ReleaseMappedRange(src, MatrixBytes(*m));
         m->data = buf;
+        buf += RoundUp64(MatrixBytes(*m));
       }
       for (std::vector<float>* b : {&L.bq, &L.bk}) {
         const std::vector<float> g = *b;
         for (size_t r = 0; r < g.size(); ++r) (*b)[r] = g[GgufRopeRow(r, hd)];
       }
     }
+    w.owned.MakeReadOnly();
   }
   // Weights of a layer past num_hidden_layers: a config that does not describe these weights.
   if (const std::string extra =
@@ -104,6 +117,12 @@ Result<ModelWeights> ModelWeights::Load(const ModelConfig& c, TensorStore store)
                            "' is not used): num_hidden_layers does not describe this checkpoint");
   }
   return w;
+}
+
+Residency ModelWeights::residency() const {
+  std::vector<MemoryRange> ranges = store.ranges();
+  ranges.push_back({owned.data(), owned.size()});
+  return ResidencyOf(ranges);
 }
 
 }  // namespace cachet

@@ -3,12 +3,12 @@
 #pragma once
 
 #include <cstdint>
-#include <memory>
 #include <vector>
 
 #include "cachet/model_config.h"
 #include "kernels/kernels.h"
 #include "model/safetensors.h"
+#include "util/mmap_file.h"
 
 namespace cachet {
 
@@ -26,9 +26,11 @@ struct ModelWeights {
   std::vector<float> final_norm;
   std::vector<LayerWeights> layers;
   // Matrices that are not views of the files: llama GGUF Q/K rows put back in HF order.
-  std::vector<std::unique_ptr<uint8_t[]>> owned;
+  HugePageBuffer owned;
 
   static Result<ModelWeights> Load(const ModelConfig& config, TensorStore store);
+  // Of the files and the copies: how much is resident, how much in 2 MiB pages.
+  Residency residency() const;
 };
 
 }  // namespace cachet

@@ -156,6 +156,11 @@ int64_t Engine::weight_bytes_per_token() const {
   return total;
 }
 
+Engine::WeightResidency Engine::weight_residency() const {
+  const Residency r = model_->weights().residency();
+  return {r.resident_bytes, r.huge_page_bytes};
+}
+
 std::vector<Engine::MatrixInfo> Engine::weight_matrices() const {
   const ModelWeights& w = model_->weights();
   std::vector<MatrixInfo> out;

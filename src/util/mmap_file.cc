@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cinttypes>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -14,6 +15,67 @@
 #include <utility>
 
 namespace cachet {
+
+Result<HugePageBuffer> HugePageBuffer::Allocate(size_t bytes, std::string_view what) {
+  HugePageBuffer b;
+  if (bytes == 0) return b;
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) {
+    return ResourceExhausted(std::string(what) + ": cannot map " + std::to_string(bytes) +
+                             " bytes of memory: " + std::strerror(errno));
+  }
+  ::madvise(p, bytes, MADV_HUGEPAGE);  // advice: without THP the memory still works
+  b.data_ = static_cast<uint8_t*>(p);
+  b.size_ = bytes;
+  return b;
+}
+
+HugePageBuffer::HugePageBuffer(HugePageBuffer&& o) noexcept
+    : data_(std::exchange(o.data_, nullptr)), size_(std::exchange(o.size_, 0)) {}
+
+HugePageBuffer& HugePageBuffer::operator=(HugePageBuffer&& o) noexcept {
+  if (this != &o) {
+    if (data_) ::munmap(data_, size_);
+    data_ = std::exchange(o.data_, nullptr);
+    size_ = std::exchange(o.size_, 0);
+  }
+  return *this;
+}
+
+HugePageBuffer::~HugePageBuffer() {
+  if (data_) ::munmap(data_, size_);
+}
+
+void HugePageBuffer::MakeReadOnly() {
+  if (data_) ::mprotect(data_, size_, PROT_READ);
+}
+
+uint8_t* HugePageBuffer::Release() {
+  size_ = 0;
+  return std::exchange(data_, nullptr);
+}
+
+namespace {
+
+// The file's bytes in a huge-page buffer, made read-only (`--no-mmap`).
+Result<HugePageBuffer> ReadIntoMemory(int fd, const std::string& path, size_t size) {
+  CACHET_ASSIGN_OR_RETURN(HugePageBuffer b, HugePageBuffer::Allocate(size, path));
+  size_t done = 0;
+  while (done < size) {
+    const ssize_t r = ::pread(fd, b.data() + done, size - done, static_cast<off_t>(done));
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      const std::string why = r < 0 ? std::strerror(errno) : "the file shrank while read";
+      return Internal(path + ": reading it into memory failed at byte " + std::to_string(done) +
+                      ": " + why);
+    }
+    done += static_cast<size_t>(r);
+  }
+  b.MakeReadOnly();
+  return b;
+}
+
+}  // namespace
 
 Result<MappedFile> MappedFile::Open(const std::string& path, bool copy) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -26,35 +88,21 @@ Result<MappedFile> MappedFile::Open(const std::string& path, bool copy) {
   MappedFile f;
   f.path_ = path;
   f.size_ = static_cast<size_t>(st.st_size);
-  if (f.size_ > 0) {
-    void* p =
-        copy ? ::mmap(nullptr, f.size_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
-             : ::mmap(nullptr, f.size_, PROT_READ, MAP_PRIVATE, fd, 0);
-    if (p == MAP_FAILED) {
-      ::close(fd);
-      return Internal(path + ": mmap failed: " + std::strerror(errno));
-    }
-    if (copy) {
-      ::madvise(p, f.size_, MADV_HUGEPAGE);  // advice: without THP the copy still works
-      size_t done = 0;
-      while (done < f.size_) {
-        const ssize_t r =
-            ::pread(fd, static_cast<char*>(p) + done, f.size_ - done, static_cast<off_t>(done));
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) {
-          const std::string why = r < 0 ? std::strerror(errno) : "the file shrank while read";
-          ::munmap(p, f.size_);
-          ::close(fd);
-          return Internal(path + ": reading it into memory failed at byte " + std::to_string(done) +
-                          ": " + why);
-        }
-        done += static_cast<size_t>(r);
-      }
-      ::mprotect(p, f.size_, PROT_READ);
-    }
+  if (f.size_ > 0 && copy) {
+    Result<HugePageBuffer> b = ReadIntoMemory(fd, path, f.size_);
+    ::close(fd);
+    if (!b.ok()) return b.status();
+    f.data_ = b->Release();
+  } else if (f.size_ > 0) {
+    void* p = ::mmap(nullptr, f.size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    ::close(fd);
+    if (p == MAP_FAILED) return Internal(path + ": mmap failed: " + std::strerror(errno));
+    // Advice: faults that read the file from disk fill 2 MiB folios, which map as huge pages.
+    ::madvise(p, f.size_, MADV_HUGEPAGE);
     f.data_ = static_cast<const uint8_t*>(p);
+  } else {
+    ::close(fd);
   }
-  ::close(fd);
   return f;
 }
 
@@ -83,6 +131,36 @@ void ReleaseMappedRange(const void* p, size_t n) {
   const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + n) / page * page;
   // Advice only: a failure leaves the pages resident, which is still correct.
   if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
+Residency ResidencyOf(const std::vector<MemoryRange>& ranges) {
+  Residency r;
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  bool counted = false;  // whether the mapping whose fields follow overlaps a range
+  while (std::getline(smaps, line)) {
+    uintptr_t begin = 0, end = 0;
+    // A mapping's header ("7f..-7f.. r--p ..."); its fields are "Name:   N kB".
+    if (std::sscanf(line.c_str(), "%" SCNxPTR "-%" SCNxPTR " ", &begin, &end) == 2 &&
+        line.find(':') > line.find(' ')) {
+      counted = false;
+      for (const MemoryRange& m : ranges) {
+        const auto lo = reinterpret_cast<uintptr_t>(m.data);
+        if (m.size > 0 && lo < end && lo + m.size > begin) counted = true;
+      }
+      continue;
+    }
+    if (!counted) continue;
+    long long kb = 0;
+    char name[64];
+    if (std::sscanf(line.c_str(), "%63[^:]: %lld kB", name, &kb) != 2) continue;
+    const std::string_view n = name;
+    if (n == "Rss") r.resident_bytes += kb << 10;
+    if (n == "FilePmdMapped" || n == "AnonHugePages" || n == "ShmemPmdMapped") {
+      r.huge_page_bytes += kb << 10;
+    }
+  }
+  return r;
 }
 
 void DropFromPageCache(int fd) {

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "cachet/status.h"
 
@@ -12,10 +13,12 @@ namespace cachet {
 
 class MappedFile {
  public:
-  // The file mapped read-only, or with copy its bytes read into anonymous memory advised for
-  // transparent huge pages (`--no-mmap`): decode streams the weights with a TLB miss per 2 MiB
-  // instead of per 4 KiB (ext4 gives file mappings none), for a longer load and no page-cache
-  // sharing between processes. Read-only either way.
+  // The file mapped read-only, or with copy its bytes read into anonymous memory (`--no-mmap`),
+  // for a longer load and no page-cache sharing between processes. Either is advised for
+  // transparent huge pages: decode streams the weights with a TLB miss per 2 MiB instead of per
+  // 4 KiB. A mapping gets them where the page cache holds the file in 2 MiB folios, which the
+  // advice asks for when a fault reads it from disk (Linux 6.16+ on ext4, XFS since 5.18);
+  // pages cached by an earlier 4 KiB-at-a-time write or read stay small (ResidencyOf tells).
   static Result<MappedFile> Open(const std::string& path, bool copy = false);
 
   MappedFile() = default;
@@ -35,6 +38,47 @@ class MappedFile {
   std::string path_;
 };
 
+// Anonymous read-write memory advised for transparent huge pages (THP "madvise", Debian's default,
+// gives them on request only): weights the engine writes itself, which decode then streams as it
+// does the mapped ones. Zero-filled; unmapped with the object.
+class HugePageBuffer {
+ public:
+  // what names the contents in the error.
+  static Result<HugePageBuffer> Allocate(size_t bytes, std::string_view what);
+
+  HugePageBuffer() = default;
+  HugePageBuffer(HugePageBuffer&& other) noexcept;
+  HugePageBuffer& operator=(HugePageBuffer&& other) noexcept;
+  HugePageBuffer(const HugePageBuffer&) = delete;
+  HugePageBuffer& operator=(const HugePageBuffer&) = delete;
+  ~HugePageBuffer();
+
+  uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+  // Once written: read-only from then on, and a mapping of its own in smaps (ResidencyOf) that
+  // the kernel does not merge with the writable memory around it.
+  void MakeReadOnly();
+  // Hands the mapping over (to a MappedFile): the caller munmaps it.
+  uint8_t* Release();
+
+ private:
+  uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+// Bytes of the mappings overlapping any of the ranges that are resident, and of those how many in
+// 2 MiB pages (FilePmdMapped + AnonHugePages + ShmemPmdMapped), summed over /proc/self/smaps;
+// each mapping counts once and whole. Zeros where smaps cannot be read.
+struct Residency {
+  int64_t resident_bytes = 0;
+  int64_t huge_page_bytes = 0;
+};
+struct MemoryRange {
+  const void* data;
+  size_t size;
+};
+Residency ResidencyOf(const std::vector<MemoryRange>& ranges);
+
 // Drops the whole pages inside [p, p + n) of a file mapping from this process's resident set
 // (they stay in the page cache; reading them again faults them back in). For tensors copied out
 // of the mapping, so that RSS does not count them twice.
@@ -43,7 +87,8 @@ void ReleaseMappedRange(const void* p, size_t n);
 // Writes a just-written file's pages to disk and drops them from the page cache (advice: errors
 // are ignored). Linux 6.18 on a KVM guest kept a freshly written GGUF in 2 MiB folios that,
 // mapped, decoded 25-40% slower and erratically until re-read (docs/BENCHMARKS.md, "A freshly
-// written model file"); the next load reads it from disk once instead.
+// written model file"); the next load reads it from disk once
+// instead, into 2 MiB folios (MappedFile).
 void DropFromPageCache(int fd);
 
 // Reads a whole file into memory (config.json, a saved KV cache); NotFound if it cannot be opened.
