@@ -1,6 +1,8 @@
 // Model loading: configs, safetensors (single and sharded), every architecture variant, and the
 // errors bad files must produce (naming file and tensor, never crashing).
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstring>
@@ -273,6 +275,40 @@ TEST(ModelLoading, WeightResidency) {
       EXPECT_LE(r.resident_bytes, file + static_cast<int64_t>(w.owned.size()) + (4 << 20)) << model;
       EXPECT_EQ(w.owned.size() > 0, model == gguf) << model;
     }
+  }
+}
+
+// A file the page cache holds in 4 KiB folios (written 4 KiB at a time, as a download is) maps in
+// 2 MiB pages where the filesystem fills such folios: MappedFile::Open drops it from the cache and
+// its faults read it again. The bytes are the file's either way.
+TEST(ModelLoading, SmallFoliosAreReadAgainIntoHugeOnes) {
+  TempDir dir;
+  const std::string path = dir.path() + "/weights.bin";
+  const size_t bytes = size_t{80} << 20;
+  std::vector<uint32_t> block(1024);
+  const int out = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  ASSERT_GE(out, 0);
+  for (size_t at = 0; at < bytes; at += 4096) {
+    for (size_t i = 0; i < block.size(); ++i) block[i] = static_cast<uint32_t>(at / 4 + i);
+    ASSERT_EQ(::write(out, block.data(), 4096), 4096);
+  }
+  ASSERT_EQ(::fdatasync(out), 0);  // dirty pages stay in the cache
+  const bool fills = PageCacheFillsHugeFolios(out);
+  ::close(out);
+
+  auto f = MappedFile::Open(path);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  const auto* words = reinterpret_cast<const uint32_t*>(f->data());
+  size_t wrong = 0;
+  for (size_t i = 0; i < bytes / 4; ++i) wrong += words[i] != static_cast<uint32_t>(i);
+  EXPECT_EQ(wrong, 0u);
+  const Residency r = ResidencyOf({{f->data(), f->size()}});
+  EXPECT_GE(r.resident_bytes, static_cast<int64_t>(bytes) * 9 / 10);
+  std::printf("[ info     ] page cache fills 2 MiB folios here: %s; %lld of %lld MiB mapped so\n",
+              fills ? "yes" : "no", static_cast<long long>(r.huge_page_bytes >> 20),
+              static_cast<long long>(r.resident_bytes >> 20));
+  if (fills) {
+    EXPECT_GE(r.huge_page_bytes, r.resident_bytes / 2);
   }
 }
 

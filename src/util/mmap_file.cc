@@ -3,6 +3,8 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/utsname.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -75,7 +77,54 @@ Result<HugePageBuffer> ReadIntoMemory(int fd, const std::string& path, size_t si
   return b;
 }
 
+// Mapped files this large are worth 2 MiB pages: decode streams them whole, far past what 4 KiB
+// TLB entries reach (Zen 4's 3072 second-level ones: 12 MiB).
+constexpr size_t kHugePageFileBytes = size_t{64} << 20;
+constexpr size_t kHugePage = size_t{2} << 20;
+
+void* MapAdvised(int fd, size_t size) {
+  void* p = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  // Advice: faults that read the file from disk fill 2 MiB folios, which map as huge pages.
+  if (p != MAP_FAILED) ::madvise(p, size, MADV_HUGEPAGE);
+  return p;
+}
+
+// Of up to 16 of a fresh mapping's 2 MiB pages, spread over it, those already in the page cache
+// (mincore: reading the others would read the disk), and how many of these map as one 2 MiB page
+// when read.
+struct CachedSample {
+  int cached = 0, huge = 0;
+};
+CachedSample SampleCachedPages(const uint8_t* p, size_t size) {
+  CachedSample s;
+  if (reinterpret_cast<uintptr_t>(p) % kHugePage != 0) return s;  // cannot map 2 MiB pages
+  const size_t pages = size / kHugePage;
+  for (size_t i = 0; i < 16; ++i) {
+    const uint8_t* at = p + pages * (2 * i + 1) / 32 * kHugePage;
+    unsigned char in_cache = 0;
+    if (::mincore(const_cast<uint8_t*>(at), 4096, &in_cache) != 0 || !(in_cache & 1)) continue;
+    (void)*reinterpret_cast<const volatile uint8_t*>(at);
+    ++s.cached;
+  }
+  s.huge = static_cast<int>(ResidencyOf({{p, size}}).huge_page_bytes / kHugePage);
+  return s;
+}
+
 }  // namespace
+
+bool PageCacheFillsHugeFolios(int fd) {
+  struct statfs fs {};
+  struct utsname u {};
+  int major = 0, minor = 0;
+  if (::fstatfs(fd, &fs) != 0 || ::uname(&u) != 0 ||
+      std::sscanf(u.release, "%d.%d", &major, &minor) != 2) {
+    return false;
+  }
+  const int version = major * 1000 + minor;
+  if (fs.f_type == 0xEF53) return version >= 6016;      // EXT4_SUPER_MAGIC
+  if (fs.f_type == 0x58465342) return version >= 5018;  // XFS_SUPER_MAGIC
+  return false;
+}
 
 Result<MappedFile> MappedFile::Open(const std::string& path, bool copy) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -94,11 +143,19 @@ Result<MappedFile> MappedFile::Open(const std::string& path, bool copy) {
     if (!b.ok()) return b.status();
     f.data_ = b->Release();
   } else if (f.size_ > 0) {
-    void* p = ::mmap(nullptr, f.size_, PROT_READ, MAP_PRIVATE, fd, 0);
+    void* p = MapAdvised(fd, f.size_);
+    if (p != MAP_FAILED && f.size_ >= kHugePageFileBytes && PageCacheFillsHugeFolios(fd)) {
+      const CachedSample s = SampleCachedPages(static_cast<const uint8_t*>(p), f.size_);
+      if (s.cached >= 4 && 4 * s.huge < s.cached) {
+        // Cached in 4 KiB folios (written or read a few KiB at a time): drop the pages no process
+        // maps, so that this mapping's faults read the file again, into 2 MiB folios.
+        ::munmap(p, f.size_);
+        (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+        p = MapAdvised(fd, f.size_);
+      }
+    }
     ::close(fd);
     if (p == MAP_FAILED) return Internal(path + ": mmap failed: " + std::strerror(errno));
-    // Advice: faults that read the file from disk fill 2 MiB folios, which map as huge pages.
-    ::madvise(p, f.size_, MADV_HUGEPAGE);
     f.data_ = static_cast<const uint8_t*>(p);
   } else {
     ::close(fd);

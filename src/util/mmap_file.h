@@ -17,8 +17,10 @@ class MappedFile {
   // for a longer load and no page-cache sharing between processes. Either is advised for
   // transparent huge pages: decode streams the weights with a TLB miss per 2 MiB instead of per
   // 4 KiB. A mapping gets them where the page cache holds the file in 2 MiB folios, which the
-  // advice asks for when a fault reads it from disk (Linux 6.16+ on ext4, XFS since 5.18);
-  // pages cached by an earlier 4 KiB-at-a-time write or read stay small (ResidencyOf tells).
+  // advice asks for when a fault reads it from disk (PageCacheFillsHugeFolios). A file of 64 MiB
+  // or more that the cache holds in 4 KiB folios (written or read a few KiB at a time: a
+  // download) is dropped from the cache first, so that decode reads it from disk once, into 2 MiB
+  // folios; pages another process maps stay as they are.
   static Result<MappedFile> Open(const std::string& path, bool copy = false);
 
   MappedFile() = default;
@@ -79,6 +81,10 @@ struct MemoryRange {
 };
 Residency ResidencyOf(const std::vector<MemoryRange>& ranges);
 
+// Whether the page cache of fd's filesystem reads a file into 2 MiB folios for a mapping advised
+// MADV_HUGEPAGE: ext4 from Linux 6.16, XFS from 5.18 (large folios).
+bool PageCacheFillsHugeFolios(int fd);
+
 // Drops the whole pages inside [p, p + n) of a file mapping from this process's resident set
 // (they stay in the page cache; reading them again faults them back in). For tensors copied out
 // of the mapping, so that RSS does not count them twice.
@@ -87,8 +93,8 @@ void ReleaseMappedRange(const void* p, size_t n);
 // Writes a just-written file's pages to disk and drops them from the page cache (advice: errors
 // are ignored). Linux 6.18 on a KVM guest kept a freshly written GGUF in 2 MiB folios that,
 // mapped, decoded 25-40% slower and erratically until re-read (docs/BENCHMARKS.md, "A freshly
-// written model file"); the next load reads it from disk once
-// instead, into 2 MiB folios (MappedFile).
+// written model file"); the next load reads it from disk once instead, into 2 MiB folios
+// (MappedFile).
 void DropFromPageCache(int fd);
 
 // Reads a whole file into memory (config.json, a saved KV cache); NotFound if it cannot be opened.
