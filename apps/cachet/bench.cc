@@ -32,8 +32,8 @@ void PrintWeightPages(const Engine::WeightResidency& w) {
               100 * share);
   if (share < 0.5 && w.resident_bytes >= (int64_t{64} << 20)) {
     std::printf(
-        "  (the page cache holds the model in 4 KiB folios, as a file just downloaded or copied "
-        "is: README, \"Huge pages\", says how to read it into 2 MiB ones)\n");
+        "  (4 KiB pages: the filesystem or the system gives the mapping no 2 MiB ones; --no-mmap "
+        "reads the weights into them: README, \"Huge pages\")\n");
   }
 }
 
