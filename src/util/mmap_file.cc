@@ -91,7 +91,8 @@ void* MapAdvised(int fd, size_t size) {
 
 // Of up to 16 of a fresh mapping's 2 MiB pages, spread over it, those already in the page cache
 // (mincore: reading the others would read the disk), and how many of these map as one 2 MiB page
-// when read.
+// when read. mincore tells of unmapped pages only for files the process owns or may write: for
+// others nothing counts as cached, and nothing is dropped.
 struct CachedSample {
   int cached = 0, huge = 0;
 };
