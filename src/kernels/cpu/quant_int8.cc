@@ -40,6 +40,12 @@ namespace {
 // q4_K, q6_K) and Llama-3.2-1B Q4_K_M decodes 3% faster (docs/BENCHMARKS.md, "Decode
 // streams").
 constexpr int64_t kPrefetchBytes = 8192;
+// q8_0 rows go without it: the lightest loop per byte, which the hardware prefetchers keep fed,
+// and where the prefetch instructions cost more than they bring (Zen 4 VM, TinyLlama q8_0 decode
+// 1.06-1.10x faster without, `kernels_bench 1 quant` 21-23 -> 22-25 GB/s from DRAM, 31-33 -> 36
+// from L2: docs/BENCHMARKS.md, "Weights in 2 MiB pages").
+template <DType kType>
+constexpr bool kPrefetchRows = kType != DType::kQ8_0;
 // kInt8MaxDecodeTokens (kernels.h) goes by `kernels_bench 1 quant` (q4_0 5632x2048 from DRAM, 1
 // thread, AMD EPYC Zen 5): decode 240-250 us for one token, 330 for two, 470-540 for four (one
 // unpacking of the rows shared), 1110-1370 for eight; prefill 1410-1650 us for 8 tokens in 16
@@ -70,8 +76,10 @@ template <DType kType, int kT, class Scale>
 CACHET_INT8_INLINE void PairProducts(const uint8_t* row, int64_t p, const DecodeActs* a,
                                      const Scale& scale, __m512* acc) {
   const int64_t b = 2 * p;
-  _mm_prefetch(reinterpret_cast<const char*>(row + BlockStart<kType>(b) + kPrefetchBytes),
-               _MM_HINT_T0);
+  if constexpr (kPrefetchRows<kType>) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + BlockStart<kType>(b) + kPrefetchBytes),
+                 _MM_HINT_T0);
+  }
   const __m512i codes = CodePair<kType>(row, b);
 #pragma GCC unroll 8
   for (int t = 0; t < kT; ++t) {
