@@ -95,9 +95,8 @@ Result<ModelWeights> ModelWeights::Load(const ModelConfig& c, TensorStore store)
         for (int64_t r = 0; r < m->rows; ++r) {
           std::memcpy(buf + r * row_bytes, src + GgufRopeRow(r, hd) * row_bytes, row_bytes);
         }
-        // The copy replaces the mapped rows: drop those from RSS (the whole 4 KiB pages; a 2 MiB
-        // page of the mapping maps again whole when its other tensors are read).
-        if (w.store.IsMapped(src, MatrixBytes(*m))) ReleaseMappedRange(src, MatrixBytes(*m));
+        // The copy replaces the file's rows: drop those from RSS.
+        w.store.Release(src, MatrixBytes(*m));
         m->data = buf;
         buf += RoundUp64(MatrixBytes(*m));
       }

@@ -143,13 +143,16 @@ Result<MappedFile> MappedFile::Open(const std::string& path, bool copy) {
     ::close(fd);
     if (!b.ok()) return b.status();
     f.data_ = b->Release();
+    f.copy_ = true;
   } else if (f.size_ > 0) {
     void* p = MapAdvised(fd, f.size_);
     if (p != MAP_FAILED && f.size_ >= kHugePageFileBytes && PageCacheFillsHugeFolios(fd)) {
       const CachedSample s = SampleCachedPages(static_cast<const uint8_t*>(p), f.size_);
-      if (s.cached >= 4 && 4 * s.huge < s.cached) {
-        // Cached in 4 KiB folios (written or read a few KiB at a time): drop the pages no process
-        // maps, so that this mapping's faults read the file again, into 2 MiB folios.
+      if (s.cached >= 4 && 4 * s.huge < 3 * s.cached) {
+        // Cached in 4 KiB folios, all (written or read a few KiB at a time) or in part (a file
+        // partly evicted and read again around what stayed: 42% in 2 MiB pages seen): drop the
+        // pages no process maps, so that this mapping's faults read the file again, into 2 MiB
+        // folios.
         ::munmap(p, f.size_);
         (void)::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
         p = MapAdvised(fd, f.size_);
@@ -167,7 +170,8 @@ Result<MappedFile> MappedFile::Open(const std::string& path, bool copy) {
 MappedFile::MappedFile(MappedFile&& o) noexcept
     : data_(std::exchange(o.data_, nullptr)),
       size_(std::exchange(o.size_, 0)),
-      path_(std::move(o.path_)) {}
+      path_(std::move(o.path_)),
+      copy_(o.copy_) {}
 
 MappedFile& MappedFile::operator=(MappedFile&& o) noexcept {
   if (this != &o) {
@@ -175,6 +179,7 @@ MappedFile& MappedFile::operator=(MappedFile&& o) noexcept {
     data_ = std::exchange(o.data_, nullptr);
     size_ = std::exchange(o.size_, 0);
     path_ = std::move(o.path_);
+    copy_ = o.copy_;
   }
   return *this;
 }
@@ -183,8 +188,8 @@ MappedFile::~MappedFile() {
   if (data_) ::munmap(const_cast<uint8_t*>(data_), size_);
 }
 
-void ReleaseMappedRange(const void* p, size_t n) {
-  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+void MappedFile::Release(const void* p, size_t n) const {
+  const uintptr_t page = copy_ ? kHugePage : static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
   const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + page - 1) / page * page;
   const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + n) / page * page;
   // Advice only: a failure leaves the pages resident, which is still correct.

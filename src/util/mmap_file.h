@@ -18,9 +18,9 @@ class MappedFile {
   // transparent huge pages: decode streams the weights with a TLB miss per 2 MiB instead of per
   // 4 KiB. A mapping gets them where the page cache holds the file in 2 MiB folios, which the
   // advice asks for when a fault reads it from disk (PageCacheFillsHugeFolios). A file of 64 MiB
-  // or more that the cache holds in 4 KiB folios (written or read a few KiB at a time: a
-  // download) is dropped from the cache first, so that decode reads it from disk once, into 2 MiB
-  // folios; pages another process maps stay as they are.
+  // or more that the cache holds in 4 KiB folios for more than a quarter of it (written or read
+  // a few KiB at a time, as a download is, or partly evicted) is dropped from the cache first, so
+  // that decode reads it from disk once, into 2 MiB folios; pages another process maps stay.
   static Result<MappedFile> Open(const std::string& path, bool copy = false);
 
   MappedFile() = default;
@@ -33,11 +33,18 @@ class MappedFile {
   const uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
   const std::string& path() const { return path_; }
+  // Drops the whole pages inside [p, p + n) from this process's resident set: for tensors copied
+  // out, so that RSS does not count them twice. A mapping's pages stay in the page cache (read
+  // again, they fault back in; a 2 MiB one partly dropped maps again whole); a copy's go, whole
+  // 2 MiB pages only, since splitting one at a tensor's edge would leave the rest of it, other
+  // tensors' rows, in 4 KiB pages.
+  void Release(const void* p, size_t n) const;
 
  private:
   const uint8_t* data_ = nullptr;
   size_t size_ = 0;
   std::string path_;
+  bool copy_ = false;
 };
 
 // Anonymous read-write memory advised for transparent huge pages (THP "madvise", Debian's default,
@@ -84,11 +91,6 @@ Residency ResidencyOf(const std::vector<MemoryRange>& ranges);
 // Whether the page cache of fd's filesystem reads a file into 2 MiB folios for a mapping advised
 // MADV_HUGEPAGE: ext4 from Linux 6.16, XFS from 5.18 (large folios).
 bool PageCacheFillsHugeFolios(int fd);
-
-// Drops the whole pages inside [p, p + n) of a file mapping from this process's resident set
-// (they stay in the page cache; reading them again faults them back in). For tensors copied out
-// of the mapping, so that RSS does not count them twice.
-void ReleaseMappedRange(const void* p, size_t n);
 
 // Writes a just-written file's pages to disk and drops them from the page cache (advice: errors
 // are ignored). Linux 6.18 on a KVM guest kept a freshly written GGUF in 2 MiB folios that,
