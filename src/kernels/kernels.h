@@ -18,6 +18,8 @@ struct Matrix {
   DType dtype = DType::kF32;
   int64_t rows = 0;
   int64_t cols = 0;
+
+  int64_t bytes() const { return rows * DTypeRowBytes(dtype, cols); }
 };
 
 // Page-table view of the cached K/V of one (sequence, layer, KV head). A slot holds page_tokens

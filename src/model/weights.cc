@@ -32,11 +32,7 @@ struct Loader {
   }
 };
 
-size_t MatrixBytes(const kernels::Matrix& m) {
-  return static_cast<size_t>(m.rows * DTypeRowBytes(m.dtype, m.cols));
-}
-
-size_t RoundUp64(size_t n) { return (n + 63) / 64 * 64; }
+size_t RoundUp64(int64_t n) { return static_cast<size_t>((n + 63) / 64 * 64); }
 
 }  // namespace
 
@@ -84,7 +80,7 @@ Result<ModelWeights> ModelWeights::Load(const ModelConfig& c, TensorStore store)
     // buffer of huge pages as the mapped weights are (MappedFile).
     size_t bytes = 0;
     for (LayerWeights& L : w.layers) {
-      for (kernels::Matrix* m : {&L.wq, &L.wk}) bytes += RoundUp64(MatrixBytes(*m));
+      for (kernels::Matrix* m : {&L.wq, &L.wk}) bytes += RoundUp64(m->bytes());
     }
     CACHET_ASSIGN_OR_RETURN(w.owned, HugePageBuffer::Allocate(bytes, "GGUF Q/K rows"));
     uint8_t* buf = w.owned.data();
@@ -96,9 +92,9 @@ Result<ModelWeights> ModelWeights::Load(const ModelConfig& c, TensorStore store)
           std::memcpy(buf + r * row_bytes, src + GgufRopeRow(r, hd) * row_bytes, row_bytes);
         }
         // The copy replaces the file's rows: drop those from RSS.
-        w.store.Release(src, MatrixBytes(*m));
+        w.store.Release(src, m->bytes());
         m->data = buf;
-        buf += RoundUp64(MatrixBytes(*m));
+        buf += RoundUp64(m->bytes());
       }
       for (std::vector<float>* b : {&L.bq, &L.bk}) {
         const std::vector<float> g = *b;

@@ -165,8 +165,7 @@ std::vector<Engine::MatrixInfo> Engine::weight_matrices() const {
   const ModelWeights& w = model_->weights();
   std::vector<MatrixInfo> out;
   auto add = [&](std::string name, const kernels::Matrix& m) {
-    out.push_back(
-        {std::move(name), m.dtype, m.rows, m.cols, m.rows * DTypeRowBytes(m.dtype, m.cols)});
+    out.push_back({std::move(name), m.dtype, m.rows, m.cols, m.bytes()});
   };
   add("token_embd", w.embed);
   if (w.lm_head.data != w.embed.data) add("output", w.lm_head);

@@ -204,8 +204,7 @@ Residency ResidencyOf(const std::vector<MemoryRange>& ranges) {
   while (std::getline(smaps, line)) {
     uintptr_t begin = 0, end = 0;
     // A mapping's header ("7f..-7f.. r--p ..."); its fields are "Name:   N kB".
-    if (std::sscanf(line.c_str(), "%" SCNxPTR "-%" SCNxPTR " ", &begin, &end) == 2 &&
-        line.find(':') > line.find(' ')) {
+    if (std::sscanf(line.c_str(), "%" SCNxPTR "-%" SCNxPTR, &begin, &end) == 2) {
       counted = false;
       for (const MemoryRange& m : ranges) {
         const auto lo = reinterpret_cast<uintptr_t>(m.data);
