@@ -222,6 +222,11 @@ TEST(GgufPermutation, MatchesLlamaCppPermute) {
       }
     }
   }
+  // The forward pass's inverse: outputs of GGUF rows put back in HF order.
+  std::vector<float> gguf(n_head * d), hf(n_head * d, -1.0f);
+  for (int r = 0; r < n_head * d; ++r) gguf[r] = static_cast<float>(r);
+  GgufRowsToHf(gguf.data(), n_head, d, hf.data());
+  for (int r = 0; r < n_head * d; ++r) EXPECT_EQ(hf[r], gguf[GgufRopeRow(r, d)]) << r;
 }
 
 // ------------------------------------------------------------------------------------------------

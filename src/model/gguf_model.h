@@ -4,8 +4,9 @@
 // llama.cpp's HF -> GGUF converter permutes the rows of q_proj and k_proj (weights and biases) of
 // llama-architecture models (Llama, Mistral) so that GGML's interleaved-pair RoPE equals HF's
 // rotate-half: within each head of d rows, GGUF row 2j + s holds HF row s * d/2 + j (s = 0, 1).
-// Cachet computes rotate-half, so the loader undoes it (whole rows: fine for row-quantized blocks)
-// and `cachet convert` applies it. qwen2 / qwen3 use NEOX (rotate-half) RoPE: no permutation.
+// Cachet computes rotate-half: the weights stay as mapped, and the forward pass puts each
+// projection's outputs back in HF order (GgufRowsToHf) before RoPE; `cachet convert` applies the
+// permutation. qwen2 / qwen3 use NEOX (rotate-half) RoPE: no permutation.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +36,16 @@ inline bool GgufPermutesQK(Arch a) { return a == Arch::kLlama || a == Arch::kMis
 inline int64_t GgufRopeRow(int64_t r, int64_t head_dim) {
   const int64_t head = r / head_dim, i = r % head_dim, half = head_dim / 2;
   return head * head_dim + 2 * (i % half) + i / half;  // HF s * half + j -> GGUF 2j + s
+}
+// One token's Q or K projection computed from GGUF rows (in), in HF order (out).
+inline void GgufRowsToHf(const float* in, int n_heads, int head_dim, float* out) {
+  const int half = head_dim / 2;
+  for (int h = 0; h < n_heads; ++h, in += head_dim, out += head_dim) {
+    for (int j = 0; j < half; ++j) {
+      out[j] = in[2 * j];
+      out[half + j] = in[2 * j + 1];
+    }
+  }
 }
 
 // The tokenizer described by tokenizer.ggml.* (model "gpt2": byte-level BPE with pre-tokenizers

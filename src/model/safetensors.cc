@@ -182,11 +182,4 @@ std::vector<MemoryRange> TensorStore::ranges() const {
   return r;
 }
 
-void TensorStore::Release(const void* p, size_t n) const {
-  const auto* b = static_cast<const uint8_t*>(p);
-  for (const auto& f : files_) {
-    if (f.data() != nullptr && b >= f.data() && b + n <= f.data() + f.size()) f.Release(p, n);
-  }
-}
-
 }  // namespace cachet

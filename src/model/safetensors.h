@@ -54,9 +54,6 @@ class TensorStore {
   const std::string& file_path(int i) const { return files_[i].path(); }
   size_t mapped_bytes() const;
   std::vector<MemoryRange> ranges() const;  // of the files, mapped or read into memory
-  // Drops [p, p + n)'s whole pages from the resident set where it lies inside one of the store's
-  // files (MappedFile::Release); elsewhere nothing.
-  void Release(const void* p, size_t n) const;
 
  private:
   std::string origin_;  // the model directory or file, for error messages

@@ -185,8 +185,24 @@ void Transformer::LayerKv(int l, std::span<const SeqChunk> seqs, int n, bool kv_
   const float* bq = L.bq.empty() ? nullptr : L.bq.data();
   const float* bk = L.bk.empty() ? nullptr : L.bk.data();
   const float* bv = L.bv.empty() ? nullptr : L.bv.data();
-  if (!kv_only) kernels::MatMul(xn, n, L.wq, bq, q_.data(), q_dim, pool);
-  kernels::MatMul(xn, n, L.wk, bk, k_.data(), kv_dim, pool);
+  if (weights_.qk_gguf_order) {
+    // GGUF rows give the outputs in llama.cpp's order: put them in HF order, through attn_ (not
+    // yet in use in this layer).
+    float* g = attn_.data();
+    if (!kv_only) {
+      kernels::MatMul(xn, n, L.wq, bq, g, q_dim, pool);
+      ForEachToken(n, pool, [&](int i) {
+        GgufRowsToHf(g + size_t(i) * q_dim, c.n_heads, hd, q_.data() + size_t(i) * q_dim);
+      });
+    }
+    kernels::MatMul(xn, n, L.wk, bk, g, kv_dim, pool);
+    ForEachToken(n, pool, [&](int i) {
+      GgufRowsToHf(g + size_t(i) * kv_dim, c.n_kv_heads, hd, k_.data() + size_t(i) * kv_dim);
+    });
+  } else {
+    if (!kv_only) kernels::MatMul(xn, n, L.wq, bq, q_.data(), q_dim, pool);
+    kernels::MatMul(xn, n, L.wk, bk, k_.data(), kv_dim, pool);
+  }
   kernels::MatMul(xn, n, L.wv, bv, v_.data(), kv_dim, pool);
   ForEachToken(n, pool, [&](int i) {
     float* qi = q_.data() + size_t(i) * q_dim;

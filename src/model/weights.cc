@@ -1,7 +1,5 @@
 #include "model/weights.h"
 
-#include <cstring>
-
 #include "model/gguf_model.h"
 #include "util/mmap_file.h"
 
@@ -31,8 +29,6 @@ struct Loader {
     return v;
   }
 };
-
-size_t RoundUp64(int64_t n) { return static_cast<size_t>((n + 63) / 64 * 64); }
 
 }  // namespace
 
@@ -75,34 +71,7 @@ Result<ModelWeights> ModelWeights::Load(const ModelConfig& c, TensorStore store)
       CACHET_ASSIGN_OR_RETURN(L.k_norm, ld.Vector(p + "self_attn.k_norm.weight", hd));
     }
   }
-  if (w.store.gguf() && GgufPermutesQK(c.arch)) {
-    // Undo llama.cpp's Q/K row permutation (see model/gguf_model.h) in private copies, in one
-    // buffer of huge pages as the mapped weights are (MappedFile).
-    size_t bytes = 0;
-    for (LayerWeights& L : w.layers) {
-      for (kernels::Matrix* m : {&L.wq, &L.wk}) bytes += RoundUp64(m->bytes());
-    }
-    CACHET_ASSIGN_OR_RETURN(w.owned, HugePageBuffer::Allocate(bytes, "GGUF Q/K rows"));
-    uint8_t* buf = w.owned.data();
-    for (LayerWeights& L : w.layers) {
-      for (kernels::Matrix* m : {&L.wq, &L.wk}) {
-        const int64_t row_bytes = DTypeRowBytes(m->dtype, m->cols);
-        const uint8_t* src = static_cast<const uint8_t*>(m->data);
-        for (int64_t r = 0; r < m->rows; ++r) {
-          std::memcpy(buf + r * row_bytes, src + GgufRopeRow(r, hd) * row_bytes, row_bytes);
-        }
-        // The copy replaces the file's rows: drop those from RSS.
-        w.store.Release(src, m->bytes());
-        m->data = buf;
-        buf += RoundUp64(m->bytes());
-      }
-      for (std::vector<float>* b : {&L.bq, &L.bk}) {
-        const std::vector<float> g = *b;
-        for (size_t r = 0; r < g.size(); ++r) (*b)[r] = g[GgufRopeRow(r, hd)];
-      }
-    }
-    w.owned.MakeReadOnly();
-  }
+  w.qk_gguf_order = w.store.gguf() && GgufPermutesQK(c.arch);
   // Weights of a layer past num_hidden_layers: a config that does not describe these weights.
   if (const std::string extra =
           "model.layers." + std::to_string(c.n_layers) + ".input_layernorm.weight";
@@ -114,10 +83,6 @@ Result<ModelWeights> ModelWeights::Load(const ModelConfig& c, TensorStore store)
   return w;
 }
 
-Residency ModelWeights::residency() const {
-  std::vector<MemoryRange> ranges = store.ranges();
-  ranges.push_back({owned.data(), owned.size()});
-  return ResidencyOf(ranges);
-}
+Residency ModelWeights::residency() const { return ResidencyOf(store.ranges()); }
 
 }  // namespace cachet

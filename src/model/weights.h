@@ -25,11 +25,12 @@ struct ModelWeights {
   kernels::Matrix lm_head;  // == embed when tied
   std::vector<float> final_norm;
   std::vector<LayerWeights> layers;
-  // Matrices that are not views of the files: llama GGUF Q/K rows put back in HF order.
-  HugePageBuffer owned;
+  // Q/K rows and biases in llama.cpp's permuted order (llama GGUF): the forward pass puts the
+  // projections' outputs back in HF order (GgufRowsToHf).
+  bool qk_gguf_order = false;
 
   static Result<ModelWeights> Load(const ModelConfig& config, TensorStore store);
-  // Of the files and the copies: how much is resident, how much in 2 MiB pages.
+  // Of the files: how much is resident, how much in 2 MiB pages.
   Residency residency() const;
 };
 

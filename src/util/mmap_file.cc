@@ -143,7 +143,6 @@ Result<MappedFile> MappedFile::Open(const std::string& path, bool copy) {
     ::close(fd);
     if (!b.ok()) return b.status();
     f.data_ = b->Release();
-    f.copy_ = true;
   } else if (f.size_ > 0) {
     void* p = MapAdvised(fd, f.size_);
     if (p != MAP_FAILED && f.size_ >= kHugePageFileBytes && PageCacheFillsHugeFolios(fd)) {
@@ -170,8 +169,7 @@ Result<MappedFile> MappedFile::Open(const std::string& path, bool copy) {
 MappedFile::MappedFile(MappedFile&& o) noexcept
     : data_(std::exchange(o.data_, nullptr)),
       size_(std::exchange(o.size_, 0)),
-      path_(std::move(o.path_)),
-      copy_(o.copy_) {}
+      path_(std::move(o.path_)) {}
 
 MappedFile& MappedFile::operator=(MappedFile&& o) noexcept {
   if (this != &o) {
@@ -179,21 +177,12 @@ MappedFile& MappedFile::operator=(MappedFile&& o) noexcept {
     data_ = std::exchange(o.data_, nullptr);
     size_ = std::exchange(o.size_, 0);
     path_ = std::move(o.path_);
-    copy_ = o.copy_;
   }
   return *this;
 }
 
 MappedFile::~MappedFile() {
   if (data_) ::munmap(const_cast<uint8_t*>(data_), size_);
-}
-
-void MappedFile::Release(const void* p, size_t n) const {
-  const uintptr_t page = copy_ ? kHugePage : static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + page - 1) / page * page;
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + n) / page * page;
-  // Advice only: a failure leaves the pages resident, which is still correct.
-  if (end > begin) ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
 }
 
 Residency ResidencyOf(const std::vector<MemoryRange>& ranges) {

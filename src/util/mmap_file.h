@@ -33,23 +33,16 @@ class MappedFile {
   const uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
   const std::string& path() const { return path_; }
-  // Drops the whole pages inside [p, p + n) from this process's resident set: for tensors copied
-  // out, so that RSS does not count them twice. A mapping's pages stay in the page cache (read
-  // again, they fault back in; a 2 MiB one partly dropped maps again whole); a copy's go, whole
-  // 2 MiB pages only, since splitting one at a tensor's edge would leave the rest of it, other
-  // tensors' rows, in 4 KiB pages.
-  void Release(const void* p, size_t n) const;
 
  private:
   const uint8_t* data_ = nullptr;
   size_t size_ = 0;
   std::string path_;
-  bool copy_ = false;
 };
 
 // Anonymous read-write memory advised for transparent huge pages (THP "madvise", Debian's default,
-// gives them on request only): weights the engine writes itself, which decode then streams as it
-// does the mapped ones. Zero-filled; unmapped with the object.
+// gives them on request only): the `--no-mmap` copy of a file, which decode streams as it does a
+// mapping. Zero-filled; unmapped with the object.
 class HugePageBuffer {
  public:
   // what names the contents in the error.

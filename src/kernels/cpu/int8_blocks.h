@@ -379,13 +379,14 @@ CACHET_INT8_TARGET inline __m512 ScalePair(const uint8_t* row, int64_t b) {
   return _mm512_cvtph_ps(_mm256_shuffle_epi8(w, spread));
 }
 
-CACHET_INT8_TARGET inline float HorizontalSum(__m256 v) {
+// Always inlined: as a call, decode paid it once a row and reloaded its constants after it.
+CACHET_INT8_TARGET inline __attribute__((always_inline)) float HorizontalSum(__m256 v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 h = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
 }
 
-CACHET_INT8_TARGET inline float HorizontalSum(__m512 v) {
+CACHET_INT8_TARGET inline __attribute__((always_inline)) float HorizontalSum(__m512 v) {
   return HorizontalSum(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
 }
 
