@@ -40,10 +40,10 @@ namespace {
 // q4_K, q6_K) and Llama-3.2-1B Q4_K_M decodes 3% faster (docs/BENCHMARKS.md, "Decode
 // streams").
 constexpr int64_t kPrefetchBytes = 8192;
-// q8_0 rows go without it: the lightest loop per byte, which the hardware prefetchers keep fed,
-// and where the prefetch instructions cost more than they bring (Zen 4 VM, TinyLlama q8_0 decode
-// 1.06-1.10x faster without, `kernels_bench 1 quant` 21-23 -> 22-25 GB/s from DRAM, 31-33 -> 36
-// from L2: docs/BENCHMARKS.md, "Weights in 2 MiB pages").
+// q8_0 rows go without it (q6_K's too, RowQ6K): the lightest loop per byte, which the hardware
+// prefetchers keep fed, and where the prefetch instructions cost more than they bring (Zen 4 VM,
+// TinyLlama q8_0 decode 1.06-1.10x faster without, `kernels_bench 1 quant` 21-23 -> 22-25 GB/s
+// from DRAM, 31-33 -> 36 from L2: docs/BENCHMARKS.md, "Weights in 2 MiB pages").
 template <DType kType>
 constexpr bool kPrefetchRows = kType != DType::kQ8_0;
 // kInt8MaxDecodeTokens (kernels.h) goes by `kernels_bench 1 quant` (q4_0 5632x2048 from DRAM, 1
@@ -184,6 +184,63 @@ CACHET_INT8_INLINE void RowHalfScales(const uint8_t* row, int64_t nb, const Deco
     v[t] = HorizontalSum(_mm512_add_ps(acc0[t], acc1[t]));
     if constexpr (kType == DType::kQ2_K) v[t] -= HorizontalSum(corr[t]);
   }
+}
+
+// A row of q6_K, half a super-block (128 values, four 32-value blocks) at a time. One load has
+// the half's 64 bytes of low nibbles, values 0-63 in their low four bits and 64-127 in their high
+// ones; one broadcast load its 32 bytes of high bit pairs, which two per-qword shifts (one count
+// per 256-bit half) put in place: seven operations for 128 codes where CodePair spends twelve.
+// Each token's sixteen scales d sc_j dx_b are multiplied once per super-block, then spread four
+// lanes each to a pair's products by one permute: the same products as RowHalfScales's, in the
+// same order. No software prefetch: with this loop, `kernels_bench 1 quant` q6_K from DRAM reads
+// 20.8-22.0 GB/s without, 15.7-21.1 with one a super-block, 18.2-18.8 with four (Zen 4 VM).
+template <int kT>
+CACHET_INT8_INLINE void RowQ6K(const uint8_t* row, int64_t nb, const DecodeActs* a, __m512* acc0,
+                               __m512* acc1, float* v) {
+  constexpr int64_t kBytes = DTypeBlockBytes(DType::kQ6_K);
+  const __m512i low4 = _mm512_set1_epi8(0x0F), bits45 = _mm512_set1_epi8(0x30);
+  // Values 0-31 of a half take bits 0-1 of qh, 32-63 bits 2-3, 64-95 bits 4-5, 96-127 bits 6-7.
+  const __m512i up_a = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4);
+  const __m512i down_b = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
+  // Lane k: the block of scale k (k / 2); lanes of pair i: scales 4i .. 4i + 3, four lanes each.
+  const __m512i per_block = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  const __m512i lanes = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  auto pair = [&](int64_t p, const __m512i codes, const __m512* sc, int i,
+                  __m512* acc) CACHET_INT8_TARGET {
+    const __m512i idx = _mm512_add_epi32(lanes, _mm512_set1_epi32(4 * i));
+#pragma GCC unroll 8
+    for (int t = 0; t < kT; ++t) {
+      const __m512i z = _mm512_dpbusd_epi32(_mm512_load_si512(a[t].off2 + p * 16), codes,
+                                            _mm512_loadu_si512(a[t].q + p * 64));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(z), _mm512_permutexvar_ps(idx, sc[t]), acc[t]);
+    }
+  };
+  for (int64_t sb = 0; sb < nb / 8; ++sb) {
+    const uint8_t* blk = row + sb * kBytes;
+    const __m512 w = Q6KScales(blk);
+    __m512 sc[kT];
+#pragma GCC unroll 8
+    for (int t = 0; t < kT; ++t) {
+      sc[t] = _mm512_mul_ps(
+          w, _mm512_permutexvar_ps(per_block,
+                                   _mm512_castps256_ps512(_mm256_loadu_ps(a[t].d + sb * 8))));
+    }
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
+      const __m512i qh = _mm512_broadcast_i64x4(
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h)));
+      const __m512i hi_a = _mm512_and_si512(_mm512_sllv_epi64(qh, up_a), bits45);
+      const __m512i hi_b = _mm512_and_si512(_mm512_srlv_epi64(qh, down_b), bits45);
+      // (x & 0x0F) | y: ternary-logic table 0xEC over (x, y, 0x0F).
+      const __m512i codes_a = _mm512_ternarylogic_epi32(ql, hi_a, low4, 0xEC);
+      const __m512i codes_b = _mm512_ternarylogic_epi32(_mm512_srli_epi16(ql, 4), hi_b, low4, 0xEC);
+      pair(4 * sb + 2 * h, codes_a, sc, 2 * h, acc0);
+      pair(4 * sb + 2 * h + 1, codes_b, sc, 2 * h + 1, acc1);
+    }
+  }
+#pragma GCC unroll 8
+  for (int t = 0; t < kT; ++t) v[t] = HorizontalSum(_mm512_add_ps(acc0[t], acc1[t]));
 }
 
 // A row of blocks with one scale each (q4_0, q8_0, q5_0, iq4_nl; q4_1 / q5_1 also a minimum:
@@ -375,6 +432,8 @@ CACHET_INT8_TARGET void DecodeRows(const uint8_t* base, int64_t row_bytes, int64
       RowQuadsQ4K<kT>(row, nb, a, acc0, acc1, v);
     } else if constexpr (kScaleMinK<kType>) {
       RowScaleMinK<kType, kT>(row, nb, a, acc0, acc1, v);
+    } else if constexpr (kType == DType::kQ6_K) {
+      RowQ6K<kT>(row, nb, a, acc0, acc1, v);
     } else if constexpr (HasHalfScales(kType) || kType == DType::kIQ4_XS) {
       RowHalfScales<kType, kT>(row, nb, a, acc0, acc1, v);
     } else if constexpr (kType == DType::kQ4_0) {
