@@ -139,9 +139,22 @@ CACHET_INT8_INLINE void RowScaleMinK(const uint8_t* row, int64_t nb, const Decod
   }
 }
 
-// A row of q6_K, q3_K, q2_K (sixteen scales per super-block, one per 16 values: pair p's lanes
-// take scales 4p .. 4p + 3, four lanes each) or iq4_xs (eight: pair p's take 2p and 2p + 1,
-// eight lanes each): per super-block its scales once, times the activations' dx; q2_K's
+// Each token's super-block scales times its activations' dx, once per super-block: lane j of
+// out[t] is scale j times the dx of its block (sixteen scales: block j / 2; eight: block j), the
+// products the pairs' lanes then take by one permute each.
+template <bool kSixteen, int kT>
+CACHET_INT8_INLINE void ScalesTimesDx(__m512 sc, const DecodeActs* a, int64_t sb, __m512* out) {
+  const __m512i per_block = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+#pragma GCC unroll 8
+  for (int t = 0; t < kT; ++t) {
+    const __m512 d8 = _mm512_castps256_ps512(_mm256_loadu_ps(a[t].d + sb * 8));
+    out[t] = _mm512_mul_ps(sc, kSixteen ? _mm512_permutexvar_ps(per_block, d8) : d8);
+  }
+}
+
+// A row of q3_K, q2_K (sixteen scales per super-block, one per 16 values: pair i's lanes take
+// scales 4i .. 4i + 3, four lanes each) or iq4_xs (eight: pair i's take 2i and 2i + 1, eight
+// lanes each): per super-block its scales once, times the activations' dx (ScalesTimesDx); q2_K's
 // minimums' share sum_h o_h s16_h.
 template <DType kType, int kT>
 CACHET_INT8_INLINE void RowHalfScales(const uint8_t* row, int64_t nb, const DecodeActs* a,
@@ -167,15 +180,15 @@ CACHET_INT8_INLINE void RowHalfScales(const uint8_t* row, int64_t nb, const Deco
     } else {
       sc = _mm512_castps256_ps512(IQ4XSScales(blk));
     }
+    __m512 sx[kT];
+    ScalesTimesDx<kQ6, kT>(sc, a, sb, sx);
 #pragma GCC unroll 4
     for (int64_t i = 0; i < 4; ++i) {
-      const int64_t p = 4 * sb + i;
-      const __m512 w = _mm512_permutexvar_ps(
-          _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>((kQ6 ? 4 : 2) * i))), sc);
+      const __m512i idx =
+          _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>((kQ6 ? 4 : 2) * i)));
       PairProducts<kType, kT>(
-          row, p, a,
-          [&](int t)
-              CACHET_INT8_TARGET { return _mm512_mul_ps(w, _mm512_load_ps(a[t].dx2 + p * 16)); },
+          row, 4 * sb + i, a,
+          [&](int t) CACHET_INT8_TARGET { return _mm512_permutexvar_ps(idx, sx[t]); },
           i % 2 == 0 ? acc0 : acc1);
     }
   }
@@ -190,10 +203,9 @@ CACHET_INT8_INLINE void RowHalfScales(const uint8_t* row, int64_t nb, const Deco
 // the half's 64 bytes of low nibbles, values 0-63 in their low four bits and 64-127 in their high
 // ones; one broadcast load its 32 bytes of high bit pairs, which two per-qword shifts (one count
 // per 256-bit half) put in place: seven operations for 128 codes where CodePair spends twelve.
-// Each token's sixteen scales d sc_j dx_b are multiplied once per super-block, then spread four
-// lanes each to a pair's products by one permute: the same products as RowHalfScales's, in the
-// same order. No software prefetch: with this loop, `kernels_bench 1 quant` q6_K from DRAM reads
-// 20.8-22.0 GB/s without, 15.7-21.1 with one a super-block, 18.2-18.8 with four (Zen 4 VM).
+// Each token's sixteen scales d sc_j dx_b are multiplied once per super-block (ScalesTimesDx).
+// No software prefetch: with this loop, `kernels_bench 1 quant` q6_K from DRAM reads 20.8-22.0
+// GB/s without, 15.7-21.1 with one a super-block, 18.2-18.8 with four (Zen 4 VM).
 template <int kT>
 CACHET_INT8_INLINE void RowQ6K(const uint8_t* row, int64_t nb, const DecodeActs* a, __m512* acc0,
                                __m512* acc1, float* v) {
@@ -202,8 +214,7 @@ CACHET_INT8_INLINE void RowQ6K(const uint8_t* row, int64_t nb, const DecodeActs*
   // Values 0-31 of a half take bits 0-1 of qh, 32-63 bits 2-3, 64-95 bits 4-5, 96-127 bits 6-7.
   const __m512i up_a = _mm512_set_epi64(2, 2, 2, 2, 4, 4, 4, 4);
   const __m512i down_b = _mm512_set_epi64(2, 2, 2, 2, 0, 0, 0, 0);
-  // Lane k: the block of scale k (k / 2); lanes of pair i: scales 4i .. 4i + 3, four lanes each.
-  const __m512i per_block = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+  // Lanes of pair i: scales 4i .. 4i + 3, four lanes each.
   const __m512i lanes = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
   auto pair = [&](int64_t p, const __m512i codes, const __m512* sc, int i,
                   __m512* acc) CACHET_INT8_TARGET {
@@ -217,14 +228,8 @@ CACHET_INT8_INLINE void RowQ6K(const uint8_t* row, int64_t nb, const DecodeActs*
   };
   for (int64_t sb = 0; sb < nb / 8; ++sb) {
     const uint8_t* blk = row + sb * kBytes;
-    const __m512 w = Q6KScales(blk);
     __m512 sc[kT];
-#pragma GCC unroll 8
-    for (int t = 0; t < kT; ++t) {
-      sc[t] = _mm512_mul_ps(
-          w, _mm512_permutexvar_ps(per_block,
-                                   _mm512_castps256_ps512(_mm256_loadu_ps(a[t].d + sb * 8))));
-    }
+    ScalesTimesDx<true, kT>(Q6KScales(blk), a, sb, sc);
 #pragma GCC unroll 2
     for (int h = 0; h < 2; ++h) {
       const __m512i ql = _mm512_loadu_si512(blk + 64 * h);
