@@ -93,9 +93,8 @@ void* MapAdvised(int fd, size_t size) {
 // (mincore: reading the others would read the disk), and how many of these map as one 2 MiB page
 // when read. Kernels that restrict mincore tell of unmapped pages only for files the process owns
 // or may write (6.18 here tells a process as nobody too): where it finds none cached, all 16 are
-// read.
-// That costs a cold file 32 MiB of its reads ahead of time, into 2 MiB folios, and finds a file
-// cached in 4 KiB folios even where mincore cannot see it.
+// read, which costs a cold file 32 MiB of its reads ahead of time (into 2 MiB folios) and finds a
+// file cached in 4 KiB folios where mincore cannot see it.
 struct CachedSample {
   int cached = 0, huge = 0;
 };
