@@ -159,16 +159,16 @@ CACHET_INT8_INLINE void ScalesTimesDx(__m512 sc, const DecodeActs* a, int64_t sb
 template <DType kType, int kT>
 CACHET_INT8_INLINE void RowHalfScales(const uint8_t* row, int64_t nb, const DecodeActs* a,
                                       __m512* acc0, __m512* acc1, float* v) {
-  constexpr bool kQ6 = HasHalfScales(kType);
-  const __m512i lanes = kQ6 ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
-                            : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  constexpr bool kSixteen = HasHalfScales(kType);
+  const __m512i lanes = kSixteen ? _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0)
+                                 : _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   __m512 corr[kT];
 #pragma GCC unroll 8
   for (int t = 0; t < kT; ++t) corr[t] = _mm512_setzero_ps();
   for (int64_t sb = 0; sb < nb / 8; ++sb) {
     const uint8_t* blk = row + sb * DTypeBlockBytes(kType);
     __m512 sc;
-    if constexpr (kQ6) {
+    if constexpr (kSixteen) {
       __m512 mins;
       sc = HalfScaleVec<kType>(blk, &mins);
       if constexpr (kType == DType::kQ2_K) {
@@ -181,11 +181,11 @@ CACHET_INT8_INLINE void RowHalfScales(const uint8_t* row, int64_t nb, const Deco
       sc = _mm512_castps256_ps512(IQ4XSScales(blk));
     }
     __m512 sx[kT];
-    ScalesTimesDx<kQ6, kT>(sc, a, sb, sx);
+    ScalesTimesDx<kSixteen, kT>(sc, a, sb, sx);
 #pragma GCC unroll 4
     for (int64_t i = 0; i < 4; ++i) {
       const __m512i idx =
-          _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>((kQ6 ? 4 : 2) * i)));
+          _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>((kSixteen ? 4 : 2) * i)));
       PairProducts<kType, kT>(
           row, 4 * sb + i, a,
           [&](int t) CACHET_INT8_TARGET { return _mm512_permutexvar_ps(idx, sx[t]); },
