@@ -185,24 +185,19 @@ void Transformer::LayerKv(int l, std::span<const SeqChunk> seqs, int n, bool kv_
   const float* bq = L.bq.empty() ? nullptr : L.bq.data();
   const float* bk = L.bk.empty() ? nullptr : L.bk.data();
   const float* bv = L.bv.empty() ? nullptr : L.bv.data();
-  if (weights_.qk_gguf_order) {
-    // GGUF rows give the outputs in llama.cpp's order: put them in HF order, through attn_ (not
-    // yet in use in this layer).
+  // Q or K of n_heads heads into out; from GGUF rows in llama.cpp's order, through attn_ (not yet
+  // in use in this layer) and put back in HF order.
+  auto project = [&](const kernels::Matrix& w, const float* bias, int n_heads, float* out) {
+    const int dim = n_heads * hd;
+    if (!weights_.qk_gguf_order) return kernels::MatMul(xn, n, w, bias, out, dim, pool);
     float* g = attn_.data();
-    if (!kv_only) {
-      kernels::MatMul(xn, n, L.wq, bq, g, q_dim, pool);
-      ForEachToken(n, pool, [&](int i) {
-        GgufRowsToHf(g + size_t(i) * q_dim, c.n_heads, hd, q_.data() + size_t(i) * q_dim);
-      });
-    }
-    kernels::MatMul(xn, n, L.wk, bk, g, kv_dim, pool);
+    kernels::MatMul(xn, n, w, bias, g, dim, pool);
     ForEachToken(n, pool, [&](int i) {
-      GgufRowsToHf(g + size_t(i) * kv_dim, c.n_kv_heads, hd, k_.data() + size_t(i) * kv_dim);
+      GgufRowsToHf(g + size_t(i) * dim, n_heads, hd, out + size_t(i) * dim);
     });
-  } else {
-    if (!kv_only) kernels::MatMul(xn, n, L.wq, bq, q_.data(), q_dim, pool);
-    kernels::MatMul(xn, n, L.wk, bk, k_.data(), kv_dim, pool);
-  }
+  };
+  if (!kv_only) project(L.wq, bq, c.n_heads, q_.data());
+  project(L.wk, bk, c.n_kv_heads, k_.data());
   kernels::MatMul(xn, n, L.wv, bv, v_.data(), kv_dim, pool);
   ForEachToken(n, pool, [&](int i) {
     float* qi = q_.data() + size_t(i) * q_dim;
