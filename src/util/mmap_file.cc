@@ -103,14 +103,14 @@ CachedSample SampleCachedPages(const uint8_t* p, size_t size) {
   if (reinterpret_cast<uintptr_t>(p) % kHugePage != 0) return s;  // cannot map 2 MiB pages
   const size_t pages = size / kHugePage;
   auto spot = [&](size_t i) { return p + pages * (2 * i + 1) / 32 * kHugePage; };
-  bool read[16] = {};
+  bool cached[16] = {};
   for (size_t i = 0; i < 16; ++i) {
     unsigned char in_cache = 0;
-    read[i] = ::mincore(const_cast<uint8_t*>(spot(i)), 4096, &in_cache) == 0 && (in_cache & 1);
-    s.cached += read[i];
+    cached[i] = ::mincore(const_cast<uint8_t*>(spot(i)), 4096, &in_cache) == 0 && (in_cache & 1);
+    s.cached += cached[i];
   }
   for (size_t i = 0; i < 16; ++i) {
-    if (read[i] || s.cached == 0) (void)*reinterpret_cast<const volatile uint8_t*>(spot(i));
+    if (cached[i] || s.cached == 0) (void)*reinterpret_cast<const volatile uint8_t*>(spot(i));
   }
   if (s.cached == 0) s.cached = 16;
   s.huge = static_cast<int>(ResidencyOf({{p, size}}).huge_page_bytes / kHugePage);
